@@ -1,0 +1,107 @@
+"""The in-process engine: model + KV cache + page tables, one forward step at a time.
+
+It knows nothing of requests or sampling: the scheduler (or a test) says which sequences get
+which new tokens in a step, and it returns their logits. Routed experts go through whatever
+dispatcher is attached (in process by default, expert servers in the cluster).
+
+Shapes: T tokens in the step, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from coordinator.batch import ForwardBatch
+from coordinator.dispatch import Dispatcher, LocalDispatcher
+from coordinator.kv_cache import KVCache, KVCacheSpec, OutOfPages, PageAllocator
+from coordinator.loader import load_model
+from coordinator.models.base import CausalLM
+from coordinator.models.moe import LoadHook
+from expertmesh.checkpoint import CheckpointReader
+
+
+@dataclass
+class SeqState:
+    cached: int = 0  # tokens whose K/V are in the cache
+    pages: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        dispatcher: Dispatcher,
+        spec: KVCacheSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        load_hook: LoadHook | None = None,
+    ) -> None:
+        self.model, self.dispatcher, self.dtype, self.device = model, dispatcher, dtype, device
+        self.config = model.config
+        model.attach(dispatcher, load_hook)
+        self.cache = KVCache(model.config, spec, dtype, device)
+        self.pages = PageAllocator(spec.num_pages)
+        self.seqs: dict[int, SeqState] = {}
+        self._next_id = 0
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        dispatcher: Dispatcher | None = None,
+        num_pages: int = 256,
+        page_size: int = 16,
+    ) -> Engine:
+        reader = CheckpointReader(path)
+        dev = torch.device(device)
+        model = load_model(reader, dtype, dev)
+        dispatcher = dispatcher or LocalDispatcher(reader, dtype, dev)
+        return cls(model, dispatcher, KVCacheSpec(num_pages, page_size), dtype, dev)
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    def pages_needed(self, seq_id: int, new_tokens: int) -> int:
+        s = self.seqs[seq_id]
+        total = s.cached + new_tokens
+        return max(0, -(-total // self.page_size) - len(s.pages))
+
+    def new_seq(self) -> int:
+        self._next_id += 1
+        self.seqs[self._next_id] = SeqState()
+        return self._next_id
+
+    def free(self, seq_id: int) -> None:
+        s = self.seqs.pop(seq_id, None)
+        if s is not None:
+            self.pages.free(s.pages)
+
+    def step(self, items: list[tuple[int, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
+        """Runs one forward step. items: (seq id, new token ids). Returns logits per item:
+        ``[V]`` for its last token, or ``[n, V]`` for each new token when ``all_logits``.
+
+        Raises OutOfPages (before touching any state) when the cache cannot hold the step.
+        """
+        need = sum(self.pages_needed(sid, len(toks)) for sid, toks in items)
+        if need > self.pages.num_free:
+            raise OutOfPages(f"step needs {need} new pages, {self.pages.num_free} free")
+        for sid, toks in items:
+            self.seqs[sid].pages.extend(self.pages.alloc(self.pages_needed(sid, len(toks))))
+        batch = ForwardBatch.build(
+            [(toks, self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in items],
+            self.page_size,
+            self.device,
+            all_logits=all_logits,
+        )
+        self.dispatcher.begin_step(batch.num_tokens)
+        logits = self.model(batch, self.cache)  # [B', V]
+        for sid, toks in items:
+            self.seqs[sid].cached += len(toks)
+        if not all_logits:
+            return list(logits.unbind(0))
+        return list(logits.split([len(t) for _, t in items]))

@@ -1,0 +1,29 @@
+"""The model zoo: one builder per HF ``model_type``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from coordinator.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from coordinator.models.base import CausalLM
+from expertmesh.config import ConfigError, ModelConfig
+
+Builder = Callable[[ModelConfig, torch.dtype], CausalLM]
+
+REGISTRY: dict[str, Builder] = {
+    "qwen3_moe": qwen3_moe.build,
+    "qwen2_moe": qwen2_moe.build,
+    "mixtral": mixtral.build,
+    "olmoe": olmoe.build,
+}
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    """Builds the structure on the meta device (no memory); the loader fills it."""
+    builder = REGISTRY.get(cfg.model_type)
+    if builder is None:
+        raise ConfigError(f"no model builder for model_type {cfg.model_type!r}")
+    with torch.device("meta"):
+        return builder(cfg, dtype)

@@ -1,0 +1,87 @@
+"""Attention over the paged KV cache: standard GQA/MHA attention with rotary embeddings.
+
+Shapes: T tokens in the step, Hq query heads, Hk KV heads, D head dim, S cached positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coordinator.batch import ForwardBatch
+from coordinator.models.layers import MergedLinear, RMSNorm, Rotary, linear
+from expertmesh.config import ModelConfig
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    k: torch.Tensor,  # [T, Hk, Dk] new keys
+    v: torch.Tensor,  # [T, Hk, Dv] new values
+    k_cache: torch.Tensor,  # [rows, Hk, Dk] this layer's pool
+    v_cache: torch.Tensor,  # [rows, Hk, Dv]
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Writes the new K/V into the cache, then attends causally per sequence."""
+    k_cache[batch.write_index] = k
+    v_cache[batch.write_index] = v
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    groups = q.shape[1] // k.shape[1]
+    for c in batch.chunks:
+        qs = q[c.start : c.start + c.length].transpose(0, 1)  # [Hq, n, Dk]
+        ks = k_cache[c.kv_index].transpose(0, 1)  # [Hk, S, Dk]
+        vs = v_cache[c.kv_index].transpose(0, 1)  # [Hk, S, Dv]
+        if groups > 1:
+            ks = ks.repeat_interleave(groups, dim=0)
+            vs = vs.repeat_interleave(groups, dim=0)
+        # query i (absolute position past+i) sees keys 0..past+i
+        s = c.past + c.length
+        mask = (
+            torch.arange(s, device=q.device)[None, :]
+            <= (c.past + torch.arange(c.length, device=q.device))[:, None]
+        )
+        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale  # [Hq, n, S]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[c.start : c.start + c.length] = torch.matmul(probs, vs).transpose(0, 1)
+    return out
+
+
+class Attention(nn.Module):
+    """GQA attention (Qwen2/Qwen3-MoE, Mixtral, OLMoE), q/k/v merged into one projection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer = layer
+        self.hq, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        parts = {"q_proj": self.hq * self.d, "k_proj": self.hk * self.d, "v_proj": self.hk * self.d}
+        self.qkv_proj = MergedLinear(cfg.hidden_size, parts, cfg.qkv_bias, dtype)
+        self.o_proj = linear(self.hq * self.d, cfg.hidden_size, dtype, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(self.hq * self.d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.hk * self.d, cfg.rms_norm_eps, dtype)
+        self.clip = cfg.clip_qkv
+        self.rotary = Rotary(self.d, cfg.rope_theta)
+        self.scale = self.d**-0.5
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x)  # [T, Hq*D], [T, Hk*D], [T, Hk*D]
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (z.clamp(-self.clip, self.clip) for z in (q, k, v))
+        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hk, self.d), v.view(t, self.hk, self.d)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.hq * self.d))

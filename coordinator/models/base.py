@@ -1,0 +1,78 @@
+"""The decoder skeleton every supported architecture shares.
+
+Parameter names mirror the HF checkpoints (``model.layers.{i}.self_attn...``) except where
+projections are merged (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``); the loader maps
+checkpoint names onto them. Routed experts are not parameters here: they live behind the
+dispatcher.
+
+Shapes: T tokens in the step, H hidden, V vocab, B' rows whose logits are wanted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from coordinator.batch import ForwardBatch
+from coordinator.dispatch import Dispatcher
+from coordinator.kv_cache import KVCache
+from coordinator.models.layers import GatedMLP, RMSNorm, linear
+from coordinator.models.moe import LoadHook, MoEBlock
+from expertmesh.config import ModelConfig
+
+AttentionFactory = Callable[[ModelConfig, int, torch.dtype], nn.Module]
+MoEFactory = Callable[[ModelConfig, int, torch.dtype], MoEBlock]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, attn: AttentionFactory, moe: MoEFactory
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = attn(cfg, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp: nn.Module = (
+            moe(cfg, layer, dtype)
+            if cfg.moe_layers[layer]
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        )
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attn: AttentionFactory, moe: MoEFactory) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, attn, moe) for i in range(cfg.num_layers)
+        )
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def attach(self, dispatcher: Dispatcher, load_hook: LoadHook | None = None) -> None:
+        for block in self.moe_blocks():
+            block.dispatcher = dispatcher
+            block.load_hook = load_hook
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:  # [B', V] float32
+        x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, batch, (cache.k[i], cache.v[i]))
+        x = self.model.norm(x[batch.logits_index])
+        return self.lm_head(x).float()

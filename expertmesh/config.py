@@ -1,0 +1,297 @@
+"""Model configuration parsed from a Hugging Face ``config.json``.
+
+One frozen dataclass, :class:`ModelConfig`, describes every architecture expertmesh serves.
+Each supported ``model_type`` has a parser that maps the HF fields onto it and rejects the
+fields this code does not implement (a clear :class:`ConfigError` naming the field), so that a
+checkpoint is never served with silently different maths.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """The checkpoint's config asks for something this code does not support."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # attention: "mha" (GQA/MHA with rotary) or "mla" (DeepSeek multi-head latent attention)
+    attention: str = "mha"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    # "none" | "head" (RMSNorm per head, Qwen3) | "full" (RMSNorm over the projection, OLMoE)
+    qk_norm: str = "none"
+    clip_qkv: float | None = None
+    # MLA (DeepSeek-V2/V3)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # dense MLP (non-MoE layers)
+    intermediate_size: int = 0
+    # MoE
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    correction_bias: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        assert self.num_layers == len(self.moe_layers), f"{self.num_layers=} {len(self.moe_layers)=}"
+        assert self.num_heads % self.num_kv_heads == 0, f"{self.num_heads=} {self.num_kv_heads=}"
+        assert self.attention in ("mha", "mla"), self.attention
+        assert self.qk_norm in ("none", "head", "full"), self.qk_norm
+        assert self.scoring in ("softmax", "sigmoid"), self.scoring
+        if self.num_experts:
+            assert 0 < self.top_k <= self.num_experts, f"{self.top_k=} {self.num_experts=}"
+            assert self.num_experts % self.n_group == 0, f"{self.num_experts=} {self.n_group=}"
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i, m in enumerate(self.moe_layers) if m]
+
+    @property
+    def q_head_dim(self) -> int:
+        """Per-head width of queries and keys."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def kv_heads_cached(self) -> int:
+        """Heads stored in the KV cache (MLA caches decompressed per-head K and V)."""
+        return self.num_heads if self.attention == "mla" else self.num_kv_heads
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type")
+        parser = _PARSERS.get(str(model_type))
+        if parser is None:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(_PARSERS))}"
+            )
+        return parser(raw)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{cfg_path} not found: a checkpoint directory needs an HF config.json")
+        return cls.from_dict(json.loads(cfg_path.read_text()))
+
+
+# ---------------------------------------------------------------- parsing helpers
+
+
+def _require(raw: dict[str, Any], key: str) -> Any:
+    if raw.get(key) is None:
+        raise ConfigError(f"{raw.get('model_type')}: config field {key!r} is required")
+    return raw[key]
+
+
+def _reject(raw: dict[str, Any], key: str, allowed: Callable[[Any], bool], why: str) -> None:
+    if key in raw and not allowed(raw[key]):
+        raise ConfigError(f"{raw.get('model_type')}: unsupported config {key}={raw[key]!r} ({why})")
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters") or {}
+    legacy = raw.get("rope_scaling")
+    rope_type = params.get("rope_type") or (legacy or {}).get("rope_type") or (legacy or {}).get("type")
+    if rope_type not in (None, "default"):
+        raise ConfigError(
+            f"{raw.get('model_type')}: unsupported config rope_type={rope_type!r} "
+            "(only plain rotary embeddings are implemented)"
+        )
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+
+def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = (eos,) if isinstance(eos, int) else tuple(eos)
+    return tuple(int(i) for i in ids if 0 <= int(i) < int(raw["vocab_size"]))
+
+
+def _common(raw: dict[str, Any], head_dim: int | None = None) -> dict[str, Any]:
+    _reject(raw, "hidden_act", lambda v: v == "silu", "only SiLU experts are implemented")
+    _reject(raw, "mlp_bias", lambda v: not v, "MLP biases are not implemented")
+    _reject(raw, "pretraining_tp", lambda v: v in (None, 1), "tensor-parallel pretraining split")
+    heads = int(_require(raw, "num_attention_heads"))
+    hidden = int(_require(raw, "hidden_size"))
+    return dict(
+        model_type=raw["model_type"],
+        vocab_size=int(_require(raw, "vocab_size")),
+        hidden_size=hidden,
+        num_layers=int(_require(raw, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim or raw.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        intermediate_size=int(raw.get("intermediate_size") or 0),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos(raw),
+    )
+
+
+def _no_sliding_window(raw: dict[str, Any]) -> None:
+    if raw.get("use_sliding_window") or (raw.get("model_type") == "mixtral" and raw.get("sliding_window")):
+        raise ConfigError(
+            f"{raw['model_type']}: unsupported config sliding_window={raw.get('sliding_window')!r}"
+        )
+
+
+def _qwen_moe_layers(raw: dict[str, Any], num_experts: int) -> tuple[bool, ...]:
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or [])
+    n = int(raw["num_hidden_layers"])
+    return tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(n))
+
+
+def _parse_qwen3_moe(raw: dict[str, Any]) -> ModelConfig:
+    _no_sliding_window(raw)
+    _reject(raw, "attention_bias", lambda v: not v, "Qwen3-MoE checkpoints have no attention bias")
+    e = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    return ModelConfig(
+        **_common(raw),
+        qk_norm="head",
+        num_experts=e,
+        top_k=int(_require(raw, "num_experts_per_tok")),
+        moe_intermediate_size=int(_require(raw, "moe_intermediate_size")),
+        moe_layers=_qwen_moe_layers(raw, e),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+    )
+
+
+def _parse_qwen2_moe(raw: dict[str, Any]) -> ModelConfig:
+    _no_sliding_window(raw)
+    e = int(_require(raw, "num_experts"))
+    return ModelConfig(
+        **_common(raw),
+        qkv_bias=bool(raw.get("qkv_bias", True)),
+        num_experts=e,
+        top_k=int(_require(raw, "num_experts_per_tok")),
+        moe_intermediate_size=int(_require(raw, "moe_intermediate_size")),
+        moe_layers=_qwen_moe_layers(raw, e),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        shared_expert_gate=True,
+    )
+
+
+def _parse_mixtral(raw: dict[str, Any]) -> ModelConfig:
+    _no_sliding_window(raw)
+    e = int(_require(raw, "num_local_experts"))
+    return ModelConfig(
+        **_common(raw),
+        num_experts=e,
+        top_k=int(_require(raw, "num_experts_per_tok")),
+        moe_intermediate_size=int(_require(raw, "intermediate_size")),
+        moe_layers=(True,) * int(raw["num_hidden_layers"]),
+        norm_topk_prob=True,
+    )
+
+
+def _parse_olmoe(raw: dict[str, Any]) -> ModelConfig:
+    e = int(_require(raw, "num_experts"))
+    clip = raw.get("clip_qkv")
+    return ModelConfig(
+        **_common(raw),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        o_bias=bool(raw.get("attention_bias", False)),
+        qk_norm="full",
+        clip_qkv=None if clip is None else float(clip),
+        num_experts=e,
+        top_k=int(_require(raw, "num_experts_per_tok")),
+        moe_intermediate_size=int(_require(raw, "intermediate_size")),
+        moe_layers=(True,) * int(raw["num_hidden_layers"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+    )
+
+
+def _parse_deepseek(raw: dict[str, Any]) -> ModelConfig:
+    mt = raw["model_type"]
+    v3 = mt == "deepseek_v3"
+    _reject(raw, "attention_bias", lambda v: not v, "MLA projections have no bias here")
+    e = int(_require(raw, "n_routed_experts"))
+    n = int(raw["num_hidden_layers"])
+    first_dense = int(raw.get("first_k_dense_replace", 0))
+    freq = int(raw.get("moe_layer_freq", 1))
+    topk_method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ConfigError(f"{mt}: unsupported config topk_method={topk_method!r}")
+    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"{mt}: unsupported config scoring_func={scoring!r}")
+    grouped = topk_method != "greedy"
+    nope, rope = int(_require(raw, "qk_nope_head_dim")), int(_require(raw, "qk_rope_head_dim"))
+    q_lora = raw.get("q_lora_rank")
+    return ModelConfig(
+        **_common(raw, head_dim=rope),
+        attention="mla",
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(_require(raw, "kv_lora_rank")),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(_require(raw, "v_head_dim")),
+        rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
+        num_experts=e,
+        top_k=int(_require(raw, "num_experts_per_tok")),
+        moe_intermediate_size=int(_require(raw, "moe_intermediate_size")),
+        moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(n)),
+        scoring=scoring,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        topk_method=topk_method,
+        n_group=int(raw.get("n_group") or 1) if grouped else 1,
+        topk_group=int(raw.get("topk_group") or 1) if grouped else 1,
+        correction_bias=v3 and topk_method == "noaux_tc",
+        shared_expert_intermediate_size=int(raw.get("n_shared_experts") or 0)
+        * int(raw["moe_intermediate_size"]),
+    )
+
+
+_PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+    "qwen3_moe": _parse_qwen3_moe,
+    "qwen2_moe": _parse_qwen2_moe,
+    "mixtral": _parse_mixtral,
+    "olmoe": _parse_olmoe,
+    "deepseek_v2": _parse_deepseek,
+    "deepseek_v3": _parse_deepseek,
+}
