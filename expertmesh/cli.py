@@ -1,0 +1,36 @@
+"""The ``expertmesh`` command. Each subcommand lives in the module that owns it; this file only
+wires argparse to them (imports are lazy so ``expertmesh --help`` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo-model": ("expertmesh.demo.cli", "write the tiny demo checkpoint to a directory"),
+    "up": ("expertmesh.launcher", "start coordinator + GPU and CPU expert servers locally"),
+    "coordinator": ("coordinator.main", "run the coordinator (attention, routing, scheduler, public API)"),
+    "gpu-server": ("gpu_server.main", "run a GPU expert server"),
+    "cpu-server": ("cpu_expert_server.main", "run a CPU expert server"),
+    "generate": ("expertmesh.client_cli", "send one generation request to a coordinator"),
+    "health": ("expertmesh.health", "exit 0 iff a server's grpc.health.v1 status is SERVING"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="expertmesh", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
+    args = ap.parse_args(argv)
+    return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

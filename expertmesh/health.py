@@ -1,0 +1,29 @@
+"""``expertmesh health --addr HOST:PORT``: exit 0 iff the server reports SERVING."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def check(addr: str, timeout: float = 3.0, service: str = "") -> str:
+    """Returns the status name (SERVING, NOT_SERVING, ...) or UNREACHABLE."""
+    with grpc.insecure_channel(addr) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", required=True, help="HOST:PORT")
+    p.add_argument("--timeout", type=float, default=3.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    status = check(args.addr, args.timeout)
+    print(status)
+    return 0 if status == "SERVING" else 1
