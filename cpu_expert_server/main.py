@@ -1,0 +1,37 @@
+"""``expertmesh cpu-server``: experts in host memory, computed with torch on the CPU."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from expertmesh.experts import TorchExpertBackend
+from expertmesh.worker.server import WorkerConfig, serve
+
+DEFAULT_PORT = 50061
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    WorkerConfig.add_arguments(p, DEFAULT_PORT)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        kind="cpu",
+        model_dir=args.model,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        device="cpu",
+        experts=args.experts,
+        capacity=args.capacity,
+        max_message_mb=args.max_message_mb,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return serve(config_from_args(args), TorchExpertBackend())

@@ -1,0 +1,49 @@
+"""``expertmesh gpu-server``: hot experts in GPU memory (Triton kernels on CUDA); runs on the
+CPU with ``--device cpu`` (plain torch backend) so the cluster can be tested without a GPU."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from expertmesh.experts import ExpertBackend, TorchExpertBackend
+from expertmesh.worker.server import WorkerConfig, serve
+
+DEFAULT_PORT = 50062
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    WorkerConfig.add_arguments(p, DEFAULT_PORT)
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    p.add_argument("--device", default=default, help=f"cuda, cuda:N or cpu (default here: {default})")
+
+
+def backend_for(device: str) -> ExpertBackend:
+    if device.startswith("cuda"):
+        from gpu_server.backend import make_backend
+
+        return make_backend(device)
+    return TorchExpertBackend()
+
+
+def device_uuid(device: str) -> str:
+    if not device.startswith("cuda"):
+        return ""
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return str(getattr(props, "uuid", ""))
+
+
+def run(args: argparse.Namespace) -> int:
+    config = WorkerConfig(
+        kind="gpu",
+        model_dir=args.model,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        device=args.device,
+        experts=args.experts,
+        capacity=args.capacity,
+        max_message_mb=args.max_message_mb,
+    )
+    return serve(config, backend_for(args.device), device_uuid(args.device))
