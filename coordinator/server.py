@@ -1,0 +1,439 @@
+"""The coordinator's gRPC server: ``expertmesh.v1.Generation`` and ``expertmesh.v1.Admin``, plus
+grpc.health.v1 and server reflection.
+
+``create_server(config)`` loads the model, builds the engine and scheduler and registers the
+services; the caller binds a port (``add_insecure_port``, 0 = a free one), ``start()``s it and
+eventually ``stop()``s it, which also stops the scheduler thread and the expert connections.
+
+Health is NOT_SERVING until every expert server of the placement is connected and has
+acknowledged it (at once with in-process experts); while it is not, Generate answers
+UNAVAILABLE and a background task keeps reconnecting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator.dispatch import Dispatcher, LocalDispatcher
+from coordinator.engine import Engine
+from coordinator.kv_cache import KVCacheSpec
+from coordinator.loader import load_model
+from coordinator.remote import ClusterConfig, ExpertServerError, RemoteDispatcher
+from coordinator.sampler import SamplingParams
+from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
+from coordinator.tokenizer import TextTokenizer
+from expertmesh.checkpoint import CheckpointReader
+from expertmesh.config import ModelConfig
+from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from expertmesh.worker.server import grpc_options
+
+log = logging.getLogger("expertmesh.coordinator")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"``, ``"1.5GB"``, ``"4096"`` -> bytes (K/M/G/T are powers of 1024 either way)."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
+    unit = (m.group(2) or "b")[0].lower()
+    return int(float(m.group(1)) * 1024 ** "bkmgt".index(unit))
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = a free port
+    page_size: int = 16  # tokens per KV page
+    kv_memory_bytes: int = 256 << 20  # KV cache budget; sets the number of pages
+    max_batch_tokens: int = 512  # tokens per forward step (decodes + prefill chunks)
+    max_running: int = 64  # requests holding KV pages at once
+    max_context: int | None = None  # prompt + generated tokens; default: the model's limit
+    default_max_new_tokens: int = 64
+    max_message_mb: int = 64
+    connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
+    cluster: ClusterConfig | None = None  # None or no servers: experts in process
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} outside 0..65535")
+        for name in ("page_size", "kv_memory_bytes", "max_batch_tokens", "max_running", "max_message_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
+        if self.default_max_new_tokens <= 0:
+            raise ValueError(f"default_max_new_tokens must be positive, got {self.default_max_new_tokens}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: CUDA is not available on this machine")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def remote(self) -> bool:
+        return self.cluster is not None and bool(self.cluster.servers)
+
+
+class ExpertLoadRecorder:
+    """Tokens routed to each logical expert of each MoE layer since start (the engine's load hook)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+        self.layers = cfg.moe_layer_ids
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        self._counts = torch.zeros(len(self.layers), cfg.num_experts, dtype=torch.long, device=device)
+        self._lock = threading.Lock()
+
+    def __call__(self, layer: int, topk_ids: torch.Tensor) -> None:  # topk_ids [T, K]
+        ids = topk_ids.flatten().long()
+        with self._lock:
+            self._counts[self._row[layer]].index_add_(0, ids, torch.ones_like(ids))
+
+    def snapshot(self) -> dict[int, list[int]]:
+        with self._lock:
+            counts = self._counts.cpu()
+        return {layer: counts[i].tolist() for i, layer in enumerate(self.layers)}
+
+
+# ---------------------------------------------------------------------- request validation
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_context: int
+    default_max_new_tokens: int
+
+
+def parse_request(
+    req: generation_pb2.GenerateRequest, limits: RequestLimits, tokenizer: TextTokenizer | None
+) -> tuple[list[int], SamplingParams]:
+    """Checks a request and turns it into (prompt ids, sampling params); InvalidRequest says why."""
+    if req.prompt and req.input_ids:
+        raise InvalidRequest("give either prompt or input_ids, not both")
+    if req.prompt:
+        if tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer.json: send input_ids instead of prompt text")
+        ids = tokenizer.encode(req.prompt)
+    else:
+        ids = list(req.input_ids)
+    if not ids:
+        raise InvalidRequest("empty input: give a non-empty prompt or input_ids")
+    _check_ids("input_ids", ids, limits.vocab_size)
+    if len(ids) >= limits.max_context:
+        raise InvalidRequest(
+            f"prompt of {len(ids)} tokens does not fit the max context of {limits.max_context} tokens"
+        )
+    room = limits.max_context - len(ids)
+    if req.HasField("max_new_tokens"):
+        n = req.max_new_tokens
+        if n <= 0:
+            raise InvalidRequest(f"max_new_tokens must be positive, got {n}")
+        if n > room:
+            raise InvalidRequest(
+                f"max_new_tokens {n} with a prompt of {len(ids)} tokens exceeds the max context of "
+                f"{limits.max_context} tokens (at most {room} new tokens)"
+            )
+    else:
+        n = min(limits.default_max_new_tokens, room)
+    temperature = req.temperature if req.HasField("temperature") else 0.0
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise InvalidRequest(f"temperature must be >= 0, got {temperature}")
+    top_p = req.top_p if req.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:  # NaN fails too
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    top_k = req.top_k if req.HasField("top_k") else 0
+    if top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 = no limit), got {top_k}")
+    if req.stop and tokenizer is None:
+        raise InvalidRequest("stop strings need a tokenizer: this model has no tokenizer.json")
+    if any(not s for s in req.stop):
+        raise InvalidRequest("empty stop string")
+    _check_ids("stop_token_ids", req.stop_token_ids, limits.vocab_size)
+    if req.lora:
+        raise InvalidRequest(f"unknown adapter {req.lora!r} (no LoRA adapters are loaded)")
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=req.seed if req.HasField("seed") else None,
+        max_new_tokens=n,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs,
+    )
+    return ids, params
+
+
+def _check_ids(what: str, ids: Sequence[int], vocab: int) -> None:
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise InvalidRequest(f"{what} outside the vocabulary [0, {vocab}): {bad[:8]}")
+
+
+# ---------------------------------------------------------------------- servicers
+
+_FINISH = {
+    "stop": generation_pb2.STOP,
+    "length": generation_pb2.LENGTH,
+    "cancelled": generation_pb2.CANCELLED,
+    "error": generation_pb2.ERROR,
+}
+
+
+def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, ExpertServerError):
+        return exc.code, f"expert server failure: {exc}"
+    if isinstance(exc, SchedulerStopped):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, coord: CoordinatorServer) -> None:
+        self.coord = coord
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        c = self.coord
+        try:
+            ids, params = parse_request(request, c.request_limits, c.tokenizer)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not c.experts_ready:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"expert servers are not ready: {c.expert_state()}"
+            )
+        outputs: asyncio.Queue[Output] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(out: Output) -> None:  # scheduler thread
+            with contextlib.suppress(RuntimeError):  # the event loop closed under a shutdown
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        try:
+            rid = c.scheduler.submit(ids, params, sink)
+        except SchedulerStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        request_id = request.request_id or f"req-{rid}"
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finish_reason is not None
+                if out.error is not None:
+                    code, msg = error_status(out.error)
+                    await context.abort(code, msg)
+                resp = generation_pb2.GenerateResponse(
+                    token_ids=out.token_ids, text=out.text, logprobs=out.logprobs, request_id=request_id
+                )
+                if finished:
+                    resp.finish_reason = _FINISH[out.finish_reason]  # type: ignore[index]
+                    resp.usage.prompt_tokens = out.prompt_tokens
+                    resp.usage.completion_tokens = out.completion_tokens
+                yield resp
+        finally:
+            if not finished:  # the client went away: free the request's pages
+                c.scheduler.cancel(rid)
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, coord: CoordinatorServer) -> None:
+        self.coord = coord
+
+    async def ListServers(self, request, context) -> admin_pb2.ListServersResponse:
+        d = self.coord.dispatcher
+        infos = d.server_infos() if isinstance(d, RemoteDispatcher) else []
+        fields = set(admin_pb2.ServerInfo.DESCRIPTOR.fields_by_name)
+        return admin_pb2.ListServersResponse(
+            servers=[admin_pb2.ServerInfo(**{k: v for k, v in i.items() if k in fields}) for i in infos]
+        )
+
+    async def GetPlacement(self, request, context) -> admin_pb2.PlacementInfo:
+        d = self.coord.dispatcher
+        if not isinstance(d, RemoteDispatcher):
+            return admin_pb2.PlacementInfo()
+        p = d.placement
+        return admin_pb2.PlacementInfo(
+            generation=p.generation,
+            servers=list(p.servers),
+            layers=[
+                admin_pb2.LayerPlacement(
+                    layer=layer, phy2log=lp.phy2log, owner=lp.owner, local_slot=lp.local_slot
+                )
+                for layer, lp in sorted(p.layers.items())
+            ],
+        )
+
+    async def GetExpertLoad(self, request, context) -> admin_pb2.ExpertLoad:
+        snap = self.coord.load.snapshot()
+        return admin_pb2.ExpertLoad(
+            layers=[admin_pb2.LayerLoad(layer=layer, tokens=t) for layer, t in sorted(snap.items())]
+        )
+
+
+# ---------------------------------------------------------------------- the server
+
+
+class CoordinatorServer(grpc.aio.Server):
+    """A grpc.aio.Server whose start/stop also run the scheduler and the expert connections."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        server: grpc.aio.Server,
+        scheduler: Scheduler,
+        dispatcher: Dispatcher,
+        tokenizer: TextTokenizer | None,
+        load: ExpertLoadRecorder,
+    ) -> None:
+        self.config, self.server, self.scheduler, self.dispatcher = config, server, scheduler, dispatcher
+        self.tokenizer, self.load = tokenizer, load
+        self.health = health.aio.HealthServicer()
+        self.experts_ready = not isinstance(dispatcher, RemoteDispatcher)
+        self._watch: asyncio.Task | None = None
+        cfg = scheduler.engine.config
+        self.request_limits = RequestLimits(
+            cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens
+        )
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (GENERATION, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+
+    def expert_state(self) -> str:
+        if not isinstance(self.dispatcher, RemoteDispatcher):
+            return "in process"
+        return ", ".join(
+            f"{i['name']} {i['state']}" + (f" ({i['last_error']})" if i["last_error"] else "")
+            for i in self.dispatcher.server_infos()
+        )
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", GENERATION, ADMIN):
+            await self.health.set(name, status)
+
+    async def _watch_experts(self, d: RemoteDispatcher) -> None:
+        """Connects the expert servers, then keeps health in step with them, reconnecting on loss."""
+        last_error = ""
+        while True:
+            if not d.ready():
+                fut = self.scheduler.call_between_steps(lambda: d.connect(self.config.connect_timeout_s))
+                try:
+                    await asyncio.wrap_future(fut)
+                except (ExpertServerError, grpc.RpcError) as e:
+                    if str(e) != last_error:
+                        log.warning("expert servers not ready: %s", e)
+                    last_error = str(e)
+            ready = d.ready()
+            if ready != self.experts_ready:
+                log.info("expert servers %s", "ready" if ready else f"not ready: {self.expert_state()}")
+            self.experts_ready = ready
+            await self._set_health(ready)
+            await asyncio.sleep(1.0 if ready else 0.5)
+
+    # grpc.aio.Server
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers) -> None:
+        self.server.add_generic_rpc_handlers(generic_rpc_handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
+        self.server.add_registered_method_handlers(service_name, method_handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        return self.server.add_insecure_port(address)
+
+    def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
+        return self.server.add_secure_port(address, server_credentials)
+
+    async def start(self) -> None:
+        await self._set_health(self.experts_ready)
+        self.scheduler.start()
+        await self.server.start()
+        if isinstance(self.dispatcher, RemoteDispatcher):
+            self._watch = asyncio.create_task(self._watch_experts(self.dispatcher))
+            self._watch.add_done_callback(_report_crash)
+
+    async def stop(self, grace: float | None) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await asyncio.to_thread(self.scheduler.stop)
+        self.dispatcher.close()
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return await self.server.wait_for_termination(timeout)
+
+
+def _report_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the expert-server watcher died: %r", task.exception())
+
+
+def create_server(config: CoordinatorConfig) -> CoordinatorServer:
+    """Loads the model and builds the server (call inside the event loop that will run it)."""
+    reader = CheckpointReader(config.model_dir)
+    cfg, dtype, device = reader.config, config.torch_dtype, torch.device(config.device)
+    spec = KVCacheSpec.from_budget(cfg, config.kv_memory_bytes, config.page_size, dtype)
+    capacity = spec.num_pages * spec.page_size
+    if config.max_context is not None and config.max_context > capacity:
+        raise ValueError(
+            f"max context {config.max_context} tokens does not fit the KV cache ({spec.num_pages} pages of "
+            f"{spec.page_size} = {capacity} tokens): raise the KV memory budget or lower the max context"
+        )
+    max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
+    dispatcher: Dispatcher
+    if config.remote:
+        assert config.cluster is not None
+        dispatcher = RemoteDispatcher(cfg, config.cluster, dtype, device)
+    else:
+        dispatcher = LocalDispatcher(reader, dtype, device)
+    load = ExpertLoadRecorder(cfg, device)
+    engine = Engine(load_model(reader, dtype, device), dispatcher, spec, dtype, device, load_hook=load)
+    tokenizer = TextTokenizer.from_dir(config.model_dir)
+    limits = SchedulerLimits(config.max_batch_tokens, config.max_running, max_context)
+    scheduler = Scheduler(engine, limits, tokenizer, cfg.eos_token_ids)
+    log.info(
+        "KV cache: %d pages of %d tokens (%d tokens), max context %d, tokenizer %s",
+        spec.num_pages,
+        spec.page_size,
+        capacity,
+        max_context,
+        "yes" if tokenizer else "none (input_ids only)",
+    )
+    server = grpc.aio.server(options=grpc_options(config.max_message_mb << 20))
+    return CoordinatorServer(config, server, scheduler, dispatcher, tokenizer, load)

@@ -1,0 +1,110 @@
+"""Text in and out: the checkpoint's ``tokenizer.json`` (``tokenizers`` library), incremental
+detokenization for streaming, and stop strings.
+
+A checkpoint without ``tokenizer.json`` is still served: requests then carry ``input_ids`` and
+responses carry token ids with empty text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+# prompt tokens given to the detokenizer as left context, so that the first generated token
+# decodes with the spacing it has after the prompt
+_CONTEXT_TOKENS = 4
+
+
+class TextTokenizer:
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> TextTokenizer | None:
+        f = Path(path) / TOKENIZER_FILE
+        return cls(Tokenizer.from_file(str(f))) if f.is_file() else None
+
+    def encode(self, text: str) -> list[int]:
+        """With the tokenizer's own special tokens (e.g. a BOS its post-processor adds)."""
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids[-_CONTEXT_TOKENS:])
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text pieces whose concatenation is the decoded completion.
+
+    Decoding one token alone is wrong for tokenizers whose text depends on neighbours (spaces
+    between words, a UTF-8 character split over byte tokens). So each new piece is the
+    difference between decoding a short window ending at the new token and the same window
+    without it; the window slides forward as text is emitted. A piece that ends in U+FFFD (an
+    incomplete byte sequence) is held back until the following tokens complete it.
+    """
+
+    def __init__(self, tok: TextTokenizer, context: list[int]) -> None:
+        self.tok = tok
+        self.ids = list(context)
+        self.start = 0  # window start
+        self.emitted = len(self.ids)  # ids[:emitted] have been turned into text
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the end is emitted as is)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self.emitted == len(self.ids):
+            return ""
+        before = self.tok.decode(self.ids[self.start : self.emitted])
+        after = self.tok.decode(self.ids[self.start :])
+        if after.endswith("\ufffd") and not final:
+            return ""
+        self.start, self.emitted = self.emitted, len(self.ids)
+        return after[len(before) :]
+
+
+class StopMatcher:
+    """Cuts the streamed text at the first stop string.
+
+    Text that could be the start of a stop string is held back until it is known not to be,
+    so a stop string never reaches the client, even split across pieces.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        assert all(stops), f"empty stop string in {stops=}"
+        self.stops = stops
+        self.held = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Returns (text safe to emit now, whether a stop string was hit)."""
+        buf = self.held + piece
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        keep = self._partial_suffix(buf)
+        self.held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best

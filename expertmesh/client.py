@@ -1,0 +1,206 @@
+"""Python client of the coordinator's Generation API, sync and asyncio.
+
+    from expertmesh.client import Client
+    with Client("127.0.0.1:50051") as c:
+        out = c.generate(prompt="Once upon a time", max_new_tokens=32)
+        print(out.text, out.finish_reason)
+        for chunk in c.stream(input_ids=[0, 5, 9], max_new_tokens=8):
+            print(chunk.token_ids, chunk.text)
+
+``AsyncClient`` has the same methods as coroutines / async iterators. Server errors surface as
+``grpc.RpcError`` (``e.code()``, ``e.details()``), e.g. INVALID_ARGUMENT for a bad request or
+UNAVAILABLE while the expert servers are not ready. Leaving a stream early cancels the request
+on the server, which frees its KV cache pages.
+
+Token ids of a completion include the token that ended it (EOS, a stop token, or the token that
+completed a stop string); its text leaves out special tokens and the stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from expertmesh.v1 import generation_pb2, generation_pb2_grpc
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece; the last one has ``finish_reason`` and ``usage``."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    usage: Usage | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+    logprobs: list[float] | None = None  # one per token id, when asked
+    request_id: str = ""
+    chunks: int = field(default=0, compare=False)  # how many streamed pieces it came in
+
+
+def build_request(
+    prompt: str | None = None,
+    input_ids: Sequence[int] | None = None,
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Iterable[str] = (),
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    logprobs: bool = False,
+    lora: str = "",
+    request_id: str = "",
+) -> generation_pb2.GenerateRequest:
+    """The wire request; unset options take the server's defaults (greedy, 64 new tokens)."""
+    req = generation_pb2.GenerateRequest(
+        prompt=prompt or "",
+        input_ids=list(input_ids or ()),
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        lora=lora,
+        request_id=request_id,
+    )
+    for name, value in (
+        ("max_new_tokens", max_new_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+    ):
+        if value is not None:
+            setattr(req, name, value)
+    return req
+
+
+def to_chunk(resp: generation_pb2.GenerateResponse) -> Chunk:
+    finish = None
+    usage = None
+    if resp.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+        finish = generation_pb2.FinishReason.Name(resp.finish_reason).lower()
+        usage = Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens)
+    return Chunk(list(resp.token_ids), resp.text, list(resp.logprobs), finish, usage, resp.request_id)
+
+
+class _Collector:
+    def __init__(self, want_logprobs: bool) -> None:
+        self.want_logprobs = want_logprobs
+        self.ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: list[float] = []
+        self.last: Chunk | None = None
+        self.n = 0
+
+    def add(self, c: Chunk) -> None:
+        self.ids += c.token_ids
+        self.text.append(c.text)
+        self.logprobs += c.logprobs
+        self.last, self.n = c, self.n + 1
+
+    def result(self) -> Completion:
+        last = self.last
+        assert last is not None and last.finish_reason is not None and last.usage is not None, (
+            "the stream ended without a final chunk"
+        )
+        return Completion(
+            self.ids,
+            "".join(self.text),
+            last.finish_reason,
+            last.usage,
+            self.logprobs if self.want_logprobs else None,
+            last.request_id,
+            self.n,
+        )
+
+
+def _options(max_message_mb: int) -> list[tuple[str, int]]:
+    n = max_message_mb << 20
+    return [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)]
+
+
+class Client:
+    def __init__(self, addr: str, timeout: float | None = None, max_message_mb: int = 64) -> None:
+        """``timeout``: seconds for a whole generation (None = no deadline)."""
+        self.addr, self.timeout = addr, timeout
+        self.channel = grpc.insecure_channel(addr, options=_options(max_message_mb))
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def stream(
+        self, prompt: str | None = None, input_ids: Sequence[int] | None = None, **kw
+    ) -> Iterator[Chunk]:
+        call = self.stub.Generate(build_request(prompt, input_ids, **kw), timeout=self.timeout)
+        try:
+            for resp in call:
+                yield to_chunk(resp)
+        finally:
+            call.cancel()  # no-op when finished; frees the server's pages when left early
+
+    def generate(self, prompt: str | None = None, input_ids: Sequence[int] | None = None, **kw) -> Completion:
+        col = _Collector(bool(kw.get("logprobs")))
+        for c in self.stream(prompt, input_ids, **kw):
+            col.add(c)
+        return col.result()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, addr: str, timeout: float | None = None, max_message_mb: int = 64) -> None:
+        self.addr, self.timeout = addr, timeout
+        self.channel = grpc.aio.insecure_channel(addr, options=_options(max_message_mb))
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    async def stream(
+        self, prompt: str | None = None, input_ids: Sequence[int] | None = None, **kw
+    ) -> AsyncIterator[Chunk]:
+        call = self.stub.Generate(build_request(prompt, input_ids, **kw), timeout=self.timeout)
+        try:
+            async for resp in call:
+                yield to_chunk(resp)
+        finally:
+            call.cancel()
+
+    async def generate(
+        self, prompt: str | None = None, input_ids: Sequence[int] | None = None, **kw
+    ) -> Completion:
+        col = _Collector(bool(kw.get("logprobs")))
+        async for c in self.stream(prompt, input_ids, **kw):
+            col.add(c)
+        return col.result()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
