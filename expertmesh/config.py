@@ -245,45 +245,123 @@ def _parse_olmoe(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+# HF transformers' defaults for the DeepSeek fields a config.json may leave out; they differ
+# between the versions (a missing field must mean what it means to HF, not 0 or None).
+_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(
+        q_lora_rank=1536,
+        first_k_dense_replace=0,
+        n_shared_experts=2,
+        routed_scaling_factor=1.0,
+        topk_method="greedy",
+        n_group=None,
+        topk_group=None,
+    ),
+    "deepseek_v3": dict(
+        q_lora_rank=1536,
+        first_k_dense_replace=3,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        rope_interleave=True,
+    ),
+}
+
+
+def _deepseek_field(raw: dict[str, Any], key: str, nullable: bool = False) -> Any:
+    value = raw[key] if key in raw else _DEEPSEEK_DEFAULTS[raw["model_type"]][key]
+    if value is None and not nullable:
+        raise ConfigError(f"{raw['model_type']}: config field {key!r} must not be null")
+    return value
+
+
+def _deepseek_routing(raw: dict[str, Any]) -> dict[str, Any]:
+    """The router rule of a DeepSeek checkpoint, as HF transformers implements it.
+
+    HF hard-codes one rule per version (V2: softmax, greedy or group-limited greedy, never
+    renormalised; V3: sigmoid + correction bias, noaux_tc, optionally renormalised) and ignores
+    ``scoring_func``/``topk_method`` where it does not branch on them, so a config naming another
+    rule is refused rather than served with a different one.
+    """
+    mt = raw["model_type"]
+    if mt == "deepseek_v3":
+        _reject(raw, "topk_method", lambda v: v in (None, "noaux_tc"), "DeepSeek-V3 routes with noaux_tc")
+        _reject(raw, "scoring_func", lambda v: v in (None, "sigmoid"), "DeepSeek-V3 scores with sigmoid")
+        method, scoring, norm = (
+            "noaux_tc",
+            "sigmoid",
+            bool(_deepseek_field(raw, "norm_topk_prob", nullable=True)),
+        )
+    else:
+        _reject(raw, "scoring_func", lambda v: v in (None, "softmax"), "DeepSeek-V2 scores with softmax")
+        # NOTE: DeepSeek's own V2 code renormalises (and then skips the scaling factor) when this
+        # is set, HF's ignores it: there is no single right answer to serve.
+        _reject(raw, "norm_topk_prob", lambda v: not v, "HF's DeepSeek-V2 never renormalises")
+        method, scoring, norm = _deepseek_field(raw, "topk_method"), "softmax", False
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(f"{mt}: unsupported config topk_method={method!r}")
+    e, k = int(_require(raw, "n_routed_experts")), int(_require(raw, "num_experts_per_tok"))
+    groups, topk_groups = 1, 1
+    if method != "greedy":
+        groups = int(_deepseek_field(raw, "n_group"))
+        topk_groups = int(_deepseek_field(raw, "topk_group"))
+        per_group = e // groups if groups > 0 and e % groups == 0 else 0
+        # noaux_tc ranks a group by its two best experts
+        if not per_group or per_group < (2 if method == "noaux_tc" else 1):
+            raise ConfigError(f"{mt}: unsupported config n_group={groups} for {e} routed experts")
+        if not 0 < topk_groups <= groups or k > topk_groups * per_group:
+            raise ConfigError(
+                f"{mt}: unsupported config topk_group={topk_groups} (n_group={groups}, "
+                f"num_experts_per_tok={k}: the kept groups must hold the top-k)"
+            )
+    return dict(
+        num_experts=e,
+        top_k=k,
+        scoring=scoring,
+        norm_topk_prob=norm,
+        routed_scaling_factor=float(_deepseek_field(raw, "routed_scaling_factor")),
+        topk_method=method,
+        n_group=groups,
+        topk_group=topk_groups,
+        correction_bias=method == "noaux_tc",
+    )
+
+
 def _parse_deepseek(raw: dict[str, Any]) -> ModelConfig:
     mt = raw["model_type"]
-    v3 = mt == "deepseek_v3"
+    heads = int(_require(raw, "num_attention_heads"))
     _reject(raw, "attention_bias", lambda v: not v, "MLA projections have no bias here")
-    e = int(_require(raw, "n_routed_experts"))
-    n = int(raw["num_hidden_layers"])
-    first_dense = int(raw.get("first_k_dense_replace", 0))
-    freq = int(raw.get("moe_layer_freq", 1))
-    topk_method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-    if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-        raise ConfigError(f"{mt}: unsupported config topk_method={topk_method!r}")
-    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
-    if scoring not in ("softmax", "sigmoid"):
-        raise ConfigError(f"{mt}: unsupported config scoring_func={scoring!r}")
-    grouped = topk_method != "greedy"
-    nope, rope = int(_require(raw, "qk_nope_head_dim")), int(_require(raw, "qk_rope_head_dim"))
-    q_lora = raw.get("q_lora_rank")
+    _reject(raw, "quantization_config", lambda v: not v, "quantised (e.g. FP8) weights are not implemented")
+    _reject(raw, "num_key_value_heads", lambda v: v in (None, heads), "MLA expands K/V for every query head")
+    _reject(raw, "moe_layer_freq", lambda v: v == 1, "HF makes every layer from first_k_dense_replace on MoE")
+    shared = _deepseek_field(raw, "n_shared_experts", nullable=True)
+    if not shared:
+        raise ConfigError(f"{mt}: unsupported config n_shared_experts={shared!r} (HF always builds them)")
+    first_dense = int(_deepseek_field(raw, "first_k_dense_replace"))
+    q_lora = _deepseek_field(raw, "q_lora_rank", nullable=True)
+    rope = int(_require(raw, "qk_rope_head_dim"))
+    moe_inter = int(_require(raw, "moe_intermediate_size"))
+    n = int(_require(raw, "num_hidden_layers"))
+    v3 = mt == "deepseek_v3"
     return ModelConfig(
         **_common(raw, head_dim=rope),
         attention="mla",
         q_lora_rank=None if q_lora is None else int(q_lora),
         kv_lora_rank=int(_require(raw, "kv_lora_rank")),
-        qk_nope_head_dim=nope,
+        qk_nope_head_dim=int(_require(raw, "qk_nope_head_dim")),
         qk_rope_head_dim=rope,
         v_head_dim=int(_require(raw, "v_head_dim")),
-        rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
-        num_experts=e,
-        top_k=int(_require(raw, "num_experts_per_tok")),
-        moe_intermediate_size=int(_require(raw, "moe_intermediate_size")),
-        moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(n)),
-        scoring=scoring,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
-        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-        topk_method=topk_method,
-        n_group=int(raw.get("n_group") or 1) if grouped else 1,
-        topk_group=int(raw.get("topk_group") or 1) if grouped else 1,
-        correction_bias=v3 and topk_method == "noaux_tc",
-        shared_expert_intermediate_size=int(raw.get("n_shared_experts") or 0)
-        * int(raw["moe_intermediate_size"]),
+        # V2 rotates adjacent pairs (HF does it with complex numbers); V3 says which layout
+        rope_interleave=bool(_deepseek_field(raw, "rope_interleave", nullable=True)) if v3 else True,
+        moe_intermediate_size=moe_inter,
+        moe_layers=tuple(i >= first_dense for i in range(n)),
+        shared_expert_intermediate_size=int(shared) * moe_inter,
+        **_deepseek_routing(raw),
+        # DeepSeek-V3 checkpoints carry multi-token-prediction layers after the last decoder
+        # layer; HF does not build them and neither do we (the loader skips their tensors)
+        extra={"num_mtp_layers": int(raw.get("num_nextn_predict_layers") or 0) if v3 else 0},
     )
 
 
