@@ -8,6 +8,8 @@ be filled exactly; anything missing or mis-shaped is a :class:`CheckpointError` 
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -17,6 +19,13 @@ from coordinator.models.layers import MergedLinear
 from expertmesh.checkpoint import CheckpointError, CheckpointReader
 
 _IGNORED = ("rotary_emb.inv_freq",)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_mtp(name: str, num_layers: int, num_mtp_layers: int) -> bool:
+    """A tensor of the multi-token-prediction layers that follow the decoder (DeepSeek-V3)."""
+    m = _LAYER.match(name)
+    return m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, slice | None]:
@@ -42,8 +51,10 @@ def load_model(reader: CheckpointReader, dtype: torch.dtype, device: torch.devic
     params = dict(model.named_parameters(remove_duplicate=False))
     want_rows = {n: p.shape[0] if p.dim() else 1 for n, p in params.items()}
     filled: dict[str, int] = dict.fromkeys(params, 0)
+    cfg = reader.config
+    mtp = int(cfg.extra.get("num_mtp_layers", 0))
     for ck_name, tensor in reader.non_expert_tensors().items():
-        if ck_name.endswith(_IGNORED):
+        if ck_name.endswith(_IGNORED) or _is_mtp(ck_name, cfg.num_layers, mtp):
             continue
         pname, rows = _target(model, ck_name)
         param = params.get(pname)

@@ -82,3 +82,22 @@ def test_chunked_prefill_equals_one_shot(tmp_path):
     eng.step([(b, ids[10:25])])
     chunked = eng.step([(b, ids[25:])])[0]
     assert rel_err(chunked, one) < 1e-5
+
+
+def test_deepseek_v3_skips_mtp_layers(tmp_path):
+    """DeepSeek-V3 checkpoints carry a multi-token-prediction layer after the last decoder layer
+    (model.layers.{num_layers}.*); HF does not build it and the loader must not trip on it."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_checkpoint("deepseek_v3", tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    n = hf.config.num_hidden_layers
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors[f"model.layers.{n}.shared_head.norm.weight"] = torch.ones(64)
+    save_file(tensors, file, metadata={"format": "pt"})
+    eng = Engine.from_checkpoint(str(tmp_path), page_size=4)
+    ids = list(range(3, 20))
+    got = eng.step([(eng.new_seq(), ids)])[0]
+    with torch.no_grad():
+        assert rel_err(got, hf(torch.tensor([ids])).logits[0, -1]) < 1e-4

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from coordinator.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from coordinator.models import deepseek, mixtral, olmoe, qwen2_moe, qwen3_moe
 from coordinator.models.base import CausalLM
 from expertmesh.config import ConfigError, ModelConfig
 
@@ -17,6 +17,8 @@ REGISTRY: dict[str, Builder] = {
     "qwen2_moe": qwen2_moe.build,
     "mixtral": mixtral.build,
     "olmoe": olmoe.build,
+    "deepseek_v2": deepseek.build_v2,
+    "deepseek_v3": deepseek.build_v3,
 }
 
 
