@@ -61,8 +61,11 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+
     def moe_blocks(self) -> list[MoEBlock]:
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
+        return [layer.mlp for layer in self.decoder_layers() if isinstance(layer.mlp, MoEBlock)]
 
     def attach(self, dispatcher: Dispatcher, load_hook: LoadHook | None = None) -> None:
         for block in self.moe_blocks():
@@ -72,7 +75,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:  # [B', V] float32
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             x = layer(x, batch, (cache.k[i], cache.v[i]))
         x = self.model.norm(x[batch.logits_index])
         return self.lm_head(x).float()

@@ -82,7 +82,7 @@ class Rotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """x: [T, heads, D]; cos/sin: [T, D]."""
         if self.interleave:
             # pairs (0,1),(2,3).. -> halves, as DeepSeek's checkpoints lay the rope dims out

@@ -24,10 +24,9 @@ class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype))
-        if cfg.correction_bias:
-            self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts, dtype=torch.float32))
-        else:
-            self.e_score_correction_bias = None
+        self.e_score_correction_bias: nn.Parameter | None = (
+            nn.Parameter(torch.empty(cfg.num_experts, dtype=torch.float32)) if cfg.correction_bias else None
+        )
 
 
 class MoEBlock(nn.Module):
