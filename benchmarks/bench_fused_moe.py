@@ -10,6 +10,7 @@ then for each model shape and token count T the median time of
   grouped_mm  sort by expert + torch._grouped_mm x2 + weighted index_add, from a CUDA graph
   loop        expertmesh.experts.torch_moe (a loop over experts; syncs, so run eagerly)
   floor       max(bytes of the active experts' weights / bandwidth, flops / peak)
+  stages      the fused path's four stages, each timed alone (eager, so launch gaps included)
 
 triton.testing.do_bench flushes L2 before every timed call, so weights come from HBM.
 Routing is uniform: top-k of random logits, softmax weights, every slot local (no -1).
@@ -29,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from expertmesh.experts import torch_moe  # noqa: E402
 from gpu_server.backend import make_backend  # noqa: E402
+from gpu_server.kernels.align import align_pairs  # noqa: E402
+from gpu_server.kernels.grouped_gemm import down, gate_up  # noqa: E402
+from gpu_server.kernels.reduce import sum_k  # noqa: E402
 from gpu_server.kernels.tune import MODELS, TOKENS  # noqa: E402
 
 
@@ -82,6 +86,25 @@ def graph_time(fn, rep: int) -> float:
     return do_bench(graph.replay, warmup=20, rep=rep, return_mode="median")
 
 
+def stage_times(backend, x, w13, w2, slot_ids, weights) -> tuple[float, ...]:
+    """Median ms of each stage of the fused path, timed alone (eager launches)."""
+    t, k = slot_ids.shape
+    e, inter = w13.shape[0], w2.shape[2]
+    cfg = backend.table.lookup(x.shape[1], inter, t, k, e).fitted(x.element_size())
+    al = align_pairs(slot_ids, e, cfg.block_m)
+    act = torch.empty(al.sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    topw = weights.reshape(-1)
+    fns = [
+        lambda: align_pairs(slot_ids, e, cfg.block_m),
+        lambda: gate_up(x, w13, al, k, cfg.gate_up, act),
+        lambda: down(act, w2, topw, al, cfg.down, y),
+        lambda: sum_k(y, slot_ids, out),
+    ]
+    return tuple(do_bench(f, warmup=10, rep=50, return_mode="median") for f in fns)
+
+
 def routing(t: int, e: int, k: int, gen: torch.Generator):
     logits = torch.randn(t, e, generator=gen, device="cuda")
     w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
@@ -107,10 +130,12 @@ def bench_model(name, tokens, bw, peak, backend, loop_max_ms, rows):
         nbytes = active * 3 * h * inter * 2
         flops = 2 * slot_ids.numel() * 3 * h * inter
         floor = max(nbytes / bw, flops / peak) * 1e3
-        rows.append((name, t, t_fused, t_gmm, t_loop, floor, err))
+        stages = stage_times(backend, *args)
+        rows.append((name, t, t_fused, t_gmm, t_loop, floor, err, stages))
         print(
             f"{name:17s} T={t:5d}  fused {t_fused * 1e3:9.1f} us  gmm {t_gmm * 1e3:9.1f} us  "
-            f"loop {t_loop * 1e3:10.1f} us  floor {floor * 1e3:8.1f} us  err {err:.1e}",
+            f"loop {t_loop * 1e3:10.1f} us  floor {floor * 1e3:8.1f} us  err {err:.1e}  stages "
+            + "/".join(f"{v * 1e3:.1f}" for v in stages),
             flush=True,
         )
 
@@ -120,13 +145,16 @@ def table(rows, bw, peak, device) -> str:
         f"{device}: measured HBM bandwidth {bw / 1e12:.2f} TB/s (copy, read+write), "
         f"bf16 peak {peak / 1e12:.0f} TFLOP/s (8192^3 matmul, random data).",
         "",
-        "| model | T | fused us | grouped_mm us | loop us | floor us | fused/floor | gmm/fused | loop/fused |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | T | fused us | grouped_mm us | loop us | floor us | fused/floor | gmm/fused | loop/fused "
+        "| align / gate_up / down / reduce us |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for name, t, tf, tg, tl, fl, _ in rows:
+    for name, t, tf, tg, tl, fl, _, st in rows:
         out.append(
             f"| {name} | {t} | {tf * 1e3:.1f} | {tg * 1e3:.1f} | {tl * 1e3:.1f} | {fl * 1e3:.1f} | "
-            f"{tf / fl:.2f} | {tg / tf:.2f} | {tl / tf:.1f} |"
+            f"{tf / fl:.2f} | {tg / tf:.2f} | {tl / tf:.1f} | "
+            + " / ".join(f"{v * 1e3:.1f}" for v in st)
+            + " |"
         )
     return "\n".join(out)
 

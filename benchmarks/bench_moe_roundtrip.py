@@ -25,6 +25,7 @@ from benchmarks.synthetic import write_moe_layer  # noqa: E402
 from coordinator.dispatch import LocalDispatcher  # noqa: E402
 from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec  # noqa: E402
 from expertmesh.checkpoint import CheckpointReader  # noqa: E402
+from expertmesh.v1 import expert_worker_pb2 as pb  # noqa: E402
 from tests.cluster_utils import start_server  # noqa: E402
 
 
@@ -59,21 +60,23 @@ def main() -> None:
             remote = RemoteDispatcher(reader.config, cluster, torch.float32)
             remote.connect(60)
             local = LocalDispatcher(reader, torch.float32, torch.device("cpu"))
-            print(f"# one MoE layer round trip, H={args.hidden} I={args.inter} E={args.experts} K={args.top_k}, "
-                  f"fp32, transport={args.transport}, torch threads=1")
-            print(f"{'T':>5} {'payload/way':>12} {'in-process ms':>14} {'round trip ms':>14} "
-                  f"{'server compute ms':>18} {'transport ms':>13} {'transport MB/s':>15}")
+            print(
+                f"# one MoE layer round trip, H={args.hidden} I={args.inter} E={args.experts} K={args.top_k}, "
+                f"fp32, transport={args.transport}, torch threads=1"
+            )
+            print(
+                f"{'T':>5} {'payload/way':>12} {'in-process ms':>14} {'round trip ms':>14} "
+                f"{'server compute ms':>18} {'transport ms':>13} {'transport MB/s':>15}"
+            )
             for t in [int(s) for s in args.tokens.split(",")]:
                 g = torch.Generator().manual_seed(t)
                 x = torch.randn(t, args.hidden, generator=g)
                 ids = torch.stack([torch.randperm(args.experts, generator=g)[: args.top_k] for _ in range(t)])
                 w = torch.rand(t, args.top_k, generator=g)
-                in_proc = timed(lambda: local.submit(0, x, ids, w).wait(), args.reps)
+                in_proc = timed(lambda x=x, ids=ids, w=w: local.submit(0, x, ids, w).wait(), args.reps)
                 remote.begin_step(t)
-                rtt = timed(lambda: remote.submit(0, x, ids, w).wait(), args.reps)
+                rtt = timed(lambda x=x, ids=ids, w=w: remote.submit(0, x, ids, w).wait(), args.reps)
                 st = remote.conns[0].stub
-                from expertmesh.v1 import expert_worker_pb2 as pb
-
                 s0 = st.Stats(pb.StatsRequest())
                 n = 10
                 for _ in range(n):
@@ -82,8 +85,10 @@ def main() -> None:
                 server_ms = (s1.compute_seconds - s0.compute_seconds) / n * 1e3
                 payload = t * args.hidden * 4
                 overhead = max(rtt - server_ms, 1e-6)
-                print(f"{t:>5} {payload / 1024:>9.0f} KiB {in_proc:>14.3f} {rtt:>14.3f} {server_ms:>18.3f} "
-                      f"{overhead:>13.3f} {2 * payload / overhead / 1e3:>15.0f}")
+                print(
+                    f"{t:>5} {payload / 1024:>9.0f} KiB {in_proc:>14.3f} {rtt:>14.3f} {server_ms:>18.3f} "
+                    f"{overhead:>13.3f} {2 * payload / overhead / 1e3:>15.0f}"
+                )
             remote.close()
         finally:
             srv.stop()

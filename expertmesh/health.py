@@ -12,7 +12,9 @@ def check(addr: str, timeout: float = 3.0, service: str = "") -> str:
     """Returns the status name (SERVING, NOT_SERVING, ...) or UNREACHABLE."""
     with grpc.insecure_channel(addr) as ch:
         try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError:
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

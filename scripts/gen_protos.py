@@ -1,7 +1,7 @@
 """Regenerates expertmesh/v1/*_pb2*.py(i) from protos/; ``--check`` fails if they are stale.
 
-    python scripts/gen_protos.py          # write
-    python scripts/gen_protos.py --check  # CI: compare with a fresh generation
+python scripts/gen_protos.py          # write
+python scripts/gen_protos.py --check  # CI: compare with a fresh generation
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ PACKAGE = Path("expertmesh") / "v1"
 
 def generate(out: Path) -> list[Path]:
     files = sorted(str(p.relative_to(PROTOS)) for p in (PROTOS / PACKAGE).glob("*.proto"))
-    args = ["protoc", f"-I{PROTOS}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}", *files]
+    args = [
+        "protoc",
+        f"-I{PROTOS}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *files,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     return sorted((out / PACKAGE).glob("*_pb2*.py*"))
@@ -36,12 +43,16 @@ def main() -> int:
         fresh = generate(Path(tmp))
         target = ROOT / PACKAGE
         stale = [
-            f.name for f in fresh if not (target / f.name).exists() or not filecmp.cmp(f, target / f.name, False)
+            f.name
+            for f in fresh
+            if not (target / f.name).exists() or not filecmp.cmp(f, target / f.name, False)
         ]
         extra = {p.name for p in target.glob("*_pb2*.py*")} - {f.name for f in fresh}
         if check:
             if stale or extra:
-                print(f"generated protos are stale: {sorted(stale) + sorted(extra)}; run python scripts/gen_protos.py")
+                print(
+                    f"generated protos are stale: {sorted(stale) + sorted(extra)}; run python scripts/gen_protos.py"
+                )
                 return 1
             print("generated protos are current")
             return 0

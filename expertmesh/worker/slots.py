@@ -66,7 +66,9 @@ class SlotTable:
         cfg = self.reader.config
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         dt, dev = self.dtype, self.device
-        return LayerSlots((), torch.empty(0, 2 * i, h, dtype=dt, device=dev), torch.empty(0, h, i, dtype=dt, device=dev))
+        return LayerSlots(
+            (), torch.empty(0, 2 * i, h, dtype=dt, device=dev), torch.empty(0, h, i, dtype=dt, device=dev)
+        )
 
     def _build(self, layer: int, experts: list[int], reuse: LayerSlots | None) -> tuple[LayerSlots, int]:
         """Stacks the weights of ``experts``; returns the layer and how many were read from disk."""
