@@ -121,14 +121,14 @@ class ConfigTable:
         return cls(d["gpu"], shapes)
 
     def save(self, path: Path) -> None:
-        d = {
-            "gpu": self.gpu,
-            "shapes": {
-                key: {str(t): c.to_json() for t, c in sorted(b.items())}
-                for key, b in sorted(self.shapes.items())
-            },
-        }
-        path.write_text(json.dumps(d, indent=1) + "\n")
+        # one line per bucket: diffs of a re-tune stay readable
+        lines = []
+        for key, buckets in sorted(self.shapes.items()):
+            rows = [f'    "{t}": {json.dumps(c.to_json())}' for t, c in sorted(buckets.items())]
+            lines.append(f'  "{key}": {{\n' + ",\n".join(rows) + "\n  }")
+        text = f'{{\n "gpu": {json.dumps(self.gpu)},\n "shapes": {{\n' + ",\n".join(lines) + "\n }\n}\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
 def gpu_file_name(device_name: str) -> str:

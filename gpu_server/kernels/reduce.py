@@ -22,20 +22,19 @@ def _sum_k_kernel(
     TOP_K,
     stride_yp,
     stride_ot,
+    K_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in range(0, TOP_K):
-        pair = t * TOP_K + k
-        here = tl.load(slot_ptr + pair) + tl.zeros_like(cols) >= 0  # [BLOCK_H]
-        # rows of pairs with slot -1 were never written: the mask keeps them out
-        acc += tl.load(y_ptr + pair.to(tl.int64) * stride_yp + cols, mask=col_ok & here, other=0.0).to(
-            tl.float32
-        )
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    ks = tl.arange(0, K_PAD)
+    pair = t * TOP_K + ks  # [K_PAD]
+    # rows of pairs with slot -1 were never written: the mask keeps them out
+    here = tl.load(slot_ptr + pair, mask=ks < TOP_K, other=-1) >= 0  # [K_PAD]
+    ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + cols[None, :]  # [K_PAD, BLOCK_H]
+    rows = tl.load(ptrs, mask=here[:, None] & (cols < H)[None, :], other=0.0)
+    acc = tl.sum(rows.to(tl.float32), axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
 def sum_k(y: torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -43,7 +42,9 @@ def sum_k(y: torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor) -> None:
     t, top_k = slot_ids.shape
     h = out.shape[1]
     assert y.stride(1) == 1 and out.stride(1) == 1, f"{y.stride()=} {out.stride()=}"
-    block_h = min(1024, triton.next_power_of_2(h))
+    k_pad = triton.next_power_of_2(top_k)
+    # all K rows of a column block are loaded at once: about 4096 elements in flight per program
+    block_h = min(triton.next_power_of_2(h), max(128, 4096 // k_pad))
     _sum_k_kernel[(t, triton.cdiv(h, block_h))](
-        y, slot_ids, out, h, top_k, y.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4
+        y, slot_ids, out, h, top_k, y.stride(0), out.stride(0), K_PAD=k_pad, BLOCK_H=block_h, num_warps=4
     )

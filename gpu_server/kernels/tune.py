@@ -52,14 +52,26 @@ LARGE_M = [
         (256, 64, 8, 8, 3),
         (256, 64, 8, 8, 4),
         (256, 128, 8, 8, 2),
+        (128, 64, 4, 8, 4),
+        (128, 64, 16, 8, 4),
+        (128, 128, 8, 8, 2),
+        (64, 64, 8, 8, 4),
+        # small footprints: two programs per SM, so one's loads overlap the other's MMAs
+        (128, 64, 8, 4, 2),
+        (64, 64, 8, 4, 2),
+        (64, 128, 8, 4, 2),
     ]
 ]
 
 
 def block_m_candidates(t: int, k: int, e: int) -> list[int]:
     rows = t * k / e  # expected rows per slot under uniform routing
-    cap = min(128, max(16, 2 * triton.next_power_of_2(math.ceil(rows))))
-    return [bm for bm in (16, 32, 64, 128) if bm <= cap and (rows < 64 or bm >= 64)]
+    cap = min(256, max(16, 2 * triton.next_power_of_2(math.ceil(rows))))
+    return [
+        bm
+        for bm in (16, 32, 64, 128, 256)
+        if bm <= cap and (rows < 64 or bm >= 64) and (rows >= 256 or bm < 256)
+    ]
 
 
 def gemm_candidates(block_m: int) -> list[GemmConfig]:
@@ -134,6 +146,10 @@ def tune_one(h, inter, e, k, t, failed, rep_ms) -> tuple[MoeConfig, float]:
                 runs.append((do_bench(fn, warmup=5, rep=rep_ms, return_mode="median"), cfg))
             timed[which] = min(runs, key=lambda r: r[0])
         total = timed["gate_up"][0] + timed["down"][0]
+        print(
+            f"  T={t} block_m={bm}: gate_up {timed['gate_up'][0] * 1e3:.1f} us, down {timed['down'][0] * 1e3:.1f} us",
+            flush=True,
+        )
         if best is None or total < best[1]:
             best = (MoeConfig(bm, timed["gate_up"][1], timed["down"][1]), total)
     return best
@@ -158,7 +174,7 @@ def main() -> None:
             cfg, ms = tune_one(h, inter, e, k, t, failed, a.rep_ms)
             buckets[t] = cfg
             print(f"H={h} I={inter} E={e} K={k} T={t}: {ms * 1e3:.1f} us (GEMMs) {cfg}", flush=True)
-        table.shapes[shape_key(h, inter)] = buckets
+        table.shapes[shape_key(h, inter)] = {**table.shapes.get(shape_key(h, inter), {}), **buckets}
     table.save(path)
     print(f"wrote {path}")
 
