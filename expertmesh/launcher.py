@@ -1,0 +1,236 @@
+"""``expertmesh up``: a whole cluster on this machine, as three child processes.
+
+Starts a GPU expert server (experts ``< --num-gpu-experts``), a CPU expert server (the rest) and
+a coordinator connected to both, waits until the coordinator's health is SERVING, prints
+``expertmesh is serving on HOST:PORT`` and runs until Ctrl-C or SIGTERM, then stops the
+coordinator first and the expert servers after it.
+
+Children run in their own session (a terminal's Ctrl-C reaches only this process, which stops
+them in order) and get SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG). If a
+child exits while starting or serving, the others are stopped, the tail of its output is
+printed and the exit status is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()  # loaded here: the child between fork and exec must not dlopen
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+@dataclass
+class Child:
+    """A child process whose merged stdout/stderr is drained by a thread (tail kept)."""
+
+    name: str
+    cmd: list[str]
+    echo: bool = False
+    proc: subprocess.Popen = field(init=False)
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
+    port: int | None = None
+    listening: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        threading.Thread(target=self._drain, name=f"drain-{self.name}", daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail.append(line)
+            if self.echo:
+                sys.stderr.write(f"[{self.name}] {line}")
+            m = _LISTENING.search(line)
+            if m and self.port is None:
+                self.port = int(m.group(2))
+                self.listening.set()
+        self.listening.set()  # EOF: wake whoever waits for the port
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def report(self) -> str:
+        return f"{self.name} exited with status {self.proc.returncode}; its last output:\n" + "".join(
+            self.tail
+        )
+
+    def stop(self, timeout: float) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the demo model)")
+    p.add_argument("--demo", action="store_true", help="serve the demo model (written to a cache dir)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--num-gpu-experts", type=int, default=None, help="experts < N on the GPU server (default: half)"
+    )
+    p.add_argument(
+        "--device", default=None, help="GPU expert server's device: cpu or cuda (default: cuda if available)"
+    )
+    p.add_argument("--coordinator-device", default="cpu", help="device of attention and the KV cache")
+    p.add_argument("--host", default="127.0.0.1", help="coordinator's bind address")
+    p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free port)")
+    p.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"])
+    p.add_argument("--kv-memory", default=None, help="coordinator KV cache budget, e.g. 512MiB")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads of the coordinator and CPU server"
+    )
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait until serving")
+    p.add_argument("--verbose", action="store_true", help="echo the children's output to stderr")
+
+
+def demo_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "expertmesh" / "demo-model"
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    if args.model and not args.demo:
+        return Path(args.model)
+    from expertmesh.demo import write_demo_model
+
+    out = demo_dir()
+    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+        print(f"writing the demo model to {out}", file=sys.stderr)
+        write_demo_model(out)
+    return out
+
+
+def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> tuple[Child, Child, list[str]]:
+    cli = [sys.executable, "-m", "expertmesh.cli"]
+    common = ["--model", str(model), "--dtype", args.dtype, "--port", "0"]
+    gpu_cmd = [*cli, "gpu-server", *common] + (["--device", args.device] if args.device else [])
+    cpu_cmd = [*cli, "cpu-server", *common] + (["--threads", str(args.threads)] if args.threads else [])
+    n = num_experts // 2 if args.num_gpu_experts is None else args.num_gpu_experts
+    coord_tail = [
+        "--host", args.host, "--port", str(args.port), "--device", args.coordinator_device,
+        "--num-gpu-experts", str(n), "--transport", args.transport,
+    ]  # fmt: skip
+    if args.kv_memory:
+        coord_tail += ["--kv-memory", args.kv_memory]
+    if args.threads:
+        coord_tail += ["--threads", str(args.threads)]
+    coord_cmd = [*cli, "coordinator", "--model", str(model), "--dtype", args.dtype, *coord_tail]
+    return Child("gpu-server", gpu_cmd, args.verbose), Child("cpu-server", cpu_cmd, args.verbose), coord_cmd
+
+
+class Stopped(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    from expertmesh.config import ModelConfig
+
+    model = resolve_model(args)
+    try:
+        num_experts = ModelConfig.from_dir(model).num_experts
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu, cpu, coord_cmd = build_children(args, model, num_experts)
+    children: list[Child] = []
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        return _run(gpu, cpu, coord_cmd, args, children, stop)
+    except Stopped:
+        return 0
+    finally:
+        for c in reversed(children):  # coordinator first, then the expert servers
+            c.stop(timeout=15)
+
+
+def _wait(children: list[Child], stop: threading.Event, until, timeout: float, what: str) -> None:
+    """Polls ``until()``; fails when a child exits, the timeout passes or a signal arrives."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        if stop.is_set():
+            raise Stopped
+        dead = [c for c in children if not c.alive()]
+        if dead:
+            raise RuntimeError(dead[0].report())
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}")
+        stop.wait(0.1)
+
+
+def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Child], stop) -> int:
+    from expertmesh.health import check
+
+    try:
+        for c in (gpu, cpu):
+            c.start()
+            children.append(c)
+        _wait(children, stop, lambda: gpu.port and cpu.port, args.startup_timeout, "the expert servers")
+        coord = Child(
+            "coordinator",
+            [*coord_cmd, "--gpu-server", f"127.0.0.1:{gpu.port}", "--cpu-server", f"127.0.0.1:{cpu.port}"],
+            args.verbose,
+        )
+        coord.start()
+        children.append(coord)
+        _wait(children, stop, lambda: coord.port, args.startup_timeout, "the coordinator")
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        addr = f"{host}:{coord.port}"
+        _wait(children, stop, lambda: check(addr, 1.0) == "SERVING", args.startup_timeout, "health SERVING")
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"expertmesh is serving on {addr}", flush=True)
+    print(
+        f"  gpu expert server 127.0.0.1:{gpu.port}, cpu expert server 127.0.0.1:{cpu.port}; Ctrl-C stops all",
+        file=sys.stderr,
+        flush=True,
+    )
+    while not stop.wait(0.5):
+        dead = [c for c in children if not c.alive()]
+        if dead:
+            print(f"error: {dead[0].report()}", file=sys.stderr)
+            return 1
+    print("stopping", file=sys.stderr, flush=True)
+    return 0
