@@ -1,0 +1,138 @@
+"""The CLI end to end: ``expertmesh up`` (three processes) on a generated model, ``expertmesh
+generate`` (JSON and streamed), then SIGTERM: no child process and no listening port remain.
+Also: a child failing at start-up makes ``up`` exit non-zero with its output."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.hf_models import make_checkpoint
+from tests.test_serving_helpers import write_word_tokenizer
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "expertmesh.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=timeout)
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe_cli")
+    make_checkpoint("qwen3_moe", path)
+    write_word_tokenizer(path)
+    return path
+
+
+def start_up(*args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "expertmesh.cli", "up", *args]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        start_new_session=True,
+    )
+
+
+def test_up_generate_and_clean_shutdown(model):
+    up = start_up("--model", str(model), "--device", "cpu", "--threads", "1")
+    try:
+        assert up.stdout is not None and up.stderr is not None
+        line = up.stdout.readline()  # blocks until serving (or exit)
+        m = re.search(r"expertmesh is serving on (\S+):(\d+)", line)
+        assert m, f"no address line: {line!r}; stderr:\n{up.stderr.read() if up.poll() is not None else ''}"
+        addr, port = f"{m.group(1)}:{m.group(2)}", int(m.group(2))
+        ports = [port] + [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", up.stderr.readline())]
+        assert len(ports) == 3
+        kids = children_of(up.pid)
+        assert len(kids) == 3
+
+        r = cli(
+            "generate",
+            "--addr",
+            addr,
+            "--input-ids",
+            "5,6,7",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--logprobs",
+        )
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert len(out["token_ids"]) == 6 and len(out["logprobs"]) == 6
+        assert out["finish_reason"] == "length" and out["text"] == "".join(f" w{t}" for t in out["token_ids"])
+
+        r = cli("generate", "--addr", addr, "--prompt", "w5 w6 w7", "--max-new-tokens", "6")
+        assert r.returncode == 0 and r.stdout.strip() == out["text"].strip()
+        assert "finish_reason=length" in r.stderr
+
+        r = cli("generate", "--addr", addr, "--input-ids", "5,6", "--temperature", "-1")
+        assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "temperature" in r.stderr
+    finally:
+        up.send_signal(signal.SIGTERM)
+        rc = up.wait(60)
+    assert rc == 0
+    deadline = time.monotonic() + 10
+    while not all(gone(k) for k in kids) or any(listening(p) for p in ports):
+        assert time.monotonic() < deadline, f"left behind: {[k for k in kids if not gone(k)]} {ports}"
+        time.sleep(0.1)
+
+
+def test_generate_reports_unreachable_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = cli("generate", "--addr", f"127.0.0.1:{port}", "--input-ids", "1", "--timeout", "5")
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
+
+
+def test_up_fails_cleanly_when_a_child_dies(model):
+    # 9 GPU experts of 8: the coordinator refuses the placement and exits
+    up = start_up("--model", str(model), "--device", "cpu", "--num-gpu-experts", "9")
+    out, err = up.communicate(timeout=120)
+    assert up.returncode == 1, (out, err)
+    assert "coordinator exited" in err and "serving" not in out
+    assert children_of(up.pid) == []
