@@ -28,54 +28,54 @@ def _is_mtp(name: str, num_layers: int, num_mtp_layers: int) -> bool:
     return m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers
 
 
-def _target(model: nn.Module, name: str) -> tuple[str, slice | None]:
-    """Checkpoint name -> (parameter name, row slice within it or None)."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    module_path, _, leaf = name.rpartition(".")  # leaf: weight | bias | e_score_correction_bias
-    parent_path, _, proj = module_path.rpartition(".")
-    if parent_path:
-        try:
-            parent = model.get_submodule(parent_path)
-        except AttributeError:
-            parent = None
-        for child_name, child in parent.named_children() if parent is not None else ():
-            if isinstance(child, MergedLinear) and proj in child.parts:
-                start, rows = child.part_rows(proj)
-                return f"{parent_path}.{child_name}.{leaf}", slice(start, start + rows)
-    return name, None
+def _slots(model: nn.Module) -> dict[str, tuple[str, slice | None, tuple[int, ...]]]:
+    """Every checkpoint name the model expects -> (parameter, row slice or None, shape)."""
+    out: dict[str, tuple[str, slice | None, tuple[int, ...]]] = {}
+    merged: set[str] = set()
+    for path, mod in model.named_modules():
+        if not isinstance(mod, MergedLinear):
+            continue
+        parent = path.rpartition(".")[0]
+        for leaf, param in mod.named_parameters(recurse=False):
+            merged.add(f"{path}.{leaf}")
+            for part in mod.parts:
+                start, rows = mod.part_rows(part)
+                shape = (rows, *param.shape[1:])
+                out[f"{parent}.{part}.{leaf}"] = (f"{path}.{leaf}", slice(start, start + rows), shape)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name not in merged:
+            out[name] = (name, None, tuple(param.shape))
+    return out
 
 
 def load_model(reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
     model = build_model(reader.config, dtype)
     model.to_empty(device=device)
     params = dict(model.named_parameters(remove_duplicate=False))
-    want_rows = {n: p.shape[0] if p.dim() else 1 for n, p in params.items()}
-    filled: dict[str, int] = dict.fromkeys(params, 0)
+    expected = _slots(model)
     cfg = reader.config
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
     mtp = int(cfg.extra.get("num_mtp_layers", 0))
+    seen: set[str] = set()
     for ck_name, tensor in reader.non_expert_tensors().items():
         if ck_name.endswith(_IGNORED) or _is_mtp(ck_name, cfg.num_layers, mtp):
             continue
-        pname, rows = _target(model, ck_name)
-        param = params.get(pname)
-        if param is None:
+        name = ck_name.replace(".block_sparse_moe.", ".mlp.")
+        if name not in expected:
+            raise CheckpointError(f"checkpoint tensor {ck_name!r} has no place in the {cfg.model_type} model")
+        pname, rows, shape = expected[name]
+        if tuple(tensor.shape) != shape:
             raise CheckpointError(
-                f"checkpoint tensor {ck_name!r} has no place in the {reader.config.model_type} model"
+                f"tensor {ck_name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
             )
-        dst = param.data if rows is None else param.data[rows]
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"tensor {ck_name!r} has shape {list(tensor.shape)}, expected {list(dst.shape)}"
-            )
+        dst = params[pname].data if rows is None else params[pname].data[rows]
         dst.copy_(tensor.to(dst.dtype))
-        filled[pname] += dst.shape[0] if dst.dim() else 1
-    if reader.config.tie_word_embeddings:
-        filled["lm_head.weight"] = want_rows["lm_head.weight"]
-    for pname, got in filled.items():
-        if got != want_rows[pname]:
-            raise CheckpointError(
-                f"{reader.path}: tensor for parameter {pname!r} is missing "
-                f"(expected shape {list(params[pname].shape)}, filled {got} of {want_rows[pname]} rows)"
-            )
+        seen.add(name)
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        listed = ", ".join(f"{n!r} (expected shape {list(expected[n][2])})" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{reader.path}: missing tensors {listed}{more}")
     model.eval()
     return model
