@@ -33,17 +33,24 @@ class MoEBlock(nn.Module):
     """Routed experts go to the dispatcher; the shared expert (if any) runs here meanwhile.
 
     ``shared_name`` is the checkpoint's attribute name of the shared expert
-    (``shared_expert`` for Qwen2-MoE, ``shared_experts`` for DeepSeek).
+    (``shared_expert`` for Qwen2-MoE, ``shared_experts`` for DeepSeek). The shared expert runs
+    between submit and wait, overlapping with remote experts.
     """
 
     def __init__(
-        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, shared_name: str = "shared_expert"
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        shared_name: str = "shared_expert",
+        logits_fp32: bool = False,
     ) -> None:
         super().__init__()
         self.layer = layer
         self.spec = RouterSpec.from_config(cfg)
         self.gate = Gate(cfg, dtype)
         self.shared_name = shared_name
+        self.logits_fp32 = logits_fp32  # DeepSeek's router multiplies in float32
         if cfg.shared_expert_intermediate_size:
             setattr(self, shared_name, GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype))
         self.shared_expert_gate = linear(cfg.hidden_size, 1, dtype) if cfg.shared_expert_gate else None
@@ -53,7 +60,10 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]
         assert self.dispatcher is not None, "MoEBlock used before a dispatcher was attached"
-        logits = F.linear(x, self.gate.weight)  # [T, E]
+        if self.logits_fp32:
+            logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
+        else:
+            logits = F.linear(x, self.gate.weight)  # [T, E]
         topk_ids, topk_weights = route(logits, self.spec, self.gate.e_score_correction_bias)
         if self.load_hook is not None:
             self.load_hook(self.layer, topk_ids)
