@@ -17,6 +17,7 @@ from expertmesh.experts import TorchExpertBackend, torch_moe
 from gpu_server.backend import TritonExpertBackend, make_backend
 from gpu_server.kernels import ConfigTable, GemmConfig, MoeConfig, default_config, fused_moe
 from gpu_server.kernels.align import align_pairs
+from gpu_server.kernels.reduce import sum_k
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -91,6 +92,19 @@ def test_skipped_tokens_are_zero():
     slot_ids[:] = -1
     out = run_poisoned(x, w13, w2, slot_ids, weights, config=MoeConfig(16, SMALL, SMALL))
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_reduce_ignores_unwritten_rows():
+    """Rows of skipped pairs are never written by the down GEMM: garbage there must not leak."""
+    g = torch.Generator().manual_seed(4)
+    t, k, h = 5, 3, 320
+    slot_ids = torch.randint(-1, 2, (t, k), generator=g, dtype=torch.int32)
+    y = torch.randn(t * k, h, generator=g)
+    y[slot_ids.flatten() < 0] = float("nan")
+    out = torch.full((t, h), float("nan"))
+    sum_k(y, slot_ids, out)
+    ref = torch.where((slot_ids >= 0)[..., None], y.view(t, k, h), 0.0).sum(1)
+    torch.testing.assert_close(out, ref)
 
 
 def test_alignment_invariants():

@@ -29,11 +29,13 @@ def _sum_k_kernel(
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     ks = tl.arange(0, K_PAD)
     pair = t * TOP_K + ks  # [K_PAD]
-    # rows of pairs with slot -1 were never written: the mask keeps them out
     here = tl.load(slot_ptr + pair, mask=ks < TOP_K, other=-1) >= 0  # [K_PAD]
     ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + cols[None, :]  # [K_PAD, BLOCK_H]
-    rows = tl.load(ptrs, mask=here[:, None] & (cols < H)[None, :], other=0.0)
-    acc = tl.sum(rows.to(tl.float32), axis=0)
+    # rows of pairs with slot -1 hold garbage (never written): loaded anyway, so this load does
+    # not wait on the slot ids, then dropped by the select (never added, so NaN cannot leak)
+    rows = tl.load(ptrs, mask=(ks < TOP_K)[:, None] & (cols < H)[None, :], other=0.0)
+    rows = tl.where(here[:, None], rows.to(tl.float32), 0.0)
+    acc = tl.sum(rows, axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
@@ -43,8 +45,9 @@ def sum_k(y: torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor) -> None:
     h = out.shape[1]
     assert y.stride(1) == 1 and out.stride(1) == 1, f"{y.stride()=} {out.stride()=}"
     k_pad = triton.next_power_of_2(top_k)
-    # all K rows of a column block are loaded at once: about 4096 elements in flight per program
-    block_h = min(triton.next_power_of_2(h), max(128, 4096 // k_pad))
+    # all K rows of a column block are loaded at once: up to 16K elements in flight per program
+    block_h = min(triton.next_power_of_2(h), max(256, 16384 // k_pad))
+    warps = 8 if k_pad * block_h >= 8192 else 4
     _sum_k_kernel[(t, triton.cdiv(h, block_h))](
-        y, slot_ids, out, h, top_k, y.stride(0), out.stride(0), K_PAD=k_pad, BLOCK_H=block_h, num_warps=4
+        y, slot_ids, out, h, top_k, y.stride(0), out.stride(0), K_PAD=k_pad, BLOCK_H=block_h, num_warps=warps
     )
