@@ -8,7 +8,8 @@ tiles (median of triton.testing.do_bench, L2 flushed between calls) and the best
 the block_m with the lowest sum wins. Triton's own multi-config autotuner is not used: it does
 not run under the CPU interpreter and would tune inside serving. Every candidate is compiled first,
 in parallel worker processes that fill Triton's on-disk cache; candidates that fail to compile
-(shared memory) are dropped. Entries of shapes not re-tuned are kept from the existing file.
+(shared memory) are dropped. Shapes and token buckets not re-tuned keep their entries from the
+existing file. The default set takes about a minute on an H200.
 """
 
 from __future__ import annotations
