@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import os
 
-# NOTE: must be set before any Triton kernel is defined (kernels run interpreted on the CPU).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# NOTE: must be set before any Triton kernel is defined. Without a GPU the kernels run in
+# Triton's interpreter; on a GPU they compile (unless TRITON_INTERPRET is set explicitly).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
