@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Coroutine
 
 import torch
 
@@ -85,18 +86,20 @@ async def serve(config) -> int:
     return 0
 
 
+def _run_loop(main: Coroutine[object, object, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    try:
-        return runner(serve(config_from_args(args)))
+        return _run_loop(serve(config_from_args(args)))
     except ValueError as e:  # bad flags, checkpoint or config: ConfigError, CheckpointError, ...
         print(f"error: {e}", file=sys.stderr)
         return 2

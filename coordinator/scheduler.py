@@ -91,6 +91,30 @@ class Request:
 
 
 @dataclass(frozen=True)
+class _Add:
+    req: Request
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    rid: int
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], object]
+    fut: Future
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Message = _Add | _Cancel | _Call | _Stop
+
+
+@dataclass(frozen=True)
 class SchedulerLimits:
     max_batch_tokens: int = 512  # tokens per step (decodes + prefill chunks)
     max_running: int = 64  # requests holding KV pages at once
@@ -115,7 +139,7 @@ class Scheduler:
         self.eos_ids = frozenset(eos_ids)
         self.num_preemptions = 0
         self.num_steps = 0
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._next_rid = 0
         self._rid_lock = threading.Lock()  # guards _next_rid and _stopped
         self._stopped = False
@@ -131,7 +155,7 @@ class Scheduler:
 
     def stop(self, timeout: float | None = None) -> None:
         """Ends the loop after the current step; unfinished requests get a SchedulerStopped error."""
-        self._inbox.put(("stop", None))
+        self._inbox.put(_Stop())
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -145,11 +169,11 @@ class Scheduler:
         with self._rid_lock:
             if self._stopped:
                 raise SchedulerStopped("the coordinator is shutting down")
-            self._inbox.put(("add", req))
+            self._inbox.put(_Add(req))
         return rid
 
     def cancel(self, rid: int) -> None:
-        self._inbox.put(("cancel", rid))
+        self._inbox.put(_Cancel(rid))
 
     def call_between_steps(self, fn: Callable[[], object]) -> Future:
         """Runs ``fn`` on the scheduler thread between two steps (e.g. reconnecting expert
@@ -159,7 +183,7 @@ class Scheduler:
             if self._stopped:
                 fut.set_exception(SchedulerStopped("the coordinator is shutting down"))
                 return fut
-            self._inbox.put(("call", (fn, fut)))
+            self._inbox.put(_Call(fn, fut))
         return fut
 
     def stats(self) -> dict[str, int]:
@@ -188,14 +212,13 @@ class Scheduler:
                 self._stopped = True
             while True:  # what was queued before the flag was set
                 try:
-                    kind, payload = self._inbox.get_nowait()
+                    msg = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if kind == "add":
-                    assert isinstance(payload, Request)
-                    self._requests[payload.rid] = payload
-                elif kind == "call":
-                    payload[1].set_exception(SchedulerStopped("the coordinator is shutting down"))  # type: ignore[index]
+                if isinstance(msg, _Add):
+                    self._requests[msg.req.rid] = msg.req
+                elif isinstance(msg, _Call):
+                    msg.fut.set_exception(SchedulerStopped("the coordinator is shutting down"))
             for req in list(self._requests.values()):
                 self._finish(req, "error", error=SchedulerStopped("the coordinator is shutting down"))
 
@@ -206,24 +229,20 @@ class Scheduler:
         except queue.Empty:
             return True
         while True:
-            kind, payload = msg
-            if kind == "stop":
+            if isinstance(msg, _Stop):
                 return False
-            if kind == "add":
-                assert isinstance(payload, Request)
-                self._requests[payload.rid] = payload
-                self._waiting.append(payload)
-            elif kind == "cancel":
-                req = self._requests.get(payload)  # type: ignore[arg-type]
+            if isinstance(msg, _Add):
+                self._requests[msg.req.rid] = msg.req
+                self._waiting.append(msg.req)
+            elif isinstance(msg, _Cancel):
+                req = self._requests.get(msg.rid)
                 if req is not None:
                     self._finish(req, "cancelled")
-            elif kind == "call":
-                fn, fut = payload  # type: ignore[misc]
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except Exception as exc:  # handed to the caller through the future
-                        fut.set_exception(exc)
+            elif msg.fut.set_running_or_notify_cancel():
+                try:
+                    msg.fut.set_result(msg.fn())
+                except Exception as exc:  # handed to the caller through the future
+                    msg.fut.set_exception(exc)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:

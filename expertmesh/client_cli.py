@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         with Client(args.addr, timeout=args.timeout) as client:
             if args.json:
                 out = client.generate(args.prompt, args.input_ids, **kw)
-                obj = {
+                obj: dict[str, object] = {
                     "token_ids": out.token_ids,
                     "text": out.text,
                     "finish_reason": out.finish_reason,
