@@ -133,11 +133,8 @@ def resolve_model(args: argparse.Namespace) -> Path:
         return Path(args.model)
     from expertmesh.demo import write_demo_model
 
-    out = demo_dir()
-    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
-        print(f"writing the demo model to {out}", file=sys.stderr)
-        write_demo_model(out)
-    return out
+    # NOTE: copied every time (a few MB) so the cache never serves an older demo model
+    return write_demo_model(demo_dir())
 
 
 def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> tuple[Child, Child, list[str]]:
@@ -165,10 +162,10 @@ class Stopped(Exception):
 def run(args: argparse.Namespace) -> int:
     from expertmesh.config import ModelConfig
 
-    model = resolve_model(args)
     try:
+        model = resolve_model(args)
         num_experts = ModelConfig.from_dir(model).num_experts
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # ConfigError, DemoModelMissing, unreadable directory
         print(f"error: {e}", file=sys.stderr)
         return 2
     gpu, cpu, coord_cmd = build_children(args, model, num_experts)
