@@ -277,6 +277,22 @@ print(f"ok: {len(ids)} tokens, finish_reason={reason}, text={ans.get('text')!r}"
 EOF
 }
 
+# What `grpcurl -plaintext HOST:PORT list` shows, through server reflection (no grpcurl here).
+check_reflection() {
+    docker run --rm -i --network host --entrypoint python "$IMAGE" - "127.0.0.1:$PORT" <<'EOF' ||
+import sys
+import grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+with grpc.insecure_channel(sys.argv[1]) as ch:
+    stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+    req = reflection_pb2.ServerReflectionRequest(list_services="")
+    names = [s.name for r in stub.ServerReflectionInfo(iter([req]), timeout=10) for s in r.list_services_response.service]
+print("reflection lists:", " ".join(names))
+assert "expertmesh.v1.Generation" in names, names
+EOF
+        die "server reflection does not list expertmesh.v1.Generation"
+}
+
 main() {
     trap cleanup EXIT
     trap 'exit 130' INT TERM
@@ -316,6 +332,7 @@ main() {
 
     phase generate
     check_generation
+    check_reflection
 
     phase compose-down
     compose down -v --remove-orphans
