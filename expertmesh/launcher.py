@@ -8,7 +8,8 @@ coordinator first and the expert servers after it.
 Children run in their own session (a terminal's Ctrl-C reaches only this process, which stops
 them in order) and get SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG). If a
 child exits while starting or serving, the others are stopped, the tail of its output is
-printed and the exit status is non-zero.
+printed and the exit status is non-zero. With ``--prompt``, it prints one completion once
+serving and then stops everything (``make demo``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait until serving")
     p.add_argument("--verbose", action="store_true", help="echo the children's output to stderr")
+    p.add_argument(
+        "--prompt",
+        default=None,
+        help="print one completion of this prompt once serving, then stop everything",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=32, help="for --prompt")
 
 
 def demo_dir() -> Path:
@@ -224,10 +231,31 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
         file=sys.stderr,
         flush=True,
     )
+    if args.prompt is not None:
+        return _complete(addr, args.prompt, args.max_new_tokens)
     while not stop.wait(0.5):
         dead = [c for c in children if not c.alive()]
         if dead:
             print(f"error: {dead[0].report()}", file=sys.stderr)
             return 1
     print("stopping", file=sys.stderr, flush=True)
+    return 0
+
+
+def _complete(addr: str, prompt: str, max_new_tokens: int) -> int:
+    """Streams one completion of ``prompt`` to stdout (the ``make demo`` path)."""
+    import grpc
+
+    from expertmesh.client import Client
+
+    try:
+        with Client(addr) as client:
+            sys.stdout.write(prompt)
+            for chunk in client.stream(prompt, max_new_tokens=max_new_tokens):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except grpc.RpcError as e:
+        print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
     return 0

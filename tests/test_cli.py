@@ -42,6 +42,24 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def serving_processes(model: Path) -> list[int]:
+    """Live processes whose command line names ``model`` (the children of an ``up``)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            d.name.isdigit()
+            and str(model).encode() in cmd
+            and b"expertmesh.cli" in cmd
+            and not gone(int(d.name))
+        ):
+            out.append(int(d.name))
+    return out
+
+
 def gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -135,4 +153,15 @@ def test_up_fails_cleanly_when_a_child_dies(model):
     out, err = up.communicate(timeout=120)
     assert up.returncode == 1, (out, err)
     assert "coordinator exited" in err and "serving" not in out
-    assert children_of(up.pid) == []
+    assert serving_processes(model) == []
+
+
+def test_up_with_prompt_prints_one_completion_and_stops(model):
+    up = start_up("--model", str(model), "--device", "cpu", "--prompt", "w5 w6 w7", "--max-new-tokens", "6")
+    out, err = up.communicate(timeout=120)
+    assert up.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("expertmesh is serving on ")
+    words = lines[1].split()
+    assert words[:3] == ["w5", "w6", "w7"] and len(words) == 9, lines
+    assert serving_processes(model) == []
