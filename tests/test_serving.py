@@ -254,3 +254,25 @@ def test_health_reflection_and_admin(server):
     assert sorted(layers) == [0, 2]  # layer 1 of the tiny qwen3_moe is dense
     for counts in layers.values():
         assert len(counts) == 8 and sum(counts) > 0 and sum(counts) % 2 == 0  # top-2
+
+
+def test_config_validation_and_sizes(model):
+    from coordinator.server import create_server, parse_size
+
+    assert parse_size("256MiB") == parse_size("256M") == 256 << 20
+    assert parse_size("1.5GB") == 3 << 29 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+    for bad in (
+        dict(dtype="int8"),
+        dict(port=70000),
+        dict(page_size=0),
+        dict(max_running=0),
+        dict(max_context=1),
+    ):
+        with pytest.raises(ValueError):
+            config(model[0], **bad)
+    with pytest.raises(ValueError, match="not even one page"):
+        create_server(config(model[0], kv_memory_bytes=100))
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        create_server(config(model[0], kv_memory_bytes=1 << 16, max_context=200))
