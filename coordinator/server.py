@@ -145,7 +145,7 @@ def parse_request(
         ids = list(req.input_ids)
     if not ids:
         raise InvalidRequest("empty input: give a non-empty prompt or input_ids")
-    _check_ids("input_ids", ids, limits.vocab_size)
+    _check_ids("prompt tokens" if req.prompt else "input_ids", ids, limits.vocab_size)
     if len(ids) >= limits.max_context:
         raise InvalidRequest(
             f"prompt of {len(ids)} tokens does not fit the max context of {limits.max_context} tokens"

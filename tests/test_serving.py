@@ -180,8 +180,8 @@ def test_invalid_requests_are_rejected_and_server_keeps_serving(server):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
             assert e.value.details(), name
             print(f"{name}: {e.value.details()}")
-        ok = c.generate(input_ids=[3, 4, 5], max_new_tokens=4)
-        assert ok.finish_reason == "length" and len(ok.token_ids) == 4
+        ok = c.generate(input_ids=[3, 4, 5], max_new_tokens=4, request_id="abc")
+        assert ok.finish_reason == "length" and len(ok.token_ids) == 4 and ok.request_id == "abc"
     st = wait_idle(server)
     assert st["free_pages"] == st["total_pages"]
 
