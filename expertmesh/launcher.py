@@ -115,7 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator-device", default="cpu", help="device of attention and the KV cache")
     p.add_argument("--host", default="127.0.0.1", help="coordinator's bind address")
     p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free port)")
-    p.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"])
+    p.add_argument(
+        "--transport", default="auto", help="coordinator <-> expert server data path (auto, grpc, shm, ...)"
+    )
     p.add_argument("--kv-memory", default=None, help="coordinator KV cache budget, e.g. 512MiB")
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads of the coordinator and CPU server"
