@@ -213,7 +213,7 @@ build_image() {
         ln "$src" "$WHEEL_LINK" 2>/dev/null || cp "$src" "$WHEEL_LINK"
     fi
     local args=(--network host -f "$ROOT/docker/Dockerfile"
-        --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "TORCH_WHEEL=$name")
+        --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "TORCH_WHEEL=$name" --build-arg OMIT_DEPS=triton)
     docker build "${args[@]}" -t "$IMAGE" "$ROOT" >"$RUN_DIR/build.log" 2>&1 ||
         { tail -n 60 "$RUN_DIR/build.log"; die "docker build failed (log above)"; }
     grep -E '^Step [0-9]+/[0-9]+ :|Using cache' "$RUN_DIR/build.log" | awk '
