@@ -10,6 +10,10 @@ matched to responses by sequence number. A failed or timed-out server fails the 
 :class:`ExpertServerError` carrying a gRPC status; the next step reconnects (re-pushing the
 placement if the server restarted).
 
+Data path per server (``--transport``, negotiated at connect from ``Describe``): plain gRPC
+messages, or a shared-memory / CUDA IPC fast path (expertmesh.transport) set up by a handshake
+on the stream; the stream then carries only what does not fit in the ring, and the liveness.
+
 Shapes: T tokens, K top-k, H hidden, E experts, T_s rows sent to one server.
 """
 
@@ -24,6 +28,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 import torch
@@ -33,9 +38,14 @@ from coordinator.dispatch import Dispatcher, Pending
 from expertmesh import placement as pl
 from expertmesh import wire
 from expertmesh.config import ModelConfig
+from expertmesh.transport import negotiate
+from expertmesh.transport.client import Reply, ShmClient
+from expertmesh.transport.cuda_ipc import CudaIpcError, device_uuid
+from expertmesh.transport.errors import Rejected
+from expertmesh.transport.handshake import Ack, HandshakeError
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
-from expertmesh.worker.server import grpc_options
+from expertmesh.worker.server import grpc_options, host_id
 
 log = logging.getLogger("expertmesh.remote")
 
@@ -66,17 +76,23 @@ class ClusterConfig:
     replica_policy: str = "static"
     gpu_prefill_token_threshold: int = 0  # 0 = off
     timeout_s: float = 30.0
-    transport: str = "auto"
+    transport: str = "auto"  # auto | grpc | shm | cuda_ipc (expertmesh/transport/negotiate.py)
     max_message_mb: int = 256
+    shm_ring_mb: float = 64  # per server stream; a payload that does not fit goes over gRPC
 
     def __post_init__(self) -> None:
         assert self.replica_policy in ("static", "round_robin"), f"{self.replica_policy=}"
-        assert self.transport in ("auto", "grpc", "shm"), f"{self.transport=}"
+        assert self.transport in negotiate.CHOICES, f"{self.transport=}"
+        assert self.shm_ring_bytes >= 4096, f"{self.shm_ring_mb=}"
         assert self.timeout_s > 0, f"{self.timeout_s=}"
         names = [s.name for s in self.servers]
         assert len(set(names)) == len(names), f"duplicate server names {names}"
         if self.gpu_prefill_token_threshold and not self.gpu:
             raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server")
+
+    @property
+    def shm_ring_bytes(self) -> int:
+        return int(self.shm_ring_mb * (1 << 20)) // 4096 * 4096
 
     @property
     def gpu(self) -> list[ServerSpec]:
@@ -108,7 +124,19 @@ class ClusterConfig:
             default=30.0,
             help="seconds before an expert server is declared failed",
         )
-        g.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"])
+        g.add_argument(
+            "--transport",
+            default="auto",
+            choices=list(negotiate.CHOICES),
+            help="data path to the expert servers: auto = the fastest both sides offer; shm / cuda_ipc = "
+            "require shared memory / CUDA IPC (same host / same GPU); grpc = plain gRPC",
+        )
+        g.add_argument(
+            "--shm-ring-mb",
+            type=float,
+            default=64,
+            help="shared-memory ring per expert server; larger payloads go over gRPC",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
@@ -122,6 +150,7 @@ class ClusterConfig:
             gpu_prefill_token_threshold=args.gpu_prefill_token_threshold,
             timeout_s=args.expert_timeout,
             transport=args.transport,
+            shm_ring_mb=args.shm_ring_mb,
         )
 
 
@@ -132,13 +161,51 @@ class _Stream:
     pending: dict[int, Future] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     dead: ExpertServerError | None = None
+    fast: ShmClient | None = None  # the stream's shared-memory channel, if it has one
+
+
+class _GrpcReply:
+    def __init__(self, fut: Future) -> None:
+        self.fut = fut
+
+    def result(self, timeout: float) -> torch.Tensor:  # [T_s, H]
+        return wire.decode(self.fut.result(timeout=timeout).output, "output")
+
+    def release(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+
+class _FastReply:
+    def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply) -> None:
+        self.conn, self.st, self.reply = conn, st, reply
+
+    def result(self, timeout: float) -> torch.Tensor:  # [T_s, H], a view valid until release()
+        try:
+            return self.reply.result(timeout)
+        except Rejected as e:
+            if self.st.dead is not None:  # the stream died: its error says why
+                raise self.st.dead from None
+            # the server refused the request: as on the gRPC path, that ends the stream
+            err = ExpertServerError(e.code, f"{self.conn.describe_self()}: {e.code.name}: {e.message}")
+            self.conn.end_stream(self.st, err)
+            raise err from None
+
+    def release(self) -> None:
+        self.reply.release()
+
+    def abandon(self) -> None:
+        self.reply.abandon()
 
 
 class ServerConnection:
     """One expert server: channel, description, placement push, the Forward stream."""
 
-    def __init__(self, spec: ServerSpec, cluster: ClusterConfig) -> None:
+    def __init__(self, spec: ServerSpec, cluster: ClusterConfig, device: torch.device | None = None) -> None:
         self.spec, self.cluster = spec, cluster
+        self.device = device or torch.device("cpu")
         self.channel = grpc.insecure_channel(
             spec.address,
             options=[
@@ -156,6 +223,13 @@ class ServerConnection:
         self.slots_used = 0
         self._stream: _Stream | None = None
         self._seq = itertools.count(1)
+        self.plan = "grpc"  # data path chosen from Describe (negotiate.choose)
+        self.transport = "grpc"  # the path of the current stream (the handshake may settle lower)
+        self.transport_note = ""  # why nothing faster
+        self.fast_fallbacks = 0  # requests sent over gRPC on a fast stream (no room in the ring)
+
+    def describe_self(self) -> str:
+        return f"expert server {self.spec.name} ({self.spec.address})"
 
     # ------------------------------------------------------------ control plane
 
@@ -202,7 +276,65 @@ class ServerConnection:
         call = self.stub.Forward(iter(q.get, None))
         st = _Stream(call, q)
         threading.Thread(target=self._read, args=(st,), daemon=True, name=f"read-{self.spec.name}").start()
+        self.transport = "grpc"
+        if self.plan != "grpc":
+            self._handshake(st)
         return st
+
+    def _handshake(self, st: _Stream) -> None:
+        """Offers the planned fast path on a new stream and settles for the server's answer."""
+        try:
+            fast = ShmClient(self.plan, self.cluster.shm_ring_bytes, self.device)
+        except (OSError, CudaIpcError) as e:
+            self._settle(st, None, Ack("grpc", f"cannot create the shared-memory channel here: {e}"))
+            return
+        fut: Future = Future()
+        with st.lock:
+            st.pending[0] = fut
+        st.requests.put(pb.ForwardRequest(seq=0, fast_path=fast.hello()))
+        wait_s = min(10.0, self.cluster.timeout_s)
+        try:
+            ack = Ack.decode(fut.result(timeout=wait_s).fast_path)
+        except (ExpertServerError, FutureTimeout, HandshakeError) as e:
+            fast.close()
+            why = str(e) or f"no answer within {wait_s:g}s"
+            self.end_stream(
+                st,
+                ExpertServerError(
+                    grpc.StatusCode.UNAVAILABLE, f"{self.describe_self()}: fast-path handshake: {why}"
+                ),
+            )
+            assert st.dead is not None
+            raise st.dead from None
+        self._settle(st, fast, ack)
+
+    def _settle(self, st: _Stream, fast: ShmClient | None, ack: Ack) -> None:
+        """Takes the server's answer (``auto`` accepts a slower path, a required path does not)."""
+        requested = self.cluster.transport
+        if not negotiate.acceptable(requested, self.plan, ack.transport):
+            why = f"{self.describe_self()} answered {ack.transport}: {ack.reason}"
+            self._refuse(st, fast, f"--transport {requested}: {why}")
+        self.transport_note = ack.reason
+        if ack.transport == "grpc":
+            if fast is not None:
+                fast.close()
+            log.info("%s: plain gRPC (%s)", self.spec.name, ack.reason)
+            return
+        assert fast is not None
+        try:
+            fast.accept(ack)
+        except CudaIpcError as e:
+            if requested == "auto":
+                self.plan = "shm"  # the next stream asks for less
+            self._refuse(st, fast, f"{self.describe_self()}: cannot map its CUDA IPC output ring: {e}")
+        st.fast, self.transport = fast, fast.transport
+
+    def _refuse(self, st: _Stream, fast: ShmClient | None, message: str) -> NoReturn:
+        if fast is not None:
+            fast.close()
+        err = ExpertServerError(grpc.StatusCode.FAILED_PRECONDITION, message)
+        self.end_stream(st, err)
+        raise err
 
     def _read(self, st: _Stream) -> None:
         try:
@@ -218,27 +350,73 @@ class ServerConnection:
 
     def _fail(self, st: _Stream, err: ExpertServerError) -> None:
         with st.lock:
-            st.dead = err
+            first = st.dead is None
+            if first:  # NOTE: the first error says why; the cancellation that follows does not
+                st.dead = err
             pending, st.pending = st.pending, {}
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(err)
-        if err.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                fut.set_exception(st.dead)
+        if st.fast is not None:
+            st.fast.kill(Rejected(err.code, str(err)))
+        if first and err.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             self.state, self.last_error = "unavailable", str(err)
 
+    def end_stream(self, st: _Stream, err: ExpertServerError) -> None:
+        """Fails ``st`` with ``err``, cancels it and frees its channel (the caller's thread)."""
+        self._fail(st, err)
+        st.requests.put(None)
+        st.call.cancel()
+        if st.fast is not None:
+            st.fast.close()
+        if self._stream is st:
+            self._stream = None
+
     def reset(self, reason: str) -> None:
-        st, self._stream = self._stream, None
+        st = self._stream
         if st is not None:
-            st.requests.put(None)
-            st.call.cancel()
-            self._fail(
+            self.end_stream(
                 st, ExpertServerError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.spec.name}: {reason}")
             )
 
-    def send(self, req: pb.ForwardRequest) -> Future:
+    def open_stream(self) -> _Stream:
+        """The live stream, opened (with its handshake) if there is none."""
         st = self._stream
+        if st is not None and st.dead is None and st.fast is not None and st.fast.dead:
+            # the channel failed with nobody waiting on it (its error went to no one)
+            why = st.fast.error
+            assert why is not None
+            self.end_stream(st, ExpertServerError(why.code, f"{self.describe_self()}: {why.message}"))
+            st = None
         if st is None or st.dead is not None:
+            if st is not None and st.fast is not None:
+                st.fast.close()
+            self._stream = None
             st = self._stream = self._open()
+        return st
+
+    def submit(
+        self, generation: int, layer: int, x: torch.Tensor, b: pl.ServerBatch
+    ) -> _GrpcReply | _FastReply:
+        """Sends one layer's batch for this server; the reply's ``result`` is ``[T_s, H]``."""
+        st = self.open_stream()
+        dtype = self.dtype or x.dtype
+        if st.fast is not None and st.dead is None:
+            r = st.fast.send(next(self._seq), generation, layer, x, b.rows, b.slot_ids, b.weights, dtype)
+            if r is not None:
+                return _FastReply(self, st, r)
+            self.fast_fallbacks += 1
+        req = pb.ForwardRequest(
+            generation=generation,
+            layer=layer,
+            hidden=wire.encode(x[b.rows.to(x.device)].to(dtype)),
+            slot_ids=wire.encode(b.slot_ids),
+            weights=wire.encode(b.weights),
+        )
+        return _GrpcReply(self.send(req))
+
+    def send(self, req: pb.ForwardRequest) -> Future:
+        st = self.open_stream()
         req.seq = next(self._seq)
         fut: Future = Future()
         with st.lock:
@@ -250,7 +428,8 @@ class ServerConnection:
         return fut
 
     def stream_alive(self) -> bool:
-        return self._stream is not None and self._stream.dead is None
+        st = self._stream
+        return st is not None and st.dead is None and not (st.fast is not None and st.fast.dead)
 
     def close(self) -> None:
         self.reset("closing")
@@ -274,7 +453,8 @@ class RemoteDispatcher(Dispatcher):
         if not cluster.servers:
             raise ValueError("a remote dispatcher needs at least one expert server")
         self.cfg, self.cluster, self.dtype, self.device = model_config, cluster, dtype, torch.device(device)
-        self.conns = [ServerConnection(s, cluster) for s in cluster.servers]
+        self.conns = [ServerConnection(s, cluster, self.device) for s in cluster.servers]
+        self.local_side = negotiate.Side(host_id(), device_uuid(self.device), ("shm", "cuda_ipc"))
         self.placement = self._initial_placement()
         self.full_server: int | None = None  # server holding every expert (prefill threshold)
         self.full_slots: dict[int, torch.Tensor] = {}  # layer -> [E] local slot on full_server
@@ -328,6 +508,8 @@ class RemoteDispatcher(Dispatcher):
         for conn in self.conns:
             self._call(conn, lambda c: c.commit(self.placement.generation, timeout_s))
             conn.state, conn.last_error = "ready", ""
+        for conn in self.conns:
+            self._call(conn, lambda c: c.open_stream())
 
     def _call(self, conn: ServerConnection, fn):
         try:
@@ -350,6 +532,7 @@ class RemoteDispatcher(Dispatcher):
     def _bring_up(self, conn: ServerConnection, deadline: float, commit: bool) -> None:
         info = self._call(conn, lambda c: self._describe(c, deadline))
         self._check_compatible(conn, info)
+        self._plan_transport(conn, info)
         conn.wait_serving(deadline)
         idx = self.conns.index(conn)
         table = self.tables[idx]
@@ -366,6 +549,20 @@ class RemoteDispatcher(Dispatcher):
                 self._call(conn, lambda c: c.commit(self.placement.generation, left))
         if commit:
             conn.state, conn.last_error = "ready", ""
+            self._call(conn, lambda c: c.open_stream())
+
+    def _plan_transport(self, conn: ServerConnection, info: pb.DescribeResponse) -> None:
+        offer = negotiate.Side(info.host_id, info.device_uuid, tuple(info.fast_paths))
+        try:
+            choice = negotiate.choose(self.cluster.transport, self.local_side, offer, conn.spec.name)
+        except negotiate.NegotiationError as e:
+            conn.state, conn.last_error = "unavailable", str(e)
+            raise ExpertServerError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{conn.describe_self()}: {e}"
+            ) from None
+        if choice.transport != conn.plan:
+            conn.reset("the data path changes")
+        conn.plan, conn.transport_note = choice.transport, choice.reason
 
     def _check_compatible(self, conn: ServerConnection, info: pb.DescribeResponse) -> None:
         cfg = self.cfg
@@ -400,7 +597,9 @@ class RemoteDispatcher(Dispatcher):
                     device=info.device if info else "",
                     slot_capacity=info.slot_capacity if info else 0,
                     slots_used=c.slots_used,
-                    transport="grpc",
+                    transport=c.transport,
+                    transport_note=c.transport_note,
+                    fast_fallbacks=c.fast_fallbacks,
                     last_error=c.last_error,
                 )
             )
@@ -433,43 +632,47 @@ class RemoteDispatcher(Dispatcher):
         batches = self._batches(layer, ids, w)
         # NOTE: CPU servers first: they are the slowest, so their work starts earliest.
         batches.sort(key=lambda b: self.conns[b.server].spec.kind != "cpu")
-        sent: list[tuple[pl.ServerBatch, Future]] = []
-        for b in batches:
-            conn = self.conns[b.server]
-            req = pb.ForwardRequest(
-                generation=self.placement.generation,
-                layer=layer,
-                hidden=wire.encode(x[b.rows.to(x.device)].to(conn.dtype or x.dtype)),
-                slot_ids=wire.encode(b.slot_ids),
-                weights=wire.encode(b.weights),
-            )
-            sent.append((b, conn.send(req)))
+        sent = [(b, self.conns[b.server].submit(self.placement.generation, layer, x, b)) for b in batches]
 
         def wait() -> torch.Tensor:
             out = torch.zeros_like(x)  # [T, H]
             deadline = time.monotonic() + self.cluster.timeout_s
-            for b, fut in sent:
-                conn = self.conns[b.server]
-                try:
-                    resp = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    conn.reset(f"no answer within {self.cluster.timeout_s:g}s")
-                    conn.state, conn.last_error = "unavailable", "timed out"
-                    raise ExpertServerError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"expert server {conn.spec.name} ({conn.spec.address}) did not answer layer {layer} "
-                        f"within {self.cluster.timeout_s:g}s",
-                    ) from None
-                part = wire.decode(resp.output, "output")  # [T_s, H]
-                if tuple(part.shape) != (b.rows.numel(), x.shape[1]):
-                    raise ExpertServerError(
-                        grpc.StatusCode.INTERNAL,
-                        f"{conn.spec.name} returned shape {list(part.shape)} for {b.rows.numel()} rows",
-                    )
-                out.index_add_(0, b.rows.to(x.device), part.to(device=x.device, dtype=x.dtype))
+            done = 0
+            try:
+                for b, reply in sent:
+                    part = self._collect(b, reply, layer, x.shape[1], deadline)  # [T_s, H]
+                    out.index_add_(0, b.rows.to(x.device), part.to(device=x.device, dtype=x.dtype))
+                    reply.release()
+                    done += 1
+            finally:
+                # NOTE: answers still due are freed when they arrive, never before: the server
+                # may be writing them into the ring right now.
+                for _, reply in sent[done:]:
+                    reply.abandon()
             return out
 
         return Pending(wait)
+
+    def _collect(
+        self, b: pl.ServerBatch, reply: _GrpcReply | _FastReply, layer: int, hidden: int, deadline: float
+    ) -> torch.Tensor:
+        conn = self.conns[b.server]
+        try:
+            part = reply.result(timeout=max(0.0, deadline - time.monotonic()))  # [T_s, H]
+        except FutureTimeout:
+            conn.reset(f"no answer within {self.cluster.timeout_s:g}s")
+            conn.state, conn.last_error = "unavailable", "timed out"
+            raise ExpertServerError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"expert server {conn.spec.name} ({conn.spec.address}) did not answer layer {layer} "
+                f"within {self.cluster.timeout_s:g}s",
+            ) from None
+        if tuple(part.shape) != (b.rows.numel(), hidden):
+            raise ExpertServerError(
+                grpc.StatusCode.INTERNAL,
+                f"{conn.spec.name} returned shape {list(part.shape)} for {b.rows.numel()} rows",
+            )
+        return part
 
     def close(self) -> None:
         for c in self.conns:

@@ -28,6 +28,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         experts=args.experts,
         capacity=args.capacity,
         max_message_mb=args.max_message_mb,
+        shm=not args.no_shm,
     )
 
 

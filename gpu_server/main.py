@@ -45,5 +45,6 @@ def run(args: argparse.Namespace) -> int:
         experts=args.experts,
         capacity=args.capacity,
         max_message_mb=args.max_message_mb,
+        shm=not args.no_shm,
     )
     return serve(config, backend_for(args.device), device_uuid(args.device))

@@ -47,7 +47,9 @@ def engine_for(path, cluster: ClusterConfig) -> tuple[Engine, RemoteDispatcher]:
     return Engine(model, d, KVCacheSpec(64, 4), torch.float32, torch.device("cpu")), d
 
 
-def placements(gpu, cpu, path, num_experts: int) -> dict[str, ClusterConfig]:
+def placements(gpu, cpu, path, num_experts: int, **cluster_args) -> dict[str, ClusterConfig]:
+    """Named placements over the two servers; ``cluster_args`` go to every ClusterConfig
+    (e.g. ``transport``)."""
     servers = (ServerSpec("gpu0", gpu.address, "gpu"), ServerSpec("cpu0", cpu.address, "cpu"))
     half = num_experts // 2
     # replicas across both servers: experts 0..half on GPU, everything on CPU (0..half twice)
@@ -58,11 +60,15 @@ def placements(gpu, cpu, path, num_experts: int) -> dict[str, ClusterConfig]:
     pfile = path / "placement.json"
     pfile.write_text(json.dumps(spec))
     return {
-        "all_gpu": ClusterConfig(servers, num_gpu_experts=num_experts),
-        "all_cpu": ClusterConfig(servers, num_gpu_experts=0),
-        "split": ClusterConfig(servers, num_gpu_experts=half - 1),
-        "file_replicas_rr": ClusterConfig(servers, placement_file=str(pfile), replica_policy="round_robin"),
-        "prefill_threshold": ClusterConfig(servers, num_gpu_experts=1, gpu_prefill_token_threshold=8),
+        "all_gpu": ClusterConfig(servers, num_gpu_experts=num_experts, **cluster_args),
+        "all_cpu": ClusterConfig(servers, num_gpu_experts=0, **cluster_args),
+        "split": ClusterConfig(servers, num_gpu_experts=half - 1, **cluster_args),
+        "file_replicas_rr": ClusterConfig(
+            servers, placement_file=str(pfile), replica_policy="round_robin", **cluster_args
+        ),
+        "prefill_threshold": ClusterConfig(
+            servers, num_gpu_experts=1, gpu_prefill_token_threshold=8, **cluster_args
+        ),
     }
 
 
@@ -71,9 +77,15 @@ PLACEMENTS = ["all_gpu", "all_cpu", "split", "file_replicas_rr", "prefill_thresh
 
 @pytest.mark.parametrize("which", PLACEMENTS)
 def test_cluster_matches_hf(cluster, which):
+    check_cluster_matches_hf(cluster, which)
+
+
+def check_cluster_matches_hf(cluster, which: str, **cluster_args) -> list[dict]:
+    """Runs prefill + greedy decode over the cluster against HF; returns the server infos
+    (tests/test_transport_cluster.py runs it over each data path)."""
     arch, path, hf, gpu, cpu = cluster
     ne = CheckpointReader(path).config.num_experts
-    eng, d = engine_for(path, placements(gpu, cpu, path, ne)[which])
+    eng, d = engine_for(path, placements(gpu, cpu, path, ne, **cluster_args)[which])
     cpu_conn = d.conns[1]
     cpu_tokens_before = cpu_conn.stub.Stats(pb.StatsRequest()).tokens
     try:
@@ -99,5 +111,6 @@ def test_cluster_matches_hf(cluster, which):
             assert cpu_tokens == 0
         else:
             assert cpu_tokens >= 12 * moe_layers // 2
+        return d.server_infos()
     finally:
         d.close()

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from expertmesh import wire
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
+from expertmesh.transport import segment
 from expertmesh.v1 import expert_worker_pb2, expert_worker_pb2_grpc
 from expertmesh.worker.servicer import ExpertWorkerServicer, WorkerIdentity
 from expertmesh.worker.slots import SlotTable, parse_expert_spec
@@ -57,6 +58,7 @@ class WorkerConfig:
     experts: str = "all"  # preloaded before any placement arrives: all | none | 0-15,32
     capacity: int | None = None  # local slots per layer; default: the model's expert count
     max_message_mb: int = 256
+    shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
 
     def __post_init__(self) -> None:
         assert self.kind in ("gpu", "cpu"), f"{self.kind=}"
@@ -87,6 +89,17 @@ class WorkerConfig:
             "--capacity", type=int, default=None, help="local slots per layer (default: expert count)"
         )
         p.add_argument("--max-message-mb", type=int, default=256)
+        p.add_argument(
+            "--no-shm",
+            action="store_true",
+            help="offer no shared-memory or CUDA IPC fast path: coordinators on this host use gRPC",
+        )
+
+    @property
+    def fast_paths(self) -> tuple[str, ...]:
+        if not self.shm or not segment.available():
+            return ()
+        return ("shm", "cuda_ipc") if self.device.startswith("cuda") else ("shm",)
 
 
 @dataclass
@@ -114,8 +127,12 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         device=config.device,
         host_id=host_id(),
         device_uuid=device_uuid,
+        fast_paths=config.fast_paths,
         max_message_bytes=config.max_message_bytes,
     )
+    if config.fast_paths:
+        for name in segment.sweep():
+            log.info("removed %s from %s (its creator is gone)", name, segment.SHM_DIR)
     servicer = ExpertWorkerServicer(slots, backend, identity)
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
     expert_worker_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)

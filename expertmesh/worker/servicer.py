@@ -1,6 +1,10 @@
-"""The ``expertmesh.v1.ExpertWorker`` servicer: validation at the boundary, compute in a
-single worker thread (so requests run in arrival order and a placement commit never lands in
-the middle of a request), typed errors mapped to gRPC status codes.
+"""The ``expertmesh.v1.ExpertWorker`` servicer: validation at the boundary, compute serialised
+(one request at a time, in arrival order, and a placement commit never lands in the middle of
+a request), typed errors mapped to gRPC status codes.
+
+A ``Forward`` stream whose first message is a fast-path handshake also gets a shared-memory
+channel (expertmesh.transport.server): its requests come through the channel's thread and are
+validated and computed by the same :meth:`check` and :meth:`compute` as gRPC messages.
 
 Shapes: T tokens, K top-k, H hidden, S local slots.
 """
@@ -8,6 +12,7 @@ Shapes: T tokens, K top-k, H hidden, S local slots.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +23,9 @@ import torch
 
 from expertmesh import wire
 from expertmesh.experts import ExpertBackend
+from expertmesh.transport.errors import Rejected
+from expertmesh.transport.handshake import Ack, HandshakeError, Hello
+from expertmesh.transport.server import FastRequest, ShmServer
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
 from expertmesh.worker.slots import SlotError, SlotTable
@@ -25,10 +33,8 @@ from expertmesh.worker.slots import SlotError, SlotTable
 MAX_TOP_K = 64
 
 
-class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+class RequestError(Rejected):
+    """A request refused with ``code`` (a grpc.StatusCode) and ``message``."""
 
 
 def _bad(message: str) -> RequestError:
@@ -68,57 +74,84 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         self.cfg = slots.reader.config
         self.stats = WorkerStats()
         self.tokens_per_slot: dict[int, torch.Tensor] = {}
-        # NOTE: one compute thread: requests and commits are serialised through it.
+        # NOTE: one compute thread for gRPC requests and commits; fast-path channel threads
+        # compute too, so compute and commit also hold this lock.
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
+        self._serial = threading.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="expert-load")
 
     # ------------------------------------------------------------ validation
 
     def validate(self, req: pb.ForwardRequest) -> ForwardArgs:
-        live = self.slots.live
-        if req.layer not in live.layers:
-            raise _bad(
-                f"layer {req.layer} is not an MoE layer of this model (MoE layers: {self.slots.moe_layers})"
-            )
-        if req.generation != live.generation:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"placement generation {req.generation} is not the live generation {live.generation}",
-            )
+        if req.fast_path:
+            raise _bad("a fast-path handshake must be the first message of a stream (seq 0)")
         try:
             x = wire.decode(req.hidden, "hidden")
             slot_ids = wire.decode(req.slot_ids, "slot_ids")
             weights = wire.decode(req.weights, "weights")
         except wire.WireError as e:
             raise _bad(str(e)) from None
+        return self.check(req.seq, req.layer, req.generation, x, slot_ids, weights)
+
+    def check(
+        self,
+        seq: int,
+        layer: int,
+        generation: int,
+        x: torch.Tensor,  # [T, H]
+        slot_ids: torch.Tensor,  # [T, K]
+        weights: torch.Tensor,  # [T, K]
+    ) -> ForwardArgs:
+        """The checks of a decoded request, whichever path it came by."""
+        live = self.slots.live
+        if layer not in live.layers:
+            raise _bad(
+                f"layer {layer} is not an MoE layer of this model (MoE layers: {self.slots.moe_layers})"
+            )
+        if generation != live.generation:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"placement generation {generation} is not the live generation {live.generation}",
+            )
         h = self.cfg.hidden_size
         if x.dtype != self.slots.dtype:
             raise _bad(
-                f"hidden has dtype {req.hidden.dtype}, this server computes in {wire.dtype_name(self.slots.dtype)}"
+                f"hidden has dtype {wire.dtype_name(x.dtype)}, this server computes in {wire.dtype_name(self.slots.dtype)}"
             )
         if x.dim() != 2 or x.shape[1] != h:
             raise _bad(f"hidden has shape {list(x.shape)}, expected [T, {h}]")
         t = x.shape[0]
         if slot_ids.dtype != torch.int32 or slot_ids.dim() != 2 or slot_ids.shape[0] != t:
-            raise _bad(f"slot_ids must be int32 [{t}, K], got {req.slot_ids.dtype} {list(slot_ids.shape)}")
+            raise _bad(
+                f"slot_ids must be int32 [{t}, K], got {wire.dtype_name(slot_ids.dtype)} {list(slot_ids.shape)}"
+            )
         k = slot_ids.shape[1]
         if not 0 < k <= MAX_TOP_K:
             raise _bad(f"top-k {k} outside [1, {MAX_TOP_K}]")
         if weights.dtype != torch.float32 or tuple(weights.shape) != (t, k):
-            raise _bad(f"weights must be float32 [{t}, {k}], got {req.weights.dtype} {list(weights.shape)}")
-        n_slots = len(live.layers[req.layer].experts)
-        if t and (int(slot_ids.min()) < -1 or int(slot_ids.max()) >= n_slots):
             raise _bad(
-                f"slot ids must be -1 or in [0, {n_slots}) for layer {req.layer}; "
-                f"got range [{int(slot_ids.min())}, {int(slot_ids.max())}]"
+                f"weights must be float32 [{t}, {k}], got {wire.dtype_name(weights.dtype)} {list(weights.shape)}"
             )
+        n_slots = len(live.layers[layer].experts)
+        if t:
+            lo, hi = (int(v) for v in torch.aminmax(slot_ids))
+            if lo < -1 or hi >= n_slots:
+                raise _bad(
+                    f"slot ids must be -1 or in [0, {n_slots}) for layer {layer}; got range [{lo}, {hi}]"
+                )
         if t and not bool(torch.isfinite(weights).all()):
             raise _bad("weights contain NaN or infinity")
-        return ForwardArgs(req.seq, req.layer, x, slot_ids, weights)
+        return ForwardArgs(seq, layer, x, slot_ids, weights)
 
     # ------------------------------------------------------------ compute
 
-    def compute(self, args: ForwardArgs, generation: int) -> torch.Tensor:
+    def compute(self, args: ForwardArgs, generation: int, to_host: bool = True) -> torch.Tensor:
+        """``[T, H]`` on the host, or on the server's device (``to_host=False``: the fast paths
+        copy it where the coordinator reads it)."""
+        with self._serial:
+            return self._compute_locked(args, generation, to_host)
+
+    def _compute_locked(self, args: ForwardArgs, generation: int, to_host: bool) -> torch.Tensor:
         live = self.slots.live
         if live.generation != generation:  # a commit ran between validation and compute
             raise RequestError(
@@ -129,9 +162,14 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         t0 = time.perf_counter()
         dev = self.slots.device
         out = self.backend.forward(
-            args.hidden.to(dev), layer.w13, layer.w2, args.slot_ids.to(dev), args.weights.to(dev)
+            args.hidden.to(dev, non_blocking=True),
+            layer.w13,
+            layer.w2,
+            args.slot_ids.to(dev, non_blocking=True),
+            args.weights.to(dev, non_blocking=True),
         )
-        out = out.cpu()
+        if to_host:
+            out = out.cpu()
         self.stats.compute_seconds += time.perf_counter() - t0
         self.stats.requests += 1
         self.stats.tokens += args.hidden.shape[0]
@@ -168,18 +206,52 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         self, request_iterator: AsyncIterator[pb.ForwardRequest], context
     ) -> AsyncIterator[pb.ForwardResponse]:
         loop = asyncio.get_running_loop()
-        async for req in request_iterator:
-            try:
-                args = self.validate(req)
-                t0 = time.perf_counter()
-                out = await loop.run_in_executor(self._compute, self.compute, args, req.generation)
-            except RequestError as e:
-                self.stats.errors += 1
-                await context.abort(e.code, e.message)
-                return
-            yield pb.ForwardResponse(
-                seq=req.seq, output=wire.encode(out), compute_ms=(time.perf_counter() - t0) * 1e3
-            )
+        fast: ShmServer | None = None
+        try:
+            async for req in request_iterator:
+                try:
+                    if req.fast_path and req.seq == 0 and fast is None:
+                        fast, ack = await self._open_fast_path(req.fast_path)
+                        yield pb.ForwardResponse(seq=0, fast_path=ack.encode())
+                        continue
+                    args = self.validate(req)
+                    t0 = time.perf_counter()
+                    out = await loop.run_in_executor(self._compute, self.compute, args, req.generation)
+                except RequestError as e:
+                    self.stats.errors += 1
+                    await context.abort(e.code, e.message)
+                    return
+                yield pb.ForwardResponse(
+                    seq=req.seq, output=wire.encode(out), compute_ms=(time.perf_counter() - t0) * 1e3
+                )
+        finally:
+            if fast is not None:
+                fast.close()
+
+    # ------------------------------------------------------------ fast paths
+
+    async def _open_fast_path(self, raw: bytes) -> tuple[ShmServer | None, Ack]:
+        try:
+            hello = Hello.decode(raw)
+        except HandshakeError as e:
+            raise _bad(str(e)) from None
+        if "shm" not in self.identity.fast_paths:
+            return None, Ack("grpc", "this server offers no shared-memory fast path (--no-shm)")
+        fast = ShmServer(hello, self.slots.device, self.fast_forward, self._count_error)
+        ack = await asyncio.wrap_future(fast.start())
+        return (fast if ack.transport != "grpc" else None), ack
+
+    def fast_forward(self, r: FastRequest) -> torch.Tensor:
+        """One fast-path request (on its channel's thread): the gRPC path's checks and compute."""
+        try:
+            args = self.check(r.seq, r.layer, r.generation, r.hidden, r.slot_ids, r.weights)
+            return self.compute(args, r.generation, to_host=False)
+        except RequestError:
+            self._count_error()
+            raise
+
+    def _count_error(self) -> None:
+        self.stats.errors += 1
 
     async def ApplyPlacement(self, request, context):
         loop = asyncio.get_running_loop()
@@ -194,7 +266,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                 read = await loop.run_in_executor(self._loader, self.slots.prepare, gen, table)
                 return pb.ApplyPlacementResponse(generation=self.slots.live.generation, experts_loaded=read)
             if phase == pb.ApplyPlacementRequest.COMMIT:
-                await loop.run_in_executor(self._compute, self.slots.commit, gen)
+                await loop.run_in_executor(self._compute, self._commit, gen)
             elif phase == pb.ApplyPlacementRequest.ABORT:
                 self.slots.abort(gen)
             else:
@@ -207,6 +279,10 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
             )
             await context.abort(code, str(e))
         return pb.ApplyPlacementResponse(generation=self.slots.live.generation)
+
+    def _commit(self, generation: int) -> None:
+        with self._serial:
+            self.slots.commit(generation)
 
     async def LoadAdapter(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "MoE LoRA adapters are not implemented yet")

@@ -1,0 +1,260 @@
+"""The coordinator's end of a fast-path channel to one expert server (one per ``Forward`` stream).
+
+Per request: allocate room in the ring (payload + answer), write the hidden states and the
+routing block there, write a :data:`~expertmesh.transport.descriptor.SIZE`-byte descriptor
+into the request FIFO; the server answers with a response descriptor in the response FIFO and
+the output in the room reserved for it. With ``cuda_ipc`` the hidden states go to this side's
+GPU ring and the output comes back in the server's GPU ring, ordered by two interprocess
+events; only the routing block and the descriptors touch host memory.
+
+Threads: ``send`` and ``Reply.result`` run on the caller's thread (the scheduler's); ``kill``
+may come from any thread (the gRPC reader that saw the stream die) and wakes a waiter through
+the response FIFO, which this side also holds open for writing.
+
+Shapes: T tokens sent to this server, H hidden, K top-k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import select
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from expertmesh.transport import cuda_ipc, segment
+from expertmesh.transport import descriptor as dsc
+from expertmesh.transport.errors import Rejected, code_of
+from expertmesh.transport.handshake import Ack, CudaHello, Hello
+from expertmesh.transport.layout import HEADER, HEADER_BYTES, SEGMENT_MAGIC, aligned, view
+from expertmesh.transport.ring import Region, Ring
+
+
+@dataclass
+class Reply:
+    """One request in flight on the fast path."""
+
+    channel: ShmClient
+    seq: int
+    out: torch.Tensor  # [T, H] where the server writes the answer
+    regions: tuple[tuple[Ring, Region], ...]  # where the request and its answer sit
+
+    def result(self, timeout: float) -> torch.Tensor:
+        """The output ``[T, H]`` (a view into the ring: use it before :meth:`release`).
+
+        Raises FutureTimeout after ``timeout`` seconds, Rejected if the server refused the
+        request or the channel died."""
+        self.channel.wait(self.seq, time.monotonic() + timeout)
+        if self.channel.gpu:
+            torch.cuda.current_stream(self.out.device).wait_event(self.channel.done_event)
+        return self.out
+
+    def release(self) -> None:
+        """Gives the ring space back (after the output was read)."""
+        for ring, region in self.regions:
+            if not region.freed:
+                ring.free(region)
+
+    def abandon(self) -> None:
+        """Nobody will read the output: the space comes back once the answer has arrived."""
+        self.channel.abandon(self)
+
+
+class ShmClient:
+    def __init__(self, transport: str, ring_bytes: int, device: torch.device) -> None:
+        assert transport in ("shm", "cuda_ipc"), f"{transport=}"
+        self.transport, self.device = transport, device
+        self.gpu = transport == "cuda_ipc"
+        segment.sweep()
+        self.name = segment.new_name()
+        size = HEADER_BYTES + ring_bytes
+        self._mm = segment.create(self.name, size)
+        try:
+            self._req_fd, self._resp_fd = segment.open_fifos(self.name)
+        except OSError:
+            self._mm.close()
+            segment.unlink(self.name)
+            raise
+        self._token = secrets.token_bytes(16)
+        HEADER.pack_into(self._mm, 0, SEGMENT_MAGIC, self._token, HEADER_BYTES, ring_bytes)
+        self._host = torch.frombuffer(self._mm, dtype=torch.uint8, offset=HEADER_BYTES, count=ring_bytes)
+        self._ring = Ring(ring_bytes)
+        self._size, self._ring_bytes = size, ring_bytes
+        self._poll = select.poll()
+        self._poll.register(self._resp_fd, select.POLLIN)
+        self._answers: dict[int, dsc.Response] = {}  # arrived before their waiter asked
+        self._orphans: dict[int, Reply] = {}  # abandoned: freed when their answer arrives
+        self._lock = threading.Lock()  # held by a waiter while it reads the response FIFO
+        self._state = threading.Lock()  # guards _dead/_closed against kill() from other threads
+        self._dead: Rejected | None = None
+        self._closed = False
+        self._cuda: CudaHello | None = None
+        if self.gpu:
+            self._in_ring = torch.empty(ring_bytes, dtype=torch.uint8, device=device)
+            self._gpu_ring = Ring(ring_bytes)
+            self.ready_event, ready = cuda_ipc.new_event(device)
+            self._cuda = CudaHello(cuda_ipc.device_uuid(device), cuda_ipc.share(self._in_ring), ready)
+
+    # ------------------------------------------------------------ handshake
+
+    def hello(self) -> bytes:
+        return Hello(
+            self.transport,
+            self.name,
+            self._size,
+            HEADER_BYTES,
+            self._ring_bytes,
+            self._token.hex(),
+            self._cuda,
+        ).encode()
+
+    def accept(self, ack: Ack) -> None:
+        """The server mapped the segment (and, with cuda_ipc, shared its output ring)."""
+        segment.unlink(self.name)
+        if self.gpu and ack.transport == "cuda_ipc":
+            self._out_ring = cuda_ipc.Mapped.open(ack.cuda["out_ring"], self.device)
+            self.done_event = cuda_ipc.open_event(ack.cuda["done_event"], self.device)
+        elif self.gpu:  # the server could serve shm only
+            self.gpu, self.transport = False, "shm"
+            del self._in_ring, self._gpu_ring, self.ready_event
+        assert ack.transport == self.transport, f"{ack.transport=} {self.transport=}"
+
+    # ------------------------------------------------------------ data path
+
+    def send(
+        self,
+        seq: int,
+        generation: int,
+        layer: int,
+        x: torch.Tensor,  # [T_all, H] the step's hidden states
+        rows: torch.Tensor,  # [T] rows of x for this server
+        slot_ids: torch.Tensor,  # [T, K] int32
+        weights: torch.Tensor,  # [T, K] float32
+        dtype: torch.dtype,  # the server's compute dtype
+    ) -> Reply | None:
+        """Queues one request; None when the ring has no room for it (send it over gRPC)."""
+        t, k = slot_ids.shape
+        h = x.shape[1]
+        payload = t * h * dtype.itemsize
+        route = dsc.route_nbytes(t, k)
+        regions: tuple[tuple[Ring, Region], ...]
+        if self.gpu:  # hidden [T, H] at the same offset of both GPU rings, routing on the host
+            host_r = self._ring.alloc(route)
+            if host_r is None:
+                return None
+            gpu_r = self._gpu_ring.alloc(payload)
+            if gpu_r is None:
+                self._ring.free(host_r)
+                return None
+            regions = ((self._ring, host_r), (self._gpu_ring, gpu_r))
+            h_off = o_off = gpu_r.offset
+            r_off = host_r.offset
+            hidden = view(self._in_ring, h_off, (t, h), dtype)
+            out = view(self._out_ring.tensor, o_off, (t, h), dtype)
+        else:  # [hidden | routing block | output] in one host region
+            n_h, n_r = aligned(payload), aligned(route)
+            host_r = self._ring.alloc(n_h + n_r + payload)
+            if host_r is None:
+                return None
+            regions = ((self._ring, host_r),)
+            h_off, r_off, o_off = host_r.offset, host_r.offset + n_h, host_r.offset + n_h + n_r
+            hidden = view(self._host, h_off, (t, h), dtype)
+            out = view(self._host, o_off, (t, h), dtype)
+        if x.device == hidden.device and x.dtype == dtype:
+            torch.index_select(x, 0, rows.to(x.device), out=hidden)
+        else:
+            hidden.copy_(x.index_select(0, rows.to(x.device)))
+        block = view(self._host, r_off, (2, t, k), torch.int32)  # [2, T, K]
+        block[0].copy_(slot_ids)
+        block[1].view(torch.float32).copy_(weights)
+        if self.gpu:
+            self.ready_event.record(torch.cuda.current_stream(self.device))
+        flags = dsc.FLAG_GPU if self.gpu else 0
+        desc = dsc.Request(seq, generation, layer, t, h, k, dtype, dtype, h_off, r_off, o_off, flags)
+        os.write(self._req_fd, desc.pack())
+        return Reply(self, seq, out, regions)
+
+    def wait(self, seq: int, deadline: float) -> dsc.Response:
+        with self._lock:
+            while True:
+                r = self._answers.pop(seq, None)
+                if r is not None:
+                    return r
+                if self._dead is not None:
+                    raise self._dead
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FutureTimeout()
+                if not self._poll.poll(max(1, int(left * 1e3))):
+                    continue
+                raw = os.read(self._resp_fd, dsc.SIZE)
+                if dsc.is_kick(raw):
+                    continue
+                try:
+                    r = dsc.Response.parse(raw)
+                except dsc.DescriptorError as e:
+                    self.kill(Rejected(grpc.StatusCode.INTERNAL, f"bad response from the server: {e}"))
+                    continue
+                if r.code:  # the server stops serving the channel after any error
+                    self.kill(Rejected(code_of(r.code), r.message))
+                    continue
+                orphan = self._orphans.pop(r.seq, None)
+                if orphan is not None:
+                    self._retire(orphan)
+                else:
+                    self._answers[r.seq] = r
+
+    def abandon(self, reply: Reply) -> None:
+        with self._lock:
+            if self._dead is not None:
+                return  # nothing more arrives; the rings go with the channel
+            if self._answers.pop(reply.seq, None) is not None:
+                self._retire(reply)
+            else:
+                self._orphans[reply.seq] = reply
+
+    def _retire(self, reply: Reply) -> None:
+        if self.gpu:  # the server's reads of the hidden states come before their space is reused
+            torch.cuda.current_stream(self.device).wait_event(self.done_event)
+        reply.release()
+
+    # ------------------------------------------------------------ teardown
+
+    def kill(self, err: Rejected) -> None:
+        """Fails every present and future wait with ``err`` (any thread)."""
+        with self._state:
+            if self._dead is not None:
+                return
+            self._dead = err
+            if not self._closed:
+                os.write(self._resp_fd, dsc.KICK)
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def error(self) -> Rejected | None:
+        """Why the channel died (None while it lives)."""
+        return self._dead
+
+    def close(self) -> None:
+        self.kill(Rejected(grpc.StatusCode.CANCELLED, "fast-path channel closed"))
+        with self._lock, self._state:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._req_fd)
+            os.close(self._resp_fd)
+            segment.unlink(self.name)  # if the handshake never finished
+            if self.gpu and hasattr(self, "_out_ring"):
+                self._out_ring.close()
+            del self._host
+            with contextlib.suppress(BufferError):  # a caller still holds a view: it goes with that
+                self._mm.close()

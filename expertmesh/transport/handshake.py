@@ -1,0 +1,100 @@
+"""The fast-path handshake: the first message of a ``Forward`` stream.
+
+The coordinator sends ``ForwardRequest{seq: 0, fast_path: Hello}``; the server answers
+``ForwardResponse{seq: 0, fast_path: Ack}`` with the transport it accepts (possibly a slower
+one, with the reason) and then serves the stream: fast-path requests through the shared
+segment, anything else (payloads too big for the ring) as plain gRPC messages.
+
+Hello and Ack are a magic prefix and a small JSON object; this runs once per stream, so
+readability beats compactness. A message that does not parse is an INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from expertmesh.transport.segment import is_segment_name
+
+MAGIC = b"EMHS1"
+TRANSPORTS = ("grpc", "shm", "cuda_ipc")  # slowest to fastest
+
+
+class HandshakeError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class CudaHello:
+    device_uuid: str
+    in_ring: dict  # cuda_ipc.share(): the coordinator's GPU ring (hidden states)
+    ready_event: str  # hex IPC handle: recorded after the hidden states are written
+
+
+@dataclass(frozen=True)
+class Hello:
+    transport: str  # "shm" | "cuda_ipc"
+    segment: str
+    size: int  # bytes of the segment
+    ring_offset: int
+    ring_bytes: int
+    token: str  # hex; also written in the segment's header: opening it proves a shared /dev/shm
+    cuda: CudaHello | None = None
+
+    def encode(self) -> bytes:
+        return MAGIC + json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Hello:
+        d = _load(raw)
+        try:
+            cuda = d.pop("cuda", None)
+            hello = cls(**d, cuda=CudaHello(**cuda) if cuda is not None else None)
+        except TypeError as e:
+            raise HandshakeError(f"malformed fast-path handshake: {e}") from None
+        if not is_segment_name(hello.segment):
+            raise HandshakeError(f"fast-path handshake: {hello.segment!r} is not an expertmesh segment name")
+        if not isinstance(hello.token, str) or len(hello.token) != 32:
+            raise HandshakeError("fast-path handshake: the token must be 32 hex digits")
+        if hello.transport not in TRANSPORTS[1:]:
+            raise HandshakeError(f"unknown fast path {hello.transport!r}")
+        for name in ("size", "ring_offset", "ring_bytes"):
+            if not isinstance(getattr(hello, name), int) or getattr(hello, name) < 0:
+                raise HandshakeError(f"fast-path handshake: {name} must be a non-negative integer")
+        if hello.ring_offset + hello.ring_bytes > hello.size:
+            raise HandshakeError("fast-path handshake: the ring does not fit in the segment")
+        if (hello.transport == "cuda_ipc") != (hello.cuda is not None):
+            raise HandshakeError("fast-path handshake: CUDA fields must come with cuda_ipc only")
+        return hello
+
+
+@dataclass(frozen=True)
+class Ack:
+    transport: str  # what the server serves this stream with: may be slower than asked
+    reason: str = ""  # why it is slower, if it is
+    cuda: dict = field(default_factory=dict)  # out_ring (cuda_ipc.share()) and done_event (hex)
+
+    def encode(self) -> bytes:
+        return MAGIC + json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Ack:
+        try:
+            ack = cls(**_load(raw))
+        except TypeError as e:
+            raise HandshakeError(f"malformed fast-path answer: {e}") from None
+        if ack.transport not in TRANSPORTS:
+            raise HandshakeError(f"unknown transport {ack.transport!r} in the fast-path answer")
+        return ack
+
+
+def _load(raw: bytes) -> dict:
+    if not raw.startswith(MAGIC):
+        raise HandshakeError(f"fast-path handshake does not start with {MAGIC!r} ({len(raw)} bytes)")
+    try:
+        d = json.loads(raw[len(MAGIC) :])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HandshakeError(f"fast-path handshake is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise HandshakeError("fast-path handshake must be a JSON object")
+    return d

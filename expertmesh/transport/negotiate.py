@@ -1,0 +1,71 @@
+"""Which data path a coordinator uses with one expert server (pure: facts in, choice out).
+
+``requested`` is the coordinator's ``--transport``:
+
+- ``grpc``: tensors inside the gRPC messages, always possible.
+- ``shm``: payloads in a shared-memory ring on this host; required, an error if impossible.
+- ``cuda_ipc``: hidden states and outputs stay in the GPU both use (CUDA IPC), small routing
+  data in the host ring; required.
+- ``auto``: the fastest path both sides offer.
+
+The choice here rests on what the server says in ``Describe`` (its boot id, the fast paths it
+offers, its GPU's UUID); the handshake then proves it (the server must open the segment the
+coordinator made, and map its GPU memory) and may still answer with a slower path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHOICES = ("auto", "grpc", "shm", "cuda_ipc")
+RANK = {"grpc": 0, "shm": 1, "cuda_ipc": 2}
+
+
+class NegotiationError(ValueError):
+    """The requested fast path is impossible with this server; the message says why."""
+
+
+@dataclass(frozen=True)
+class Side:
+    host_id: str  # boot id ("" = unknown)
+    device_uuid: str = ""  # GPU UUID when this side computes on CUDA
+    fast_paths: tuple[str, ...] = ()  # offered besides gRPC (the server's; the coordinator's own)
+
+
+@dataclass(frozen=True)
+class Choice:
+    transport: str
+    reason: str = ""  # why nothing faster was chosen
+
+
+def choose(requested: str, coordinator: Side, server: Side, name: str = "the server") -> Choice:
+    assert requested in CHOICES, f"{requested=}"
+    if requested == "grpc":
+        return Choice("grpc", "--transport grpc")
+    why_not_shm = ""
+    if not coordinator.host_id or coordinator.host_id != server.host_id:
+        why_not_shm = f"{name} runs on another host (boot id {server.host_id or '?'}, ours {coordinator.host_id or '?'})"
+    elif "shm" not in server.fast_paths:
+        why_not_shm = f"{name} offers no shared-memory fast path (started with --no-shm?)"
+    why_not_cuda = why_not_shm
+    if not why_not_cuda:
+        if not coordinator.device_uuid:
+            why_not_cuda = "the coordinator does not run on CUDA"
+        elif "cuda_ipc" not in server.fast_paths or not server.device_uuid:
+            why_not_cuda = f"{name} does not compute on CUDA or offers no CUDA IPC"
+        elif coordinator.device_uuid != server.device_uuid:
+            why_not_cuda = f"{name} uses another GPU ({server.device_uuid}, ours {coordinator.device_uuid})"
+    if not why_not_cuda and requested in ("auto", "cuda_ipc"):
+        return Choice("cuda_ipc")
+    if requested == "cuda_ipc":
+        raise NegotiationError(f"--transport cuda_ipc is impossible: {why_not_cuda}")
+    if not why_not_shm:
+        return Choice("shm", why_not_cuda if requested == "auto" else "")
+    if requested == "shm":
+        raise NegotiationError(f"--transport shm is impossible: {why_not_shm}")
+    return Choice("grpc", why_not_shm)
+
+
+def acceptable(requested: str, planned: str, answered: str) -> bool:
+    """Whether the server's answer (maybe slower than planned) satisfies ``requested``."""
+    return requested == "auto" or RANK[answered] >= RANK[planned]

@@ -1,0 +1,202 @@
+"""The expert server's end of a fast-path channel: one thread per ``Forward`` stream that asked
+for one.
+
+The thread maps the coordinator's segment (and unlinks its name at once), opens the FIFOs,
+with ``cuda_ipc`` maps the coordinator's GPU ring and shares its own output ring, and answers
+the handshake. Then it reads request descriptors, hands each request to the servicer's
+``forward`` (validation + compute, serialised with the gRPC path there) and writes the output
+and a response descriptor. A bad descriptor or a refused request is answered with its status
+and ends the channel, as a bad message ends a gRPC stream; the stream's handler calls
+:meth:`ShmServer.close` when the stream ends, whoever ended it.
+
+Shapes: T tokens, H hidden, K top-k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from expertmesh.transport import cuda_ipc, segment
+from expertmesh.transport import descriptor as dsc
+from expertmesh.transport.errors import Rejected, code_value
+from expertmesh.transport.handshake import Ack, Hello
+from expertmesh.transport.layout import HEADER, SEGMENT_MAGIC, view
+
+log = logging.getLogger("expertmesh.transport")
+
+
+@dataclass(frozen=True)
+class FastRequest:
+    seq: int
+    generation: int
+    layer: int
+    hidden: torch.Tensor  # [T, H] in shared memory: read, never written
+    slot_ids: torch.Tensor  # [T, K] int32, this side's own copy
+    weights: torch.Tensor  # [T, K] float32, this side's own copy
+
+
+class ShmServer:
+    def __init__(
+        self,
+        hello: Hello,
+        device: torch.device,
+        forward: Callable[[FastRequest], torch.Tensor],  # [T, H] on device; raises Rejected
+        on_error: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.hello, self.device, self.forward, self.on_error = hello, device, forward, on_error
+        self.ack: Future[Ack] = Future()
+        self._state = threading.Lock()  # guards the FIFOs against close() from the event loop
+        self._stop = False
+        self._fds: tuple[int, int] | None = None
+        self._gpu_bytes = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="expert-fast-path")
+
+    def start(self) -> Future[Ack]:
+        self._thread.start()
+        return self.ack
+
+    def close(self) -> None:
+        """Stops the thread (any thread may call this, any number of times)."""
+        with self._state:
+            self._stop = True
+            if self._fds is not None:
+                os.write(self._fds[0], dsc.KICK)
+
+    # ------------------------------------------------------------ set-up
+
+    def _attach(self) -> Ack:
+        h = self.hello
+        try:
+            self._mm = segment.attach(h.segment, h.size)
+            fds = segment.open_fifos(h.segment)
+        except OSError as e:
+            return Ack(
+                "grpc",
+                f"cannot open the coordinator's shared-memory segment {h.segment}: {e.strerror or e} "
+                "(no /dev/shm shared with it?)",
+            )
+        finally:
+            segment.unlink(h.segment)  # both sides have it mapped (or never will): drop the name
+        with self._state:
+            self._fds = fds
+        magic, token, off, n = HEADER.unpack_from(self._mm, 0)
+        if (magic, token.hex(), off, n) != (SEGMENT_MAGIC, h.token, h.ring_offset, h.ring_bytes):
+            return Ack(
+                "grpc", f"segment {h.segment} does not hold the coordinator's token (another /dev/shm?)"
+            )
+        self._host = torch.frombuffer(self._mm, dtype=torch.uint8, offset=h.ring_offset, count=h.ring_bytes)
+        if h.cuda is None:
+            return Ack("shm")
+        try:
+            if self.device.type != "cuda":
+                raise cuda_ipc.CudaIpcError("this server computes on the CPU")
+            ours = cuda_ipc.device_uuid(self.device)
+            if h.cuda.device_uuid != ours:
+                raise cuda_ipc.CudaIpcError(
+                    f"the coordinator's GPU {h.cuda.device_uuid} is not ours ({ours})"
+                )
+            self._in = cuda_ipc.Mapped.open(h.cuda.in_ring, self.device)
+            self._ready = cuda_ipc.open_event(h.cuda.ready_event, self.device)
+            self._out = torch.empty(self._in.tensor.numel(), dtype=torch.uint8, device=self.device)
+            self._done, done = cuda_ipc.new_event(self.device)
+        except cuda_ipc.CudaIpcError as e:
+            return Ack("shm", f"CUDA IPC refused: {e}")
+        self._gpu_bytes = self._out.numel()
+        return Ack("cuda_ipc", cuda={"out_ring": cuda_ipc.share(self._out), "done_event": done})
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            ack = self._attach()
+        except Exception as e:  # NOTE: a thread's boundary: the handshake must get an answer
+            log.exception("fast-path set-up failed")
+            ack = Ack("grpc", f"fast-path set-up failed: {type(e).__name__}: {e}")
+        self.ack.set_result(ack)
+        try:
+            if ack.transport != "grpc":
+                self._serve()
+        finally:
+            self._release()
+
+    # ------------------------------------------------------------ serving
+
+    def _serve(self) -> None:
+        assert self._fds is not None
+        req_fd, resp_fd = self._fds
+        host_bytes = self.hello.ring_bytes
+        while not self._stop:
+            raw = os.read(req_fd, dsc.SIZE)
+            if self._stop or dsc.is_kick(raw):
+                return
+            seq = 0
+            t0 = time.perf_counter()
+            try:
+                req = dsc.Request.parse(raw, host_bytes, self._gpu_bytes)
+                seq = req.seq
+                self._one(req)
+                resp = dsc.Response(seq, 0, (time.perf_counter() - t0) * 1e3)
+            except dsc.DescriptorError as e:
+                self.on_error()
+                resp = self._error(
+                    seq, grpc.StatusCode.INVALID_ARGUMENT, f"invalid fast-path descriptor: {e}"
+                )
+            except Rejected as e:
+                resp = self._error(seq, e.code, e.message)
+            except Exception as e:  # NOTE: a thread's boundary: the coordinator must get an answer
+                log.exception("fast-path request %d failed", seq)
+                self.on_error()
+                resp = self._error(seq, grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            os.write(resp_fd, resp.pack())
+            if resp.code:
+                return  # a bad request ends the channel, as it ends a gRPC stream
+
+    @staticmethod
+    def _error(seq: int, code: grpc.StatusCode, message: str) -> dsc.Response:
+        return dsc.Response(seq, code_value(code), 0.0, message)
+
+    def _one(self, req: dsc.Request) -> None:
+        t, h, k = req.tokens, req.hidden, req.top_k
+        if req.on_gpu:
+            hidden = view(self._in.tensor, req.hidden_off, (t, h), req.hidden_dtype)
+            out = view(self._out, req.out_off, (t, h), req.out_dtype)
+        else:
+            hidden = view(self._host, req.hidden_off, (t, h), req.hidden_dtype)
+            out = view(self._host, req.out_off, (t, h), req.out_dtype)
+        # NOTE: our own copy of the routing block: what was validated is what gets computed,
+        # whatever the other side writes meanwhile (pinned: its upload is asynchronous).
+        block = torch.empty((2, t, k), dtype=torch.int32, pin_memory=req.on_gpu)  # [2, T, K]
+        block.copy_(view(self._host, req.route_off, (2, t, k), torch.int32))
+        if req.on_gpu:
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+        y = self.forward(
+            FastRequest(req.seq, req.generation, req.layer, hidden, block[0], block[1].view(torch.float32))
+        )
+        out.copy_(y)
+        if req.on_gpu:
+            self._done.record(torch.cuda.current_stream(self.device))
+
+    def _release(self) -> None:
+        with self._state:
+            self._stop = True
+            fds, self._fds = self._fds, None
+        if fds is not None:
+            for fd in fds:
+                os.close(fd)
+        if hasattr(self, "_in"):
+            self._in.close()
+        self.__dict__.pop("_host", None)
+        mm = self.__dict__.pop("_mm", None)
+        if mm is not None:
+            with contextlib.suppress(BufferError):  # a view is still referenced: it goes with that
+                mm.close()
