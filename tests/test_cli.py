@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.hf_models import make_checkpoint
-from tests.test_serving_helpers import write_word_tokenizer
+from tests.serving_utils import write_word_tokenizer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from expertmesh import health
 from expertmesh.client import AsyncClient, Client
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2
 from tests.hf_models import make_checkpoint
-from tests.test_serving_helpers import ServerThread, hf_greedy, write_word_tokenizer
+from tests.serving_utils import ServerThread, hf_greedy, write_word_tokenizer
 
 NUM_REQUESTS = 16
 # prompt lengths 3..33 and output lengths 4..20, all different mixes

@@ -21,8 +21,8 @@ from expertmesh.client import Client
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint
+from tests.serving_utils import ServerThread, hf_greedy
 from tests.test_serving import OUT_LENS, PROMPTS, check_against_hf, run_concurrently, wait_idle
-from tests.test_serving_helpers import ServerThread, hf_greedy
 
 pytestmark = pytest.mark.slow
 

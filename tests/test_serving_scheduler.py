@@ -18,7 +18,7 @@ from coordinator.scheduler import Output, Scheduler, SchedulerLimits
 from coordinator.server import CoordinatorConfig
 from expertmesh.client import Client
 from tests.hf_models import make_checkpoint
-from tests.test_serving_helpers import ServerThread
+from tests.serving_utils import ServerThread
 
 
 @pytest.fixture(scope="module", autouse=True)
