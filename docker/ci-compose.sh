@@ -13,7 +13,9 @@
 #   EXPERTMESH_CACHE_DIR            cache root: base tarball, docker data root (/var/cache/expertmesh)
 #   EXPERTMESH_CI_KEEP_DOCKER_ROOT  1 keeps the data root (images = build cache) for the next run (1)
 #   EXPERTMESH_CI_HEALTH_TIMEOUT    seconds for the stack to turn healthy (420)
-#   EXPERTMESH_CI_CLIENT            auto | host | image: where `expertmesh generate` runs (auto)
+#   EXPERTMESH_CI_CLIENT            auto | host | image: where `expertmesh generate` runs (auto:
+#                                   host when the host expertmesh below exists, else image)
+#   EXPERTMESH_CI_HOST_EXPERTMESH   the host's expertmesh command ($ROOT/.venv/bin/expertmesh)
 #   EXPERTMESH_TORCH_WHEEL_PATH     the CPU torch wheel (default: /opt/wheels, version from constraints.txt)
 set -euo pipefail
 
@@ -24,6 +26,7 @@ DATA_ROOT=$CACHE_DIR/docker
 KEEP_ROOT=${EXPERTMESH_CI_KEEP_DOCKER_ROOT:-1}
 HEALTH_TIMEOUT=${EXPERTMESH_CI_HEALTH_TIMEOUT:-420}
 CLIENT=${EXPERTMESH_CI_CLIENT:-auto}
+HOST_EXPERTMESH=${EXPERTMESH_CI_HOST_EXPERTMESH:-$ROOT/.venv/bin/expertmesh}
 PROJECT=expertmesh-ci
 IMAGE=expertmesh:ci
 COMPOSE_FILE_MAIN=$ROOT/docker/compose.yaml
@@ -252,11 +255,11 @@ run_client() {
     local mode=$CLIENT
     if [[ $mode == auto ]]; then
         mode=image
-        [[ -x $ROOT/.venv/bin/expertmesh ]] && mode=host
+        [[ -x $HOST_EXPERTMESH ]] && mode=host
     fi
     log "generate via the $mode client -> 127.0.0.1:$PORT"
     if [[ $mode == host ]]; then
-        "$ROOT/.venv/bin/expertmesh" "$@"
+        "$HOST_EXPERTMESH" "$@"
     else
         docker run --rm --network host "$IMAGE" "$@"
     fi
