@@ -18,9 +18,9 @@ import argparse
 import json
 import math
 import os
-import random
 import time
 from pathlib import Path
+from typing import Any
 
 # NOTE: set before torch starts OpenMP; busy-waiting threads make training several times
 # slower on cores shared with other work.
@@ -33,7 +33,7 @@ from expertmesh.demo.tokenizer import BOS, BOS_ID, EOS, EOS_ID, encode_document,
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 
-MODEL = dict(
+MODEL: dict[str, Any] = dict(
     model_type="qwen3_moe",
     hidden_size=128,
     num_hidden_layers=4,
@@ -91,13 +91,11 @@ def train(args: argparse.Namespace):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    random.seed(args.seed)
     torch.manual_seed(args.seed)
     docs = read_corpus()
     tok = train_tokenizer(docs, args.vocab)
-    held = max(1, len(docs) // 20)  # every 20th document is held out for the validation loss
-    train_docs = [d for i, d in enumerate(docs) if i % 20]
-    valid_docs = [d for i, d in enumerate(docs) if not i % 20][:held]
+    # every 20th document is held out for the validation loss (and the expert-load report)
+    train_docs, valid_docs = [d for i, d in enumerate(docs) if i % 20], docs[::20]
     train_ids, valid_ids = pack(tok, train_docs), pack(tok, valid_docs)
     print(
         f"{len(docs)} docs, {len(train_ids)} train / {len(valid_ids)} valid tokens, vocab {tok.get_vocab_size()}"
@@ -173,7 +171,7 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=50)
     args = p.parse_args()
     model, tok, stats = train(args)
-    loads = expert_loads(model, pack(tok, read_corpus()[::20]), args.seq)
+    loads = expert_loads(model, pack(tok, read_corpus()[::20]), args.seq)  # the held-out documents
     for layer, row in enumerate(loads.tolist()):
         print(f"layer {layer} expert loads {row} max/min {max(row) / max(1, min(row)):.1f}")
     stats |= {k: v for k, v in vars(args).items() if k not in ("out", "log_every")}
