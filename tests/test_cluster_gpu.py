@@ -28,7 +28,9 @@ def test_gpu_cluster_bf16_argmax(arch, tmp_path):
         reader = CheckpointReader(tmp_path)
         ne = reader.config.num_experts
         servers = (ServerSpec("gpu0", gpu.address, "gpu"), ServerSpec("cpu0", cpu.address, "cpu"))
-        d = RemoteDispatcher(reader.config, ClusterConfig(servers, num_gpu_experts=ne // 2), torch.bfloat16, "cuda")
+        d = RemoteDispatcher(
+            reader.config, ClusterConfig(servers, num_gpu_experts=ne // 2), torch.bfloat16, "cuda"
+        )
         d.connect(120)
         assert d.server_infos()[0]["device"].startswith("cuda")
         model = load_model(reader, torch.bfloat16, torch.device("cuda"))
