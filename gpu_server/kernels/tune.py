@@ -153,6 +153,7 @@ def tune_one(h, inter, e, k, t, failed, rep_ms) -> tuple[MoeConfig, float]:
         )
         if best is None or total < best[1]:
             best = (MoeConfig(bm, timed["gate_up"][1], timed["down"][1]), total)
+    assert best is not None, f"no kernel configuration ran for T={t}"
     return best
 
 
