@@ -79,6 +79,7 @@ class ClusterConfig:
     transport: str = "auto"  # auto | grpc | shm | cuda_ipc (expertmesh/transport/negotiate.py)
     max_message_mb: int = 256
     shm_ring_mb: float = 64  # per server stream; a payload that does not fit goes over gRPC
+    shm_spin_us: float = 300.0  # poll for a fast-path answer this long before sleeping
 
     def __post_init__(self) -> None:
         assert self.replica_policy in ("static", "round_robin"), f"{self.replica_policy=}"
@@ -137,6 +138,12 @@ class ClusterConfig:
             default=64,
             help="shared-memory ring per expert server; larger payloads go over gRPC",
         )
+        g.add_argument(
+            "--shm-spin-us",
+            type=float,
+            default=300.0,
+            help="fast paths: poll this long for an answer before sleeping (0 = always sleep)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
@@ -151,6 +158,7 @@ class ClusterConfig:
             timeout_s=args.expert_timeout,
             transport=args.transport,
             shm_ring_mb=args.shm_ring_mb,
+            shm_spin_us=args.shm_spin_us,
         )
 
 
@@ -284,7 +292,7 @@ class ServerConnection:
     def _handshake(self, st: _Stream) -> None:
         """Offers the planned fast path on a new stream and settles for the server's answer."""
         try:
-            fast = ShmClient(self.plan, self.cluster.shm_ring_bytes, self.device)
+            fast = ShmClient(self.plan, self.cluster.shm_ring_bytes, self.device, self.cluster.shm_spin_us)
         except (OSError, CudaIpcError) as e:
             self._settle(st, None, Ack("grpc", f"cannot create the shared-memory channel here: {e}"))
             return

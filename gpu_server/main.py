@@ -46,5 +46,6 @@ def run(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         max_message_mb=args.max_message_mb,
         shm=not args.no_shm,
+        shm_spin_us=args.shm_spin_us,
     )
     return serve(config, backend_for(args.device), device_uuid(args.device))

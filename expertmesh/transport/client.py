@@ -26,14 +26,25 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from expertmesh.transport import cuda_ipc, segment
 from expertmesh.transport import descriptor as dsc
 from expertmesh.transport.errors import Rejected, code_of
 from expertmesh.transport.handshake import Ack, CudaHello, Hello
-from expertmesh.transport.layout import HEADER, HEADER_BYTES, SEGMENT_MAGIC, aligned, view
+from expertmesh.transport.layout import (
+    HEADER,
+    HEADER_BYTES,
+    REQUESTS_WORD,
+    RESPONSES_WORD,
+    SEGMENT_MAGIC,
+    Views,
+    aligned,
+    header_words,
+)
 from expertmesh.transport.ring import Region, Ring
+from expertmesh.transport.spin import Spin
 
 
 @dataclass
@@ -67,7 +78,7 @@ class Reply:
 
 
 class ShmClient:
-    def __init__(self, transport: str, ring_bytes: int, device: torch.device) -> None:
+    def __init__(self, transport: str, ring_bytes: int, device: torch.device, spin_us: float = 300.0) -> None:
         assert transport in ("shm", "cuda_ipc"), f"{transport=}"
         self.transport, self.device = transport, device
         self.gpu = transport == "cuda_ipc"
@@ -83,11 +94,16 @@ class ShmClient:
             raise
         self._token = secrets.token_bytes(16)
         HEADER.pack_into(self._mm, 0, SEGMENT_MAGIC, self._token, HEADER_BYTES, ring_bytes)
-        self._host = torch.frombuffer(self._mm, dtype=torch.uint8, offset=HEADER_BYTES, count=ring_bytes)
+        self._host = Views(
+            torch.frombuffer(self._mm, dtype=torch.uint8, offset=HEADER_BYTES, count=ring_bytes)
+        )
         self._ring = Ring(ring_bytes)
         self._size, self._ring_bytes = size, ring_bytes
         self._poll = select.poll()
         self._poll.register(self._resp_fd, select.POLLIN)
+        self._words = header_words(self._mm)
+        self._sent = self._received = 0  # request / response descriptors, mod 2**32
+        self._spin = Spin(spin_us)
         self._answers: dict[int, dsc.Response] = {}  # arrived before their waiter asked
         self._orphans: dict[int, Reply] = {}  # abandoned: freed when their answer arrives
         self._lock = threading.Lock()  # held by a waiter while it reads the response FIFO
@@ -96,10 +112,10 @@ class ShmClient:
         self._closed = False
         self._cuda: CudaHello | None = None
         if self.gpu:
-            self._in_ring = torch.empty(ring_bytes, dtype=torch.uint8, device=device)
+            self._in_ring = Views(torch.empty(ring_bytes, dtype=torch.uint8, device=device))
             self._gpu_ring = Ring(ring_bytes)
             self.ready_event, ready = cuda_ipc.new_event(device)
-            self._cuda = CudaHello(cuda_ipc.device_uuid(device), cuda_ipc.share(self._in_ring), ready)
+            self._cuda = CudaHello(cuda_ipc.device_uuid(device), cuda_ipc.share(self._in_ring.ring), ready)
 
     # ------------------------------------------------------------ handshake
 
@@ -118,7 +134,8 @@ class ShmClient:
         """The server mapped the segment (and, with cuda_ipc, shared its output ring)."""
         segment.unlink(self.name)
         if self.gpu and ack.transport == "cuda_ipc":
-            self._out_ring = cuda_ipc.Mapped.open(ack.cuda["out_ring"], self.device)
+            self._out_map = cuda_ipc.Mapped.open(ack.cuda["out_ring"], self.device)
+            self._out_ring = Views(self._out_map.tensor)
             self.done_event = cuda_ipc.open_event(ack.cuda["done_event"], self.device)
         elif self.gpu:  # the server could serve shm only
             self.gpu, self.transport = False, "shm"
@@ -155,8 +172,8 @@ class ShmClient:
             regions = ((self._ring, host_r), (self._gpu_ring, gpu_r))
             h_off = o_off = gpu_r.offset
             r_off = host_r.offset
-            hidden = view(self._in_ring, h_off, (t, h), dtype)
-            out = view(self._out_ring.tensor, o_off, (t, h), dtype)
+            hidden = self._in_ring.tensor(h_off, (t, h), dtype)
+            out = self._out_ring.tensor(o_off, (t, h), dtype)
         else:  # [hidden | routing block | output] in one host region
             n_h, n_r = aligned(payload), aligned(route)
             host_r = self._ring.alloc(n_h + n_r + payload)
@@ -164,21 +181,28 @@ class ShmClient:
                 return None
             regions = ((self._ring, host_r),)
             h_off, r_off, o_off = host_r.offset, host_r.offset + n_h, host_r.offset + n_h + n_r
-            hidden = view(self._host, h_off, (t, h), dtype)
-            out = view(self._host, o_off, (t, h), dtype)
-        if x.device == hidden.device and x.dtype == dtype:
-            torch.index_select(x, 0, rows.to(x.device), out=hidden)
+            hidden = self._host.tensor(h_off, (t, h), dtype)
+            out = self._host.tensor(o_off, (t, h), dtype)
+        if t == x.shape[0]:  # every row of the step (rows are sorted and unique)
+            hidden.copy_(x)
+        elif x.device == hidden.device and x.dtype == dtype:
+            torch.index_select(x, 0, rows if x.device.type == "cpu" else rows.to(x.device), out=hidden)
         else:
             hidden.copy_(x.index_select(0, rows.to(x.device)))
-        block = view(self._host, r_off, (2, t, k), torch.int32)  # [2, T, K]
-        block[0].copy_(slot_ids)
-        block[1].view(torch.float32).copy_(weights)
+        block = self._host.block(r_off, t, k)  # [2, T, K]
+        block[0] = slot_ids.numpy()
+        block[1] = weights.numpy().view(np.int32)
         if self.gpu:
             self.ready_event.record(torch.cuda.current_stream(self.device))
         flags = dsc.FLAG_GPU if self.gpu else 0
         desc = dsc.Request(seq, generation, layer, t, h, k, dtype, dtype, h_off, r_off, o_off, flags)
         os.write(self._req_fd, desc.pack())
+        self._sent = (self._sent + 1) & 0xFFFFFFFF
+        self._words[REQUESTS_WORD] = self._sent  # after the write: a spinning server may read it now
         return Reply(self, seq, out, regions)
+
+    def _answered(self) -> bool:
+        return self._words[RESPONSES_WORD] != self._received or self._dead is not None
 
     def wait(self, seq: int, deadline: float) -> dsc.Response:
         with self._lock:
@@ -191,11 +215,15 @@ class ShmClient:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise FutureTimeout()
-                if not self._poll.poll(max(1, int(left * 1e3))):
-                    continue
+                if not self._spin.until(self._answered):
+                    t0 = time.monotonic()
+                    if not self._poll.poll(max(1, int(left * 1e3))):
+                        continue
+                    self._spin.blocked_for(time.monotonic() - t0)
                 raw = os.read(self._resp_fd, dsc.SIZE)
                 if dsc.is_kick(raw):
                     continue
+                self._received = (self._received + 1) & 0xFFFFFFFF
                 try:
                     r = dsc.Response.parse(raw)
                 except dsc.DescriptorError as e:
@@ -253,8 +281,10 @@ class ShmClient:
             os.close(self._req_fd)
             os.close(self._resp_fd)
             segment.unlink(self.name)  # if the handshake never finished
-            if self.gpu and hasattr(self, "_out_ring"):
-                self._out_ring.close()
-            del self._host
+            if self.gpu and hasattr(self, "_out_map"):
+                self._out_ring.clear()
+                self._out_map.close()
+            self._host.clear()
+            del self._host, self._words
             with contextlib.suppress(BufferError):  # a caller still holds a view: it goes with that
                 self._mm.close()

@@ -24,13 +24,22 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from expertmesh.transport import cuda_ipc, segment
 from expertmesh.transport import descriptor as dsc
 from expertmesh.transport.errors import Rejected, code_value
 from expertmesh.transport.handshake import Ack, Hello
-from expertmesh.transport.layout import HEADER, SEGMENT_MAGIC, view
+from expertmesh.transport.layout import (
+    HEADER,
+    REQUESTS_WORD,
+    RESPONSES_WORD,
+    SEGMENT_MAGIC,
+    Views,
+    header_words,
+)
+from expertmesh.transport.spin import Spin
 
 log = logging.getLogger("expertmesh.transport")
 
@@ -52,8 +61,10 @@ class ShmServer:
         device: torch.device,
         forward: Callable[[FastRequest], torch.Tensor],  # [T, H] on device; raises Rejected
         on_error: Callable[[], None] = lambda: None,
+        spin_us: float = 300.0,  # how long to poll for the next request before sleeping
     ) -> None:
         self.hello, self.device, self.forward, self.on_error = hello, device, forward, on_error
+        self.spin_us = spin_us
         self.ack: Future[Ack] = Future()
         self._state = threading.Lock()  # guards the FIFOs against close() from the event loop
         self._stop = False
@@ -94,7 +105,9 @@ class ShmServer:
             return Ack(
                 "grpc", f"segment {h.segment} does not hold the coordinator's token (another /dev/shm?)"
             )
-        self._host = torch.frombuffer(self._mm, dtype=torch.uint8, offset=h.ring_offset, count=h.ring_bytes)
+        self._host = Views(
+            torch.frombuffer(self._mm, dtype=torch.uint8, offset=h.ring_offset, count=h.ring_bytes)
+        )
         if h.cuda is None:
             return Ack("shm")
         try:
@@ -105,14 +118,15 @@ class ShmServer:
                 raise cuda_ipc.CudaIpcError(
                     f"the coordinator's GPU {h.cuda.device_uuid} is not ours ({ours})"
                 )
-            self._in = cuda_ipc.Mapped.open(h.cuda.in_ring, self.device)
+            self._in_map = cuda_ipc.Mapped.open(h.cuda.in_ring, self.device)
+            self._in = Views(self._in_map.tensor)
             self._ready = cuda_ipc.open_event(h.cuda.ready_event, self.device)
-            self._out = torch.empty(self._in.tensor.numel(), dtype=torch.uint8, device=self.device)
+            self._out = Views(torch.empty(self._in.ring.numel(), dtype=torch.uint8, device=self.device))
             self._done, done = cuda_ipc.new_event(self.device)
         except cuda_ipc.CudaIpcError as e:
             return Ack("shm", f"CUDA IPC refused: {e}")
-        self._gpu_bytes = self._out.numel()
-        return Ack("cuda_ipc", cuda={"out_ring": cuda_ipc.share(self._out), "done_event": done})
+        self._gpu_bytes = self._out.ring.numel()
+        return Ack("cuda_ipc", cuda={"out_ring": cuda_ipc.share(self._out.ring), "done_event": done})
 
     def _run(self) -> None:
         if self.device.type == "cuda":
@@ -135,10 +149,23 @@ class ShmServer:
         assert self._fds is not None
         req_fd, resp_fd = self._fds
         host_bytes = self.hello.ring_bytes
+        words = header_words(self._mm)
+        spin = Spin(self.spin_us)
+        seen = answered = 0  # descriptors read / written, mod 2**32
+
+        def arrived() -> bool:
+            return words[REQUESTS_WORD] != seen or self._stop
+
         while not self._stop:
-            raw = os.read(req_fd, dsc.SIZE)
+            if spin.until(arrived):
+                raw = os.read(req_fd, dsc.SIZE)
+            else:
+                t0 = time.monotonic()
+                raw = os.read(req_fd, dsc.SIZE)
+                spin.blocked_for(time.monotonic() - t0)
             if self._stop or dsc.is_kick(raw):
                 return
+            seen = (seen + 1) & 0xFFFFFFFF
             seq = 0
             t0 = time.perf_counter()
             try:
@@ -158,6 +185,8 @@ class ShmServer:
                 self.on_error()
                 resp = self._error(seq, grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
             os.write(resp_fd, resp.pack())
+            answered = (answered + 1) & 0xFFFFFFFF
+            words[RESPONSES_WORD] = answered
             if resp.code:
                 return  # a bad request ends the channel, as it ends a gRPC stream
 
@@ -167,21 +196,21 @@ class ShmServer:
 
     def _one(self, req: dsc.Request) -> None:
         t, h, k = req.tokens, req.hidden, req.top_k
-        if req.on_gpu:
-            hidden = view(self._in.tensor, req.hidden_off, (t, h), req.hidden_dtype)
-            out = view(self._out, req.out_off, (t, h), req.out_dtype)
-        else:
-            hidden = view(self._host, req.hidden_off, (t, h), req.hidden_dtype)
-            out = view(self._host, req.out_off, (t, h), req.out_dtype)
+        data, out_ring = (self._in, self._out) if req.on_gpu else (self._host, self._host)
+        hidden = data.tensor(req.hidden_off, (t, h), req.hidden_dtype)
+        out = out_ring.tensor(req.out_off, (t, h), req.out_dtype)
         # NOTE: our own copy of the routing block: what was validated is what gets computed,
-        # whatever the other side writes meanwhile (pinned: its upload is asynchronous).
-        block = torch.empty((2, t, k), dtype=torch.int32, pin_memory=req.on_gpu)  # [2, T, K]
-        block.copy_(view(self._host, req.route_off, (2, t, k), torch.int32))
+        # whatever the other side writes meanwhile (pinned on a GPU: its upload is asynchronous).
+        shared = self._host.block(req.route_off, t, k)  # [2, T, K]
         if req.on_gpu:
+            block = torch.empty((2, t, k), dtype=torch.int32, pin_memory=True)
+            block.numpy()[...] = shared
+            slot_ids, weights = block[0], block[1].view(torch.float32)
             torch.cuda.current_stream(self.device).wait_event(self._ready)
-        y = self.forward(
-            FastRequest(req.seq, req.generation, req.layer, hidden, block[0], block[1].view(torch.float32))
-        )
+        else:
+            mine = shared.copy()
+            slot_ids, weights = torch.from_numpy(mine[0]), torch.from_numpy(mine[1].view(np.float32))
+        y = self.forward(FastRequest(req.seq, req.generation, req.layer, hidden, slot_ids, weights))
         out.copy_(y)
         if req.on_gpu:
             self._done.record(torch.cuda.current_stream(self.device))
@@ -193,9 +222,12 @@ class ShmServer:
         if fds is not None:
             for fd in fds:
                 os.close(fd)
-        if hasattr(self, "_in"):
-            self._in.close()
-        self.__dict__.pop("_host", None)
+        for name in ("_in", "_out", "_host"):
+            views = self.__dict__.pop(name, None)
+            if views is not None:
+                views.clear()
+        if hasattr(self, "_in_map"):
+            self._in_map.close()
         mm = self.__dict__.pop("_mm", None)
         if mm is not None:
             with contextlib.suppress(BufferError):  # a view is still referenced: it goes with that

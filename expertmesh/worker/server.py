@@ -59,6 +59,7 @@ class WorkerConfig:
     capacity: int | None = None  # local slots per layer; default: the model's expert count
     max_message_mb: int = 256
     shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
+    shm_spin_us: float = 300.0  # fast paths: poll this long for the next request before sleeping
 
     def __post_init__(self) -> None:
         assert self.kind in ("gpu", "cpu"), f"{self.kind=}"
@@ -93,6 +94,12 @@ class WorkerConfig:
             "--no-shm",
             action="store_true",
             help="offer no shared-memory or CUDA IPC fast path: coordinators on this host use gRPC",
+        )
+        p.add_argument(
+            "--shm-spin-us",
+            type=float,
+            default=300.0,
+            help="fast paths: poll this long for the next request before sleeping (0 = always sleep)",
         )
 
     @property
@@ -133,7 +140,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     if config.fast_paths:
         for name in segment.sweep():
             log.info("removed %s from %s (its creator is gone)", name, segment.SHM_DIR)
-    servicer = ExpertWorkerServicer(slots, backend, identity)
+    servicer = ExpertWorkerServicer(slots, backend, identity, config.shm_spin_us)
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
     expert_worker_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
