@@ -92,7 +92,8 @@ def _echo_server(device: str) -> None:
             try:
                 async for req in it:
                     if req.fast_path:
-                        fast = ShmServer(Hello.decode(req.fast_path), dev, lambda r: r.hidden)
+                        # identity "experts": the hidden states go to the server's device and back
+                        fast = ShmServer(Hello.decode(req.fast_path), dev, lambda r: r.hidden.to(dev))
                         ack = await asyncio.wrap_future(fast.start())
                         yield pb.ForwardResponse(seq=0, fast_path=ack.encode())
                         continue
@@ -140,10 +141,12 @@ class _EchoClient:
         threading.Thread(target=self._read, daemon=True).start()
         self.fast = None
         if transport != "grpc":
-            self.fast = ShmClient(transport, 64 << 20, device)
+            # cuda_ipc_stream: CUDA IPC with GPU-side event waits instead of host waits
+            kind, sync = ("cuda_ipc", "stream") if transport == "cuda_ipc_stream" else (transport, "host")
+            self.fast = ShmClient(kind, 64 << 20, device, cuda_sync=sync)
             fut = self._send(pb.ForwardRequest(seq=0, fast_path=self.fast.hello()))
             ack = Ack.decode(fut.result(30).fast_path)
-            assert ack.transport == transport, ack
+            assert ack.transport == kind, ack
             self.fast.accept(ack)
 
     def _read(self) -> None:
@@ -263,7 +266,8 @@ def layer(args: argparse.Namespace) -> None:
             spec = (ServerSpec("s0", srv.address, "gpu" if dev.type == "cuda" else "cpu"),)
             remotes = {}
             for t in transports:
-                d = RemoteDispatcher(reader.config, ClusterConfig(spec, transport=t), dtype, dev)
+                cluster = ClusterConfig(spec, transport=t, timeout_s=300)  # first calls compile kernels
+                d = RemoteDispatcher(reader.config, cluster, dtype, dev)
                 d.connect(300)
                 got = d.server_infos()[0]["transport"]
                 assert got == t or t == "auto", f"asked for {t}, got {got}: {d.server_infos()[0]}"
@@ -299,12 +303,20 @@ def layer(args: argparse.Namespace) -> None:
                         d.begin_step(t)
                         conn = d.conns[0]
 
-                        def bare_rt(conn=conn, d=d, x=x, bare=bare) -> None:
+                        server_ms: list[float] = []
+
+                        def bare_rt(conn=conn, d=d, x=x, bare=bare, server_ms=server_ms) -> None:
                             r = conn.submit(d.placement.generation, 0, x, bare)
                             r.result(30)
                             r.release()
+                            if hasattr(r, "reply"):  # fast path: the server's own time
+                                server_ms.append(r.reply.server_ms)
 
                         rows.setdefault((t, "bare", name), []).append(_median_time(bare_rt, args.reps, dev))
+                        if server_ms:
+                            rows.setdefault((t, "server", name), []).append(
+                                statistics.median(server_ms) * 1e-3
+                            )
                         rows.setdefault((t, "layer", name), []).append(
                             _median_time(
                                 lambda d=d, a=(x, ids_d, w_d): d.submit(0, *a).wait(), args.reps, dev
@@ -334,7 +346,7 @@ def _print_layer_table(args, tokens, transports, rows, row_bytes) -> None:
     )
     head = ["payload/way", "T", "in-process"]
     for tr in transports:
-        head += [f"{tr} bare rt", "(spread)", f"{tr} GB/s", f"{tr} layer rt", f"{tr} over"]
+        head += [f"{tr} bare rt", "(spread)", f"{tr} server", f"{tr} GB/s", f"{tr} layer rt", f"{tr} over"]
     if "grpc" in transports:
         head += [f"bare grpc/{tr}" for tr in transports if tr != "grpc"]
     print("| " + " | ".join(head) + " |")
@@ -346,9 +358,11 @@ def _print_layer_table(args, tokens, transports, rows, row_bytes) -> None:
         cells = [size, str(t), f"{loc * 1e6:.0f}"]
         for tr in transports:
             b, lay = med((t, "bare", tr)), med((t, "layer", tr))
+            srv = f"{med((t, 'server', tr)) * 1e6:.0f}" if (t, "server", tr) in rows else "-"
             cells += [
                 f"{b * 1e6:.0f}",
                 spread((t, "bare", tr)),
+                srv,
                 f"{2 * payload / b / 1e9:.2f}",
                 f"{lay * 1e6:.0f}",
                 f"{(lay - loc) * 1e6:.0f}",

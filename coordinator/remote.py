@@ -649,7 +649,11 @@ class RemoteDispatcher(Dispatcher):
             try:
                 for b, reply in sent:
                     part = self._collect(b, reply, layer, x.shape[1], deadline)  # [T_s, H]
-                    out.index_add_(0, b.rows.to(x.device), part.to(device=x.device, dtype=x.dtype))
+                    part = part.to(device=x.device, dtype=x.dtype)
+                    if b.rows.numel() == x.shape[0]:  # every row, in order: no index to upload
+                        out.add_(part)
+                    else:
+                        out.index_add_(0, b.rows.to(x.device), part)
                     reply.release()
                     done += 1
             finally:

@@ -39,12 +39,12 @@ def cluster(request, tmp_path_factory):
     cpu.stop()
 
 
-def engine_for(path, cluster: ClusterConfig) -> tuple[Engine, RemoteDispatcher]:
+def engine_for(path, cluster: ClusterConfig, device: str = "cpu") -> tuple[Engine, RemoteDispatcher]:
     reader = CheckpointReader(path)
-    d = RemoteDispatcher(reader.config, cluster, torch.float32)
+    d = RemoteDispatcher(reader.config, cluster, torch.float32, device)
     d.connect(60)
-    model = load_model(reader, torch.float32, torch.device("cpu"))
-    return Engine(model, d, KVCacheSpec(64, 4), torch.float32, torch.device("cpu")), d
+    model = load_model(reader, torch.float32, torch.device(device))
+    return Engine(model, d, KVCacheSpec(64, 4), torch.float32, torch.device(device)), d
 
 
 def placements(gpu, cpu, path, num_experts: int, **cluster_args) -> dict[str, ClusterConfig]:

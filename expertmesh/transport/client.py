@@ -55,15 +55,16 @@ class Reply:
     seq: int
     out: torch.Tensor  # [T, H] where the server writes the answer
     regions: tuple[tuple[Ring, Region], ...]  # where the request and its answer sit
+    server_ms: float = 0.0  # the server's time from reading the descriptor to answering
 
     def result(self, timeout: float) -> torch.Tensor:
         """The output ``[T, H]`` (a view into the ring: use it before :meth:`release`).
 
         Raises FutureTimeout after ``timeout`` seconds, Rejected if the server refused the
         request or the channel died."""
-        self.channel.wait(self.seq, time.monotonic() + timeout)
+        self.server_ms = self.channel.wait(self.seq, time.monotonic() + timeout).compute_ms
         if self.channel.gpu:
-            torch.cuda.current_stream(self.out.device).wait_event(self.channel.done_event)
+            self.channel.wait_done()
         return self.out
 
     def release(self) -> None:
@@ -78,9 +79,16 @@ class Reply:
 
 
 class ShmClient:
-    def __init__(self, transport: str, ring_bytes: int, device: torch.device, spin_us: float = 300.0) -> None:
+    def __init__(
+        self,
+        transport: str,
+        ring_bytes: int,
+        device: torch.device,
+        spin_us: float = 300.0,
+        cuda_sync: str = "host",  # how the two sides wait for each other's GPU work (cuda_ipc.py)
+    ) -> None:
         assert transport in ("shm", "cuda_ipc"), f"{transport=}"
-        self.transport, self.device = transport, device
+        self.transport, self.device = transport, cuda_ipc.indexed(device)
         self.gpu = transport == "cuda_ipc"
         segment.sweep()
         self.name = segment.new_name()
@@ -115,7 +123,9 @@ class ShmClient:
             self._in_ring = Views(torch.empty(ring_bytes, dtype=torch.uint8, device=device))
             self._gpu_ring = Ring(ring_bytes)
             self.ready_event, ready = cuda_ipc.new_event(device)
-            self._cuda = CudaHello(cuda_ipc.device_uuid(device), cuda_ipc.share(self._in_ring.ring), ready)
+            self._cuda = CudaHello(
+                cuda_ipc.device_uuid(self.device), cuda_ipc.share(self._in_ring.ring), ready, cuda_sync
+            )
 
     # ------------------------------------------------------------ handshake
 
@@ -249,8 +259,16 @@ class ShmClient:
 
     def _retire(self, reply: Reply) -> None:
         if self.gpu:  # the server's reads of the hidden states come before their space is reused
-            torch.cuda.current_stream(self.device).wait_event(self.done_event)
+            self.wait_done()
         reply.release()
+
+    def wait_done(self) -> None:
+        """Orders what follows after the server's GPU work of the answers read so far."""
+        assert self._cuda is not None
+        if self._cuda.sync == "host":
+            self.done_event.synchronize()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(self.done_event)
 
     # ------------------------------------------------------------ teardown
 
@@ -283,6 +301,7 @@ class ShmClient:
             segment.unlink(self.name)  # if the handshake never finished
             if self.gpu and hasattr(self, "_out_map"):
                 self._out_ring.clear()
+                del self._out_ring
                 self._out_map.close()
             self._host.clear()
             del self._host, self._words

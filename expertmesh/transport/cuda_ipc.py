@@ -3,8 +3,13 @@
 Memory is shared through the driver API (libcuda, present wherever a CUDA driver is), once per
 stream for a whole ring, then addressed by offsets: opening a handle costs far more than a
 layer's round trip, so nothing is opened per request. Events go through torch
-(``Event(interprocess=True)``): a record in one process, a ``wait_event`` in the other, no host
-synchronisation on either side.
+(``Event(interprocess=True)``): one side records, the other waits for it.
+
+How the other side waits: ``host`` (the default) blocks the waiting thread on the event;
+``stream`` queues a ``wait_event`` on the GPU stream. Without MPS two processes on one GPU run
+in separate contexts that the GPU time-slices, and a stream of one context blocked on the
+other's event held each round trip up by about 0.3 ms on an H200 (benchmarks/RESULTS.md), so
+each side rather waits on the host, leaving no blocked work on the GPU.
 
 NOTE: each side writes only GPU memory it allocated itself (the coordinator its hidden-state
 ring, the server its output ring); the other side only reads. A stale or hung peer can then
@@ -27,7 +32,8 @@ class CudaIpcError(RuntimeError):
 
 
 class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    # NOTE: bytes, not c_char: a c_char array reads back cut at its first zero byte
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
 
 
 class _Driver:
@@ -108,7 +114,7 @@ class Mapped:
         drv = _driver(device)
         base = ctypes.c_uint64()
         h = _Handle()
-        h.reserved = raw
+        ctypes.memmove(ctypes.addressof(h), raw, len(raw))
         drv.check(drv.open_handle(ctypes.byref(base), h, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         t = torch.as_tensor(_DeviceBuffer(base.value + offset, nbytes), device=device)
         return cls(t, base.value)
@@ -136,6 +142,13 @@ def open_event(handle: str, device: torch.device) -> torch.cuda.Event:
     except (TypeError, ValueError):
         raise CudaIpcError("malformed CUDA IPC event handle") from None
     return torch.cuda.Event.from_ipc_handle(device, raw)
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:N`` (the current device): IPC handles and events need an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def device_uuid(device: torch.device | str) -> str:

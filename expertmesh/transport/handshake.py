@@ -29,6 +29,7 @@ class CudaHello:
     device_uuid: str
     in_ring: dict  # cuda_ipc.share(): the coordinator's GPU ring (hidden states)
     ready_event: str  # hex IPC handle: recorded after the hidden states are written
+    sync: str = "host"  # how each side waits for the other's event: "host" or "stream" (see cuda_ipc.py)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Hello:
             raise HandshakeError("fast-path handshake: the ring does not fit in the segment")
         if (hello.transport == "cuda_ipc") != (hello.cuda is not None):
             raise HandshakeError("fast-path handshake: CUDA fields must come with cuda_ipc only")
+        if hello.cuda is not None and hello.cuda.sync not in ("host", "stream"):
+            raise HandshakeError(f"fast-path handshake: unknown CUDA sync {hello.cuda.sync!r}")
         return hello
 
 

@@ -63,7 +63,8 @@ class ShmServer:
         on_error: Callable[[], None] = lambda: None,
         spin_us: float = 300.0,  # how long to poll for the next request before sleeping
     ) -> None:
-        self.hello, self.device, self.forward, self.on_error = hello, device, forward, on_error
+        self.hello, self.forward, self.on_error = hello, forward, on_error
+        self.device = cuda_ipc.indexed(device)
         self.spin_us = spin_us
         self.ack: Future[Ack] = Future()
         self._state = threading.Lock()  # guards the FIFOs against close() from the event loop
@@ -206,7 +207,11 @@ class ShmServer:
             block = torch.empty((2, t, k), dtype=torch.int32, pin_memory=True)
             block.numpy()[...] = shared
             slot_ids, weights = block[0], block[1].view(torch.float32)
-            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            assert self.hello.cuda is not None
+            if self.hello.cuda.sync == "host":
+                self._ready.synchronize()
+            else:
+                torch.cuda.current_stream(self.device).wait_event(self._ready)
         else:
             mine = shared.copy()
             slot_ids, weights = torch.from_numpy(mine[0]), torch.from_numpy(mine[1].view(np.float32))

@@ -77,7 +77,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         self.shm_spin_us = shm_spin_us
         self.cfg = slots.reader.config
         self.stats = WorkerStats()
-        self.tokens_per_slot: dict[int, torch.Tensor] = {}
+        self.tokens_per_slot: dict[int, np.ndarray] = {}  # layer -> [S] tokens routed to each slot
         # NOTE: one compute thread for gRPC requests and commits; fast-path channel threads
         # compute too, so compute and commit also hold this lock.
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
@@ -143,7 +143,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                 raise _bad(
                     f"slot ids must be -1 or in [0, {n_slots}) for layer {layer}; got range [{lo}, {hi}]"
                 )
-        if t and not bool(np.isfinite(weights.numpy()).all()):  # numpy: a fifth of torch's cost here
+        if t and not bool(np.isfinite(weights.numpy()).all()):
             raise _bad("weights contain NaN or infinity")
         return ForwardArgs(seq, layer, x, slot_ids, weights)
 
@@ -177,12 +177,14 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         self.stats.compute_seconds += time.perf_counter() - t0
         self.stats.requests += 1
         self.stats.tokens += args.hidden.shape[0]
-        ids = args.slot_ids.numpy().ravel()  # [T * K] host copy
-        counts = torch.from_numpy(np.bincount(ids[ids >= 0], minlength=len(layer.experts)))
+        # NOTE: numpy: on these few numbers its ops cost a fraction of torch's per-op overhead
+        ids = args.slot_ids.numpy().ravel()  # [T * K]
+        counts = np.bincount(ids[ids >= 0], minlength=len(layer.experts))  # [S]
         prev = self.tokens_per_slot.get(args.layer)
-        self.tokens_per_slot[args.layer] = (
-            counts if prev is None or prev.shape != counts.shape else prev + counts
-        )
+        if prev is None or prev.shape != counts.shape:
+            self.tokens_per_slot[args.layer] = counts
+        else:
+            prev += counts
         return out
 
     # ------------------------------------------------------------ RPCs

@@ -1,0 +1,59 @@
+"""The CUDA IPC fast path on a real GPU: one GPU expert server process and a coordinator
+engine in this process on the same GPU. Every data path gives identical logits, and with
+CUDA IPC the hidden states and outputs never leave the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator import remote
+from coordinator.engine import Engine
+from coordinator.remote import ClusterConfig, ServerSpec
+from tests.cluster_utils import start_server
+from tests.hf_models import make_checkpoint
+from tests.test_cluster import engine_for
+from tests.test_cluster_faults import run_steps
+from tests.test_parity import rel_err
+from tests.test_transport_cluster import PROMPT, mapped_segments, wait_until
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def test_cuda_ipc_matches_every_other_path(tmp_path, monkeypatch):
+    make_checkpoint("qwen3_moe", tmp_path)
+    srv = start_server("gpu", tmp_path, 0, "--device", "cuda", timeout=300)
+    servers = (ServerSpec("gpu0", srv.address, "gpu"),)
+    seen: list[torch.device] = []
+    result = remote._FastReply.result
+
+    def spy(self, timeout):
+        part = result(self, timeout)
+        seen.append(part.device)
+        return part
+
+    monkeypatch.setattr(remote._FastReply, "result", spy)
+    try:
+        runs = {}
+        for transport in ["grpc", "shm", "cuda_ipc", "auto"]:
+            eng, d = engine_for(tmp_path, ClusterConfig(servers, transport=transport, timeout_s=120), "cuda")
+            seen.clear()
+            try:
+                runs[transport] = torch.stack(run_steps(eng, PROMPT, 4)).cpu()
+                info = d.server_infos()[0]
+            finally:
+                d.close()
+            want = "cuda_ipc" if transport == "auto" else transport
+            assert info["transport"] == want, info
+            if want == "cuda_ipc":  # every answer was read where the server left it: on the GPU
+                assert seen and all(dev.type == "cuda" for dev in seen), seen
+            elif want == "shm":
+                assert seen and all(dev.type == "cpu" for dev in seen), seen
+        for transport, logits in runs.items():
+            assert torch.equal(logits, runs["grpc"]), transport
+        ref = Engine.from_checkpoint(str(tmp_path), device="cuda")
+        want_logits = torch.stack(run_steps(ref, PROMPT, 4)).cpu()
+        assert rel_err(runs["cuda_ipc"], want_logits) < 1e-3
+        assert wait_until(lambda: not mapped_segments(srv.proc.pid))  # each stream's channel was closed
+    finally:
+        srv.stop()
