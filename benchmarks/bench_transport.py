@@ -72,7 +72,7 @@ def _median_time(fn, reps: int, device: torch.device) -> float:
 # ---------------------------------------------------------------------- echo
 
 
-def _echo_server(device: str) -> None:
+def _echo_server(device: str, spin_us: float) -> None:
     """A Forward stream that answers each request with its own hidden states: gRPC messages,
     or (after a handshake) the shared-memory channel; no validation, no experts."""
     import grpc
@@ -93,7 +93,8 @@ def _echo_server(device: str) -> None:
                 async for req in it:
                     if req.fast_path:
                         # identity "experts": the hidden states go to the server's device and back
-                        fast = ShmServer(Hello.decode(req.fast_path), dev, lambda r: r.hidden.to(dev))
+                        hello = Hello.decode(req.fast_path)
+                        fast = ShmServer(hello, dev, lambda r: r.hidden.to(dev), spin_us=spin_us)
                         ack = await asyncio.wrap_future(fast.start())
                         yield pb.ForwardResponse(seq=0, fast_path=ack.encode())
                         continue
@@ -119,7 +120,7 @@ class _EchoClient:
     """The coordinator's side of the echo: the same stream structure as ServerConnection
     (a request queue, a reader thread, futures by sequence number), and the same fast path."""
 
-    def __init__(self, port: int, transport: str, device: torch.device) -> None:
+    def __init__(self, port: int, transport: str, device: torch.device, spin_us: float) -> None:
         import queue
         import threading
         from concurrent.futures import Future
@@ -141,9 +142,10 @@ class _EchoClient:
         threading.Thread(target=self._read, daemon=True).start()
         self.fast = None
         if transport != "grpc":
-            # cuda_ipc_stream: CUDA IPC with GPU-side event waits instead of host waits
-            kind, sync = ("cuda_ipc", "stream") if transport == "cuda_ipc_stream" else (transport, "host")
-            self.fast = ShmClient(kind, 64 << 20, device, cuda_sync=sync)
+            # cuda_ipc_local / cuda_ipc_stream: CUDA IPC with another ordering (cuda_ipc.SYNC_MODES)
+            kind, _, sync = transport.partition("_ipc_")
+            kind, sync = ("cuda_ipc", sync) if sync else (transport, "host")
+            self.fast = ShmClient(kind, 64 << 20, device, spin_us, cuda_sync=sync)
             fut = self._send(pb.ForwardRequest(seq=0, fast_path=self.fast.hello()))
             ack = Ack.decode(fut.result(30).fast_path)
             assert ack.transport == kind, ack
@@ -186,14 +188,14 @@ def echo(args: argparse.Namespace) -> None:
     tokens = _tokens(args, dtype.itemsize)
     transports = args.transports.split(",")
     torch.set_num_threads(1)
-    cmd = [sys.executable, __file__, "_echo-server", args.device]
+    cmd = [sys.executable, __file__, "_echo-server", args.device, str(args.spin_us)]
     srv = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
     try:
         assert srv.stdout is not None
         port = int(srv.stdout.readline())
-        clients = {t: _EchoClient(port, t, dev) for t in transports}
+        clients = {t: _EchoClient(port, t, dev, args.spin_us) for t in transports}
         rows: dict[tuple, list[float]] = {}
         for _ in range(args.repeat):
             for t in tokens:
@@ -211,6 +213,7 @@ def echo(args: argparse.Namespace) -> None:
         srv.wait()
     print(
         f"\n# echo round trip (transport only: no validation, no experts), H={args.hidden} {args.dtype}, "
+        f"spin {args.spin_us:g} us, "
         f"device {args.device}, {args.repeat} rounds x {args.reps} reps; microseconds (median of round medians)"
     )
     head = ["payload/way", "T"]
@@ -377,17 +380,23 @@ def _print_layer_table(args, tokens, transports, rows, row_bytes) -> None:
 
 
 def _launch(model: Path, transport: str, device: str, threads: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "expertmesh.cli", "up", "--model", str(model), "--transport", transport]
-    cmd += ["--device", device, "--threads", str(threads)]
-    if device.startswith("cuda"):
-        cmd += ["--coordinator-device", device]
+    """``expertmesh up`` over ``transport``, or (``in-process``) a coordinator with every expert."""
+    cli = [sys.executable, "-m", "expertmesh.cli"]
+    if transport == "in-process":
+        cmd = [*cli, "coordinator", "--model", str(model), "--port", "0", "--threads", str(threads)]
+        cmd += ["--device", device]
+    else:
+        cmd = [*cli, "up", "--model", str(model), "--transport", transport]
+        cmd += ["--device", device, "--threads", str(threads)]
+        if device.startswith("cuda"):
+            cmd += ["--coordinator-device", device]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert p.stdout is not None
     out = []
     for line in p.stdout:
         out.append(line)
-        m = re.search(r"serving on (\S+:\d+)", line)
+        m = re.search(r"(?:serving|coordinator listening) on (\S+:\d+)", line)
         if m:
             import threading
 
@@ -447,6 +456,7 @@ def _layer_arguments(a: argparse.ArgumentParser) -> None:
     a.add_argument("--transports", default="grpc,shm")
     a.add_argument("--reps", type=int, default=100)
     a.add_argument("--repeat", type=int, default=3)
+    a.add_argument("--spin-us", type=float, default=300.0, help="echo: fast paths' spin before sleeping")
 
 
 def main() -> None:
@@ -463,7 +473,7 @@ def main() -> None:
     b.add_argument("--requests", type=int, default=3)
     b.add_argument("--repeat", type=int, default=2)
     if sys.argv[1:2] == ["_echo-server"]:
-        return _echo_server(sys.argv[2])
+        return _echo_server(sys.argv[2], float(sys.argv[3]))
     args = ap.parse_args()
     {"echo": echo, "layer": layer, "decode": decode}[args.mode](args)
 

@@ -85,7 +85,7 @@ class ShmClient:
         ring_bytes: int,
         device: torch.device,
         spin_us: float = 300.0,
-        cuda_sync: str = "host",  # how the two sides wait for each other's GPU work (cuda_ipc.py)
+        cuda_sync: str = "host",  # how the two sides order their GPU work (cuda_ipc.SYNC_MODES)
     ) -> None:
         assert transport in ("shm", "cuda_ipc"), f"{transport=}"
         self.transport, self.device = transport, cuda_ipc.indexed(device)
@@ -203,7 +203,10 @@ class ShmClient:
         block[0] = slot_ids.numpy()
         block[1] = weights.numpy().view(np.int32)
         if self.gpu:
-            self.ready_event.record(torch.cuda.current_stream(self.device))
+            if self._cuda is not None and self._cuda.sync == "local":
+                torch.cuda.current_stream(self.device).synchronize()
+            else:
+                self.ready_event.record(torch.cuda.current_stream(self.device))
         flags = dsc.FLAG_GPU if self.gpu else 0
         desc = dsc.Request(seq, generation, layer, t, h, k, dtype, dtype, h_off, r_off, o_off, flags)
         os.write(self._req_fd, desc.pack())
@@ -267,8 +270,9 @@ class ShmClient:
         assert self._cuda is not None
         if self._cuda.sync == "host":
             self.done_event.synchronize()
-        else:
+        elif self._cuda.sync == "stream":
             torch.cuda.current_stream(self.device).wait_event(self.done_event)
+        # "local": the server finished its GPU work before it answered
 
     # ------------------------------------------------------------ teardown
 

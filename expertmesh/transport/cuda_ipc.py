@@ -5,11 +5,12 @@ stream for a whole ring, then addressed by offsets: opening a handle costs far m
 layer's round trip, so nothing is opened per request. Events go through torch
 (``Event(interprocess=True)``): one side records, the other waits for it.
 
-How the other side waits: ``host`` (the default) blocks the waiting thread on the event;
-``stream`` queues a ``wait_event`` on the GPU stream. Without MPS two processes on one GPU run
-in separate contexts that the GPU time-slices, and a stream of one context blocked on the
-other's event held each round trip up by about 0.3 ms on an H200 (benchmarks/RESULTS.md), so
-each side rather waits on the host, leaving no blocked work on the GPU.
+How each side orders its GPU work after the other's (:data:`SYNC_MODES`): ``host`` (the
+default) records an interprocess event and the other side's thread waits for it; ``stream``
+queues a ``wait_event`` on the other side's GPU stream instead; ``local`` has each side finish
+its own stream before it hands over, so no event crosses the process boundary. ``host`` was the
+fastest of the three on an H200, by 20-40 us. All three pay the GPU's switch between the two
+processes' contexts (about 0.3 ms per round trip without MPS; benchmarks/RESULTS.md).
 
 NOTE: each side writes only GPU memory it allocated itself (the coordinator its hidden-state
 ring, the server its output ring); the other side only reads. A stale or hung peer can then
@@ -25,6 +26,9 @@ from dataclasses import dataclass
 import torch
 
 _LAZY_ENABLE_PEER_ACCESS = 1
+
+
+SYNC_MODES = ("local", "host", "stream")
 
 
 class CudaIpcError(RuntimeError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from expertmesh.transport.cuda_ipc import SYNC_MODES
 from expertmesh.transport.segment import is_segment_name
 
 MAGIC = b"EMHS1"
@@ -29,7 +30,7 @@ class CudaHello:
     device_uuid: str
     in_ring: dict  # cuda_ipc.share(): the coordinator's GPU ring (hidden states)
     ready_event: str  # hex IPC handle: recorded after the hidden states are written
-    sync: str = "host"  # how each side waits for the other's event: "host" or "stream" (see cuda_ipc.py)
+    sync: str = "host"  # how each side orders after the other's GPU work: see cuda_ipc.SYNC_MODES
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Hello:
             raise HandshakeError("fast-path handshake: the ring does not fit in the segment")
         if (hello.transport == "cuda_ipc") != (hello.cuda is not None):
             raise HandshakeError("fast-path handshake: CUDA fields must come with cuda_ipc only")
-        if hello.cuda is not None and hello.cuda.sync not in ("host", "stream"):
+        if hello.cuda is not None and hello.cuda.sync not in SYNC_MODES:
             raise HandshakeError(f"fast-path handshake: unknown CUDA sync {hello.cuda.sync!r}")
         return hello
 

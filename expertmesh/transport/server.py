@@ -210,15 +210,20 @@ class ShmServer:
             assert self.hello.cuda is not None
             if self.hello.cuda.sync == "host":
                 self._ready.synchronize()
-            else:
+            elif self.hello.cuda.sync == "stream":
                 torch.cuda.current_stream(self.device).wait_event(self._ready)
+            # "local": the coordinator finished writing before it sent the descriptor
         else:
             mine = shared.copy()
             slot_ids, weights = torch.from_numpy(mine[0]), torch.from_numpy(mine[1].view(np.float32))
         y = self.forward(FastRequest(req.seq, req.generation, req.layer, hidden, slot_ids, weights))
         out.copy_(y)
         if req.on_gpu:
-            self._done.record(torch.cuda.current_stream(self.device))
+            assert self.hello.cuda is not None
+            if self.hello.cuda.sync == "local":
+                torch.cuda.current_stream(self.device).synchronize()
+            else:
+                self._done.record(torch.cuda.current_stream(self.device))
 
     def _release(self) -> None:
         with self._state:
