@@ -8,8 +8,9 @@ through shared memory:
 - ``shm``: one segment per stream in ``/dev/shm``, created by the coordinator, holding a byte
   ring for request payloads and the room for their answers (:mod:`.ring`; all allocation is
   coordinator-side). Per request a 256-byte descriptor (:mod:`.descriptor`) goes through a
-  FIFO and the answer's descriptor comes back through another: a pipe wake-up measured
-  fastest among the options from Python (benchmarks/bench_doorbell.py).
+  FIFO and the answer's descriptor comes back through another, and a counter in the segment
+  lets the waiting side poll briefly before it sleeps (:mod:`.spin`): the fastest of the
+  options measured from Python (benchmarks/bench_doorbell.py, benchmarks/RESULTS.md).
 - ``cuda_ipc``: as ``shm``, but hidden states stay in the coordinator's GPU memory and
   outputs in the server's, each side's ring mapped once by the other through CUDA IPC
   (:mod:`.cuda_ipc`), ordered by interprocess events: no device-to-host copy on the data path.
