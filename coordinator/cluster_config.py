@@ -1,0 +1,113 @@
+"""Where the expert servers are and how the coordinator uses them: ``ServerSpec`` and the
+frozen ``ClusterConfig`` (and its command-line flags)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from expertmesh.transport import negotiate
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    address: str
+    kind: str  # "gpu" | "cpu"
+
+    def __post_init__(self) -> None:
+        assert self.kind in ("gpu", "cpu"), f"{self.kind=}"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    servers: tuple[ServerSpec, ...]
+    num_gpu_experts: int | None = None  # None: all on GPU servers if no CPU server, etc., else half
+    placement_file: str | None = None
+    replica_policy: str = "static"
+    gpu_prefill_token_threshold: int = 0  # 0 = off
+    timeout_s: float = 30.0
+    transport: str = "auto"  # auto | grpc | shm | cuda_ipc (expertmesh/transport/negotiate.py)
+    max_message_mb: int = 256
+    shm_ring_mb: float = 64  # per server stream; a payload that does not fit goes over gRPC
+    shm_spin_us: float = 300.0  # poll for a fast-path answer this long before sleeping
+
+    def __post_init__(self) -> None:
+        assert self.replica_policy in ("static", "round_robin"), f"{self.replica_policy=}"
+        assert self.transport in negotiate.CHOICES, f"{self.transport=}"
+        assert self.shm_ring_bytes >= 4096, f"{self.shm_ring_mb=}"
+        assert self.timeout_s > 0, f"{self.timeout_s=}"
+        names = [s.name for s in self.servers]
+        assert len(set(names)) == len(names), f"duplicate server names {names}"
+        if self.gpu_prefill_token_threshold and not self.gpu:
+            raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server")
+
+    @property
+    def shm_ring_bytes(self) -> int:
+        return int(self.shm_ring_mb * (1 << 20)) // 4096 * 4096
+
+    @property
+    def gpu(self) -> list[ServerSpec]:
+        return [s for s in self.servers if s.kind == "gpu"]
+
+    @property
+    def cpu(self) -> list[ServerSpec]:
+        return [s for s in self.servers if s.kind == "cpu"]
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("expert servers")
+        g.add_argument("--gpu-server", action="append", default=[], metavar="HOST:PORT", help="repeatable")
+        g.add_argument("--cpu-server", action="append", default=[], metavar="HOST:PORT", help="repeatable")
+        g.add_argument("--num-gpu-experts", type=int, default=None, help="logical ids < N on GPU servers")
+        g.add_argument(
+            "--placement", default=None, metavar="FILE", help="JSON placement (see expertmesh/placement.py)"
+        )
+        g.add_argument("--replica-policy", default="static", choices=["static", "round_robin"])
+        g.add_argument(
+            "--gpu-prefill-token-threshold",
+            type=int,
+            default=0,
+            help="steps with >= T tokens run all experts on the GPU server",
+        )
+        g.add_argument(
+            "--expert-timeout",
+            type=float,
+            default=30.0,
+            help="seconds before an expert server is declared failed",
+        )
+        g.add_argument(
+            "--transport",
+            default="auto",
+            choices=list(negotiate.CHOICES),
+            help="data path to the expert servers: auto = the fastest both sides offer; shm / cuda_ipc = "
+            "require shared memory / CUDA IPC (same host / same GPU); grpc = plain gRPC",
+        )
+        g.add_argument(
+            "--shm-ring-mb",
+            type=float,
+            default=64,
+            help="shared-memory ring per expert server; larger payloads go over gRPC",
+        )
+        g.add_argument(
+            "--shm-spin-us",
+            type=float,
+            default=300.0,
+            help="fast paths: poll this long for an answer before sleeping (0 = always sleep)",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
+        servers = [ServerSpec(f"gpu{i}", a, "gpu") for i, a in enumerate(args.gpu_server)]
+        servers += [ServerSpec(f"cpu{i}", a, "cpu") for i, a in enumerate(args.cpu_server)]
+        return cls(
+            servers=tuple(servers),
+            num_gpu_experts=args.num_gpu_experts,
+            placement_file=args.placement,
+            replica_policy=args.replica_policy,
+            gpu_prefill_token_threshold=args.gpu_prefill_token_threshold,
+            timeout_s=args.expert_timeout,
+            transport=args.transport,
+            shm_ring_mb=args.shm_ring_mb,
+            shm_spin_us=args.shm_spin_us,
+        )

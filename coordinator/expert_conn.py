@@ -1,0 +1,332 @@
+"""One expert server seen from the coordinator: channel, ``Describe``, placement pushes, and the
+long-lived ``Forward`` stream (pipelined by sequence number, read by its own thread), with the
+shared-memory / CUDA IPC fast path negotiated on it (expertmesh.transport).
+
+Shapes: T_s rows sent to the server, H hidden.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.cluster_config import ClusterConfig, ServerSpec
+from expertmesh import placement as pl
+from expertmesh import wire
+from expertmesh.transport import negotiate
+from expertmesh.transport.client import Reply, ShmClient
+from expertmesh.transport.cuda_ipc import CudaIpcError
+from expertmesh.transport.errors import Rejected
+from expertmesh.transport.handshake import Ack, HandshakeError
+from expertmesh.v1 import expert_worker_pb2 as pb
+from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
+from expertmesh.worker.server import grpc_options
+
+log = logging.getLogger("expertmesh.remote")
+
+
+class ExpertServerError(RuntimeError):
+    """An expert server failed, timed out or is unavailable; ``code`` is a grpc.StatusCode."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Stream:
+    call: grpc.Future  # the streaming call (also an iterator of responses)
+    requests: queue.Queue
+    pending: dict[int, Future] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dead: ExpertServerError | None = None
+    fast: ShmClient | None = None  # the stream's shared-memory channel, if it has one
+
+
+class _GrpcReply:
+    def __init__(self, fut: Future) -> None:
+        self.fut = fut
+
+    def result(self, timeout: float) -> torch.Tensor:  # [T_s, H]
+        return wire.decode(self.fut.result(timeout=timeout).output, "output")
+
+    def release(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+
+class _FastReply:
+    def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply) -> None:
+        self.conn, self.st, self.reply = conn, st, reply
+
+    def result(self, timeout: float) -> torch.Tensor:  # [T_s, H], a view valid until release()
+        try:
+            return self.reply.result(timeout)
+        except Rejected as e:
+            if self.st.dead is not None:  # the stream died: its error says why
+                raise self.st.dead from None
+            # the server refused the request: as on the gRPC path, that ends the stream
+            err = ExpertServerError(e.code, f"{self.conn.describe_self()}: {e.code.name}: {e.message}")
+            self.conn.end_stream(self.st, err)
+            raise err from None
+
+    def release(self) -> None:
+        self.reply.release()
+
+    def abandon(self) -> None:
+        self.reply.abandon()
+
+
+class ServerConnection:
+    """One expert server: channel, description, placement push, the Forward stream."""
+
+    def __init__(self, spec: ServerSpec, cluster: ClusterConfig, device: torch.device | None = None) -> None:
+        self.spec, self.cluster = spec, cluster
+        self.device = device or torch.device("cpu")
+        self.channel = grpc.insecure_channel(
+            spec.address,
+            options=[
+                *grpc_options(cluster.max_message_mb << 20),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
+        )
+        self.stub = pb_grpc.ExpertWorkerStub(self.channel)
+        self.info: pb.DescribeResponse | None = None
+        self.dtype: torch.dtype | None = None
+        self.state = "connecting"
+        self.last_error = ""
+        self.slots_used = 0
+        self._stream: _Stream | None = None
+        self._seq = itertools.count(1)
+        self.plan = "grpc"  # data path chosen from Describe (negotiate.choose)
+        self.transport = "grpc"  # the path of the current stream (the handshake may settle lower)
+        self.transport_note = ""  # why nothing faster
+        self.fast_fallbacks = 0  # requests sent over gRPC on a fast stream (no room in the ring)
+
+    def describe_self(self) -> str:
+        return f"expert server {self.spec.name} ({self.spec.address})"
+
+    # ------------------------------------------------------------ control plane
+
+    def describe(self, timeout: float) -> pb.DescribeResponse:
+        info = self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
+        self.info, self.dtype = info, wire.parse_dtype(info.dtype)
+        return info
+
+    def wait_serving(self, deadline: float) -> None:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                st = stub.Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=max(0.1, min(left, 2.0))
+                ).status
+                if st == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as e:
+                if left <= 0:
+                    raise _status_error(self.spec, e) from None
+            if left <= 0:
+                raise ExpertServerError(
+                    grpc.StatusCode.UNAVAILABLE, f"{self.spec.name} ({self.spec.address}) is not SERVING yet"
+                )
+            time.sleep(0.1)
+
+    def push(self, generation: int, table: dict[int, list[int]], timeout: float) -> None:
+        layers = [pb.LayerSlots(layer=layer, experts=ex) for layer, ex in sorted(table.items())]
+        prep = pb.ApplyPlacementRequest(
+            phase=pb.ApplyPlacementRequest.PREPARE, generation=generation, layers=layers
+        )
+        self.stub.ApplyPlacement(prep, timeout=timeout)
+        self.slots_used = max((len(x) for x in table.values()), default=0)
+
+    def commit(self, generation: int, timeout: float) -> None:
+        req = pb.ApplyPlacementRequest(phase=pb.ApplyPlacementRequest.COMMIT, generation=generation)
+        self.stub.ApplyPlacement(req, timeout=timeout)
+
+    # ------------------------------------------------------------ data plane
+
+    def _open(self) -> _Stream:
+        q: queue.Queue = queue.Queue()
+        call = self.stub.Forward(iter(q.get, None))
+        st = _Stream(call, q)
+        threading.Thread(target=self._read, args=(st,), daemon=True, name=f"read-{self.spec.name}").start()
+        self.transport = "grpc"
+        if self.plan != "grpc":
+            self._handshake(st)
+        return st
+
+    def _handshake(self, st: _Stream) -> None:
+        """Offers the planned fast path on a new stream and settles for the server's answer."""
+        try:
+            fast = ShmClient(self.plan, self.cluster.shm_ring_bytes, self.device, self.cluster.shm_spin_us)
+        except (OSError, CudaIpcError) as e:
+            self._settle(st, None, Ack("grpc", f"cannot create the shared-memory channel here: {e}"))
+            return
+        fut: Future = Future()
+        with st.lock:
+            st.pending[0] = fut
+        st.requests.put(pb.ForwardRequest(seq=0, fast_path=fast.hello()))
+        wait_s = min(10.0, self.cluster.timeout_s)
+        try:
+            ack = Ack.decode(fut.result(timeout=wait_s).fast_path)
+        except (ExpertServerError, FutureTimeout, HandshakeError) as e:
+            fast.close()
+            why = str(e) or f"no answer within {wait_s:g}s"
+            self.end_stream(
+                st,
+                ExpertServerError(
+                    grpc.StatusCode.UNAVAILABLE, f"{self.describe_self()}: fast-path handshake: {why}"
+                ),
+            )
+            assert st.dead is not None
+            raise st.dead from None
+        self._settle(st, fast, ack)
+
+    def _settle(self, st: _Stream, fast: ShmClient | None, ack: Ack) -> None:
+        """Takes the server's answer (``auto`` accepts a slower path, a required path does not)."""
+        requested = self.cluster.transport
+        if not negotiate.acceptable(requested, self.plan, ack.transport):
+            why = f"{self.describe_self()} answered {ack.transport}: {ack.reason}"
+            self._refuse(st, fast, f"--transport {requested}: {why}")
+        self.transport_note = ack.reason
+        if ack.transport == "grpc":
+            if fast is not None:
+                fast.close()
+            log.info("%s: plain gRPC (%s)", self.spec.name, ack.reason)
+            return
+        assert fast is not None
+        try:
+            fast.accept(ack)
+        except CudaIpcError as e:
+            if requested == "auto":
+                self.plan = "shm"  # the next stream asks for less
+            self._refuse(st, fast, f"{self.describe_self()}: cannot map its CUDA IPC output ring: {e}")
+        st.fast, self.transport = fast, fast.transport
+
+    def _refuse(self, st: _Stream, fast: ShmClient | None, message: str) -> NoReturn:
+        if fast is not None:
+            fast.close()
+        err = ExpertServerError(grpc.StatusCode.FAILED_PRECONDITION, message)
+        self.end_stream(st, err)
+        raise err
+
+    def _read(self, st: _Stream) -> None:
+        try:
+            for resp in st.call:
+                with st.lock:
+                    fut = st.pending.pop(resp.seq, None)
+                if fut is not None:
+                    fut.set_result(resp)
+            err = ExpertServerError(grpc.StatusCode.UNAVAILABLE, f"{self.spec.name}: stream closed")
+        except grpc.RpcError as e:
+            err = _status_error(self.spec, e)
+        self._fail(st, err)
+
+    def _fail(self, st: _Stream, err: ExpertServerError) -> None:
+        with st.lock:
+            first = st.dead is None
+            if first:  # NOTE: the first error says why; the cancellation that follows does not
+                st.dead = err
+            pending, st.pending = st.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(st.dead)
+        if st.fast is not None:
+            st.fast.kill(Rejected(err.code, str(err)))
+        if first and err.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            self.state, self.last_error = "unavailable", str(err)
+
+    def end_stream(self, st: _Stream, err: ExpertServerError) -> None:
+        """Fails ``st`` with ``err``, cancels it and frees its channel (the caller's thread)."""
+        self._fail(st, err)
+        st.requests.put(None)
+        st.call.cancel()
+        if st.fast is not None:
+            st.fast.close()
+        if self._stream is st:
+            self._stream = None
+
+    def reset(self, reason: str) -> None:
+        st = self._stream
+        if st is not None:
+            self.end_stream(
+                st, ExpertServerError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.spec.name}: {reason}")
+            )
+
+    def open_stream(self) -> _Stream:
+        """The live stream, opened (with its handshake) if there is none."""
+        st = self._stream
+        if st is not None and st.dead is None and st.fast is not None and st.fast.dead:
+            # the channel failed with nobody waiting on it (its error went to no one)
+            why = st.fast.error
+            assert why is not None
+            self.end_stream(st, ExpertServerError(why.code, f"{self.describe_self()}: {why.message}"))
+            st = None
+        if st is None or st.dead is not None:
+            if st is not None and st.fast is not None:
+                st.fast.close()
+            self._stream = None
+            st = self._stream = self._open()
+        return st
+
+    def submit(
+        self, generation: int, layer: int, x: torch.Tensor, b: pl.ServerBatch
+    ) -> _GrpcReply | _FastReply:
+        """Sends one layer's batch for this server; the reply's ``result`` is ``[T_s, H]``."""
+        st = self.open_stream()
+        dtype = self.dtype or x.dtype
+        if st.fast is not None and st.dead is None:
+            r = st.fast.send(next(self._seq), generation, layer, x, b.rows, b.slot_ids, b.weights, dtype)
+            if r is not None:
+                return _FastReply(self, st, r)
+            self.fast_fallbacks += 1
+        req = pb.ForwardRequest(
+            generation=generation,
+            layer=layer,
+            hidden=wire.encode(x[b.rows.to(x.device)].to(dtype)),
+            slot_ids=wire.encode(b.slot_ids),
+            weights=wire.encode(b.weights),
+        )
+        return _GrpcReply(self.send(req))
+
+    def send(self, req: pb.ForwardRequest) -> Future:
+        st = self.open_stream()
+        req.seq = next(self._seq)
+        fut: Future = Future()
+        with st.lock:
+            if st.dead is not None:
+                fut.set_exception(st.dead)
+                return fut
+            st.pending[req.seq] = fut
+        st.requests.put(req)
+        return fut
+
+    def stream_alive(self) -> bool:
+        st = self._stream
+        return st is not None and st.dead is None and not (st.fast is not None and st.fast.dead)
+
+    def close(self) -> None:
+        self.reset("closing")
+        self.channel.close()
+
+
+def _status_error(spec: ServerSpec, e: grpc.RpcError) -> ExpertServerError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
+    return ExpertServerError(code, f"expert server {spec.name} ({spec.address}): {code.name}: {details}")
