@@ -10,7 +10,8 @@ import grpc
 import pytest
 import torch
 
-from coordinator.server import CoordinatorConfig, InvalidRequest, RequestLimits, parse_request
+from coordinator.requests import InvalidRequest, RequestLimits, parse_request
+from coordinator.server import CoordinatorConfig
 from expertmesh import health
 from expertmesh.client import AsyncClient, Client
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2
