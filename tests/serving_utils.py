@@ -7,6 +7,7 @@ import asyncio
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from coordinator.server import CoordinatorConfig, CoordinatorServer, create_server
@@ -84,3 +85,12 @@ def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tenso
             logits.append(out.logits[0, -1])
             toks.append(int(logits[-1].argmax()))
     return toks, torch.log_softmax(torch.stack(logits).float(), dim=-1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # NOTE: the engine's tiny matmuls are ~10x slower with 2 threads on a busy 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

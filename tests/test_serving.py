@@ -16,7 +16,12 @@ from expertmesh import health
 from expertmesh.client import AsyncClient, Client
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2
 from tests.hf_models import make_checkpoint
-from tests.serving_utils import ServerThread, hf_greedy, write_word_tokenizer
+from tests.serving_utils import (
+    ServerThread,
+    hf_greedy,
+    one_thread,  # noqa: F401 (autouse fixture)
+    write_word_tokenizer,
+)
 
 NUM_REQUESTS = 16
 # prompt lengths 3..33 and output lengths 4..20, all different mixes
@@ -25,15 +30,6 @@ PROMPTS = [
     for i in range(NUM_REQUESTS)
 ]
 OUT_LENS = [4 + (i * 5) % 17 for i in range(NUM_REQUESTS)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # NOTE: the engine's tiny matmuls are ~10x slower with 2 threads on a busy 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from coordinator.remote import ClusterConfig, ServerSpec
 from coordinator.server import CoordinatorConfig
@@ -21,18 +20,14 @@ from expertmesh.client import Client
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint
-from tests.serving_utils import ServerThread, hf_greedy
+from tests.serving_utils import (
+    ServerThread,
+    hf_greedy,
+    one_thread,  # noqa: F401 (autouse fixture)
+)
 from tests.test_serving import OUT_LENS, PROMPTS, check_against_hf, run_concurrently, wait_idle
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def wait_health(addr: str, want: str, timeout: float = 60.0) -> None:

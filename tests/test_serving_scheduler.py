@@ -8,7 +8,6 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from coordinator.dispatch import Dispatcher
 from coordinator.engine import Engine
@@ -18,15 +17,10 @@ from coordinator.scheduler import Output, Scheduler, SchedulerLimits
 from coordinator.server import CoordinatorConfig
 from expertmesh.client import Client
 from tests.hf_models import make_checkpoint
-from tests.serving_utils import ServerThread
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.serving_utils import (
+    ServerThread,
+    one_thread,  # noqa: F401 (autouse fixture)
+)
 
 
 @pytest.fixture(scope="module")
