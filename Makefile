@@ -18,7 +18,7 @@ venv: $(BIN)/expertmesh
 # Brings up coordinator + GPU expert server + CPU expert server on the demo model, prints one
 # completion, shuts the cluster down.
 demo: venv
-	$(BIN)/expertmesh up --demo --prompt "$(PROMPT)"
+	$(BIN)/expertmesh up --demo --prompt "$(PROMPT)" --max-new-tokens 96
 
 lint: venv
 	$(BIN)/python scripts/gen_protos.py --check
