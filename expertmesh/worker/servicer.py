@@ -32,6 +32,7 @@ from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
 from expertmesh.worker.slots import SlotError, SlotTable
 
 MAX_TOP_K = 64
+INLINE_MAX_TOKENS = 16  # requests this small skip the compute thread (see _run)
 
 
 class RequestError(Rejected):
@@ -222,7 +223,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                         continue
                     args = self.validate(req)
                     t0 = time.perf_counter()
-                    out = await loop.run_in_executor(self._compute, self.compute, args, req.generation)
+                    out = await self._run(loop, args, req.generation)
                 except RequestError as e:
                     self.stats.errors += 1
                     await context.abort(e.code, e.message)
@@ -233,6 +234,17 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         finally:
             if fast is not None:
                 fast.close()
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, args: ForwardArgs, generation: int) -> torch.Tensor:
+        # NOTE: decode-sized requests run right here when nobody else is computing: the hop to
+        # the compute thread and back costs ~0.4 ms on a loaded host, more than their compute
+        # (benchmarks/RESULTS.md, issue 3). Never wait for the lock on the event loop.
+        if args.hidden.shape[0] <= INLINE_MAX_TOKENS and self._serial.acquire(blocking=False):
+            try:
+                return self._compute_locked(args, generation, True)
+            finally:
+                self._serial.release()
+        return await loop.run_in_executor(self._compute, self.compute, args, generation)
 
     # ------------------------------------------------------------ fast paths
 
