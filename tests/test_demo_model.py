@@ -118,6 +118,7 @@ def test_missing_weights_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_engine_logits_equal_hf(demo_dir, engine, tok):
     import transformers
+
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         demo_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
     ).eval()
@@ -163,6 +164,7 @@ def test_expert_load_is_skewed_like_a_trained_model(engine, tok):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_weights_fail_the_skew_check(demo_dir, tok, tmp_path, seed):
     import transformers
+
     torch.manual_seed(seed)
     cfg = transformers.AutoConfig.from_pretrained(demo_dir)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
