@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,9 +71,7 @@ def start_server(
         m = _LISTEN.search(line)
         if m:
             # NOTE: keep draining the pipe so the server never blocks on a full stdout
-            import threading
-
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return ServerProc(kind, proc, int(m.group(2)))
     proc.kill()
     raise RuntimeError(f"{kind}-server did not start:\n{''.join(lines)}")
