@@ -10,6 +10,13 @@ Routed experts are stored in one of three layouts, all handled by :meth:`expert_
 * Mixtral per expert: ``{prefix}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``
 * fused: ``{prefix}.mlp.experts.gate_up_proj [E, 2I, H]`` and ``...down_proj [E, H, I]``
 
+FP8 block-quantised checkpoints (see :mod:`expertmesh.quant`) are dequantised to float32 as
+they are read, unless a caller asks for the stored FP8 weights and their scales
+(:meth:`CheckpointReader.expert_weights` with ``keep_fp8``). A reader only ever returns float
+tensors: a float8 weight without its scale, or an integer/packed tensor (GPTQ, AWQ, MXFP4 ...),
+is a :class:`CheckpointError`, and a ``quantization_config`` it does not implement is refused
+when the reader is opened.
+
 Shapes: E experts, H hidden, I expert intermediate size.
 """
 
@@ -24,13 +31,37 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from expertmesh.config import ModelConfig
+from expertmesh import quant as fp8
+from expertmesh.config import ConfigError, ModelConfig
+from expertmesh.progress import LoadProgress
+from expertmesh.quant import FP8BlockQuant, QuantizationError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
+# dtypes a reader hands out as they are stored
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 # Tensor names that belong to routed experts (never loaded by the coordinator).
 _ROUTED_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
+
+
+# safetensors' dtype names -> torch (what get_slice().get_dtype() returns)
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class CheckpointError(ValueError):
@@ -43,6 +74,9 @@ class ExpertWeights:
 
     w13: torch.Tensor  # [2I, H]  rows 0..I-1 gate, I..2I-1 up
     w2: torch.Tensor  # [H, I]
+    # keep_fp8 only: w13/w2 are float8_e4m3fn and these their block scales (W = w * scale)
+    w13_scale: torch.Tensor | None = None  # [2I/bn, ceil(H/bk)]
+    w2_scale: torch.Tensor | None = None  # [ceil(H/bn), ceil(I/bk)]
 
 
 class CheckpointReader:
@@ -51,8 +85,22 @@ class CheckpointReader:
     def __init__(self, path: str | Path, config: ModelConfig | None = None) -> None:
         self.path = Path(path)
         self.config = config or ModelConfig.from_dir(self.path)
+        # NOTE: checked here as well as by the config parser: a reader given a config built
+        # elsewhere must still refuse a quantisation it cannot apply
+        self.quant: FP8BlockQuant | None = self.config.quant or self._dir_quant()
         self._file_of = self._index()
         self._handles: dict[str, object] = {}
+        self.progress: LoadProgress | None = None  # counts what get()/get_slice() read
+
+    def _dir_quant(self) -> FP8BlockQuant | None:
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            return None
+        raw = json.loads(cfg_path.read_text())
+        try:
+            return fp8.parse_quantization(raw)
+        except QuantizationError as e:
+            raise ConfigError(f"{self.path}: {e}") from e
 
     def _index(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
@@ -73,25 +121,87 @@ class CheckpointReader:
         return h
 
     def names(self) -> Iterator[str]:
-        return iter(self._file_of)
+        """Tensor names, without FP8 scales (they are applied to their weight, never read alone)."""
+        return (n for n in self._file_of if not n.endswith(fp8.SCALE_SUFFIX))
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype ``name`` is stored in (from the header, nothing read)."""
+        file = self._file_of.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing")
+        dtype = self._handle(file).get_slice(name).get_dtype()  # type: ignore[attr-defined]
+        return _ST_DTYPES.get(dtype, torch.uint8) if isinstance(dtype, str) else dtype
+
+    def nbytes(self, name: str) -> int:
+        file = self._file_of[name]
+        sl = self._handle(file).get_slice(name)  # type: ignore[attr-defined]
+        n = 1
+        for d in sl.get_shape():
+            n *= int(d)
+        return n * self.stored_dtype(name).itemsize
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Reads one tensor; checks its shape when ``shape`` is given."""
-        file = self._file_of.get(name)
-        if file is None:
+    def _raw(self, name: str, index: int | None = None) -> torch.Tensor:
+        file = self._file_of[name]
+        if index is None:
+            t = self._handle(file).get_tensor(name)  # type: ignore[attr-defined]
+        else:
+            t = self._handle(file).get_slice(name)[index]  # type: ignore[attr-defined]
+        if self.progress is not None:
+            self.progress.add(t.numel() * t.element_size())
+        return t
+
+    def _checked(self, name: str, t: torch.Tensor, index: int | None, keep_fp8: bool) -> torch.Tensor:
+        """Applies the FP8 scale of ``name`` (unless ``keep_fp8``); refuses any non-float dtype."""
+        if t.dtype in FLOAT_DTYPES:
+            return t
+        if t.dtype != fp8.FP8_DTYPE:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is stored as {t.dtype}, not a float dtype: quantised or "
+                "packed weights this code does not implement (see quantization_config)"
+            )
+        scale_name = name + fp8.SCALE_SUFFIX
+        if self.quant is None or scale_name not in self._file_of:
+            why = (
+                "config.json has no FP8 quantization_config"
+                if self.quant is None
+                else f"{scale_name!r} is missing"
+            )
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is float8 with no block scale to apply ({why})"
+            )
+        if keep_fp8:
+            return t
+        scale = self._scale(name, index)
+        try:
+            return fp8.dequantize(t, scale, self.quant.block)
+        except QuantizationError as e:
+            raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from e
+
+    def _scale(self, name: str, index: int | None = None) -> torch.Tensor:
+        s = self._raw(name + fp8.SCALE_SUFFIX, index)
+        if s.dtype not in fp8.SCALE_DTYPES:
+            raise CheckpointError(f"{self.path}: FP8 scale {name + fp8.SCALE_SUFFIX!r} has dtype {s.dtype}")
+        return s.float()
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, keep_fp8: bool = False) -> torch.Tensor:
+        """Reads one tensor (FP8 dequantised to float32 unless ``keep_fp8``); checks its shape
+        when ``shape`` is given."""
+        if name not in self._file_of:
             want = f" (expected shape {list(shape)})" if shape is not None else ""
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing{want}")
-        t = self._handle(file).get_tensor(name)  # type: ignore[attr-defined]
+        t = self._raw(name)
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(
                 f"{self.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}"
             )
-        return t
+        return self._checked(name, t, None, keep_fp8)
 
-    def get_slice(self, name: str, index: int, shape: tuple[int, ...]) -> torch.Tensor:
+    def get_slice(
+        self, name: str, index: int, shape: tuple[int, ...], keep_fp8: bool = False
+    ) -> torch.Tensor:
         """Reads ``tensor[index]`` of a stacked tensor without reading the rest of it."""
         file = self._file_of.get(name)
         if file is None:
@@ -102,18 +212,43 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{self.path}: tensor {name!r} has shape {list(full)}, expected [>{index}, *{list(shape)}]"
             )
-        return sl[index]
+        return self._checked(name, self._raw(name, index), index, keep_fp8)
 
     # ------------------------------------------------------------ coordinator side
 
     def non_expert_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor except routed experts (the coordinator's share of the checkpoint)."""
-        return {n: self.get(n) for n in self._file_of if not _ROUTED_EXPERT.search(n)}
+        """Every tensor except routed experts (the coordinator's share of the checkpoint), FP8
+        weights dequantised to float32."""
+        return {n: self.get(n) for n in self.non_expert_names()}
+
+    def non_expert_names(self) -> list[str]:
+        return [n for n in self.names() if not _ROUTED_EXPERT.search(n)]
 
     # ------------------------------------------------------------ expert server side
 
-    def expert_weights(self, layer: int, expert: int) -> ExpertWeights:
-        """Reads one routed expert of one layer (gate/up merged), touching nothing else."""
+    def fp8_experts(self) -> bool:
+        """Whether routed experts are stored FP8 with scales that can be kept as they are (gate
+        and up blocks must not straddle their boundary once stacked into w13)."""
+        cfg, q = self.config, self.quant
+        if q is None or cfg.moe_intermediate_size % q.block[0]:
+            return False
+        layer = cfg.moe_layer_ids[0] if cfg.moe_layer_ids else -1
+        name = self._expert_names(layer, 0)[0] if layer >= 0 else ""
+        return name in self._file_of and self.stored_dtype(name) == fp8.FP8_DTYPE
+
+    def _expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
+        base = f"model.layers.{layer}"
+        mixtral = f"{base}.block_sparse_moe.experts.{expert}"
+        if f"{mixtral}.w1.weight" in self:
+            return (f"{mixtral}.w1.weight", f"{mixtral}.w3.weight", f"{mixtral}.w2.weight")
+        p = f"{base}.mlp.experts.{expert}"
+        return (f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight")
+
+    def expert_weights(self, layer: int, expert: int, keep_fp8: bool = False) -> ExpertWeights:
+        """Reads one routed expert of one layer (gate/up merged), touching nothing else.
+
+        ``keep_fp8`` (only where :meth:`fp8_experts`): the stored float8 weights and their block
+        scales, for a backend that computes in FP8; otherwise float weights."""
         cfg = self.config
         if not (0 <= layer < cfg.num_layers and cfg.moe_layers[layer]):
             raise CheckpointError(f"layer {layer} is not an MoE layer of this {cfg.model_type} model")
@@ -123,17 +258,24 @@ class CheckpointReader:
         base = f"model.layers.{layer}"
         fused = f"{base}.mlp.experts.gate_up_proj"
         if fused in self:
+            if keep_fp8:
+                raise CheckpointError(f"{self.path}: fused expert tensors are not read as FP8")
             w13 = self.get_slice(fused, expert, (2 * i, h))
             w2 = self.get_slice(f"{base}.mlp.experts.down_proj", expert, (h, i))
             return ExpertWeights(w13, w2)
-        mixtral = f"{base}.block_sparse_moe.experts.{expert}"
-        if f"{mixtral}.w1.weight" in self:
-            names = (f"{mixtral}.w1.weight", f"{mixtral}.w3.weight", f"{mixtral}.w2.weight")
-        else:
-            p = f"{base}.mlp.experts.{expert}"
-            names = (f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight")
-        gate, up = self.get(names[0], (i, h)), self.get(names[1], (i, h))
-        return ExpertWeights(torch.cat([gate, up], 0), self.get(names[2], (h, i)))
+        names = self._expert_names(layer, expert)
+        gate, up = self.get(names[0], (i, h), keep_fp8), self.get(names[1], (i, h), keep_fp8)
+        w2 = self.get(names[2], (h, i), keep_fp8)
+        if not keep_fp8:
+            return ExpertWeights(torch.cat([gate, up], 0), w2)
+        if not self.fp8_experts() or fp8.FP8_DTYPE not in (gate.dtype, up.dtype, w2.dtype):
+            raise CheckpointError(f"{self.path}: layer {layer} expert {expert} is not stored as block FP8")
+        return ExpertWeights(
+            torch.cat([gate, up], 0),
+            w2,
+            torch.cat([self._scale(names[0]), self._scale(names[1])], 0),
+            self._scale(names[2]),
+        )
 
     def close(self) -> None:
         self._handles.clear()

@@ -10,13 +10,42 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from expertmesh.quant import FP8BlockQuant, QuantizationError, parse_quantization
 
 
 class ConfigError(ValueError):
     """The checkpoint's config asks for something this code does not support."""
+
+
+# rope types whose frequencies do not depend on the batch; see coordinator/models/rope.py
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A scaled rotary embedding (HF ``rope_scaling`` / ``rope_parameters``), fields as HF names them.
+
+    ``mscale``/``mscale_all_dim``/``attention_factor`` are None where the config leaves them out
+    (HF treats a missing and a zero mscale alike: both mean "derive from factor only")."""
+
+    rope_type: str  # "linear" | "yarn"
+    factor: float
+    original_max_position_embeddings: int = 0  # yarn only
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.rope_type in ROPE_TYPES[1:], self.rope_type
+        assert self.factor > 0, self.factor
+        assert self.rope_type != "yarn" or self.original_max_position_embeddings > 0, self
 
 
 @dataclass(frozen=True)
@@ -64,6 +93,10 @@ class ModelConfig:
     shared_expert_gate: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # None: plain rotary embeddings
+    rope_scaling: RopeScaling | None = None
+    # None: weights stored in a float dtype; else how the checkpoint's FP8 weights are scaled
+    quant: FP8BlockQuant | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -102,7 +135,13 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(_PARSERS))}"
             )
-        return parser(raw)
+        # NOTE: checked before any architecture-specific field, for every model_type: a
+        # quantisation this code does not implement must never load as if it were plain weights
+        try:
+            quant = parse_quantization(raw)
+        except QuantizationError as e:
+            raise ConfigError(f"{model_type}: {e}") from e
+        return replace(parser(raw), quant=quant)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -126,16 +165,46 @@ def _reject(raw: dict[str, Any], key: str, allowed: Callable[[Any], bool], why: 
         raise ConfigError(f"{raw.get('model_type')}: unsupported config {key}={raw[key]!r} ({why})")
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
-    params = raw.get("rope_parameters") or {}
-    legacy = raw.get("rope_scaling")
-    rope_type = params.get("rope_type") or (legacy or {}).get("rope_type") or (legacy or {}).get("type")
-    if rope_type not in (None, "default"):
-        raise ConfigError(
-            f"{raw.get('model_type')}: unsupported config rope_type={rope_type!r} "
-            "(only plain rotary embeddings are implemented)"
-        )
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) read the way HF standardises ``rope_parameters``/``rope_scaling``."""
+    mt = raw.get("model_type")
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if rope_type not in ROPE_TYPES:
+        why = {
+            "dynamic": "HF recomputes dynamic-NTK frequencies from the longest sequence of each "
+            "forward call, which a batching server cannot reproduce per request",
+        }.get(rope_type, f"implemented rope types: {', '.join(ROPE_TYPES)}")
+        raise ConfigError(f"{mt}: unsupported config rope_type={rope_type!r} ({why})")
+    if rope_type == "default":
+        return theta, None
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ConfigError(f"{mt}: rope_type={rope_type!r} needs a positive numeric factor, got {factor!r}")
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(factor))
+    # HF: a top-level original_max_position_embeddings wins over the one in the rope dict, and
+    # with neither the model's own max_position_embeddings is the original length
+    orig = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    orig = int(orig or raw.get("max_position_embeddings", 4096))
+
+    def opt(key: str) -> float | None:
+        v = params.get(key)
+        return None if v is None else float(v)
+
+    return theta, RopeScaling(
+        "yarn",
+        float(factor),
+        original_max_position_embeddings=orig,
+        # HF: `beta_fast or 32`, `beta_slow or 1` (a zero means the default)
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=opt("mscale"),
+        mscale_all_dim=opt("mscale_all_dim"),
+        attention_factor=opt("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
 
 
 def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
@@ -152,6 +221,7 @@ def _common(raw: dict[str, Any], head_dim: int | None = None) -> dict[str, Any]:
     _reject(raw, "pretraining_tp", lambda v: v in (None, 1), "tensor-parallel pretraining split")
     heads = int(_require(raw, "num_attention_heads"))
     hidden = int(_require(raw, "hidden_size"))
+    theta, scaling = _rope(raw)
     return dict(
         model_type=raw["model_type"],
         vocab_size=int(_require(raw, "vocab_size")),
@@ -161,7 +231,8 @@ def _common(raw: dict[str, Any], head_dim: int | None = None) -> dict[str, Any]:
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(head_dim or raw.get("head_dim") or hidden // heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         intermediate_size=int(raw.get("intermediate_size") or 0),
@@ -333,7 +404,6 @@ def _parse_deepseek(raw: dict[str, Any]) -> ModelConfig:
     mt = raw["model_type"]
     heads = int(_require(raw, "num_attention_heads"))
     _reject(raw, "attention_bias", lambda v: not v, "MLA projections have no bias here")
-    _reject(raw, "quantization_config", lambda v: not v, "quantised (e.g. FP8) weights are not implemented")
     _reject(raw, "num_key_value_heads", lambda v: v in (None, heads), "MLA expands K/V for every query head")
     _reject(raw, "moe_layer_freq", lambda v: v == 1, "HF makes every layer from first_k_dense_replace on MoE")
     shared = _deepseek_field(raw, "n_shared_experts", nullable=True)
@@ -365,6 +435,13 @@ def _parse_deepseek(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _parse_kimi_k2(raw: dict[str, Any]) -> ModelConfig:
+    """Kimi-K2 publishes ``model_type: kimi_k2`` on a DeepSeek-V3 architecture
+    (``architectures: [DeepseekV3ForCausalLM]``): parsed and served as DeepSeek-V3."""
+    cfg = _parse_deepseek({**raw, "model_type": "deepseek_v3"})
+    return replace(cfg, extra={**cfg.extra, "hf_model_type": raw["model_type"]})
+
+
 _PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "qwen3_moe": _parse_qwen3_moe,
     "qwen2_moe": _parse_qwen2_moe,
@@ -372,4 +449,5 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "olmoe": _parse_olmoe,
     "deepseek_v2": _parse_deepseek,
     "deepseek_v3": _parse_deepseek,
+    "kimi_k2": _parse_kimi_k2,
 }

@@ -66,7 +66,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hq * self.d, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.hk * self.d, cfg.rms_norm_eps, dtype)
         self.clip = cfg.clip_qkv
-        self.rotary = Rotary(self.d, cfg.rope_theta)
+        self.rotary = Rotary(self.d, cfg.rope_theta, scaling=cfg.rope_scaling)
         self.scale = self.d**-0.5
 
     def forward(

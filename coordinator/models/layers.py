@@ -9,6 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coordinator.models import rope
+from expertmesh.config import RopeScaling
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
@@ -68,18 +71,23 @@ class GatedMLP(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (HF 'default' rope), half-split or interleaved pairs."""
+    """Rotary position embedding, half-split or interleaved pairs; plain or scaled (``scaling``:
+    linear / YaRN frequencies and YaRN's cos/sin factor, see rope.py)."""
 
-    def __init__(self, dim: int, theta: float, interleave: bool = False) -> None:
+    def __init__(
+        self, dim: int, theta: float, interleave: bool = False, scaling: RopeScaling | None = None
+    ) -> None:
         super().__init__()
         # NOTE: not a buffer: models are built on the meta device, and this costs nothing to redo
-        self.dim, self.theta, self.interleave = dim, theta, interleave
+        self.dim, self.theta, self.interleave, self.scaling = dim, theta, interleave, scaling
+        self.factor = rope.attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        exps = torch.arange(0, self.dim, 2, dtype=torch.int64, device=positions.device).float() / self.dim
-        inv_freq = 1.0 / (self.theta**exps)  # [D/2]
+        inv_freq = rope.inv_freq(self.dim, self.theta, self.scaling, positions.device)  # [D/2]
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+        if self.factor != 1.0:  # YaRN scales cos/sin in float32, before the cast (as HF)
+            return (emb.cos() * self.factor).to(dtype), (emb.sin() * self.factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

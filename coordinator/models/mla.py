@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from coordinator.batch import ForwardBatch
+from coordinator.models import rope
 from coordinator.models.attention import paged_attention
 from coordinator.models.layers import MergedLinear, RMSNorm, Rotary, linear
 from expertmesh.config import ModelConfig
@@ -56,9 +57,12 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = linear(self.kv_rank, self.h * (self.dn + self.dv), dtype)
         self.o_proj = linear(self.h * self.dv, hidden, dtype)
-        self.rotary = Rotary(self.dr, cfg.rope_theta, interleave=cfg.rope_interleave)
+        self.rotary = Rotary(
+            self.dr, cfg.rope_theta, interleave=cfg.rope_interleave, scaling=cfg.rope_scaling
+        )
         self.rope_in_float32 = rope_in_float32
-        self.scale = cfg.q_head_dim**-0.5
+        # DeepSeek's YaRN correction: the softmax scale times mscale(factor, mscale_all_dim)^2
+        self.scale = cfg.q_head_dim**-0.5 * rope.softmax_scale_factor(cfg.rope_scaling)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
