@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_fused_moe import graph_time, measure_bandwidth, measure_peak, routing  # noqa: E402
 from expertmesh import quant  # noqa: E402
 from gpu_server.backend import make_backend  # noqa: E402
+from gpu_server.kernels.config import GemmConfig, MoeConfig  # noqa: E402
 from gpu_server.kernels.fp8_moe import fused_moe_fp8  # noqa: E402
 
 SHAPE = (7168, 2048, 256, 8)  # DeepSeek-V3 / R1 / Kimi-K2 routed experts: H, I, E, K
@@ -65,10 +66,34 @@ def reference(x, q13, s13, q2, s2, ids, w) -> torch.Tensor:
     return out
 
 
+SWEEP = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages) for both GEMMs
+    (64, 64, 128, 8, 4, 4),
+    (64, 128, 128, 8, 8, 3),
+    (128, 128, 128, 8, 8, 3),
+    (128, 64, 128, 8, 4, 3),
+    (32, 128, 128, 8, 4, 4),
+]
+
+
+def sweep(t, x, ids, w, experts, rows_out) -> None:
+    """Times each SWEEP config for both FP8 modes at one T (a hand-run tuning aid)."""
+    q13, s13, q2, s2 = experts
+    for bm, bn, bk, gm, nw, ns in SWEEP:
+        g = GemmConfig(bn, bk, gm, nw, ns)
+        cfg = MoeConfig(bm, g, g)
+        for act in (False, True):
+            ms = graph_time(
+                lambda c=cfg, a=act: fused_moe_fp8(x, q13, s13, q2, s2, ids, w, BLOCK, c, a), rep=100
+            )
+            rows_out.append((t, (bm, bn, bk, gm, nw, ns), act, ms))
+            print(f"sweep T={t} {cfg.block_m} {g} act_fp8={act}: {ms * 1e3:.1f} us", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,8,32,128,512,2048")
     p.add_argument("--md", type=Path, help="also write the markdown table here")
+    p.add_argument("--sweep", default="", help="token counts at which to also time SWEEP configs")
     a = p.parse_args()
     device = torch.cuda.get_device_name()
     bw, peak = measure_bandwidth(), measure_peak()
@@ -97,6 +122,8 @@ def main() -> None:
         floor16 = max(active * 3 * h * inter * 2 / bw, flops / peak) * 1e3
         floor8 = max(active * 3 * h * inter * 1 / bw, flops / (2 * peak)) * 1e3
         rows.append((t, times, errs, floor16, floor8))
+        if str(t) in a.sweep.split(","):
+            sweep(t, x, ids, w, (q13, s13, q2, s2), [])
         print(
             f"T={t:5d} "
             + "  ".join(f"{n} {times[n] * 1e3:8.1f} us (err {errs[n]:.1e})" for n in fns)

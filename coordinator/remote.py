@@ -192,6 +192,7 @@ class RemoteDispatcher(Dispatcher):
                     kind=c.spec.kind,
                     state=c.state,
                     device=info.device if info else "",
+                    weight_dtype=info.weight_dtype if info else "",
                     slot_capacity=info.slot_capacity if info else 0,
                     slots_used=c.slots_used,
                     transport=c.transport,

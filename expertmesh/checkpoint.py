@@ -236,6 +236,20 @@ class CheckpointReader:
         name = self._expert_names(layer, 0)[0] if layer >= 0 else ""
         return name in self._file_of and self.stored_dtype(name) == fp8.FP8_DTYPE
 
+    def expert_nbytes(self) -> int:
+        """Bytes one routed expert occupies in the checkpoint (with its scales), from the headers."""
+        cfg = self.config
+        if not cfg.moe_layer_ids:
+            return 0
+        layer = cfg.moe_layer_ids[0]
+        fused = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+        if fused in self:
+            down = f"model.layers.{layer}.mlp.experts.down_proj"
+            return (self.nbytes(fused) + self.nbytes(down)) // max(1, cfg.num_experts)
+        names = self._expert_names(layer, 0)
+        scales = [n + fp8.SCALE_SUFFIX for n in names if n + fp8.SCALE_SUFFIX in self._file_of]
+        return sum(self.nbytes(n) for n in (*names, *scales))
+
     def _expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         base = f"model.layers.{layer}"
         mixtral = f"{base}.block_sparse_moe.experts.{expert}"

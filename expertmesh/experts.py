@@ -22,6 +22,8 @@ class ExpertBackend(ABC):
     """Computes the weighted sum of routed experts for a batch of tokens."""
 
     name: str = "abstract"
+    # dtype the routed experts are resident in when it is not the compute dtype (FP8: issue 13)
+    weight_dtype: str = ""
 
     @abstractmethod
     def forward(

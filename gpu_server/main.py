@@ -19,11 +19,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=default, help=f"cuda, cuda:N or cpu (default here: {default})")
 
 
-def backend_for(device: str) -> ExpertBackend:
+def backend_for(device: str, model_dir: str = "") -> ExpertBackend:
     if device.startswith("cuda"):
         from gpu_server.backend import make_backend
+        from gpu_server.fp8_backend import fp8_backend_for
 
-        return make_backend(device)
+        # FP8 block-quantised experts stay FP8 on a GPU that computes in FP8 (issue 13)
+        fp8 = fp8_backend_for(model_dir, device) if model_dir else None
+        return fp8 if fp8 is not None else make_backend(device)
     return TorchExpertBackend()
 
 
@@ -48,4 +51,4 @@ def run(args: argparse.Namespace) -> int:
         shm=not args.no_shm,
         shm_spin_us=args.shm_spin_us,
     )
-    return serve(config, backend_for(args.device), device_uuid(args.device))
+    return serve(config, backend_for(args.device, args.model), device_uuid(args.device))

@@ -89,3 +89,67 @@ def test_fp8_kernel_deepseek_v3_widths(act_fp8):
         ref = dequant_reference(*args, block)
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert not out.isnan().any() and err < (6e-2 if act_fp8 else 1e-2), f"T={t} {err=}"
+
+
+def write_fp8_experts(path, block=(16, 16), seed=0):
+    """A Qwen3-MoE-shaped checkpoint holding only routed experts, FP8 with block scales (the
+    reader needs nothing else); returns its config dict."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tests.hf_models import BASE, CONFIGS
+
+    raw = {**BASE, **CONFIGS["qwen3_moe"], "model_type": "qwen3_moe"}
+    raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block)}
+    h, inter = raw["hidden_size"], raw["moe_intermediate_size"]
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in (0, 2):  # layer 1 is dense (mlp_only_layers)
+        for e in range(raw["num_experts"]):
+            p = f"model.layers.{layer}.mlp.experts.{e}"
+            for name, shape in (
+                ("gate_proj", (inter, h)),
+                ("up_proj", (inter, h)),
+                ("down_proj", (h, inter)),
+            ):
+                q, s = quant.quantize(torch.randn(*shape, generator=g), block)
+                tensors[f"{p}.{name}.weight"], tensors[f"{p}.{name}.weight_scale_inv"] = q, s
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(raw))
+    return raw
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_backend_keeps_experts_fp8(tmp_path, device):
+    """The GPU server's FP8 path: the slot table holds packed FP8 rows (about a quarter of the
+    float32 bytes), the backend computes what torch computes on the dequantised weights."""
+    from expertmesh.checkpoint import CheckpointReader
+    from expertmesh.experts import torch_moe
+    from expertmesh.worker.slots import SlotTable
+    from gpu_server.fp8_backend import Fp8TritonBackend, fp8_backend_for
+
+    raw = write_fp8_experts(tmp_path)
+    reader = CheckpointReader(tmp_path)
+    dev = torch.device(device)
+    backend = Fp8TritonBackend(raw["hidden_size"], raw["moe_intermediate_size"], reader.quant)
+    if device == "cuda" and torch.cuda.get_device_capability() >= (8, 9):
+        assert isinstance(fp8_backend_for(str(tmp_path), device), Fp8TritonBackend)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    slots = SlotTable(reader, dtype, dev, 8, lambda layer, e: backend.read_expert(reader, layer, e, dev))
+    experts = [0, 2, 3, 5, 7]
+    slots.preload(experts)
+    live = slots.live.layers[2]
+    h, inter = raw["hidden_size"], raw["moe_intermediate_size"]
+    assert live.w13.dtype == torch.uint8 and live.w13.shape[0] == len(experts)
+    assert live.w13.nbytes + live.w2.nbytes < 0.3 * len(experts) * 3 * h * inter * 4
+    w13 = torch.stack([reader.expert_weights(2, e).w13 for e in experts]).to(dev)
+    w2 = torch.stack([reader.expert_weights(2, e).w2 for e in experts]).to(dev)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, h, generator=g).to(dev, dtype)
+    ids = torch.randint(-1, len(experts), (9, 2), generator=g).to(dev)
+    w = torch.rand(9, 2, generator=g).to(dev)
+    out = backend.forward(x, live.w13, live.w2, ids, w)
+    ref = torch_moe(x.double(), w13.double(), w2.double(), ids, w.double())
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if device == "cpu" else 1e-2), err

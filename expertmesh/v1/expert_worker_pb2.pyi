@@ -13,7 +13,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("kind", "device", "dtype", "backend", "model_type", "hidden_size", "num_experts", "moe_layers", "slot_capacity", "host_id", "fast_paths", "generation", "device_uuid", "max_message_bytes")
+    __slots__ = ("kind", "device", "dtype", "backend", "model_type", "hidden_size", "num_experts", "moe_layers", "slot_capacity", "host_id", "fast_paths", "generation", "device_uuid", "max_message_bytes", "weight_dtype", "weight_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class DescribeResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     device: str
     dtype: str
@@ -42,7 +44,9 @@ class DescribeResponse(_message.Message):
     generation: int
     device_uuid: str
     max_message_bytes: int
-    def __init__(self, kind: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., slot_capacity: _Optional[int] = ..., host_id: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., device_uuid: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    weight_dtype: str
+    weight_bytes: int
+    def __init__(self, kind: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., slot_capacity: _Optional[int] = ..., host_id: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., device_uuid: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("seq", "generation", "layer", "hidden", "slot_ids", "weights", "adapter_slots", "fast_path")

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from expertmesh import wire
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
+from expertmesh.progress import LoadProgress
 from expertmesh.transport import segment
 from expertmesh.v1 import expert_worker_pb2, expert_worker_pb2_grpc
 from expertmesh.worker.servicer import ExpertWorkerServicer, WorkerIdentity
@@ -127,7 +128,11 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     reader = CheckpointReader(config.model_dir)
     cfg = reader.config
     capacity = config.capacity or cfg.num_experts
-    slots = SlotTable(reader, config.torch_dtype, torch.device(config.device), capacity)
+    device = torch.device(config.device)
+    # a backend that keeps experts as stored (FP8) reads them itself (issue 13)
+    read = getattr(backend, "read_expert", None)
+    hook = (lambda layer, e: read(reader, layer, e, device)) if read is not None else None
+    slots = SlotTable(reader, config.torch_dtype, device, capacity, hook)
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
         kind=config.kind,
@@ -160,7 +165,13 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
 
     async def preload() -> None:
         loop = asyncio.get_running_loop()
-        n = await loop.run_in_executor(None, slots.preload, preload_ids)
+        total = reader.expert_nbytes() * len(preload_ids) * len(cfg.moe_layer_ids)
+        reader.progress = LoadProgress(f"{config.kind}-server experts", total)
+        try:
+            n = await loop.run_in_executor(None, slots.preload, preload_ids)
+        finally:
+            reader.progress.close()
+            reader.progress = None
         log.info("preloaded %d expert weights (%d per layer)", n, len(preload_ids))
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

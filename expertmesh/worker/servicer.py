@@ -207,6 +207,8 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
             generation=self.slots.live.generation,
             device_uuid=ident.device_uuid,
             max_message_bytes=ident.max_message_bytes,
+            weight_dtype=self.backend.weight_dtype or wire.dtype_name(self.slots.dtype),
+            weight_bytes=sum(ls.w13.nbytes + ls.w2.nbytes for ls in self.slots.live.layers.values()),
         )
 
     async def Forward(

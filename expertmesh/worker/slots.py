@@ -11,6 +11,7 @@ Shapes: S local slots of a layer, H hidden, I expert intermediate size.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,9 +55,17 @@ def parse_expert_spec(spec: str, num_experts: int) -> list[int]:
 
 class SlotTable:
     def __init__(
-        self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device, capacity: int
+        self,
+        reader: CheckpointReader,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int,
+        read_expert: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.reader, self.dtype, self.device, self.capacity = reader, dtype, device, capacity
+        # (layer, expert) -> the backend's own per-slot rows (FP8 experts kept as stored);
+        # None: float weights in the compute dtype
+        self.read_expert = read_expert
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
         self._staged: SlotSet | None = None
@@ -82,6 +91,12 @@ class SlotTable:
             if e in have:
                 w13.append(reuse.w13[have[e]])  # type: ignore[union-attr]
                 w2.append(reuse.w2[have[e]])  # type: ignore[union-attr]
+                continue
+            if self.read_expert is not None:
+                a, b = self.read_expert(layer, e)
+                w13.append(a)
+                w2.append(b)
+                read += 1
                 continue
             w = self.reader.expert_weights(layer, e)
             w13.append(w.w13.to(self.device, self.dtype))

@@ -21,12 +21,14 @@ Shapes: T tokens, K top-k, H hidden, I intermediate, S local slots, R aligned ro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from gpu_server.kernels.align import Alignment, align_pairs
-from gpu_server.kernels.config import GemmConfig, MoeConfig, default_config
+from gpu_server.kernels.config import GemmConfig, MoeConfig, default_config, fit_shared_memory
 from gpu_server.kernels.grouped_gemm import _tile_ids
 from gpu_server.kernels.reduce import sum_k
 
@@ -194,7 +196,24 @@ def _fit(cfg: GemmConfig, scale_k: int) -> GemmConfig:
     while scale_k % bk:
         bk //= 2
     assert bk >= 16, f"scale block {scale_k} has no power-of-two divisor >= 16"
-    return GemmConfig(cfg.block_n, bk, cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return replace(cfg, block_k=bk)
+
+
+def default_fp8_config(t: int, top_k: int, num_slots: int, scale_k: int) -> MoeConfig:
+    """The bf16 default with BLOCK_K widened to the scale block (at most 128): each K step pays
+    a [BLOCK_M, BLOCK_N] rescale of its partial product, so fewer, longer steps cost less."""
+    cfg = default_config(t, top_k, num_slots)
+    bk = 128
+    while scale_k % bk and bk > 16:
+        bk //= 2
+
+    def widen(g: GemmConfig, b_tiles: int) -> GemmConfig:
+        if g.block_k >= bk:
+            return g
+        # B tiles are FP8 (1 byte) in shared memory; count them at 2 to stay safe
+        return fit_shared_memory(replace(g, block_k=bk), cfg.block_m, b_tiles, 2)
+
+    return MoeConfig(cfg.block_m, widen(cfg.gate_up, 2), widen(cfg.down, 1))
 
 
 def check_fp8_inputs(x, w13, w13_scale, w2, w2_scale, block: tuple[int, int]) -> None:
@@ -231,7 +250,7 @@ def fused_moe_fp8(
         out = torch.empty_like(x)
     if t == 0 or top_k == 0:
         return out.zero_()
-    cfg = (config or default_config(t, top_k, num_slots)).fitted(x.element_size())
+    cfg = (config or default_fp8_config(t, top_k, num_slots, block[1])).fitted(x.element_size())
     gu_cfg, dn_cfg = _fit(cfg.gate_up, block[1]), _fit(cfg.down, block[1])
     x = x.contiguous()
     slot_ids = slot_ids.to(torch.int32).contiguous()
