@@ -3,18 +3,19 @@
 The same four stages as fused_moe.py (alignment, gate_up, down, sum over k) with weights stored
 as float8_e4m3fn and one float32 scale per ``(SCALE_N, SCALE_K)`` weight block (128x128 in the
 published checkpoints): ``W[s, n, k] = w[s, n, k] * scale[s, n // SCALE_N, k // SCALE_K]``.
-A program's K tile lies inside one scale column (BLOCK_K divides SCALE_K), so each K step does
-
-    acc += dot(a, w_tile) * scale_row[None, :]          scale_row [BLOCK_N]: its columns' scales
+A program's K tile lies inside one scale column (BLOCK_K divides SCALE_K), so each K step has
+one scale per output column (``scale_row [BLOCK_N]``).
 
 Decode is bound by reading the weights, and FP8 halves those bytes. Two ways to form the
 product, chosen by ``act_fp8``:
 
-* False (default): the FP8 weight tile is widened to the activation dtype (exact: every e4m3
-  value is a bf16 value) and multiplied on the bf16 tensor cores; only the weights are quantised.
+* False (default): the FP8 weight tile is scaled and rounded to the activation dtype (what
+  dequantise-to-bf16 gives) and multiplied on the bf16 tensor cores: ``acc += dot(a, w * s)``;
+  only the weights are quantised.
 * True: the activation tile is quantised too, per token and K tile (scale = amax / 448), and the
-  product runs on FP8 tensor cores (Hopper), DeepSeek's W8A8 scheme: twice the bf16 matmul rate
-  for prefill, at the cost of the activations' rounding to e4m3.
+  product runs on FP8 tensor cores (Hopper), DeepSeek's W8A8 scheme:
+  ``acc += dot(aq, w) * a_scale[:, None] * s[None, :]``; twice the bf16 matmul rate, at the
+  cost of the activations' rounding to e4m3.
 
 Shapes: T tokens, K top-k, H hidden, I intermediate, S local slots, R aligned rows, P = T*K.
 """
@@ -37,23 +38,34 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _scaled_dot(a, w, s, acc, ACT_FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + (a @ w) * s[None, :]; a [BM, BK] activation dtype, w [BK, BN] fp8, s [BN] fp32."""
-    if ACT_FP8:
-        # per-row scale of this K tile: its largest magnitude maps to the e4m3 maximum
-        a32 = a.to(tl.float32)
-        a_s = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-12) / 448.0  # [BM]
-        aq = (a32 / a_s[:, None]).to(tl.float8e4nv)
-        if UPCAST:  # the interpreter: the same rounding, multiplied in fp32
-            p = tl.dot(aq.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            p = tl.dot(aq, w)
-        return acc + p * a_s[:, None] * s[None, :]
-    if UPCAST:
-        p = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+def _quant_rows(a):
+    """a [BM, BK] -> (e4m3 [BM, BK], scale [BM]): each row's largest magnitude maps to 448."""
+    a32 = a.to(tl.float32)
+    a_s = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-12) / 448.0
+    return (a32 / a_s[:, None]).to(tl.float8e4nv), a_s
+
+
+@triton.jit
+def _dot_w8a8(aq, a_s, w, s, acc, UPCAST: tl.constexpr):
+    """acc + (aq @ w) * a_s[:, None] * s[None, :]; both operands e4m3 (FP8 tensor cores)."""
+    if UPCAST:  # the interpreter: the same rounding, multiplied in fp32
+        p = tl.dot(aq.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     else:
-        p = tl.dot(a, w.to(a.dtype))
-    return acc + p * s[None, :]
+        p = tl.dot(aq, w)
+    return acc + p * a_s[:, None] * s[None, :]
+
+
+@triton.jit
+def _dot_w8a16(a, w, s, acc, UPCAST: tl.constexpr):
+    """acc + a @ (w * s[None, :]); a [BM, BK] activation dtype, w [BK, BN] fp8, s [BN] fp32.
+
+    The [BK, BN] weight tile is scaled and rounded to the activation dtype and the product
+    accumulates in the MMA: rescaling a [BM, BN] product instead costs a second accumulator's
+    registers and spills at BLOCK_M >= 64."""
+    b = w.to(tl.float32) * s[None, :]
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b, acc, input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype), acc)
 
 
 @triton.jit(do_not_specialize=["num_m_blocks"])
@@ -116,8 +128,15 @@ def _gate_up_fp8_kernel(
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         ks = (k * BLOCK_K) // SCALE_K
-        acc_g = _scaled_dot(a, g, tl.load(sg_ptrs + ks * stride_sk), acc_g, ACT_FP8, UPCAST)
-        acc_u = _scaled_dot(a, u, tl.load(su_ptrs + ks * stride_sk), acc_u, ACT_FP8, UPCAST)
+        sg = tl.load(sg_ptrs + ks * stride_sk)
+        su = tl.load(su_ptrs + ks * stride_sk)
+        if ACT_FP8:  # one quantisation of the A tile serves gate and up
+            aq, a_s = _quant_rows(a)
+            acc_g = _dot_w8a8(aq, a_s, g, sg, acc_g, UPCAST)
+            acc_u = _dot_w8a8(aq, a_s, u, su, acc_u, UPCAST)
+        else:
+            acc_g = _dot_w8a16(a, g, sg, acc_g, UPCAST)
+            acc_u = _dot_w8a16(a, u, su, acc_u, UPCAST)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -180,8 +199,12 @@ def _down_fp8_kernel(
             k_ok = offs_k < inter - k * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        ks = (k * BLOCK_K) // SCALE_K
-        acc = _scaled_dot(a, b, tl.load(s_ptrs + ks * stride_sk), acc, ACT_FP8, UPCAST)
+        sc = tl.load(s_ptrs + (k * BLOCK_K) // SCALE_K * stride_sk)
+        if ACT_FP8:
+            aq, a_s = _quant_rows(a)
+            acc = _dot_w8a8(aq, a_s, b, sc, acc, UPCAST)
+        else:
+            acc = _dot_w8a16(a, b, sc, acc, UPCAST)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
     acc = acc * tl.load(topw_ptr + pair, mask=live, other=0.0)[:, None]
@@ -201,11 +224,17 @@ def _fit(cfg: GemmConfig, scale_k: int) -> GemmConfig:
 
 def default_fp8_config(t: int, top_k: int, num_slots: int, scale_k: int) -> MoeConfig:
     """The bf16 default with BLOCK_K widened to the scale block (at most 128): each K step pays
-    a [BLOCK_M, BLOCK_N] rescale of its partial product, so fewer, longer steps cost less."""
-    cfg = default_config(t, top_k, num_slots)
+    a [BLOCK_M, BLOCK_N] rescale of its partial product, so fewer, longer steps cost less.
+    Past decode sizes, 32x128 tiles: the fastest weight-only config of a sweep at DeepSeek-V3
+    widths on an H100 (T=2048: 10.8 ms against 12.2 ms for the bf16 default's 64x64 tiles;
+    benchmarks/RESULTS.md, issue 13)."""
     bk = 128
     while scale_k % bk and bk > 16:
         bk //= 2
+    if t * top_k // max(1, num_slots) > 16:
+        g = GemmConfig(block_n=128, block_k=bk, group_m=8, num_warps=4, num_stages=4)
+        return MoeConfig(32, g, g)
+    cfg = default_config(t, top_k, num_slots)
 
     def widen(g: GemmConfig, b_tiles: int) -> GemmConfig:
         if g.block_k >= bk:
