@@ -223,15 +223,18 @@ def _fit(cfg: GemmConfig, scale_k: int) -> GemmConfig:
 
 
 def default_fp8_config(t: int, top_k: int, num_slots: int, scale_k: int) -> MoeConfig:
-    """The bf16 default with BLOCK_K widened to the scale block (at most 128): each K step pays
-    a [BLOCK_M, BLOCK_N] rescale of its partial product, so fewer, longer steps cost less.
-    Past decode sizes, 32x128 tiles: the fastest weight-only config of a sweep at DeepSeek-V3
-    widths on an H100 (T=2048: 10.8 ms against 12.2 ms for the bf16 default's 64x64 tiles;
-    benchmarks/RESULTS.md, issue 13)."""
+    """The bf16 default with BLOCK_K widened to the scale block (at most 128) for decode sizes;
+    past them, wider tiles picked by a sweep at DeepSeek-V3 widths on an H100 (rows per slot
+    16: 32x128 tiles, 4.47 ms against 4.83 ms for 16x64 at T=512; 64: 64x128 tiles, 7.85 ms
+    against 9.72 ms for 32x128 at T=2048; benchmarks/RESULTS.md, issue 13)."""
     bk = 128
     while scale_k % bk and bk > 16:
         bk //= 2
-    if t * top_k // max(1, num_slots) > 16:
+    rows_per_slot = t * top_k // max(1, num_slots)
+    if rows_per_slot > 32:
+        g = GemmConfig(block_n=128, block_k=bk, group_m=8, num_warps=4, num_stages=3)
+        return MoeConfig(64, g, g)
+    if rows_per_slot > 4:
         g = GemmConfig(block_n=128, block_k=bk, group_m=8, num_warps=4, num_stages=4)
         return MoeConfig(32, g, g)
     cfg = default_config(t, top_k, num_slots)
