@@ -170,7 +170,10 @@ def test_kimi_k2_fp8_yarn_over_cluster(tmp_path):
         eng, d = engine_for(fp8_dir, placements(gpu, cpu, fp8_dir, ne)["split"])
         try:
             check_parity(eng, hf)
-            assert {i["kind"] for i in d.server_infos()} == {"gpu", "cpu"}
+            infos = d.server_infos()
+            assert {i["kind"] for i in infos} == {"gpu", "cpu"}
+            # on the CPU both servers hold the experts dequantised (Describe.weight_dtype)
+            assert {i["weight_dtype"] for i in infos} == {"float32"}
         finally:
             d.close()
     finally:
