@@ -179,3 +179,31 @@ def test_kimi_k2_fp8_yarn_over_cluster(tmp_path):
     finally:
         gpu.stop()
         cpu.stop()
+
+
+def test_deepseek_v3_fp8_mtp_layer_skipped_with_a_note(tmp_path, caplog):
+    """DeepSeek-V3's FP8 checkpoints carry an FP8 multi-token-prediction layer after the last
+    decoder layer (model.layers.{n}); it is skipped with a log line, not an error."""
+    import logging
+
+    hf_dir, fp8_dir, ref_dir = tmp_path / "hf", tmp_path / "fp8", tmp_path / "ref"
+    make_checkpoint("deepseek_v3", hf_dir)
+    to_fp8(hf_dir, fp8_dir, ref_dir)
+    raw = json.loads((fp8_dir / "config.json").read_text())
+    n = raw["num_hidden_layers"]
+    raw["num_nextn_predict_layers"] = 1
+    (fp8_dir / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(fp8_dir / "model.safetensors")
+    w, s = quant.quantize(torch.randn(64, 128), BLOCK)
+    tensors[f"model.layers.{n}.eh_proj.weight"], tensors[f"model.layers.{n}.eh_proj.weight_scale_inv"] = w, s
+    tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(64)
+    save_file(tensors, fp8_dir / "model.safetensors", metadata={"format": "pt"})
+    caplog.set_level(logging.INFO, logger="coordinator.loader")
+    eng = Engine.from_checkpoint(str(fp8_dir), dtype=torch.float32, page_size=8)
+    assert any(
+        "multi-token-prediction" in r.getMessage() and "2 tensors" in r.getMessage() for r in caplog.records
+    )
+    ids = list(range(3, 20))
+    got = eng.step([(eng.new_seq(), ids)])[0]
+    with torch.no_grad():
+        assert rel_err(got, hf_reference(ref_dir)(torch.tensor([ids])).logits[0, -1]) < 1e-4
