@@ -11,8 +11,8 @@ The expert-load hook (EPLB) is a host callback, so it cannot sit inside a graph:
 each MoE layer's routing ids in their static output and the hook sees the first b rows after
 each replay.
 
-Memory: the graphs share one pool; its size (activations of the largest bucket plus the
-logits of each bucket) is measured at capture and kept in ``pool_bytes``.
+Memory: the graphs share one pool; what capture added to the caching allocator's reserve
+(activations of the largest bucket, the logits of each bucket) is kept in ``pool_bytes``.
 
 Shapes: Bm largest bucket, W page-table width, V vocab.
 """
@@ -50,9 +50,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, V] static output
         self.routed: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> layer -> [bucket, K] ids
-        free_before = torch.cuda.mem_get_info(dev)[0]
+        reserved = torch.cuda.memory_reserved(dev)
         self._capture_all()
-        self.pool_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
+        self.pool_bytes = torch.cuda.memory_reserved(dev) - reserved
 
     def _batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(

@@ -95,11 +95,14 @@ class Attention(nn.Module):
         self.clip = cfg.clip_qkv
         self.rotary = Rotary(self.d, cfg.rope_theta)
         self.scale = self.d**-0.5
+        self._inv_freq: torch.Tensor | None = None  # the fused CUDA path's rotary frequencies
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         t = x.shape[0]
+        if x.is_cuda and self.qk_norm in (None, "head") and self.clip is None and self.d in (64, 128, 256):
+            return self._forward_fused(x, batch, kv)
         q, k, v = self.qkv_proj(x)  # [T, Hq*D], [T, Hk*D], [T, Hk*D]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -111,4 +114,25 @@ class Attention(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.hq * self.d))
+
+    def _forward_fused(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """CUDA: projection, one kernel for q/k norm + rotary + the K/V cache write, attention."""
+        from coordinator.kernels.fused_ops import qk_norm_rope_store
+        from coordinator.kernels.paged_attention import paged_attention_triton
+
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hk)*D]
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm == "head" else None
+        if self._inv_freq is None or self._inv_freq.device != x.device:
+            self._inv_freq = self.rotary.inv_freq(x.device)  # [D/2], once: not per layer per step
+        inv_freq = self._inv_freq
+        q = qk_norm_rope_store(
+            qkv, self.hq, self.hk, batch.positions, batch.write_index, inv_freq, kv[0], kv[1], norms
+        )  # [T, Hq, D]
+        o = paged_attention_triton(
+            q, kv[0], kv[1], batch.page_table, batch.token_seq, batch.positions, batch.page_size, self.scale
+        )  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.hq * self.d))

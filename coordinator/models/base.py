@@ -43,6 +43,14 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
+        if x.is_cuda:
+            from coordinator.kernels.fused_ops import rmsnorm
+
+            # the residual add and the post-attention norm in one kernel
+            a = self.self_attn(self.input_layernorm(x), batch, kv)
+            norm = self.post_attention_layernorm
+            x, h = rmsnorm(x, norm.weight, norm.eps, residual=a)
+            return x + self.mlp(h)
         x = x + self.self_attn(self.input_layernorm(x), batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
