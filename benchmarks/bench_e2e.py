@@ -32,7 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.engine import Engine  # noqa: E402
 
+# real_depth: decoder layers of the real model; kv_per_token: elements per token per layer a
+# decode step must read from the KV history (MLA: the compressed latent, what the model needs)
 QWEN3_30B = dict(
+    model_type="qwen3_moe",
     vocab_size=151936,
     hidden_size=2048,
     intermediate_size=6144,
@@ -46,22 +49,65 @@ QWEN3_30B = dict(
     max_position_embeddings=4096,
     rms_norm_eps=1e-6,
     real_depth=48,
+    kv_per_token=2 * 4 * 128,
 )
+# DeepSeek-V2-Lite widths; every layer MoE (the real model's layer 0 is dense) and default rope
+# (the real one uses YaRN scaling, which changes no cost)
+DSV2_LITE = dict(
+    model_type="deepseek_v2",
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    moe_intermediate_size=1408,
+    n_shared_experts=2,
+    first_k_dense_replace=0,
+    topk_method="greedy",
+    norm_topk_prob=False,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    real_depth=27,
+    kv_per_token=512 + 64,
+)
+MODELS = {"qwen3-30b-a3b": QWEN3_30B, "deepseek-v2-lite": DSV2_LITE}
 TINY = dict(QWEN3_30B, vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64)  # fmt: skip
+            num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, kv_per_token=2 * 2 * 32)  # fmt: skip
+BENCH_KEYS = ("model_type", "real_depth", "kv_per_token")
 
 
 def write_checkpoint(out: Path, widths: dict, layers: int, dtype: torch.dtype, device: str):
-    """A random Qwen3-MoE checkpoint saved by transformers; returns the HF model (on ``device``)."""
+    """A random checkpoint saved by transformers; returns the HF model (on ``device``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {k: v for k, v in widths.items() if k != "real_depth"}
-    cfg = AutoConfig.for_model("qwen3_moe", **fields, num_hidden_layers=layers, tie_word_embeddings=False)
+    fields = {k: v for k, v in widths.items() if k not in BENCH_KEYS}
+    cfg = AutoConfig.for_model(
+        widths["model_type"], **fields, num_hidden_layers=layers, tie_word_embeddings=False
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     model.save_pretrained(out)
     return model
+
+
+def layer_bytes(model) -> tuple[int, int, int]:
+    """(bytes of layer 0 outside the routed experts, bytes of one routed expert, routed experts)."""
+    dense = routed = 0
+    for name, p in model.model.layers[0].named_parameters():
+        if ".experts." in name:
+            routed += p.numel() * p.element_size()
+        else:
+            dense += p.numel() * p.element_size()
+    e = model.config.num_experts if hasattr(model.config, "num_experts") else model.config.n_routed_experts
+    return dense, routed // e, e
 
 
 def sync(device: str) -> None:
@@ -124,14 +170,14 @@ def copy_bandwidth(device: str) -> float:
     return 2 * a.numel() * 10 / (start.elapsed_time(end) * 1e-3)
 
 
-def floor_bytes(w: dict, batch: int, context: int, itemsize: int = 2) -> float:
-    """Bytes one decode step must read per layer (expected distinct experts under uniform routing)."""
-    h, e, k, i = w["hidden_size"], w["num_experts"], w["num_experts_per_tok"], w["moe_intermediate_size"]
-    hq, hk, d = w["num_attention_heads"], w["num_key_value_heads"], w["head_dim"]
-    attn = h * (hq + 2 * hk) * d + hq * d * h + h * e
-    experts = e * (1 - (1 - k / e) ** batch) * 3 * h * i
-    kv = batch * context * 2 * hk * d
-    return (attn + experts + kv) * itemsize
+def floor_bytes(sizes: tuple[int, int, int], w: dict, batch: int, context: int) -> float:
+    """Bytes one decode step must read per layer: the layer's weights outside the routed experts,
+    the distinct routed experts the batch touches (expected value under uniform routing) and
+    the KV history (bf16)."""
+    dense, per_expert, e = sizes
+    k = w["num_experts_per_tok"]
+    experts = e * (1 - (1 - k / e) ** batch) * per_expert
+    return dense + experts + batch * context * w["kv_per_token"] * 2
 
 
 def profile(eng: Engine, batch: int, prompt: int, vocab: int, out: Path, tag: str) -> None:
@@ -155,6 +201,7 @@ def profile(eng: Engine, batch: int, prompt: int, vocab: int, out: Path, tag: st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b", help="the widths")
     ap.add_argument("--depths", type=int, nargs=2, default=[1, 4])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--prompt", type=int, default=64)
@@ -168,7 +215,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/bench_e2e")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    widths = TINY if args.tiny else QWEN3_30B
+    widths = TINY if args.tiny else MODELS[args.model]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -184,13 +231,12 @@ def main() -> None:
         res[m] = {}
     first_tokens: dict[str, list[int]] = {}
     for depth in args.depths:
-        ck = Path(args.work) / f"qwen3_L{depth}"
+        ck = Path(args.work) / f"{widths['model_type']}_L{depth}"
         t0 = time.perf_counter()
-        hf = None
-        if not (args.no_hf and (ck / "config.json").exists()):
-            hf = write_checkpoint(ck, widths, depth, dtype, args.device)
+        hf = write_checkpoint(ck, widths, depth, dtype, args.device)
+        sizes = layer_bytes(hf)
         print(f"checkpoint L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
-        if hf is not None and not args.no_hf:
+        if not args.no_hf:
             res["hf"][depth] = {
                 b: hf_decode_ms(hf, b, args.prompt, args.hf_new, args.device) for b in args.batches
             }
@@ -228,12 +274,14 @@ def main() -> None:
             rows.append(dict(mode=m, batch=b, per_layer_ms=per_layer, fixed_ms=fixed, tok_s=tok_s,
                              step_ms={str(d): res[m][d][b] for d in args.depths}))  # fmt: skip
     ctx = args.prompt + args.new // 2
-    floors = {b: floor_bytes(widths, b, ctx) / bw * 1e3 for b in args.batches}
-    report = dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+    floors = {b: floor_bytes(sizes, widths, b, ctx) / bw * 1e3 for b in args.batches}
+    report = dict(model=args.model, layer_bytes=sizes, device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                   torch=torch.__version__, args=vars(args), copy_bw_GBs=bw / 1e9, rows=rows,
                   floor_ms_per_layer=floors, first_tokens=first_tokens)  # fmt: skip
     (out / "bench_e2e.json").write_text(json.dumps(report, indent=1))
-    print(f"\n{report['device']}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(
+        f"\n{args.model}: {report['device']}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s"
+    )
     print(f"| mode | batch | per-layer ms | fixed ms | tok/s at {real} layers | HBM floor per layer ms |")
     print("|---|---|---|---|---|---|")
     for r in rows:

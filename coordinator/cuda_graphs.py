@@ -50,6 +50,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, V] static output
         self.routed: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> layer -> [bucket, K] ids
+        torch.cuda.empty_cache()  # capture empties it too: measure from the same state
         reserved = torch.cuda.memory_reserved(dev)
         self._capture_all()
         self.pool_bytes = torch.cuda.memory_reserved(dev) - reserved
