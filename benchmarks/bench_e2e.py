@@ -147,9 +147,22 @@ def em_decode_ms(eng: Engine, batch: int, prompt: int, new: int, vocab: int) -> 
         toks = torch.stack(eng.step([(s, [t]) for s, t in zip(seqs, toks)])).argmax(-1).tolist()
     sync(str(eng.device))
     dt = (time.perf_counter() - t0) / new * 1e3
+    graphs = getattr(eng, "graphs", None)
+    if graphs is not None:  # the graph alone, no host work: what the GPU spends per step
+        graph = graphs.graphs[graphs.bucket(batch)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        sync(str(eng.device))
+        REPLAY_MS[(eng.config.num_layers, batch)] = start.elapsed_time(end) / 20
     for s in seqs:
         eng.free(s)
     return dt, first
+
+
+REPLAY_MS: dict[tuple[int, int], float] = {}  # (layers, batch) -> ms per graph replay
 
 
 def copy_bandwidth(device: str) -> float:
@@ -255,7 +268,7 @@ def main() -> None:
                 res[m][depth][b], first = em_decode_ms(eng, b, args.prompt, args.new, vocab)
                 first_tokens[f"{m}_L{depth}_b{b}"] = first[:4]
             print(m, depth, res[m][depth], flush=True)
-            if args.profile and depth == args.depths[0] and (m == "expertmesh" or args.old_engine):
+            if args.profile and (m == "expertmesh" or args.old_engine):
                 for b in (1, max(args.batches)):
                     profile(eng, b, args.prompt, vocab, out, f"{m}_L{depth}_b{b}")
             del eng
@@ -271,6 +284,10 @@ def main() -> None:
             per_layer = (res[m][l2][b] - res[m][l1][b]) / (l2 - l1)
             fixed = res[m][l1][b] - l1 * per_layer
             tok_s = b / ((fixed + real * per_layer) * 1e-3)
+            if m == "expertmesh" and (l2, b) in REPLAY_MS:
+                r1, r2 = REPLAY_MS[(l1, b)], REPLAY_MS[(l2, b)]
+                print(f"graph replay alone, batch {b}: {r1:.3f} / {r2:.3f} ms at {l1} / {l2} layers: "
+                      f"{(r2 - r1) / (l2 - l1):.3f} ms per layer")  # fmt: skip
             rows.append(dict(mode=m, batch=b, per_layer_ms=per_layer, fixed_ms=fixed, tok_s=tok_s,
                              step_ms={str(d): res[m][d][b] for d in args.depths}))  # fmt: skip
     ctx = args.prompt + args.new // 2

@@ -90,3 +90,22 @@ def test_fused_ops_real_widths_gpu():
     check_qk_rope(7, 32, 4, 128, torch.float32, "cuda", True, 1e-5)
     check_topk(64, 128, 8, torch.bfloat16, "cuda")
     check_topk(64, 60, 4, torch.float32, "cuda")
+
+
+@pytest.mark.parametrize("t,k,s,bm", [(1, 8, 128, 16), (37, 3, 6, 16), (64, 8, 128, 16)])
+def test_align_one_program_matches_three_launches(t, k, s, bm):
+    """The decode-size alignment (one program) against the three-launch one: same counts,
+    starts and block map, and each slot's rows hold the same pairs."""
+    from gpu_server.kernels.align import align_pairs
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(t)
+    ids = torch.randint(-1, s, (t, k), generator=g, dtype=torch.int32).to(dev)
+    one, three = align_pairs(ids, s, bm, one_program=True), align_pairs(ids, s, bm, one_program=False)
+    for name in ("slot_count", "slot_start", "block_slot"):
+        assert torch.equal(getattr(one, name), getattr(three, name)), name
+    for e in range(s):
+        lo, n = int(three.slot_start[e]), int(three.slot_count[e])
+        assert sorted(one.sorted_pairs[lo : lo + n].tolist()) == sorted(
+            three.sorted_pairs[lo : lo + n].tolist()
+        )
