@@ -38,3 +38,39 @@ def test_cuda_engine_matches_cpu(arch, tmp_path):
     out = {e: e.step([(ids[e][i], [toks[i]]) for i in (0, 2)]) for e in (cpu, gpu)}
     for a, b in zip(out[gpu], out[cpu]):
         assert rel_err(a.cpu(), b) < 2e-3
+
+
+@pytest.mark.gpu
+def test_load_hook_sees_graph_steps(tmp_path):
+    """The expert-load hook (EPLB's recorder) counts the same routing with and without graphs:
+    graph steps report each MoE layer's ids after the replay, padding rows left out."""
+    from coordinator.dispatch import LocalDispatcher
+    from coordinator.kv_cache import KVCacheSpec
+    from coordinator.loader import load_model
+    from expertmesh.checkpoint import CheckpointReader
+
+    make_checkpoint("qwen3_moe", tmp_path)
+    reader = CheckpointReader(str(tmp_path))
+    counts = {}
+
+    def engine(device: str, graphs: bool) -> Engine:
+        dev = torch.device(device)
+        c = counts.setdefault((device, graphs), torch.zeros(4, 8, dtype=torch.long, device=dev))
+
+        def hook(layer: int, ids: torch.Tensor) -> None:
+            c[layer].index_add_(0, ids.flatten().long(), torch.ones_like(ids.flatten().long()))
+
+        model = load_model(reader, torch.float32, dev)
+        disp = LocalDispatcher(reader, torch.float32, dev)
+        return Engine(model, disp, KVCacheSpec(64, 4), torch.float32, dev, load_hook=hook, cuda_graphs=graphs)
+
+    for device, graphs in (("cpu", False), ("cuda", True)):
+        eng = engine(device, graphs)
+        assert (eng.graphs is not None) == graphs
+        seqs = [eng.new_seq() for _ in range(3)]
+        out = eng.step([(s, [(5 * i + j) % 96 for j in range(7)]) for i, s in enumerate(seqs)])
+        toks = [int(x.argmax()) for x in out]
+        for _ in range(4):  # batch 3 -> bucket 4: one padding row per step, never counted
+            toks = [int(x.argmax()) for x in eng.step([(s, [t]) for s, t in zip(seqs, toks)])]
+    cpu, gpu = counts[("cpu", False)], counts[("cuda", True)].cpu()
+    assert cpu.sum() > 0 and torch.equal(cpu, gpu), (cpu, gpu)
