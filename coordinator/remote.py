@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
@@ -59,6 +60,7 @@ class RemoteDispatcher(Dispatcher):
         self._rr_offset = 0
         self._all_on_gpu = False
         self._lock = threading.Lock()
+        self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
 
     # ------------------------------------------------------------ placement
 
@@ -229,6 +231,7 @@ class RemoteDispatcher(Dispatcher):
         batches = self._batches(layer, ids, w)
         # NOTE: CPU servers first: they are the slowest, so their work starts earliest.
         batches.sort(key=lambda b: self.conns[b.server].spec.kind != "cpu")
+        t0 = time.perf_counter()
         sent = [(b, self.conns[b.server].submit(self.placement.generation, layer, x, b)) for b in batches]
 
         def wait() -> torch.Tensor:
@@ -238,6 +241,8 @@ class RemoteDispatcher(Dispatcher):
             try:
                 for b, reply in sent:
                     part = self._collect(b, reply, layer, x.shape[1], deadline)  # [T_s, H]
+                    if self.on_round_trip is not None:
+                        self.on_round_trip(self.conns[b.server].spec.name, time.perf_counter() - t0)
                     part = part.to(device=x.device, dtype=x.dtype)
                     if b.rows.numel() == x.shape[0]:  # every row, in order: no index to upload
                         out.add_(part)

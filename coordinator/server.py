@@ -25,10 +25,13 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from coordinator.chat import ChatTemplate
 from coordinator.dispatch import Dispatcher, LocalDispatcher
 from coordinator.engine import Engine
+from coordinator.http.server import HttpServer, start_http
 from coordinator.kv_cache import KVCacheSpec
 from coordinator.loader import load_model
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.remote import ClusterConfig, ExpertServerError, RemoteDispatcher
 from coordinator.requests import InvalidRequest, RequestLimits, parse_request
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
@@ -71,12 +74,15 @@ class CoordinatorConfig:
     max_message_mb: int = 64
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
+    http_port: int | None = None  # OpenAI-compatible HTTP + /metrics on host:http_port; None = off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} outside 0..65535")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http port {self.http_port} outside 0..65535")
         for name in ("page_size", "kv_memory_bytes", "max_batch_tokens", "max_running", "max_message_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -236,6 +242,10 @@ class CoordinatorServer(grpc.aio.Server):
         self.health = health.aio.HealthServicer()
         self.experts_ready = not isinstance(dispatcher, RemoteDispatcher)
         self._watch: asyncio.Task | None = None
+        # issue 16: Prometheus metrics, chat template and the HTTP server (coordinator/http)
+        self.metrics = CoordinatorMetrics(self)
+        self.chat_template = ChatTemplate.from_dir(config.model_dir)
+        self.http: HttpServer | None = None
         cfg = scheduler.engine.config
         self.request_limits = RequestLimits(
             cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens
@@ -299,6 +309,8 @@ class CoordinatorServer(grpc.aio.Server):
         await self._set_health(self.experts_ready)
         self.scheduler.start()
         await self.server.start()
+        if self.config.http_port is not None:
+            self.http = await start_http(self, self.config.host, self.config.http_port)
         if isinstance(self.dispatcher, RemoteDispatcher):
             self._watch = asyncio.create_task(self._watch_experts(self.dispatcher))
             self._watch.add_done_callback(_report_crash)
@@ -307,6 +319,8 @@ class CoordinatorServer(grpc.aio.Server):
         if self._watch is not None:
             self._watch.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         await asyncio.to_thread(self.scheduler.stop)
         self.dispatcher.close()

@@ -30,6 +30,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_message_mb=args.max_message_mb,
         shm=not args.no_shm,
         shm_spin_us=args.shm_spin_us,
+        metrics_port=args.metrics_port,
     )
 
 

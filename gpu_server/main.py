@@ -47,5 +47,6 @@ def run(args: argparse.Namespace) -> int:
         max_message_mb=args.max_message_mb,
         shm=not args.no_shm,
         shm_spin_us=args.shm_spin_us,
+        metrics_port=args.metrics_port,
     )
     return serve(config, backend_for(args.device), device_uuid(args.device))

@@ -13,6 +13,7 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -22,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from expertmesh import wire
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
+from expertmesh.metrics import serve_metrics
 from expertmesh.transport import segment
 from expertmesh.v1 import expert_worker_pb2, expert_worker_pb2_grpc
 from expertmesh.worker.servicer import ExpertWorkerServicer, WorkerIdentity
@@ -60,12 +62,14 @@ class WorkerConfig:
     max_message_mb: int = 256
     shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
     shm_spin_us: float = 300.0  # fast paths: poll this long for the next request before sleeping
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0 = a free one); None = off
 
     def __post_init__(self) -> None:
         assert self.kind in ("gpu", "cpu"), f"{self.kind=}"
         wire.parse_dtype(self.dtype)
         assert self.dtype in ("float32", "bfloat16", "float16"), f"{self.dtype=}"
         assert 0 <= self.port < 65536, f"{self.port=}"
+        assert self.metrics_port is None or 0 <= self.metrics_port < 65536, f"{self.metrics_port=}"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(
                 f"--device {self.device}: CUDA is not available on this machine (use --device cpu)"
@@ -90,6 +94,9 @@ class WorkerConfig:
             "--capacity", type=int, default=None, help="local slots per layer (default: expert count)"
         )
         p.add_argument("--max-message-mb", type=int, default=256)
+        p.add_argument(
+            "--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0 = a free port)"
+        )
         p.add_argument(
             "--no-shm",
             action="store_true",
@@ -116,11 +123,15 @@ class RunningWorker:
     servicer: ExpertWorkerServicer
     health: health.aio.HealthServicer
     preload: asyncio.Task
+    metrics_port: int | None = None
+    metrics_server: Any = None
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         self.servicer.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
 
 
 async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> RunningWorker:
@@ -165,7 +176,12 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    return RunningWorker(server, port, servicer, health_servicer, asyncio.create_task(preload()))
+    w = RunningWorker(server, port, servicer, health_servicer, asyncio.create_task(preload()))
+    if config.metrics_port is not None:  # issue 16
+        w.metrics_server, _, w.metrics_port = serve_metrics(
+            servicer.metrics.registry, config.host, config.metrics_port
+        )
+    return w
 
 
 def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> int:
@@ -178,6 +194,8 @@ def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         print(f"{config.kind} expert server listening on {config.host}:{w.port}", flush=True)
+        if w.metrics_port is not None:
+            print(f"Prometheus metrics on http://{config.host}:{w.metrics_port}/metrics", flush=True)
         done, _ = await asyncio.wait(
             [asyncio.ensure_future(stop.wait()), w.preload], return_when=asyncio.FIRST_COMPLETED
         )

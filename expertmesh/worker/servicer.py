@@ -24,6 +24,7 @@ import torch
 
 from expertmesh import wire
 from expertmesh.experts import ExpertBackend
+from expertmesh.metrics import WorkerMetrics
 from expertmesh.transport.errors import Rejected
 from expertmesh.transport.handshake import Ack, HandshakeError, Hello
 from expertmesh.transport.server import FastRequest, ShmServer
@@ -78,6 +79,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         self.shm_spin_us = shm_spin_us
         self.cfg = slots.reader.config
         self.stats = WorkerStats()
+        self.metrics = WorkerMetrics(self)  # issue 16: Prometheus /metrics (--metrics-port)
         self.tokens_per_slot: dict[int, np.ndarray] = {}  # layer -> [S] tokens routed to each slot
         # NOTE: one compute thread for gRPC requests and commits; fast-path channel threads
         # compute too, so compute and commit also hold this lock.
@@ -175,7 +177,9 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         )
         if to_host:
             out = out.cpu()
-        self.stats.compute_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.compute_seconds += dt
+        self.metrics.compute(args.layer, dt)
         self.stats.requests += 1
         self.stats.tokens += args.hidden.shape[0]
         # NOTE: numpy: on these few numbers its ops cost a fraction of torch's per-op overhead
@@ -226,6 +230,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                     out = await self._run(loop, args, req.generation)
                 except RequestError as e:
                     self.stats.errors += 1
+                    self.metrics.reject(e.code)
                     await context.abort(e.code, e.message)
                     return
                 yield pb.ForwardResponse(
@@ -264,8 +269,9 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         try:
             args = self.check(r.seq, r.layer, r.generation, r.hidden, r.slot_ids, r.weights)
             return self.compute(args, r.generation, to_host=False)
-        except RequestError:
+        except RequestError as e:
             self._count_error()
+            self.metrics.reject(e.code)
             raise
 
     def _count_error(self) -> None:
