@@ -102,6 +102,11 @@ class CoordinatorMetrics:
         )
         r.register(_StateCollector(coord))
         self._round_trip_children: dict[str, Any] = {}
+        # plain running totals for Admin/ListServers (`expertmesh status`); written on the
+        # scheduler thread only
+        self.started = time.monotonic()
+        self.finished = self.prompt_total = self.generated_total = 0
+        self.round_trips: dict[str, list[float]] = {}  # server -> [count, seconds]
         # the two hooks that observe the hot path
         coord.scheduler.metrics = self
         if hasattr(coord.dispatcher, "on_round_trip"):
@@ -121,6 +126,9 @@ class CoordinatorMetrics:
             if out.finish_reason is not None:
                 now = time.monotonic()
                 self.requests.labels(out.finish_reason).inc()
+                self.finished += 1
+                self.prompt_total += prompt_tokens
+                self.generated_total += out.completion_tokens
                 self.prompt_tokens.inc(prompt_tokens)
                 self.generation_tokens.inc(out.completion_tokens)
                 self.e2e.observe(now - t0)
@@ -142,6 +150,9 @@ class CoordinatorMetrics:
         if child is None:
             child = self._round_trip_children[server] = self.layer_round_trip.labels(server)
         child.observe(seconds)
+        acc = self.round_trips.setdefault(server, [0, 0.0])
+        acc[0] += 1
+        acc[1] += seconds
 
     def rebalance(self, result: str) -> None:
         """For the EPLB manager: ``committed``, ``aborted`` or ``skipped``."""

@@ -35,6 +35,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.remote import ClusterConfig, ExpertServerError, RemoteDispatcher
 from coordinator.requests import InvalidRequest, RequestLimits, parse_request
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
+from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.config import ModelConfig
@@ -195,9 +196,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         d = self.coord.dispatcher
         infos = d.server_infos() if isinstance(d, RemoteDispatcher) else []
         fields = set(admin_pb2.ServerInfo.DESCRIPTOR.fields_by_name)
-        return admin_pb2.ListServersResponse(
+        resp = admin_pb2.ListServersResponse(
             servers=[admin_pb2.ServerInfo(**{k: v for k, v in i.items() if k in fields}) for i in infos]
         )
+        add_status(self.coord, resp)  # issue 16: round trips and coordinator stats (fields 140+)
+        return resp
 
     async def GetPlacement(self, request, context) -> admin_pb2.PlacementInfo:
         d = self.coord.dispatcher

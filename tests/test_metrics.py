@@ -125,3 +125,32 @@ def test_rejected_requests_counted_by_code(cluster):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = total(scrape(wurl), "expertmesh_worker_rejected_requests_total", code="INVALID_ARGUMENT")
     assert after == before + 1
+
+
+def test_status_view(cluster, capsys):
+    from expertmesh import status
+    from expertmesh.cli import main
+    from expertmesh.v1 import admin_pb2_grpc
+
+    path, coord, _, _, _ = cluster
+    with grpc.insecure_channel(coord.addr) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        a = status.read(stub, 10)
+        with Client(coord.addr) as c:
+            out = c.generate("Once upon a time", max_new_tokens=6, ignore_eos=True)
+        b = status.read(stub, 10)
+    s = status.summarize(a, b, top=3)
+    assert s["throughput"]["generation_tokens_per_s"] > 0 and s["placement_generation"] >= 1
+    assert s["requests"]["running"] == 0 and s["kv"]["pages_used"] == 0 and s["kv"]["pages_total"] > 0
+    (srv,) = s["servers"]
+    assert (srv["name"], srv["state"], srv["transport"]) == ("cpu0", "ready", "grpc")
+    assert srv["slots_used"] == srv["slot_capacity"] == ModelConfig.from_dir(path).num_experts
+    assert srv["layer_round_trip_ms"] is not None and srv["layer_round_trip_ms"] > 0
+    # the hottest experts are the largest counts of Admin/GetExpertLoad
+    for layer, top in s["hottest_experts"].items():
+        counts = b["load"][layer]
+        assert [e for e, _ in top] == sorted(range(len(counts)), key=lambda e: -counts[e])[:3]
+    assert out.usage.completion_tokens == 6
+    assert main(["status", "--addr", coord.addr, "--interval", "0.1"]) == 0
+    text = capsys.readouterr().out
+    assert "cpu0" in text and "placement generation" in text and "layer   0:" in text
