@@ -7,6 +7,11 @@ import argparse
 import importlib
 import sys
 
+DESCRIPTION = (
+    "Serve Mixture-of-Experts LLMs with the routed experts on GPU and CPU expert servers. "
+    "Start with `expertmesh up --demo`; `expertmesh COMMAND --help` shows a command's flags."
+)
+
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo-model": ("expertmesh.demo.cli", "write the tiny demo checkpoint to a directory"),
@@ -22,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="expertmesh", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(prog="expertmesh", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     for name, (module, help_text) in COMMANDS.items():
