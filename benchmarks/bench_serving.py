@@ -1,7 +1,8 @@
 """Serving benchmark: requests/s, time to first token (TTFT) and time per output token (TPOT)
-at several concurrencies, through the public gRPC API.
+at several concurrencies, through the public gRPC API and/or the OpenAI-compatible HTTP API.
 
     python benchmarks/bench_serving.py [--model DIR] [--concurrency 1 8 32] [--new-tokens 32]
+        [--apis grpc http]
 
 Modes (each a fresh set of child processes started with the real CLI):
   cluster     ``expertmesh up``: coordinator + GPU expert server (``--device cpu`` here) + CPU
@@ -9,6 +10,10 @@ Modes (each a fresh set of child processes started with the real CLI):
               two loopback gRPC streams.
   in-process  ``expertmesh coordinator`` alone, every expert in process: the baseline the
               cluster is compared with (ratio = cluster / in-process).
+
+APIs (``--apis``, each mode serves both at once): ``grpc`` streams ``Generation/Generate``;
+``http`` streams ``POST /v1/completions`` (SSE, token-id prompt, ``stream_options.include_usage``
+for the token count) with httpx, so the two rows of a mode differ only by the API layer.
 
 Clients are closed-loop: ``c`` workers each send their next request when the previous one
 finished; each level runs ``max(2c, 8)`` requests after one warm-up request. Greedy,
@@ -23,10 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import json
 import os
 import random
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +45,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
 
 from expertmesh.client import AsyncClient  # noqa: E402
 from expertmesh.health import check  # noqa: E402
@@ -69,6 +79,8 @@ def prepare_model(arg: str | None, workdir: Path) -> tuple[Path, str]:
 class Proc:
     proc: subprocess.Popen
     addr: str
+    http: str  # base URL of the HTTP API
+    name: str  # the model's name there (its directory's)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -78,14 +90,22 @@ class Proc:
             self.proc.kill()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def launch(mode: str, model: Path, threads: int) -> Proc:
     cli = [sys.executable, "-m", "expertmesh.cli"]
+    http_port = free_port()
     if mode == "cluster":
         cmd = [*cli, "up", "--model", str(model), "--device", "cpu", "--threads", str(threads)]
         pattern = re.compile(r"serving on (\S+:\d+)")
     else:
         cmd = [*cli, "coordinator", "--model", str(model), "--port", "0", "--threads", str(threads)]
         pattern = re.compile(r"listening on (\S+:\d+)")
+    cmd += ["--http-port", str(http_port)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (open as long as the child runs)
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -99,7 +119,7 @@ def launch(mode: str, model: Path, threads: int) -> Proc:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{mode}: {addr} never became SERVING")
                 time.sleep(0.2)
-            return Proc(p, addr)
+            return Proc(p, addr, f"http://127.0.0.1:{http_port}", model.resolve().name)
     log.seek(0)
     raise RuntimeError(f"{mode}: {' '.join(cmd)} exited with {p.wait()}:\n{log.read()[-3000:]}")
 
@@ -124,17 +144,52 @@ async def one_request(client: AsyncClient, ids: list[int], new_tokens: int) -> S
     return Sample(first - t0, (last - first) / max(1, n - 1), n)
 
 
+async def one_http_request(client: httpx.AsyncClient, name: str, ids: list[int], new_tokens: int) -> Sample:
+    body = {
+        "model": name, "prompt": ids, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.perf_counter()
+                first = first or last
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    assert first is not None and last is not None and n == new_tokens, n
+    return Sample(first - t0, (last - first) / max(1, n - 1), n)
+
+
 async def run_level(
-    addr: str, conc: int, prompts: list[list[int]], new_tokens: int
+    proc: Proc, api: str, conc: int, prompts: list[list[int]], new_tokens: int
 ) -> tuple[float, list[Sample]]:
-    async with AsyncClient(addr) as client:
-        await one_request(client, prompts[0], 4)  # warm-up
+    if api == "http":
+        limits = httpx.Limits(max_connections=conc + 1)
+        client = httpx.AsyncClient(base_url=proc.http, timeout=600, limits=limits)
+
+        async def one(ids: list[int], n: int) -> Sample:
+            return await one_http_request(client, proc.name, ids, n)
+    else:
+        client = AsyncClient(proc.addr)  # type: ignore[assignment]
+
+        async def one(ids: list[int], n: int) -> Sample:
+            return await one_request(client, ids, n)  # type: ignore[arg-type]
+
+    async with client:
+        await one(prompts[0], 4)  # warm-up
         todo = list(prompts)
         samples: list[Sample] = []
 
         async def worker() -> None:
             while todo:
-                samples.append(await one_request(client, todo.pop(), new_tokens))
+                samples.append(await one(todo.pop(), new_tokens))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(conc)))
@@ -156,6 +211,7 @@ def main() -> None:
         "--modes", nargs="+", default=["in-process", "cluster"], choices=["in-process", "cluster"]
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--apis", nargs="+", default=["grpc"], choices=["grpc", "http"])
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,15 +220,15 @@ def main() -> None:
 
         vocab = ModelConfig.from_dir(model).vocab_size
         rng = random.Random(0)
-        rows: dict[tuple[str, int], tuple] = {}
+        rows: dict[tuple[str, str, int], tuple] = {}
         for mode in args.modes:
             proc = launch(mode, model, args.threads)
             try:
-                for conc in args.concurrency:
+                for conc, api in itertools.product(args.concurrency, args.apis):
                     n = max(2 * conc, 8)
                     prompts = [[rng.randrange(2, vocab) for _ in range(args.prompt_tokens)] for _ in range(n)]
-                    wall, s = asyncio.run(run_level(proc.addr, conc, prompts, args.new_tokens))
-                    rows[mode, conc] = (
+                    wall, s = asyncio.run(run_level(proc, api, conc, prompts, args.new_tokens))
+                    rows[mode, api, conc] = (
                         n,
                         n / wall,
                         sum(x.tokens for x in s) / wall,
@@ -181,27 +237,40 @@ def main() -> None:
                         statistics.median(x.tpot for x in s) * 1e3,
                         pct([x.tpot for x in s], 0.9) * 1e3,
                     )
-                    print(f"{mode} c={conc}: {rows[mode, conc][1]:.2f} req/s", file=sys.stderr, flush=True)
+                    rate = rows[mode, api, conc][1]
+                    print(f"{mode} {api} c={conc}: {rate:.2f} req/s", file=sys.stderr, flush=True)
             finally:
                 proc.stop()
 
     print(f"\nmodel: {what}; prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
-    head = "| mode | conc | requests | req/s | out tok/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms |"
+    head = "| mode | api | conc | requests | req/s | out tok/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
-    for (mode, conc), r in rows.items():
+    for (mode, api, conc), r in rows.items():
         print(
-            f"| {mode} | {conc} | {r[0]} | {r[1]:.2f} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.1f} |"
+            f"| {mode} | {api} | {conc} | {r[0]} | {r[1]:.2f} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.1f} |"
         )
+    api0 = args.apis[0]
     if "in-process" in args.modes and "cluster" in args.modes:
-        print("\ncluster / in-process: ", end="")
+        print(f"\ncluster / in-process ({api0}): ", end="")
         print(
             ", ".join(
-                f"c={c}: req/s x{rows['cluster', c][1] / rows['in-process', c][1]:.2f}, "
-                f"TPOT x{rows['cluster', c][5] / rows['in-process', c][5]:.2f}"
+                f"c={c}: req/s x{rows['cluster', api0, c][1] / rows['in-process', api0, c][1]:.2f}, "
+                f"TPOT x{rows['cluster', api0, c][5] / rows['in-process', api0, c][5]:.2f}"
                 for c in args.concurrency
             )
         )
+    if "grpc" in args.apis and "http" in args.apis:
+        for mode in args.modes:
+            print(f"{mode}, http / grpc: ", end="")
+            print(
+                ", ".join(
+                    f"c={c}: req/s x{rows[mode, 'http', c][1] / rows[mode, 'grpc', c][1]:.2f}, "
+                    f"TTFT x{rows[mode, 'http', c][3] / rows[mode, 'grpc', c][3]:.2f}, "
+                    f"TPOT x{rows[mode, 'http', c][5] / rows[mode, 'grpc', c][5]:.2f}"
+                    for c in args.concurrency
+                )
+            )
 
 
 if __name__ == "__main__":
