@@ -198,3 +198,20 @@ def test_disconnect_mid_stream_frees_the_request(oai, base_url):
     assert m[cancelled] == before[cancelled] + 1
     # it stopped long before its 400 tokens
     assert m["expertmesh_generation_tokens_total"] - before["expertmesh_generation_tokens_total"] < 400
+
+
+def test_disconnect_before_a_whole_response_frees_the_request(base_url):
+    before = scrape(base_url)
+    body = {"model": "demo-model", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    deadline = time.monotonic() + 20
+    cancelled = "expertmesh_requests_total{status=cancelled}"
+    while True:
+        m = scrape(base_url)
+        if m[cancelled] > before[cancelled] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert m[cancelled] == before[cancelled] + 1
+    assert m["expertmesh_kv_pages_used"] == 0 and m["expertmesh_requests_running"] == 0
+    assert m["expertmesh_generation_tokens_total"] - before["expertmesh_generation_tokens_total"] < 400
