@@ -150,6 +150,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             ids, params = parse_request(request, c.request_limits, c.tokenizer)
         except InvalidRequest as e:
+            c.metrics.invalid()  # issue 16: expertmesh_requests_total{status="invalid"}
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not c.experts_ready:
             await context.abort(
