@@ -114,6 +114,22 @@ def test_chat_stream_and_not(oai, server):
         assert c.generate(input_ids=ids, max_new_tokens=16).text == msg.content
 
 
+def test_chat_content_parts_are_text(oai):
+    plain = [{"role": "user", "content": "Good morning, Pip!"}]
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Good morning, "}, {"type": "text", "text": "Pip!"}],
+        }
+    ]
+    a, b = (
+        oai.chat.completions.create(model="demo-model", messages=m, max_tokens=6, temperature=0)
+        for m in (plain, parts)
+    )
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
 def test_chat_logprobs(oai):
     out = oai.chat.completions.create(
         model="demo-model", messages=[{"role": "user", "content": "Hello"}], max_tokens=4,

@@ -166,7 +166,7 @@ class Serving:
                 "chat_template.jinja): use /v1/completions", param="messages",
             )  # fmt: skip
         try:
-            text = template.render([m.model_dump(exclude_none=True) for m in req.messages],
+            text = template.render([_flat(m.model_dump(exclude_none=True)) for m in req.messages],
                                    add_generation_prompt=req.add_generation_prompt)  # fmt: skip
         except ChatTemplateError as e:
             raise APIError(400, f"chat template: {e}", param="messages") from None
@@ -242,6 +242,18 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
     if all(isinstance(p, str) for p in prompt):
         return [{"prompt": p} for p in prompt]
     return [{"input_ids": p} for p in prompt]
+
+
+def _flat(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's content parts (``[{"type": "text", "text": ...}]``) -> one string; text only."""
+    content = message.get("content")
+    if isinstance(content, list):
+        kinds = {p.get("type") for p in content}
+        if kinds - {"text"}:
+            raise APIError(400, f"only text content parts are supported, got {sorted(map(str, kinds))}",
+                           param="messages")  # fmt: skip
+        message = {**message, "content": "".join(str(p.get("text", "")) for p in content)}
+    return message
 
 
 def adapter_names(coord: Any) -> list[str]:
