@@ -196,6 +196,24 @@ async def run_level(
         return time.perf_counter() - t0, samples
 
 
+async def overhead(proc: Proc, prompt: list[int], reps: int) -> dict[str, list[float]]:
+    """One-token requests, gRPC and HTTP alternating (so both see the same load), whole
+    responses: what each API layer adds per request when the model's work is one step."""
+    out: dict[str, list[float]] = {"grpc": [], "http": []}
+    body = {"model": proc.name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    async with AsyncClient(proc.addr) as g, httpx.AsyncClient(base_url=proc.http, timeout=60) as h:
+        for i in range(reps + 5):  # the first 5 pairs warm up
+            t0 = time.perf_counter()
+            await g.generate(input_ids=prompt, max_new_tokens=1)
+            t1 = time.perf_counter()
+            (await h.post("/v1/completions", json=body)).raise_for_status()
+            t2 = time.perf_counter()
+            if i >= 5:
+                out["grpc"].append(t1 - t0)
+                out["http"].append(t2 - t1)
+    return out
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -212,6 +230,9 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--apis", nargs="+", default=["grpc"], choices=["grpc", "http"])
+    ap.add_argument(
+        "--overhead-reps", type=int, default=0, help="also time N alternating one-token gRPC/HTTP requests"
+    )
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,6 +242,7 @@ def main() -> None:
         vocab = ModelConfig.from_dir(model).vocab_size
         rng = random.Random(0)
         rows: dict[tuple[str, str, int], tuple] = {}
+        lat: dict[str, dict[str, list[float]]] = {}
         for mode in args.modes:
             proc = launch(mode, model, args.threads)
             try:
@@ -239,6 +261,9 @@ def main() -> None:
                     )
                     rate = rows[mode, api, conc][1]
                     print(f"{mode} {api} c={conc}: {rate:.2f} req/s", file=sys.stderr, flush=True)
+                if args.overhead_reps:
+                    prompt = [rng.randrange(2, vocab) for _ in range(args.prompt_tokens)]
+                    lat[mode] = asyncio.run(overhead(proc, prompt, args.overhead_reps))
             finally:
                 proc.stop()
 
@@ -249,6 +274,13 @@ def main() -> None:
     for (mode, api, conc), r in rows.items():
         print(
             f"| {mode} | {api} | {conc} | {r[0]} | {r[1]:.2f} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.1f} |"
+        )
+    for mode, d in lat.items():
+        g, h = (statistics.median(d[a]) * 1e3 for a in ("grpc", "http"))
+        g9, h9 = (pct(d[a], 0.9) * 1e3 for a in ("grpc", "http"))
+        print(
+            f"\n{mode}, one-token requests x{len(d['grpc'])} alternating: gRPC p50 {g:.2f} ms p90 {g9:.2f} ms, "
+            f"HTTP p50 {h:.2f} ms p90 {h9:.2f} ms, HTTP - gRPC p50 {h - g:+.2f} ms"
         )
     api0 = args.apis[0]
     if "in-process" in args.modes and "cluster" in args.modes:
