@@ -51,10 +51,10 @@ class CoordinatorMetrics:
         for s in STATUSES:
             self.requests.labels(s)  # exported at 0 from the start
         self.prompt_tokens = Counter(
-            "expertmesh_prompt_tokens", "Prompt tokens of finished requests", registry=r
+            "expertmesh_prompt_tokens", "Prompt tokens of submitted requests", registry=r
         )
         self.generation_tokens = Counter(
-            "expertmesh_generation_tokens", "Generated tokens of finished requests", registry=r
+            "expertmesh_generation_tokens", "Tokens generated (counted as they are)", registry=r
         )
         self.ttft = Histogram(
             "expertmesh_time_to_first_token_seconds",
@@ -102,8 +102,8 @@ class CoordinatorMetrics:
         )
         r.register(_StateCollector(coord))
         self._round_trip_children: dict[str, Any] = {}
-        # plain running totals for Admin/ListServers (`expertmesh status`); written on the
-        # scheduler thread only
+        # plain running totals for Admin/ListServers (`expertmesh status`): prompt tokens are
+        # added by the submitting thread (the event loop), the rest on the scheduler thread
         self.started = time.monotonic()
         self.finished = self.prompt_total = self.generated_total = 0
         self.round_trips: dict[str, list[float]] = {}  # server -> [count, seconds]
@@ -118,19 +118,20 @@ class CoordinatorMetrics:
         """Wraps a request's sink (called on the scheduler thread) to time the request."""
         t0 = time.monotonic()
         first: list[float] = []
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_total += prompt_tokens
 
         def observed(out: Output) -> None:
-            if out.token_ids and not first:
-                first.append(time.monotonic())
-                self.ttft.observe(first[0] - t0)
+            if out.token_ids:
+                self.generation_tokens.inc(len(out.token_ids))
+                self.generated_total += len(out.token_ids)
+                if not first:
+                    first.append(time.monotonic())
+                    self.ttft.observe(first[0] - t0)
             if out.finish_reason is not None:
                 now = time.monotonic()
                 self.requests.labels(out.finish_reason).inc()
                 self.finished += 1
-                self.prompt_total += prompt_tokens
-                self.generated_total += out.completion_tokens
-                self.prompt_tokens.inc(prompt_tokens)
-                self.generation_tokens.inc(out.completion_tokens)
                 self.e2e.observe(now - t0)
                 if first and out.completion_tokens > 1:
                     self.tpot.observe((now - first[0]) / (out.completion_tokens - 1))
