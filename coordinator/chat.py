@@ -12,12 +12,14 @@ Python internals) with the variables transformers passes: ``messages``,
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+log = logging.getLogger("expertmesh.chat")
 TEMPLATE_FILE = "chat_template.jinja"
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -50,8 +52,16 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ChatTemplate | None:
-        """The checkpoint's template, or None when it has none."""
-        d = Path(path)
+        """The checkpoint's template, or None when it has none or it does not parse (logged:
+        completions are still served, chat requests get a 400 that says there is none)."""
+        try:
+            return cls._from_dir(Path(path))
+        except ValueError as e:  # includes json.JSONDecodeError
+            log.warning("%s: chat template not usable: %s", path, e)
+            return None
+
+    @classmethod
+    def _from_dir(cls, d: Path) -> ChatTemplate | None:
         cfg: dict[str, Any] = {}
         if (d / "tokenizer_config.json").is_file():
             cfg = json.loads((d / "tokenizer_config.json").read_text())
