@@ -36,6 +36,8 @@ class WorkerMetrics:
             ["code"],
             registry=self.registry,
         )
+        for code in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAVAILABLE"):
+            self.rejected.labels(code)  # exported at 0 from the start
         self.resident_adapters = 0  # set by the LoRA code once it exists
         self.registry.register(_WorkerState(servicer, self))
         self._children: dict[int, Any] = {}

@@ -154,3 +154,22 @@ def test_status_view(cluster, capsys):
     assert main(["status", "--addr", coord.addr, "--interval", "0.1"]) == 0
     text = capsys.readouterr().out
     assert "cpu0" in text and "placement generation" in text and "layer   0:" in text
+
+
+def test_grafana_dashboard_uses_exported_metrics(cluster):
+    """Every metric docker/grafana-dashboard.json queries is one the servers export once they
+    served a request."""
+    import json
+    import re
+    from pathlib import Path
+
+    _, coord, url, _, mport = cluster
+    with Client(coord.addr) as c:  # labelled histograms have samples once something was observed
+        c.generate("A cat", max_new_tokens=2)
+    names = {n for n, _ in scrape(url)} | {n for n, _ in scrape(f"http://127.0.0.1:{mport}/metrics")}
+    dash = json.loads(
+        (Path(__file__).resolve().parent.parent / "docker" / "grafana-dashboard.json").read_text()
+    )
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\bexpertmesh_\w+", e)}
+    assert len(used) >= 15 and used <= names, sorted(used - names)
