@@ -21,7 +21,7 @@ counters end in ``_total``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -224,13 +224,11 @@ class _StateCollector(Collector):
 
 
 def _server_infos(coord: Any) -> list[dict]:
-    infos: Callable[[], list[dict]] | None = getattr(coord.dispatcher, "server_infos", None)
-    return infos() if infos is not None else []
+    return coord.cluster.server_infos() if coord.cluster is not None else []
 
 
 def _generation(coord: Any) -> int:
-    placement = getattr(coord.dispatcher, "placement", None)
-    return int(placement.generation) if placement is not None else 0
+    return int(coord.cluster.placement.generation) if coord.cluster is not None else 0
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

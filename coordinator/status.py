@@ -15,7 +15,7 @@ def add_status(coord: Any, resp: admin_pb2.ListServersResponse) -> None:
         count, seconds = m.round_trips.get(info.name, (0, 0.0))
         info.layer_round_trips, info.layer_round_trip_seconds = int(count), float(seconds)
     st = coord.scheduler.stats()
-    placement = getattr(coord.dispatcher, "placement", None)
+    placement = coord.cluster.placement if coord.cluster is not None else None
     resp.coordinator.CopyFrom(
         admin_pb2.CoordinatorStats(
             requests_running=st["running"],

@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cpu-server": ("cpu_expert_server.main", "run a CPU expert server"),
     "generate": ("expertmesh.client_cli", "send one generation request to a coordinator"),
     "health": ("expertmesh.health", "exit 0 iff a server's grpc.health.v1 status is SERVING"),
-    "status": ("expertmesh.status", "operator view: servers, placement, KV use, throughput, hot experts"),
+    "status": ("expertmesh.status_cli", "operator view: servers, placement, KV use, throughput, hot experts"),
 }
 
 

@@ -16,6 +16,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from expertmesh.errors import ExpertMeshError
+
+# gRPC status codes by number (the worker core is gRPC-free: its errors carry the number)
+_CODE_NAMES = (
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+)  # fmt: skip
 # per-layer compute: 50 us .. 5 s
 _COMPUTE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 1, 5)
 
@@ -48,9 +56,13 @@ class WorkerMetrics:
             child = self._children[layer] = self.compute_seconds.labels(str(layer))
         child.observe(seconds)
 
-    def reject(self, code: Any) -> None:
-        """``code``: a grpc.StatusCode (its name is the label)."""
-        self.rejected.labels(getattr(code, "name", str(code))).inc()
+    def reject(self, err: ExpertMeshError | None) -> None:
+        """A refused request, labelled with its gRPC status code (None: a fast-path channel
+        failure the worker only counts, ``UNKNOWN``)."""
+        code = (
+            _CODE_NAMES[err.status] if err is not None and 0 <= err.status < len(_CODE_NAMES) else "UNKNOWN"
+        )
+        self.rejected.labels(code).inc()
 
 
 class _WorkerState(Collector):

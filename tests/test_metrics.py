@@ -128,7 +128,7 @@ def test_rejected_requests_counted_by_code(cluster):
 
 
 def test_status_view(cluster, capsys):
-    from expertmesh import status
+    from expertmesh import status_cli as status
     from expertmesh.cli import main
     from expertmesh.v1 import admin_pb2_grpc
 
