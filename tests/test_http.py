@@ -5,6 +5,7 @@ that disconnects mid-stream getting its request cancelled and its KV pages freed
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -231,3 +232,27 @@ def test_disconnect_before_a_whole_response_frees_the_request(base_url):
     assert m[cancelled] == before[cancelled] + 1
     assert m["expertmesh_kv_pages_used"] == 0 and m["expertmesh_requests_running"] == 0
     assert m["expertmesh_generation_tokens_total"] - before["expertmesh_generation_tokens_total"] < 400
+
+
+def test_failure_mid_stream_is_an_error_event(server, base_url):
+    engine = server.scheduler.engine
+    real, calls = engine.step, []
+
+    def failing(*a, **kw):  # the third step of this request fails (as an expert server loss would)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return real(*a, **kw)
+
+    engine.step = failing
+    try:
+        body = {"model": "demo-model", "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    finally:
+        del engine.step  # back to the class's method
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert "injected step failure" in err["message"] and err["type"] == "server_error"
+    assert all("choices" in json.loads(e) for e in events[:-2])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +136,10 @@ class Serving:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _stream_completions(self, jobs, req: CompletionRequest, head) -> AsyncIterator[str]:
+        async for event in _errors_as_events(self._completion_events(jobs, req, head)):
+            yield event
+
+    async def _completion_events(self, jobs, req: CompletionRequest, head) -> AsyncGenerator[str, None]:
         choices = [Choice() for _ in jobs]
         n_top = req.logprobs or 0
         async with aclosing(run_jobs(self.coord, jobs)) as it:
@@ -210,6 +214,10 @@ class Serving:
         return out
 
     async def _stream_chat(self, jobs, req: ChatCompletionRequest, head) -> AsyncIterator[str]:
+        async for event in _errors_as_events(self._chat_events(jobs, req, head)):
+            yield event
+
+    async def _chat_events(self, jobs, req: ChatCompletionRequest, head) -> AsyncGenerator[str, None]:
         choices = [Choice() for _ in jobs]
         for i in range(len(jobs)):
             delta = {"role": "assistant", "content": ""}
@@ -261,6 +269,18 @@ def adapter_names(coord: Any) -> list[str]:
     attribute ``lora`` with ``names() -> list[str]``; none today."""
     lora = getattr(coord, "lora", None)
     return list(lora.names()) if lora is not None else []
+
+
+async def _errors_as_events(events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    """A failure after the stream's 200 went out (an expert server lost mid-request) becomes an
+    event with OpenAI's error object, then ``[DONE]``, instead of a cut connection."""
+    async with aclosing(events) as it:
+        try:
+            async for event in it:
+                yield event
+        except APIError as e:
+            yield _sse(e.body())
+            yield "data: [DONE]\n\n"
 
 
 def _sse(obj: dict[str, Any]) -> str:
