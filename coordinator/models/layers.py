@@ -20,6 +20,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.stride(-1) == 1:
+            from coordinator.kernels.fused_ops import rmsnorm
+
+            return rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[1].view(x.shape)
         # NOTE: normalise in float32, cast back, then scale: the order HF uses, so bf16 rounds alike.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -82,8 +86,11 @@ class Rotary(nn.Module):
         self.dim, self.theta, self.interleave, self.scaling = dim, theta, interleave, scaling
         self.factor = rope.attention_factor(scaling)
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:  # [D/2] float32, scaled if configured
+        return rope.inv_freq(self.dim, self.theta, self.scaling, device)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = rope.inv_freq(self.dim, self.theta, self.scaling, positions.device)  # [D/2]
+        inv_freq = self.inv_freq(positions.device)  # [D/2]
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
         if self.factor != 1.0:  # YaRN scales cos/sin in float32, before the cast (as HF)
