@@ -16,6 +16,7 @@ from coordinator.eplb import (
     rebalance_experts,
     rebalance_few_moves,
     rebalance_heterogeneous,
+    refine,
     replica_counts,
     server_times,
 )
@@ -336,3 +337,60 @@ def test_load_aware_random_property():
         )
         phys = choose_load_aware(ids, log2phy, logcnt, owner, servers)
         assert torch.equal(phy2log[phys], ids)
+
+
+def _pairs_on_one_server(owner: torch.Tensor, phy2log: torch.Tensor, servers: int, experts: int) -> int:
+    held = torch.zeros(owner.shape[0], servers, experts, dtype=torch.long)
+    held.index_put_(
+        (torch.arange(owner.shape[0])[:, None], owner, phy2log), torch.ones_like(owner), accumulate=True
+    )
+    return int((held - 1).clamp(min=0).sum())
+
+
+def test_refine_creates_no_duplicate_replicas():
+    weight = zipf(6, 32, seed=8)
+    capacity, speed = torch.tensor([6, 6, 40]), torch.tensor([5.0, 5.0, 1.0])
+    phy2log, _, logcnt = rebalance_heterogeneous(weight, capacity, speed, 44, refine_rounds=0)
+    assert int(logcnt.max()) <= 3  # at most one replica per server
+    share = (weight / logcnt).gather(1, phy2log)
+    owner = torch.tensor([0] * 6 + [1] * 6 + [2] * 32).expand(6, 44)  # a poor start: by slot id
+    out, changes = refine(share, owner, capacity, speed, group=phy2log)
+    assert int(changes.sum()) > 0
+    assert _pairs_on_one_server(out, phy2log, 3, 32) <= _pairs_on_one_server(owner, phy2log, 3, 32)
+    t0 = server_times(weight, phy2log, owner, speed).max(1).values
+    t1 = server_times(weight, phy2log, out, speed).max(1).values
+    assert bool((t1 <= t0 + 1e-9).all())
+
+
+# ------------------------------------------------------------ plans on real placements
+
+
+def test_plan_from_static_placement_then_skip():
+    from coordinator.eplb.plan import EplbConfig, placement_tensors, plan_rebalance
+    from expertmesh import placement as pl
+
+    layers = [1, 2, 3]
+    live = pl.static_split(layers, 8, [], ["cpu0", "cpu1"], 0)  # experts 0-3 | 4-7
+    load = torch.tensor([[100.0, 50, 10, 5, 1, 1, 1, 1]] * 3)
+    cfg = EplbConfig(redundant_slots=1, skip_threshold=0.05)
+    cap, speed = torch.tensor([8, 8]), torch.ones(2)
+    plan = plan_rebalance(load, live, layers, cap, speed, cfg, expert_bytes=1000)
+    assert not plan.skipped and plan.placement is not None
+    new = plan.placement
+    assert new.generation == live.generation + 1
+    for layer in layers:
+        lp = new.layers[layer]
+        assert len(lp.phy2log) == 10  # 8 experts + 1 redundant slot per server
+        assert lp.logcnt(8)[0] == 2  # the hottest expert is replicated, once per server
+        assert sorted(lp.server_experts(0) + lp.server_experts(1)) == sorted(lp.phy2log)
+    # static: 166 | 4 tokens; balanced: every layer within a few tokens of 85 | 85
+    assert plan.token_balance_before > 1.9 and plan.token_balance_after < 1.05
+    assert plan.weights_moved > 0 and plan.bytes_moved == 1000 * plan.weights_moved
+    tensors = placement_tensors(new, layers)
+    assert tensors is not None and tensors[0].shape == (3, 10)
+    # the same load again: nothing to gain, nothing moves
+    again = plan_rebalance(load, new, layers, cap, speed, cfg, expert_bytes=1000)
+    assert again.skipped and again.placement is None and again.weights_moved == 0
+    # a forced plan is still produced (Admin/Rebalance on a balanced cluster)
+    forced = plan_rebalance(load, new, layers, cap, speed, cfg, expert_bytes=1000, force=True)
+    assert not forced.skipped and forced.placement is not None

@@ -5,7 +5,8 @@ times faster per token than a CPU one, and servers hold different numbers of slo
 objective is the slowest server's time per layer: ``max_s load_s / speed_s``. Replication is
 the same divisor rule (the hottest experts get the extra slots); packing puts each physical
 expert, heaviest first, on the server where it finishes soonest among those with a free slot,
-then :func:`refine` moves or swaps experts off the slowest server.
+then :func:`refine` moves or swaps experts off the slowest server. An expert gets at most one
+replica per server.
 
 Tokens of a replicated expert are modelled as split evenly over its replicas (what ``static``
 round robin does; ``load_aware`` does at least as well).
@@ -55,9 +56,11 @@ def rebalance_heterogeneous(
     assert int(capacity.sum()) >= num_replicas, f"{num_replicas=} > total capacity {capacity.tolist()}"
     assert bool((speed > 0).all()), f"speeds must be positive: {speed.tolist()}"
     weight = weight.double().cpu()
-    phy2log, _, logcnt = replicate_experts(weight, num_replicas)
+    phy2log, _, logcnt = replicate_experts(weight, num_replicas, max_count=capacity.numel())
     share = (weight / logcnt).gather(1, phy2log)  # [L, P]
+    # NOTE: two replicas of one expert on one server are modelled exactly (that server serves
+    # both shares); the local search creates no new such pairs (a slot would be wasted)
     owner = greedy_pack(share, capacity, speed)
     if refine_rounds:
-        owner, _ = refine(share, owner, capacity, speed, max_rounds=refine_rounds)
+        owner, _ = refine(share, owner, capacity, speed, max_rounds=refine_rounds, group=phy2log)
     return phy2log, owner, logcnt

@@ -113,6 +113,7 @@ def rebalance_few_moves(
         speed,
         max_rounds=4 * refine_rounds,
         target=goal,
+        group=old_phy2log,
     )
     t_search = server_times(weight, old_phy2log, searched, speed).max(1).values
     use_search = ~keep & (t_search <= goal)

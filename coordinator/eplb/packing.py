@@ -115,6 +115,7 @@ def refine(
     max_rounds: int = 32,
     min_gain: float = 1e-9,  # relative: a change must cut the slowest pack's time by this much
     target: torch.Tensor | None = None,  # [B] a row stops once its slowest time is <= this
+    group: torch.Tensor | None = None,  # [B, N] no change may put two items of a group in a pack
 ) -> tuple[torch.Tensor, torch.Tensor]:  # pack [B, N], items re-placed per row [B]
     """Local search on the slowest pack ``a`` of each row: the best of moving one of its items
     to a pack with room, or swapping one with an item of the fastest-finishing pack ``z``,
@@ -134,6 +135,14 @@ def refine(
     np.add.at(load, (rows[:, None], pk), w)
     stop = None if target is None else _np(target)
     can_move = bool(((table >= 0).sum(axis=2) < cap).any())  # else every pack is full: swaps only
+    g_pad = np.zeros((b, n + 1), dtype=np.int64)
+    held: np.ndarray | None = None
+    if group is not None:  # held[b, m, g]: items of group g in pack m; free places -> group G
+        g = group.cpu().numpy()
+        num_g = int(g.max()) + 1
+        g_pad = np.concatenate([g, np.full((b, 1), num_g)], axis=1)
+        held = np.zeros((b, m, num_g + 1), dtype=np.int64)
+        np.add.at(held, (rows[:, None], pk, g), 1)
     for _ in range(max_rounds):
         t = load * inv  # [B, M]
         a, z = t.argmax(axis=1), t.argmin(axis=1)  # [B]
@@ -147,6 +156,11 @@ def refine(
         d = wa[:, :, None] - wz[:, None, :]
         swap = np.maximum((la - d) * inv_a, (lz + d) * inv_z)
         swap[~(va[:, :, None] & vz[:, None, :]) | (d <= 0)] = _INF
+        if held is not None:
+            gi, gj = np.take_along_axis(g_pad, ia, axis=1), np.take_along_axis(g_pad, iz, axis=1)
+            clash_z = held[rows[:, None], z[:, None], gi] > 0  # [B, Ca] z holds i's group
+            clash_a = held[rows[:, None], a[:, None], gj] > 0  # [B, Cz] a holds j's group
+            swap[(clash_z[:, :, None] | clash_a[:, None, :]) & (gi[:, :, None] != gj[:, None, :])] = _INF
         k_swap = swap.reshape(b, -1).argmin(axis=1)
         best = swap.reshape(b, -1)[rows, k_swap]
         use_move = np.zeros(b, dtype=bool)
@@ -156,6 +170,8 @@ def refine(
             )
             room = ((table >= 0).sum(axis=2) < cap) & (np.arange(m) != a[:, None])  # [B, M]
             move[~va[:, :, None] | ~room[:, None, :]] = _INF
+            if held is not None:
+                move[held[rows[:, None], :, gi] > 0] = _INF  # [B, Ca, M] q holds i's group
             k_move = move.reshape(b, -1).argmin(axis=1)
             best_move = move.reshape(b, -1)[rows, k_move]
             use_move = best_move < best
@@ -172,6 +188,12 @@ def refine(
         dw = w[r, i_item] - w[r, j_item]
         table[r, a[r], pi], table[r, z[r], pj] = j_item, i_item
         pk[r, i_item], pk[r, j_item] = z[r], a[r]
+        if held is not None:
+            gi_, gj_ = g_pad[r, i_item], g_pad[r, j_item]
+            held[r, a[r], gi_] -= 1
+            held[r, z[r], gi_] += 1
+            held[r, z[r], gj_] -= 1
+            held[r, a[r], gj_] += 1
         load[r, a[r]] -= dw
         load[r, z[r]] += dw
         changes[r] += 2
@@ -185,6 +207,9 @@ def refine(
             table[r, a[r], last] = -1
             table[r, q, (table[r, q] >= 0).sum(axis=1)] = i_item
             pk[r, i_item] = q
+            if held is not None:
+                held[r, a[r], g_pad[r, i_item]] -= 1
+                held[r, q, g_pad[r, i_item]] += 1
             load[r, a[r]] -= w[r, i_item]
             load[r, q] += w[r, i_item]
             changes[r] += 1

@@ -22,9 +22,12 @@ import numpy as np
 import torch
 
 
-def replica_counts(weight: torch.Tensor, num_phy: int) -> torch.Tensor:  # [B, E] int64 >= 1
+def replica_counts(
+    weight: torch.Tensor, num_phy: int, max_count: int | None = None
+) -> torch.Tensor:  # [B, E] int64 >= 1
     """Replicas per expert after granting ``num_phy - E`` redundant slots by highest load per
-    replica (``weight`` [B, E])."""
+    replica (``weight`` [B, E]); with ``max_count`` no expert gets more replicas than that
+    (e.g. the number of servers) while others can still take one."""
     b, e = weight.shape
     x = num_phy - e
     assert x >= 0, f"{num_phy=} < {e=} experts"
@@ -34,6 +37,8 @@ def replica_counts(weight: torch.Tensor, num_phy: int) -> torch.Tensor:  # [B, E
     total = w.sum(axis=1)
     share = float((w.max(axis=1) / np.maximum(total, 1e-300)).max()) if total.min() > 0 else 1.0
     depth = min(x, math.floor(share * (x + e)) + 1)
+    if max_count is not None and e * (max_count - 1) >= x:
+        depth = min(depth, max_count - 1)
     prio = (w[:, :, None] / np.arange(1, depth + 1)).reshape(b, -1)  # [B, E*depth], expert-major
     tau = -np.partition(-prio, x - 1, axis=1)[:, x - 1 : x]  # [B, 1] the X-th largest
     above = prio > tau
@@ -49,12 +54,13 @@ def replica_counts(weight: torch.Tensor, num_phy: int) -> torch.Tensor:  # [B, E
 def replicate_experts(
     weight: torch.Tensor,  # [B, E]
     num_phy: int,
+    max_count: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``phy2log [B, P]`` (expert of each physical slot: every expert once in id
     order, then the extra replicas, rank by rank), ``rank [B, P]`` (replica index of the slot)
     and ``logcnt [B, E]``."""
     b, e = weight.shape
-    cnt = replica_counts(weight, num_phy)
+    cnt = replica_counts(weight, num_phy, max_count)
     phy2log = torch.repeat_interleave(torch.arange(e).repeat(b), cnt.flatten()).view(b, num_phy)
     start = torch.cumsum(cnt, dim=1) - cnt  # [B, E] first slot of each run of equal ids
     rank = torch.arange(num_phy)[None, :] - start.gather(1, phy2log)  # [B, P]
