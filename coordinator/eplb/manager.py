@@ -1,0 +1,213 @@
+"""The EPLB manager: periodic and on-demand rebalancing, off the serving thread.
+
+After each forward step the serving thread calls :meth:`EplbManager.on_step` (a counter). Every
+``interval_steps`` steps it starts a rebalance on the manager's own thread:
+
+1. snapshot the load window (the recorder's one host sync) and plan (:func:`plan_rebalance`);
+   skip when the cluster is already balanced;
+2. PREPARE the new placement on the servers (they stage the weights beside the live set while
+   serving goes on);
+3. COMMIT and switch the coordinator's placement *between two steps* (``between_steps``), so no
+   step mixes generations;
+4. on any failure, ABORT everywhere: the old placement stays live.
+
+Every outcome (rebalanced, skipped, failed) is logged and counted; :meth:`status` reports the
+counters and the last outcomes for ``Admin``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from coordinator.eplb.plan import EplbConfig, RebalancePlan, plan_rebalance
+from coordinator.load_recorder import LoadRecorder
+from expertmesh import placement as pl
+
+log = logging.getLogger("expertmesh.eplb")
+
+
+class PlacementTarget(Protocol):
+    """What the manager pushes placements through (the coordinator's expert cluster)."""
+
+    # the failures prepare/commit/abort raise (typed by the cluster); anything else is a bug
+    errors: tuple[type[BaseException], ...]
+
+    def live_placement(self) -> pl.Placement: ...
+
+    def slot_capacity(self) -> torch.Tensor: ...  # [S] slots per layer each server accepts
+
+    def default_speed(self) -> torch.Tensor: ...  # [S] tokens per unit time before measurements
+
+    def prepare(self, placement: pl.Placement) -> None: ...  # raises after aborting on failure
+
+    def commit(self, placement: pl.Placement) -> None: ...  # between steps; raises on failure
+
+    def abort(self, placement: pl.Placement) -> None: ...
+
+
+class RebalanceError(RuntimeError):
+    pass
+
+
+@dataclass
+class Outcome:
+    kind: str  # "rebalanced" | "skipped" | "failed" | "dry-run"
+    at: float  # time.time()
+    trigger: str  # "periodic" | "admin"
+    plan: RebalancePlan | None
+    generation: int  # live generation afterwards
+    prepare_ms: float = 0.0
+    commit_ms: float = 0.0
+    error: str = ""
+
+    def line(self) -> str:
+        parts = [f"{self.kind} ({self.trigger}), live generation {self.generation}"]
+        if self.plan is not None:
+            parts.append(self.plan.summary())
+        if self.kind == "rebalanced":
+            parts.append(f"prepare {self.prepare_ms:.0f} ms, commit {self.commit_ms:.1f} ms")
+        if self.error:
+            parts.append(f"error: {self.error}")
+        return "; ".join(parts)
+
+
+@dataclass
+class Counters:
+    rebalanced: int = 0
+    skipped: int = 0
+    failed: int = 0
+    dry_runs: int = 0
+    history: deque[Outcome] = field(default_factory=lambda: deque(maxlen=16))
+
+
+class EplbManager:
+    def __init__(
+        self,
+        cfg: EplbConfig,
+        recorder: LoadRecorder,
+        target: PlacementTarget,
+        expert_bytes: int,
+        between_steps: Callable[[Callable[[], object]], Future],
+        commit_timeout_s: float = 60.0,
+    ) -> None:
+        self.cfg, self.recorder, self.target = cfg, recorder, target
+        self.expert_bytes, self.between_steps = expert_bytes, between_steps
+        self.commit_timeout_s = commit_timeout_s
+        self.counters = Counters()
+        self._steps = 0
+        self._busy = threading.Lock()  # one rebalance at a time
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ triggers
+
+    def on_step(self) -> None:
+        """Serving thread, after each forward step: starts a periodic rebalance when due."""
+        self._steps += 1
+        n = self.cfg.interval_steps
+        if not n or self._steps % n:
+            return
+        if not self._busy.acquire(blocking=False):
+            return  # the previous one is still running; the next interval tries again
+        self._thread = threading.Thread(target=self._periodic, name="eplb-rebalance", daemon=True)
+        self._thread.start()
+
+    def _periodic(self) -> None:
+        try:
+            self._run("periodic", dry_run=False, force=False)
+        finally:
+            self._busy.release()
+
+    def rebalance(self, dry_run: bool = False, timeout_s: float = 120.0) -> Outcome:
+        """One rebalance now (Admin); waits for a running one to finish first. A dry run only
+        plans. An explicit request is never skipped for being balanced already."""
+        if not self._busy.acquire(timeout=timeout_s):
+            raise RebalanceError(f"another rebalance is still running after {timeout_s:g}s")
+        try:
+            return self._run("admin", dry_run=dry_run, force=True)
+        finally:
+            self._busy.release()
+
+    def wait_idle(self, timeout_s: float = 120.0) -> None:
+        t = self._thread
+        if t is not None:
+            t.join(timeout_s)
+
+    # ------------------------------------------------------------ one rebalance
+
+    def plan(self, force: bool) -> RebalancePlan:
+        snap = self.recorder.snapshot()
+        live = self.target.live_placement()
+        speed = snap.server_speed()
+        if speed is None:
+            speed = self.target.default_speed()
+        return plan_rebalance(
+            snap.window.double(),
+            live,
+            list(snap.moe_layers),
+            self.target.slot_capacity(),
+            speed,
+            self.cfg,
+            self.expert_bytes,
+            force=force,
+        )
+
+    def _run(self, trigger: str, dry_run: bool, force: bool) -> Outcome:
+        live_gen = self.target.live_placement().generation
+        try:
+            plan = self.plan(force)
+        except (ValueError, RuntimeError) as e:
+            return self._record(Outcome("failed", time.time(), trigger, None, live_gen, error=f"plan: {e}"))
+        if dry_run:
+            return self._record(Outcome("dry-run", time.time(), trigger, plan, live_gen))
+        if plan.skipped or plan.placement is None:
+            return self._record(Outcome("skipped", time.time(), trigger, plan, live_gen))
+        new = plan.placement
+        t0 = time.perf_counter()
+        try:
+            self.target.prepare(new)
+        except (*self.target.errors, TimeoutError) as e:
+            self._abort(new)
+            return self._record(
+                Outcome("failed", time.time(), trigger, plan, live_gen, error=f"prepare: {e}")
+            )
+        prepare_ms = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        try:
+            self.between_steps(lambda: self.target.commit(new)).result(self.commit_timeout_s)
+        except (*self.target.errors, TimeoutError) as e:
+            self._abort(new)
+            gen = self.target.live_placement().generation
+            return self._record(Outcome("failed", time.time(), trigger, plan, gen, error=f"commit: {e}"))
+        commit_ms = (time.perf_counter() - t1) * 1e3
+        return self._record(
+            Outcome("rebalanced", time.time(), trigger, plan, new.generation, prepare_ms, commit_ms)
+        )
+
+    def _abort(self, new: pl.Placement) -> None:
+        try:
+            self.target.abort(new)
+        except self.target.errors as e:  # best effort: a server drops a stale stage on the next prepare
+            log.warning("EPLB: abort of generation %d failed: %s", new.generation, e)
+
+    def _record(self, out: Outcome) -> Outcome:
+        c = self.counters
+        if out.kind == "rebalanced":
+            c.rebalanced += 1
+        elif out.kind == "skipped":
+            c.skipped += 1
+        elif out.kind == "failed":
+            c.failed += 1
+        else:
+            c.dry_runs += 1
+        c.history.append(out)
+        (log.warning if out.kind == "failed" else log.info)("EPLB %s", out.line())
+        return out
