@@ -171,10 +171,11 @@ class EplbManager:
         if plan.skipped or plan.placement is None:
             return self._record(Outcome("skipped", time.time(), trigger, plan, live_gen))
         new = plan.placement
+        errors = (*self.target.errors, TimeoutError)
         t0 = time.perf_counter()
         try:
             self.target.prepare(new)
-        except (*self.target.errors, TimeoutError) as e:
+        except errors as e:
             self._abort(new)
             return self._record(
                 Outcome("failed", time.time(), trigger, plan, live_gen, error=f"prepare: {e}")
@@ -183,7 +184,7 @@ class EplbManager:
         t1 = time.perf_counter()
         try:
             self.between_steps(lambda: self.target.commit(new)).result(self.commit_timeout_s)
-        except (*self.target.errors, TimeoutError) as e:
+        except errors as e:
             self._abort(new)
             gen = self.target.live_placement().generation
             return self._record(Outcome("failed", time.time(), trigger, plan, gen, error=f"commit: {e}"))
