@@ -39,7 +39,7 @@ class PlacementTarget(Protocol):
     """What the manager pushes placements through (the coordinator's expert cluster)."""
 
     # the failures prepare/commit/abort raise (typed by the cluster); anything else is a bug
-    errors: tuple[type[BaseException], ...]
+    errors: tuple[type[Exception], ...]
 
     def live_placement(self) -> pl.Placement: ...
 
@@ -171,7 +171,7 @@ class EplbManager:
         if plan.skipped or plan.placement is None:
             return self._record(Outcome("skipped", time.time(), trigger, plan, live_gen))
         new = plan.placement
-        errors = (*self.target.errors, TimeoutError)
+        errors: tuple[type[Exception], ...] = (*self.target.errors, TimeoutError)
         t0 = time.perf_counter()
         try:
             self.target.prepare(new)
