@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cpu-server": ("cpu_expert_server.main", "run a CPU expert server"),
     "generate": ("expertmesh.client_cli", "send one generation request to a coordinator"),
     "health": ("expertmesh.health", "exit 0 iff a server's grpc.health.v1 status is SERVING"),
+    "load": ("expertmesh.load_cli", "a coordinator's expert load: hot experts and per-server balance"),
+    "placement": ("expertmesh.placement_cli", "show / set the expert placement, or run EPLB now"),
 }
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65xpertmesh/v1/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12ListServersRequest\"\xaa\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rslot_capacity\x18\x06 \x01(\x05\x12\x12\n\nslots_used\x18\x07 \x01(\x05\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\"A\n\x13ListServersResponse\x12*\n\x07servers\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.ServerInfo\"\x15\n\x13GetPlacementRequest\"S\n\x0eLayerPlacement\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07phy2log\x18\x02 \x03(\x05\x12\r\n\x05owner\x18\x03 \x03(\x05\x12\x12\n\nlocal_slot\x18\x04 \x03(\x05\"c\n\rPlacementInfo\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07servers\x18\x02 \x03(\t\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.expertmesh.v1.LayerPlacement\"\x16\n\x14GetExpertLoadRequest\"*\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\"6\n\nExpertLoad\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.expertmesh.v1.LayerLoad2\x80\x02\n\x05\x41\x64min\x12T\n\x0bListServers\x12!.expertmesh.v1.ListServersRequest\x1a\".expertmesh.v1.ListServersResponse\x12P\n\x0cGetPlacement\x12\".expertmesh.v1.GetPlacementRequest\x1a\x1c.expertmesh.v1.PlacementInfo\x12O\n\rGetExpertLoad\x12#.expertmesh.v1.GetExpertLoadRequest\x1a\x19.expertmesh.v1.ExpertLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65xpertmesh/v1/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12ListServersRequest\"\xaa\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rslot_capacity\x18\x06 \x01(\x05\x12\x12\n\nslots_used\x18\x07 \x01(\x05\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\"A\n\x13ListServersResponse\x12*\n\x07servers\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.ServerInfo\"\x15\n\x13GetPlacementRequest\"S\n\x0eLayerPlacement\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07phy2log\x18\x02 \x03(\x05\x12\r\n\x05owner\x18\x03 \x03(\x05\x12\x12\n\nlocal_slot\x18\x04 \x03(\x05\"c\n\rPlacementInfo\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07servers\x18\x02 \x03(\t\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.expertmesh.v1.LayerPlacement\"\x16\n\x14GetExpertLoadRequest\"A\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12\x15\n\rwindow_tokens\x18\x64 \x03(\x03\"\x87\x01\n\nExpertLoad\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.expertmesh.v1.LayerLoad\x12\x14\n\x0cwindow_steps\x18\x64 \x01(\x05\x12\r\n\x05steps\x18\x65 \x01(\x04\x12*\n\x07servers\x18\x66 \x03(\x0b\x32\x19.expertmesh.v1.ServerLoad\"^\n\nServerLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rwindow_tokens\x18\x02 \x03(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\x01\"#\n\x10RebalanceRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"\xa3\x03\n\x10RebalanceOutcome\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x0f\n\x07trigger\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x1c\n\x14token_balance_before\x18\x06 \x01(\x01\x12\x1b\n\x13token_balance_after\x18\x07 \x01(\x01\x12\x13\n\x0btime_before\x18\x08 \x01(\x01\x12\x12\n\ntime_after\x18\t \x01(\x01\x12\x15\n\rweights_moved\x18\n \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x0b \x01(\x03\x12\x12\n\ncompute_ms\x18\x0c \x01(\x01\x12\x12\n\nprepare_ms\x18\r \x01(\x01\x12\x11\n\tcommit_ms\x18\x0e \x01(\x01\x12\x13\n\x0blayers_kept\x18\x0f \x01(\x05\x12\x17\n\x0flayers_searched\x18\x10 \x01(\x05\x12\x16\n\x0elayers_scratch\x18\x11 \x01(\x05\x12\x16\n\x0eplacement_json\x18\x12 \x01(\t\x12\x11\n\tunix_time\x18\x13 \x01(\x01\"E\n\x11RebalanceResponse\x12\x30\n\x07outcome\x18\x01 \x01(\x0b\x32\x1f.expertmesh.v1.RebalanceOutcome\"-\n\x13SetPlacementRequest\x12\x16\n\x0eplacement_json\x18\x01 \x01(\t\"A\n\x14SetPlacementResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x15\n\rweights_moved\x18\x02 \x01(\x03\"\x16\n\x14GetEplbStatusRequest\"\xe4\x01\n\nEplbStatus\x12\x16\n\x0einterval_steps\x18\x01 \x01(\x05\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x17\n\x0fredundant_slots\x18\x03 \x01(\x05\x12\x16\n\x0ereplica_policy\x18\x04 \x01(\t\x12\x12\n\nrebalanced\x18\x05 \x01(\x04\x12\x0f\n\x07skipped\x18\x06 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x04\x12\x10\n\x08\x64ry_runs\x18\x08 \x01(\x04\x12\x30\n\x07history\x18\t \x03(\x0b\x32\x1f.expertmesh.v1.RebalanceOutcome2\xfa\x03\n\x05\x41\x64min\x12T\n\x0bListServers\x12!.expertmesh.v1.ListServersRequest\x1a\".expertmesh.v1.ListServersResponse\x12P\n\x0cGetPlacement\x12\".expertmesh.v1.GetPlacementRequest\x1a\x1c.expertmesh.v1.PlacementInfo\x12O\n\rGetExpertLoad\x12#.expertmesh.v1.GetExpertLoadRequest\x1a\x19.expertmesh.v1.ExpertLoad\x12N\n\tRebalance\x12\x1f.expertmesh.v1.RebalanceRequest\x1a .expertmesh.v1.RebalanceResponse\x12W\n\x0cSetPlacement\x12\".expertmesh.v1.SetPlacementRequest\x1a#.expertmesh.v1.SetPlacementResponse\x12O\n\rGetEplbStatus\x12#.expertmesh.v1.GetEplbStatusRequest\x1a\x19.expertmesh.v1.EplbStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,9 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETEXPERTLOADREQUEST']._serialized_start=515
   _globals['_GETEXPERTLOADREQUEST']._serialized_end=537
   _globals['_LAYERLOAD']._serialized_start=539
-  _globals['_LAYERLOAD']._serialized_end=581
-  _globals['_EXPERTLOAD']._serialized_start=583
-  _globals['_EXPERTLOAD']._serialized_end=637
-  _globals['_ADMIN']._serialized_start=640
-  _globals['_ADMIN']._serialized_end=896
+  _globals['_LAYERLOAD']._serialized_end=604
+  _globals['_EXPERTLOAD']._serialized_start=607
+  _globals['_EXPERTLOAD']._serialized_end=742
+  _globals['_SERVERLOAD']._serialized_start=744
+  _globals['_SERVERLOAD']._serialized_end=838
+  _globals['_REBALANCEREQUEST']._serialized_start=840
+  _globals['_REBALANCEREQUEST']._serialized_end=875
+  _globals['_REBALANCEOUTCOME']._serialized_start=878
+  _globals['_REBALANCEOUTCOME']._serialized_end=1297
+  _globals['_REBALANCERESPONSE']._serialized_start=1299
+  _globals['_REBALANCERESPONSE']._serialized_end=1368
+  _globals['_SETPLACEMENTREQUEST']._serialized_start=1370
+  _globals['_SETPLACEMENTREQUEST']._serialized_end=1415
+  _globals['_SETPLACEMENTRESPONSE']._serialized_start=1417
+  _globals['_SETPLACEMENTRESPONSE']._serialized_end=1482
+  _globals['_GETEPLBSTATUSREQUEST']._serialized_start=1484
+  _globals['_GETEPLBSTATUSREQUEST']._serialized_end=1506
+  _globals['_EPLBSTATUS']._serialized_start=1509
+  _globals['_EPLBSTATUS']._serialized_end=1737
+  _globals['_ADMIN']._serialized_start=1740
+  _globals['_ADMIN']._serialized_end=2246
 # @@protoc_insertion_point(module_scope)
