@@ -35,17 +35,18 @@ class FakeTarget:
     def default_speed(self) -> torch.Tensor:
         return torch.ones(2)
 
-    def prepare(self, placement: pl.Placement) -> None:
+    def push(self, placement: pl.Placement, between_steps) -> list[str]:
         self.calls.append(("prepare", placement.generation))
         if self.fail_prepare:
+            self.calls.append(("abort", placement.generation))
             raise PushFailed("cpu1: connection refused")
 
-    def commit(self, placement: pl.Placement) -> None:
-        self.calls.append(("commit", placement.generation))
-        self.live = placement
+        def commit() -> None:
+            self.calls.append(("commit", placement.generation))
+            self.live = placement
 
-    def abort(self, placement: pl.Placement) -> None:
-        self.calls.append(("abort", placement.generation))
+        between_steps(commit).result()
+        return []
 
 
 def now(fn) -> Future:
@@ -104,3 +105,18 @@ def test_dry_run_plans_without_pushing():
     out = m.rebalance(dry_run=True)
     assert out.kind == "dry-run" and out.plan is not None and out.plan.placement is not None
     assert target.calls == [] and m.counters.dry_runs == 1
+
+
+def test_set_placement_pushes_the_next_generation():
+    target = FakeTarget()
+    m, _ = manager(target, interval=0)
+    wanted = pl.from_server_lists(
+        7,
+        ("cpu0", "cpu1"),
+        EXPERTS,
+        {layer: {"cpu0": [0, 2, 4, 6], "cpu1": [1, 3, 5, 7, 0]} for layer in LAYERS},
+    )
+    out = m.set_placement(wanted)
+    assert out.kind == "placement-set" and m.counters.placements_set == 1
+    assert target.live.generation == 2  # numbered after the live one, not the file's
+    assert target.live.layers[0].server_experts(1) == [1, 3, 5, 7, 0]

@@ -5,11 +5,10 @@ After each forward step the serving thread calls :meth:`EplbManager.on_step` (a 
 
 1. snapshot the load window (the recorder's one host sync) and plan (:func:`plan_rebalance`);
    skip when the cluster is already balanced;
-2. PREPARE the new placement on the servers (they stage the weights beside the live set while
-   serving goes on);
-3. COMMIT and switch the coordinator's placement *between two steps* (``between_steps``), so no
-   step mixes generations;
-4. on any failure, ABORT everywhere: the old placement stays live.
+2. push it (the target's two-phase broadcast): PREPARE on every server (they stage the weights
+   beside the live set while serving goes on); on any failure ABORT everywhere and the old
+   placement stays live; else COMMIT and switch the coordinator's placement *between two
+   steps* (``between_steps``), so no step mixes generations.
 
 Every outcome (rebalanced, skipped, failed) is logged and counted; :meth:`status` reports the
 counters and the last outcomes for ``Admin``.
@@ -47,11 +46,13 @@ class PlacementTarget(Protocol):
 
     def default_speed(self) -> torch.Tensor: ...  # [S] tokens per unit time before measurements
 
-    def prepare(self, placement: pl.Placement) -> None: ...  # raises after aborting on failure
-
-    def commit(self, placement: pl.Placement) -> None: ...  # between steps; raises on failure
-
-    def abort(self, placement: pl.Placement) -> None: ...
+    def push(
+        self, placement: pl.Placement, between_steps: Callable[[Callable[[], object]], Future]
+    ) -> list[str]:
+        """Prepare on all servers (raise, after aborting, on any failure), then commit and
+        switch through ``between_steps``; returns the servers whose commit failed (they get
+        the new placement when they reconnect)."""
+        ...
 
 
 class RebalanceError(RuntimeError):
@@ -60,9 +61,9 @@ class RebalanceError(RuntimeError):
 
 @dataclass
 class Outcome:
-    kind: str  # "rebalanced" | "skipped" | "failed" | "dry-run"
+    kind: str  # "rebalanced" | "skipped" | "failed" | "dry-run" | "placement-set"
     at: float  # time.time()
-    trigger: str  # "periodic" | "admin"
+    trigger: str  # "periodic" | "admin" | "set-placement"
     plan: RebalancePlan | None
     generation: int  # live generation afterwards
     prepare_ms: float = 0.0
@@ -73,7 +74,7 @@ class Outcome:
         parts = [f"{self.kind} ({self.trigger}), live generation {self.generation}"]
         if self.plan is not None:
             parts.append(self.plan.summary())
-        if self.kind == "rebalanced":
+        if self.kind in ("rebalanced", "placement-set"):
             parts.append(f"prepare {self.prepare_ms:.0f} ms, commit {self.commit_ms:.1f} ms")
         if self.error:
             parts.append(f"error: {self.error}")
@@ -86,6 +87,7 @@ class Counters:
     skipped: int = 0
     failed: int = 0
     dry_runs: int = 0
+    placements_set: int = 0
     history: deque[Outcome] = field(default_factory=lambda: deque(maxlen=16))
 
 
@@ -170,34 +172,50 @@ class EplbManager:
             return self._record(Outcome("dry-run", time.time(), trigger, plan, live_gen))
         if plan.skipped or plan.placement is None:
             return self._record(Outcome("skipped", time.time(), trigger, plan, live_gen))
-        new = plan.placement
+        return self._push(plan.placement, trigger, plan)
+
+    def set_placement(self, new: pl.Placement, timeout_s: float = 120.0) -> Outcome:
+        """Pushes an operator's placement (Admin/SetPlacement) as the next generation."""
+        if not self._busy.acquire(timeout=timeout_s):
+            raise RebalanceError(f"a rebalance is still running after {timeout_s:g}s")
+        try:
+            live = self.target.live_placement()
+            return self._push(new.with_generation(live.generation + 1), "set-placement", None)
+        finally:
+            self._busy.release()
+
+    def _push(self, new: pl.Placement, trigger: str, plan: RebalancePlan | None) -> Outcome:
         errors: tuple[type[Exception], ...] = (*self.target.errors, TimeoutError)
         t0 = time.perf_counter()
-        try:
-            self.target.prepare(new)
-        except errors as e:
-            self._abort(new)
-            return self._record(
-                Outcome("failed", time.time(), trigger, plan, live_gen, error=f"prepare: {e}")
-            )
-        prepare_ms = (time.perf_counter() - t0) * 1e3
-        t1 = time.perf_counter()
-        try:
-            self.between_steps(lambda: self.target.commit(new)).result(self.commit_timeout_s)
-        except errors as e:
-            self._abort(new)
-            gen = self.target.live_placement().generation
-            return self._record(Outcome("failed", time.time(), trigger, plan, gen, error=f"commit: {e}"))
-        commit_ms = (time.perf_counter() - t1) * 1e3
-        return self._record(
-            Outcome("rebalanced", time.time(), trigger, plan, new.generation, prepare_ms, commit_ms)
-        )
+        marks: dict[str, float] = {}
 
-    def _abort(self, new: pl.Placement) -> None:
+        def timed_between_steps(fn: Callable[[], object]) -> Future:
+            marks["prepared"] = time.perf_counter()
+
+            def switch() -> object:
+                t = time.perf_counter()
+                try:
+                    return fn()
+                finally:
+                    marks["commit_ms"] = (time.perf_counter() - t) * 1e3
+
+            return self.between_steps(switch)
+
         try:
-            self.target.abort(new)
-        except self.target.errors as e:  # best effort: a server drops a stale stage on the next prepare
-            log.warning("EPLB: abort of generation %d failed: %s", new.generation, e)
+            late = self.target.push(new, timed_between_steps)
+        except errors as e:
+            gen = self.target.live_placement().generation
+            stage = "commit" if "prepared" in marks else "prepare"
+            return self._record(Outcome("failed", time.time(), trigger, plan, gen, error=f"{stage}: {e}"))
+        prepare_ms = (marks.get("prepared", time.perf_counter()) - t0) * 1e3
+        out = Outcome(
+            "rebalanced", time.time(), trigger, plan, new.generation, prepare_ms, marks.get("commit_ms", 0.0)
+        )
+        if late:
+            out.error = (
+                f"commit failed on {', '.join(late)}; they get generation {new.generation} on reconnect"
+            )
+        return self._record(out)
 
     def _record(self, out: Outcome) -> Outcome:
         c = self.counters
@@ -207,6 +225,8 @@ class EplbManager:
             c.skipped += 1
         elif out.kind == "failed":
             c.failed += 1
+        elif out.kind == "placement-set":
+            c.placements_set += 1
         else:
             c.dry_runs += 1
         c.history.append(out)
