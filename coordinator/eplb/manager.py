@@ -208,8 +208,9 @@ class EplbManager:
             stage = "commit" if "prepared" in marks else "prepare"
             return self._record(Outcome("failed", time.time(), trigger, plan, gen, error=f"{stage}: {e}"))
         prepare_ms = (marks.get("prepared", time.perf_counter()) - t0) * 1e3
+        kind = "rebalanced" if plan is not None else "placement-set"
         out = Outcome(
-            "rebalanced", time.time(), trigger, plan, new.generation, prepare_ms, marks.get("commit_ms", 0.0)
+            kind, time.time(), trigger, plan, new.generation, prepare_ms, marks.get("commit_ms", 0.0)
         )
         if late:
             out.error = (
