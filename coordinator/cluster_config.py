@@ -33,7 +33,7 @@ class ClusterConfig:
     shm_spin_us: float = 300.0  # poll for a fast-path answer this long before sleeping
 
     def __post_init__(self) -> None:
-        assert self.replica_policy in ("static", "round_robin"), f"{self.replica_policy=}"
+        assert self.replica_policy in ("static", "round_robin", "load_aware"), f"{self.replica_policy=}"
         assert self.transport in negotiate.CHOICES, f"{self.transport=}"
         assert self.shm_ring_bytes >= 4096, f"{self.shm_ring_mb=}"
         assert self.timeout_s > 0, f"{self.timeout_s=}"
@@ -63,7 +63,12 @@ class ClusterConfig:
         g.add_argument(
             "--placement", default=None, metavar="FILE", help="JSON placement (see expertmesh/placement.py)"
         )
-        g.add_argument("--replica-policy", default="static", choices=["static", "round_robin"])
+        g.add_argument(
+            "--replica-policy",
+            default="static",
+            choices=["static", "round_robin", "load_aware"],
+            help="which replica of an expert gets a token: the first, in turn, or the least loaded server's",
+        )
         g.add_argument(
             "--gpu-prefill-token-threshold",
             type=int,

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.replica import choose_load_aware
+
 
 class PlacementError(ValueError):
     pass
@@ -204,6 +206,8 @@ def choose_replicas(
 
     ``static``: always the first replica. ``round_robin``: replicas in turn, (token, k) pairs
     numbered from ``offset`` (callers advance it per step so load spreads over steps too).
+    ``load_aware``: each token to the least loaded of its expert's replicas' servers in this
+    step (expertmesh/replica.py).
     """
     if policy == "static":
         return tables.log2phy[topk_ids, 0]
@@ -212,7 +216,10 @@ def choose_replicas(
         counter = offset + torch.arange(t * k, dtype=torch.long).view(t, k)
         r = counter % tables.logcnt[topk_ids]
         return tables.log2phy[topk_ids, r]
-    raise PlacementError(f"unknown replica policy {policy!r}; expected static or round_robin")
+    if policy == "load_aware":
+        num_servers = int(tables.owner.max()) + 1
+        return choose_load_aware(topk_ids, tables.log2phy, tables.logcnt, tables.owner, num_servers)
+    raise PlacementError(f"unknown replica policy {policy!r}; expected static, round_robin or load_aware")
 
 
 @dataclass(frozen=True)
