@@ -21,7 +21,10 @@ Shapes: T tokens, K top-k, E logical experts, R max replicas, P physical slots, 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+_ABSENT = 1e30  # base time of a replica slot an expert does not have
 
 
 def choose_load_aware(
@@ -32,44 +35,52 @@ def choose_load_aware(
     num_servers: int,
     speed: torch.Tensor | None = None,  # [S] tokens per unit time; None = equal
 ) -> torch.Tensor:  # [T, K] physical slot ids
-    e, r = log2phy.shape
-    ids = topk_ids.flatten()  # [T*K]
-    n = torch.zeros(e, dtype=torch.float64).index_add_(0, ids, torch.ones(ids.numel(), dtype=torch.float64))
-    v_srv = torch.ones(num_servers, dtype=torch.float64) if speed is None else speed.double()
-    single = logcnt == 1  # [E]
-    first_owner = owner[log2phy[:, 0]]  # [E]
-    valid = log2phy >= 0  # [E, R]
-    srv = owner[log2phy.clamp(min=0)]  # [E, R]
-    even = torch.where(valid & ~single[:, None], (n / logcnt)[:, None], 0.0)  # [E, R]
-    base = torch.zeros(num_servers, dtype=torch.float64).index_add_(0, first_owner, n * single)
-    base.index_add_(0, srv.flatten(), even.flatten())
-    # each expert sees the base without its own even split: [E, R] time units
-    own = torch.zeros(e, num_servers, dtype=torch.float64).scatter_add_(1, srv, even)  # [E, S]
-    b = torch.where(valid, (base[srv] - own.gather(1, srv)) / v_srv[srv], torch.inf)  # [E, R]
-    v = torch.where(valid, v_srv[srv], 0.0)
-    # water level: sort replicas by base time; level_j using the j cheapest replicas
-    b_sorted, order = b.sort(dim=1)
-    v_sorted = v.gather(1, order)
-    bv = torch.where(torch.isfinite(b_sorted), b_sorted * v_sorted, 0.0)
-    level = (n[:, None] + bv.cumsum(1)) / v_sorted.cumsum(1).clamp(min=1e-300)  # [E, R]
-    # the level is right for the largest j whose own base is below it
-    usable = (b_sorted < level) & torch.isfinite(b_sorted)
-    j = (usable.cumsum(1) * usable).argmax(dim=1, keepdim=True)  # [E, 1] last usable
-    lam = level.gather(1, j)  # [E, 1]
-    x = torch.where(valid, ((lam - b) * v).clamp(min=0.0), 0.0)  # [E, R] replica order
-    rep_n = torch.where(valid & ~single[:, None], n[:, None], 0.0)  # [E, R]
-    shared = torch.zeros(num_servers, dtype=torch.float64).index_add_(0, srv.flatten(), rep_n.flatten())
-    alpha = n / torch.where(valid, shared[srv], 0.0).amax(1).clamp(min=1.0)  # [E]
-    even_all = torch.where(valid, (n / logcnt)[:, None], 0.0)
-    x = even_all + alpha[:, None] * (x - even_all)
-    bound = torch.round(x.cumsum(1))  # [E, R] cumulative integer quotas
-    bound[:, -1] = n  # rounding never loses a token
-    bound = torch.minimum(bound, n[:, None])
+    """See the module docstring. CPU tensors (the dispatcher routes on the host); the math runs
+    in numpy, whose per-call cost on these tiny arrays is a fraction of torch's."""
+    l2p, cnt, own_of = log2phy.numpy(), logcnt.numpy(), owner.numpy()
+    ids = topk_ids.reshape(-1).numpy()  # [T*K]
+    if cnt.max() <= 1:  # no replicas: nothing to choose
+        return torch.from_numpy(l2p[ids, 0]).view_as(topk_ids)
+    e = l2p.shape[0]
+    n_all = np.bincount(ids, minlength=e).astype(np.float64)  # [E]
+    v_srv = np.ones(num_servers) if speed is None else speed.double().numpy()
+    single = cnt == 1
+    base = np.bincount(own_of[l2p[:, 0]], weights=n_all * single, minlength=num_servers)  # [S]
+    # from here on only the replicated experts: rows [X] of the [E, R] tables
+    rep = np.flatnonzero(~single)
+    n, c, slots = n_all[rep], cnt[rep], l2p[rep]  # [X], [X], [X, R]
+    valid = slots >= 0
+    srv = own_of[np.where(valid, slots, 0)]  # [X, R]
+    even = np.where(valid, (n / c)[:, None], 0.0)  # [X, R]
+    base = base + np.bincount(srv.ravel(), weights=even.ravel(), minlength=num_servers)
+    # each expert sees the base without its own even split (replicas sharing a server count twice)
+    same = (srv[:, :, None] == srv[:, None, :]) & valid[:, None, :]  # [X, R, R]
+    own = same.sum(axis=2) * even  # [X, R]
+    # NOTE: a missing replica gets a huge finite base time: it sorts last, is never filled
+    b = np.where(valid, (base[srv] - own) / v_srv[srv], _ABSENT)
+    v = np.where(valid, v_srv[srv], 0.0)
+    # water level: replicas by base time; level_j uses the j cheapest ones
+    order = np.argsort(b, axis=1, kind="stable")
+    b_sorted, v_sorted = np.take_along_axis(b, order, axis=1), np.take_along_axis(v, order, axis=1)
+    level = (n[:, None] + np.cumsum(b_sorted * v_sorted, axis=1)) / np.maximum(
+        np.cumsum(v_sorted, axis=1), 1e-300
+    )
+    usable = b_sorted < level  # [X, R]; the level is right for the last usable j
+    j = (np.cumsum(usable, axis=1) * usable).argmax(axis=1)[:, None]
+    lam = np.take_along_axis(level, j, axis=1)  # [X, 1]
+    x = np.where(valid, np.maximum((lam - b) * v, 0.0), 0.0)  # [X, R] replica order
+    shared = np.bincount(srv.ravel(), weights=np.where(valid, n[:, None], 0.0).ravel(), minlength=num_servers)
+    alpha = n / np.maximum(np.where(valid, shared[srv], 0.0).max(axis=1), 1.0)  # [X]
+    x = even + alpha[:, None] * (x - even)
+    bound = np.full((e, l2p.shape[1]), np.inf)  # [E, R] cumulative integer quotas
+    bound[:, 0] = n_all  # single-replica experts: everything to replica 0
+    q = np.minimum(np.round(np.cumsum(x, axis=1)), n[:, None])
+    q[:, -1] = n  # rounding never loses a token
+    bound[rep] = q
     # rank of each (token, k) among the tokens of its expert, in token order
-    sorted_ids, perm = ids.sort(stable=True)
-    start = torch.cumsum(n, 0) - n  # [E]
-    rank = torch.empty_like(ids)
-    rank[perm] = torch.arange(ids.numel()) - start.long()[sorted_ids]
-    pick = (bound[ids] <= rank[:, None].double()).sum(1)  # [T*K] replica index
-    pick = torch.minimum(pick, logcnt[ids] - 1)
-    return log2phy[ids, pick].view_as(topk_ids)
+    perm = np.argsort(ids, kind="stable")
+    start = (np.cumsum(n_all) - n_all).astype(np.int64)  # [E]
+    rank = np.empty_like(ids)
+    rank[perm] = np.arange(ids.size) - start[ids[perm]]
+    pick = np.minimum((bound[ids] <= rank[:, None]).sum(axis=1), cnt[ids] - 1)  # [T*K]
+    return torch.from_numpy(l2p[ids, pick]).view_as(topk_ids)
