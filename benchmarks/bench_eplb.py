@@ -1,6 +1,8 @@
-"""EPLB solve time and balance: our vectorised policies against the re-stated DeepSeek greedy.
+"""EPLB solve time and balance: our vectorised policies against the re-stated DeepSeek greedy;
+and end to end on the demo model with two CPU expert servers.
 
     python benchmarks/bench_eplb.py algo [--layers 58] [--experts 256] [--reps 7]
+    python benchmarks/bench_eplb.py e2e [--rounds 3] [--interval 8]
 
 Per configuration (Zipf 0.8 loads, expert ranks shuffled per layer): solve time of ours
 (min and median over reps, one torch/numpy thread) and of the reference re-statement from
@@ -137,14 +139,128 @@ def algo(args: argparse.Namespace) -> None:
             )
 
 
+def e2e(args: argparse.Namespace) -> None:
+    """Demo model, two CPU expert servers (static split: experts 0-7 | 8-15), greedy requests in
+    concurrent rounds. Run A: no rebalancing. Run B: EPLB every ``interval`` steps with 2
+    redundant slots per server. Reports per-server token max/mean per layer over the load
+    window, median step time, and the worst step that overlapped a rebalance."""
+    import asyncio
+    import tempfile
+
+    import grpc
+
+    from coordinator.cluster_config import ClusterConfig, ServerSpec
+    from coordinator.eplb.plan import EplbConfig
+    from coordinator.server import CoordinatorConfig
+    from expertmesh.client import AsyncClient
+    from expertmesh.demo import write_demo_model
+    from expertmesh.v1 import admin_pb2, admin_pb2_grpc
+    from tests.cluster_utils import start_server
+    from tests.serving_utils import ServerThread
+    from tests.test_serving_cluster import wait_health
+
+    torch.set_num_threads(1)
+    prompts = [f"the {w} of the" for w in ("cat", "dog", "model", "expert", "server", "king", "sea", "word")]
+    prompts = prompts * 2
+
+    async def load(addr: str) -> None:
+        async with AsyncClient(addr) as c:
+            for _ in range(args.rounds):
+                await asyncio.gather(*(c.generate(p, max_new_tokens=32, ignore_eos=True) for p in prompts))
+
+    def run(path, procs, eplb: EplbConfig) -> dict:
+        specs = tuple(ServerSpec(f"cpu{i}", p.address, "cpu") for i, p in enumerate(procs))
+        cfg = CoordinatorConfig(
+            model_dir=str(path),
+            port=0,
+            max_batch_tokens=64,
+            max_running=16,
+            cluster=ClusterConfig(specs, replica_policy=args.replica_policy),
+            eplb=eplb,
+        )
+        steps: list[tuple[float, float]] = []  # (start, seconds)
+        with ServerThread(cfg) as s:
+            wait_health(s.addr, "SERVING")
+            engine = s.scheduler.engine
+            inner = engine.step
+
+            def timed_step(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return inner(*a, **kw)
+                finally:
+                    steps.append((time.time(), time.perf_counter() - t0))
+
+            engine.step = timed_step
+            asyncio.run(load(s.addr))
+            with grpc.insecure_channel(s.addr) as ch:
+                stub = admin_pb2_grpc.AdminStub(ch)
+                ld = stub.GetExpertLoad(admin_pb2.GetExpertLoadRequest())
+                st = stub.GetEplbStatus(admin_pb2.GetEplbStatusRequest())
+        per = torch.tensor([list(x.window_tokens) for x in ld.servers], dtype=torch.float64)  # [S, L]
+        balance = per.max(0).values / per.mean(0)
+        return dict(steps=steps, balance=balance, status=st)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_demo_model(Path(tmp) / "model")
+        procs = [start_server("cpu", path, 0, "--threads", "1") for _ in range(2)]
+        try:
+            a = run(path, procs, EplbConfig(interval_steps=0, window_steps=args.window))
+            b = run(
+                path,
+                procs,
+                EplbConfig(
+                    interval_steps=args.interval,
+                    window_steps=args.window,
+                    redundant_slots=2,
+                    skip_threshold=0.02,
+                ),
+            )
+        finally:
+            for p in procs:
+                p.stop()
+    print(
+        f"## e2e: demo model, 2 CPU expert servers, {len(prompts)} concurrent greedy requests x 32 tokens, "
+        f"{args.rounds} rounds, replica policy {args.replica_policy}\n"
+    )
+    print("| run | per-server tokens max/mean per layer (window) | median step ms | steps |")
+    print("|---|---|---:|---:|")
+    for name, r in (("A: static placement", a), (f"B: EPLB every {args.interval} steps", b)):
+        med = statistics.median(d for _, d in r["steps"]) * 1e3
+        bal = ", ".join(f"{x:.3f}" for x in r["balance"].tolist())
+        print(f"| {name} | {bal} | {med:.2f} | {len(r['steps'])} |")
+    st = b["status"]
+    print(f"\nrebalanced {st.rebalanced}, skipped {st.skipped}, failed {st.failed}")
+    med_b = statistics.median(d for _, d in b["steps"])
+    worst = 0.0
+    for o in st.history:
+        if o.outcome != "rebalanced":
+            continue
+        begin = o.unix_time - (o.compute_ms + o.prepare_ms + o.commit_ms) / 1e3
+        during = [d for t, d in b["steps"] if t >= begin and t - d <= o.unix_time]
+        worst = max([worst, *during])
+        print(
+            f"- gen {o.generation}: token max/mean {o.token_balance_before:.3f} -> {o.token_balance_after:.3f}, "
+            f"{o.weights_moved} weights, plan {o.compute_ms:.1f} ms, prepare {o.prepare_ms:.1f} ms, "
+            f"commit {o.commit_ms:.1f} ms, {len(during)} steps overlapped, worst {max(during, default=0) * 1e3:.2f} ms"
+        )
+    print(
+        f"\nworst step during a rebalance: {worst * 1e3:.2f} ms = {worst / med_b:.2f}x the median step of run B"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["algo"], nargs="?", default="algo")
+    ap.add_argument("part", choices=["algo", "e2e"], nargs="?", default="algo")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--interval", type=int, default=8)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--replica-policy", default="load_aware")
     ap.add_argument("--layers", type=int, default=58)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    algo(args)
+    (algo if args.part == "algo" else e2e)(args)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from collections.abc import Coroutine
 
 import torch
 
+from coordinator.eplb.plan import EplbConfig
 from coordinator.remote import ClusterConfig
 
 DEFAULT_PORT = 50051
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--connect-timeout", type=float, default=10.0, help="seconds per expert-server connect attempt"
     )
     ClusterConfig.add_arguments(p)
+    EplbConfig.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -63,6 +65,7 @@ def config_from_args(args: argparse.Namespace):
         max_message_mb=args.max_message_mb,
         connect_timeout_s=args.connect_timeout,
         cluster=ClusterConfig.from_args(args),
+        eplb=EplbConfig.from_args(args),
     )
 
 

@@ -171,7 +171,19 @@ def static_split(
 def load_file(
     path: str | Path, moe_layers: list[int], num_experts: int, servers: tuple[str, ...]
 ) -> Placement:
-    raw = json.loads(Path(path).read_text())
+    return parse_json(Path(path).read_text(), moe_layers, num_experts, servers, str(path))
+
+
+def parse_json(
+    text: str, moe_layers: list[int], num_experts: int, servers: tuple[str, ...], path: str = "placement"
+) -> Placement:
+    """A placement file's text (see the module docstring) -> a validated placement."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlacementError(f"{path}: not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise PlacementError(f"{path}: expected a JSON object with 'servers' and 'layers'")
     layer_specs = raw.get("layers")
     if not isinstance(layer_specs, dict):
         raise PlacementError(f"{path}: 'layers' must be an object of layer -> {{server: [experts]}}")
