@@ -17,8 +17,9 @@ from collections.abc import Coroutine
 
 import torch
 
+from coordinator.cluster_config import ClusterConfig
+from coordinator.coordinator_config import CoordinatorConfig, parse_size
 from coordinator.eplb.plan import EplbConfig
-from coordinator.remote import ClusterConfig
 
 DEFAULT_PORT = 50051
 
@@ -47,9 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     EplbConfig.add_arguments(p)
 
 
-def config_from_args(args: argparse.Namespace):
-    from coordinator.server import CoordinatorConfig, parse_size
-
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
         model_dir=args.model,
         dtype=args.dtype,
@@ -69,7 +68,7 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
-async def serve(config) -> int:
+async def serve(config: CoordinatorConfig) -> int:
     from coordinator.server import create_server
 
     server = create_server(config)
