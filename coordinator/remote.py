@@ -17,6 +17,7 @@ Shapes: T tokens, K top-k, H hidden, E experts, T_s rows sent to one server.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -49,6 +50,9 @@ class RemoteDispatcher(Dispatcher):
         self._step: pl.ServerTables | None = None  # the placement this step routes with
         self._rr_offset = 0
         self._all_on_gpu = False
+        # (server, layer, compute ms, (token, k) pairs) per answer that reports its compute
+        # time (gRPC answers do; fast-path answers do not): the EPLB load recorder's speeds
+        self.server_time_hook: Callable[[int, int, float, int], None] | None = None
 
     # ------------------------------------------------------------ the cluster, for callers
 
@@ -115,6 +119,9 @@ class RemoteDispatcher(Dispatcher):
             try:
                 for b, reply in sent:
                     part = self._collect(b, reply, layer, x.shape[1], deadline)  # [T_s, H]
+                    ms = getattr(reply, "compute_ms", None)
+                    if ms is not None and self.server_time_hook is not None:
+                        self.server_time_hook(b.server, layer, ms, int((b.slot_ids >= 0).sum()))
                     part = part.to(device=x.device, dtype=x.dtype)
                     if b.rows.numel() == x.shape[0]:  # every row, in order: no index to upload
                         out.add_(part)

@@ -329,6 +329,8 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         target = ClusterTarget(cluster, config.cluster.timeout_s)
         eplb = EplbManager(config.eplb, load, target, expert_bytes, scheduler.call_between_steps)
         engine.after_step = eplb.on_step
+        assert isinstance(dispatcher, RemoteDispatcher)
+        dispatcher.server_time_hook = load.record_server_time
     log.info(
         "KV cache: %d pages of %d tokens (%d tokens), max context %d, tokenizer %s",
         spec.num_pages,

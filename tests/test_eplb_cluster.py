@@ -46,7 +46,7 @@ def servers(tmp_path_factory):
         b.stop()
 
 
-def coordinator(path, procs, **eplb) -> ServerThread:
+def coordinator(path, procs, transport: str = "auto", **eplb) -> ServerThread:
     specs = tuple(ServerSpec(f"cpu{i}", p.address, "cpu") for i, p in enumerate(procs))
     return ServerThread(
         CoordinatorConfig(
@@ -55,7 +55,7 @@ def coordinator(path, procs, **eplb) -> ServerThread:
             max_batch_tokens=64,
             max_running=16,
             connect_timeout_s=5.0,
-            cluster=ClusterConfig(specs, replica_policy="load_aware", timeout_s=10.0),
+            cluster=ClusterConfig(specs, replica_policy="load_aware", timeout_s=10.0, transport=transport),
             eplb=EplbConfig(**eplb),
         )
     )
@@ -106,14 +106,18 @@ def test_eplb_cluster(servers):
         got = [after[i][slot[i]] - before[i][slot[i]] for i in range(2)]
         assert got[0] > 0 and got[1] > 0, f"expert {hot}'s tokens per replica: {got}"
 
-    # 2. rebalancing every 3 steps under concurrent load
+    # 2. rebalancing every 3 steps under concurrent load (over gRPC, whose answers carry the
+    # servers' compute times: the recorder's speeds)
     eplb = dict(interval_steps=3, window_steps=16, redundant_slots=2, skip_threshold=0.0)
-    with coordinator(path, procs, **eplb) as s:
+    with coordinator(path, procs, "grpc", **eplb) as s:
         wait_health(s.addr, "SERVING")
         outs = asyncio.run(generate_all(s.addr, rounds=2))
         assert outs == reference * 2
         st = admin(s.addr).GetEplbStatus(admin_pb2.GetEplbStatusRequest())
         assert st.rebalanced >= 1 and st.failed == 0, st
+        load = admin(s.addr).GetExpertLoad(admin_pb2.GetExpertLoadRequest())
+        assert [x.name for x in load.servers] == ["cpu0", "cpu1"]
+        assert all(x.compute_ms > 0 and x.computed_tokens > 0 for x in load.servers), load.servers
         generation = admin(s.addr).GetPlacement(admin_pb2.GetPlacementRequest()).generation
 
         # 3. the CLI's dry run prints the plan and pushes nothing
