@@ -249,6 +249,31 @@ def e2e(args: argparse.Namespace) -> None:
     )
 
 
+def replica_choice(args: argparse.Namespace) -> None:
+    """Per-layer cost of the replica policies on the dispatch path (CPU time of this process)."""
+    from expertmesh import placement as pl
+
+    torch.set_num_threads(1)
+    e, servers, k = 128, 2, 8
+    lists = {f"s{s}": list(range(s * e // servers, (s + 1) * e // servers)) for s in range(servers)}
+    for s in range(servers):  # 4 hot experts of each server replicated on the other
+        lists[f"s{(s + 1) % servers}"] += list(range(s * e // servers, s * e // servers + 4))
+    tables = pl.from_server_lists(1, tuple(lists), e, {0: lists}).tables[0]
+    print(f"\n## replica choice per MoE layer: {e} experts, top-{k}, {servers} servers, 8 replicated\n")
+    print("| tokens | static us | round_robin us | load_aware us |")
+    print("|---:|---:|---:|---:|")
+    for t in (1, 8, 64, 512):
+        ids = torch.randint(0, e, (t, k))
+        row = []
+        for policy in ("static", "round_robin", "load_aware"):
+            pl.choose_replicas(ids, tables, policy)
+            c0 = time.process_time()
+            for _ in range(200):
+                pl.choose_replicas(ids, tables, policy)
+            row.append((time.process_time() - c0) / 200 * 1e6)
+        print(f"| {t} | " + " | ".join(f"{x:.0f}" for x in row) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("part", choices=["algo", "e2e"], nargs="?", default="algo")
@@ -260,7 +285,11 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    (algo if args.part == "algo" else e2e)(args)
+    if args.part == "algo":
+        algo(args)
+        replica_choice(args)
+    else:
+        e2e(args)
 
 
 if __name__ == "__main__":

@@ -143,74 +143,83 @@ def refine(
         g_pad = np.concatenate([g, np.full((b, 1), num_g)], axis=1)
         held = np.zeros((b, m, num_g + 1), dtype=np.int64)
         np.add.at(held, (rows[:, None], pk, g), 1)
+    # NOTE: a row whose best change does not help is finished (nothing of it changes later),
+    # so each round only works on the rows that improved in the previous one
+    act = rows  # [A] absolute rows still improving
     for _ in range(max_rounds):
-        t = load * inv  # [B, M]
-        a, z = t.argmax(axis=1), t.argmin(axis=1)  # [B]
-        t_a = t[rows, a]
-        pa, ia, wa = _heaviest(table[rows, a], w_pad, 16)  # [B, Ca] positions, items, weights
-        pz, iz, wz = _heaviest(table[rows, z], w_pad, 64)  # [B, Cz]
+        n_act = act.size
+        loc = np.arange(n_act)
+        t = load[act] * inv  # [A, M]
+        a, z = t.argmax(axis=1), t.argmin(axis=1)  # [A]
+        t_a = t[loc, a]
+        w_act = w_pad[act]
+        pa, ia, wa = _heaviest(table[act, a], w_act, 16)  # [A, Ca] positions, items, weights
+        pz, iz, wz = _heaviest(table[act, z], w_act, 64)  # [A, Cz]
         va, vz = ia >= 0, iz >= 0
-        la, lz = load[rows, a][:, None, None], load[rows, z][:, None, None]  # [B, 1, 1]
+        la, lz = load[act, a][:, None, None], load[act, z][:, None, None]  # [A, 1, 1]
         inv_a, inv_z = inv[a][:, None, None], inv[z][:, None, None]
-        # swap a's item i with z's item j: [B, C, C]
+        # swap a's item i with z's item j: [A, Ca, Cz]
         d = wa[:, :, None] - wz[:, None, :]
         swap = np.maximum((la - d) * inv_a, (lz + d) * inv_z)
         swap[~(va[:, :, None] & vz[:, None, :]) | (d <= 0)] = _INF
         if held is not None:
-            gi, gj = np.take_along_axis(g_pad, ia, axis=1), np.take_along_axis(g_pad, iz, axis=1)
-            clash_z = held[rows[:, None], z[:, None], gi] > 0  # [B, Ca] z holds i's group
-            clash_a = held[rows[:, None], a[:, None], gj] > 0  # [B, Cz] a holds j's group
+            g_act = g_pad[act]
+            gi, gj = np.take_along_axis(g_act, ia, axis=1), np.take_along_axis(g_act, iz, axis=1)
+            clash_z = held[act[:, None], z[:, None], gi] > 0  # [A, Ca] z holds i's group
+            clash_a = held[act[:, None], a[:, None], gj] > 0  # [A, Cz] a holds j's group
             swap[(clash_z[:, :, None] | clash_a[:, None, :]) & (gi[:, :, None] != gj[:, None, :])] = _INF
-        k_swap = swap.reshape(b, -1).argmin(axis=1)
-        best = swap.reshape(b, -1)[rows, k_swap]
-        use_move = np.zeros(b, dtype=bool)
-        if can_move:  # move a's item i to a pack q with room: [B, C, M]
+        k_swap = swap.reshape(n_act, -1).argmin(axis=1)
+        best = swap.reshape(n_act, -1)[loc, k_swap]
+        use_move = np.zeros(n_act, dtype=bool)
+        if can_move:  # move a's item i to a pack q with room: [A, Ca, M]
             move = np.maximum(
-                (la[:, :, 0] - wa)[:, :, None] * inv_a, (load[:, None, :] + wa[:, :, None]) * inv
+                (la[:, :, 0] - wa)[:, :, None] * inv_a, (load[act][:, None, :] + wa[:, :, None]) * inv
             )
-            room = ((table >= 0).sum(axis=2) < cap) & (np.arange(m) != a[:, None])  # [B, M]
+            room = ((table[act] >= 0).sum(axis=2) < cap) & (np.arange(m) != a[:, None])  # [A, M]
             move[~va[:, :, None] | ~room[:, None, :]] = _INF
             if held is not None:
-                move[held[rows[:, None], :, gi] > 0] = _INF  # [B, Ca, M] q holds i's group
-            k_move = move.reshape(b, -1).argmin(axis=1)
-            best_move = move.reshape(b, -1)[rows, k_move]
+                move[held[act[:, None], :, gi] > 0] = _INF  # q holds i's group
+            k_move = move.reshape(n_act, -1).argmin(axis=1)
+            best_move = move.reshape(n_act, -1)[loc, k_move]
             use_move = best_move < best
             best = np.minimum(best, best_move)
-        ok = best < t_a * (1.0 - min_gain)  # [B]
+        ok = best < t_a * (1.0 - min_gain)  # [A]
         if stop is not None:
-            ok &= t_a > stop
+            ok &= t_a > stop[act]
         if not ok.any():
             break
-        sw = ok & ~use_move
         kz = iz.shape[1]
-        r, ci, cj = rows[sw], k_swap[sw] // kz, k_swap[sw] % kz
-        i_item, j_item, pi, pj = ia[r, ci], iz[r, cj], pa[r, ci], pz[r, cj]
+        sw = np.flatnonzero(ok & ~use_move)  # local
+        r, ci, cj = act[sw], k_swap[sw] // kz, k_swap[sw] % kz
+        i_item, j_item, pi, pj = ia[sw, ci], iz[sw, cj], pa[sw, ci], pz[sw, cj]
+        ra, rz = a[sw], z[sw]
         dw = w[r, i_item] - w[r, j_item]
-        table[r, a[r], pi], table[r, z[r], pj] = j_item, i_item
-        pk[r, i_item], pk[r, j_item] = z[r], a[r]
+        table[r, ra, pi], table[r, rz, pj] = j_item, i_item
+        pk[r, i_item], pk[r, j_item] = rz, ra
         if held is not None:
             gi_, gj_ = g_pad[r, i_item], g_pad[r, j_item]
-            held[r, a[r], gi_] -= 1
-            held[r, z[r], gi_] += 1
-            held[r, z[r], gj_] -= 1
-            held[r, a[r], gj_] += 1
-        load[r, a[r]] -= dw
-        load[r, z[r]] += dw
+            held[r, ra, gi_] -= 1
+            held[r, rz, gi_] += 1
+            held[r, rz, gj_] -= 1
+            held[r, ra, gj_] += 1
+        load[r, ra] -= dw
+        load[r, rz] += dw
         changes[r] += 2
         if can_move:
-            mv = ok & use_move
-            r, ci, q = rows[mv], k_move[mv] // m, k_move[mv] % m
-            i_item, pi = ia[r, ci], pa[r, ci]
+            mv = np.flatnonzero(ok & use_move)  # local
+            r, ci, q, ra = act[mv], k_move[mv] // m, k_move[mv] % m, a[mv]
+            i_item, pi = ia[mv, ci], pa[mv, ci]
             # the moved item leaves a hole; keep each pack's items at the front of its row
-            last = (table[r, a[r]] >= 0).sum(axis=1) - 1
-            table[r, a[r], pi] = table[r, a[r], last]
-            table[r, a[r], last] = -1
+            last = (table[r, ra] >= 0).sum(axis=1) - 1
+            table[r, ra, pi] = table[r, ra, last]
+            table[r, ra, last] = -1
             table[r, q, (table[r, q] >= 0).sum(axis=1)] = i_item
             pk[r, i_item] = q
             if held is not None:
-                held[r, a[r], g_pad[r, i_item]] -= 1
+                held[r, ra, g_pad[r, i_item]] -= 1
                 held[r, q, g_pad[r, i_item]] += 1
-            load[r, a[r]] -= w[r, i_item]
+            load[r, ra] -= w[r, i_item]
             load[r, q] += w[r, i_item]
             changes[r] += 1
+        act = act[ok]
     return torch.from_numpy(pk), torch.from_numpy(changes)
