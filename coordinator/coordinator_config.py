@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.cluster_config import ClusterConfig
+from coordinator.eplb.plan import EplbConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -41,6 +42,7 @@ class CoordinatorConfig:
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
     http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
+    eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -9,6 +9,7 @@ Shapes: T tokens in the step, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,9 @@ class Engine:
         # NOTE: remote dispatch waits on the network inside the layer loop: not capturable
         if cuda_graphs and device.type == "cuda" and isinstance(dispatcher, LocalDispatcher):
             self.graphs = DecodeGraphs(model, self.cache, spec.num_pages, load_hook)
+
+        # called after every forward step on the step's thread (the EPLB manager's counter)
+        self.after_step: Callable[[], None] | None = None
 
     @classmethod
     def from_checkpoint(
@@ -118,6 +122,8 @@ class Engine:
             logits = self.model(batch, self.cache)  # [B', V]
         for sid, toks in items:
             self.seqs[sid].cached += len(toks)
+        if self.after_step is not None:
+            self.after_step()
         if not all_logits:
             return list(logits.unbind(0))
         return list(logits.split([len(t) for _, t in items]))

@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("expertmesh.client_cli", "send one generation request to a coordinator"),
     "health": ("expertmesh.health", "exit 0 iff a server's grpc.health.v1 status is SERVING"),
     "status": ("expertmesh.status_cli", "operator view: servers, placement, KV use, throughput, hot experts"),
+    "load": ("expertmesh.load_cli", "a coordinator's expert load: hot experts and per-server balance"),
+    "placement": ("expertmesh.placement_cli", "show / set the expert placement, or run EPLB now"),
 }
 
 
