@@ -10,6 +10,7 @@ Shapes: T tokens in the step, V vocab.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from coordinator.loader import load_model
 from coordinator.models.base import CausalLM
 from coordinator.models.moe import LoadHook
 from expertmesh.checkpoint import CheckpointReader
+
+if TYPE_CHECKING:
+    from coordinator.lora.manager import LoRAManager
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Engine:
         self.pages = PageAllocator(spec.num_pages)
         self.seqs: dict[int, SeqState] = {}
         self._next_id = 0
+        # MoE LoRA (coordinator/lora): set by enable_lora; None = adapters refused
+        self.lora: LoRAManager | None = None
 
     @classmethod
     def from_checkpoint(
@@ -81,12 +87,25 @@ class Engine:
         if s is not None:
             self.pages.free(s.pages)
 
-    def step(self, items: list[tuple[int, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
+    def step(
+        self,
+        items: list[tuple[int, list[int]]],
+        all_logits: bool = False,
+        adapters: list[str | None] | None = None,
+    ) -> list[torch.Tensor]:
         """Runs one forward step. items: (seq id, new token ids). Returns logits per item:
         ``[V]`` for its last token, or ``[n, V]`` for each new token when ``all_logits``.
+        ``adapters``: the LoRA adapter name of each item (None = base model).
 
         Raises OutOfPages (before touching any state) when the cache cannot hold the step.
         """
+        # unknown adapters raise KeyError here, before any state changes
+        token_adapter = None
+        if self.lora is not None:
+            names = adapters if adapters is not None else [None] * len(items)
+            token_adapter = self.lora.token_slots(names, [len(t) for _, t in items])
+        elif adapters is not None and any(a is not None for a in adapters):
+            raise KeyError("LoRA adapters are not enabled on this engine")
         need = sum(self.pages_needed(sid, len(toks)) for sid, toks in items)
         if need > self.pages.num_free:
             raise OutOfPages(f"step needs {need} new pages, {self.pages.num_free} free")
@@ -98,6 +117,8 @@ class Engine:
             self.device,
             all_logits=all_logits,
         )
+        if self.lora is not None:
+            self.lora.begin_step(token_adapter)
         self.dispatcher.begin_step(batch.num_tokens)
         logits = self.model(batch, self.cache)  # [B', V]
         for sid, toks in items:
