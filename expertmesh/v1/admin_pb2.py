@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65xpertmesh/v1/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12ListServersRequest\"\xaa\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rslot_capacity\x18\x06 \x01(\x05\x12\x12\n\nslots_used\x18\x07 \x01(\x05\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\"A\n\x13ListServersResponse\x12*\n\x07servers\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.ServerInfo\"\x15\n\x13GetPlacementRequest\"S\n\x0eLayerPlacement\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07phy2log\x18\x02 \x03(\x05\x12\r\n\x05owner\x18\x03 \x03(\x05\x12\x12\n\nlocal_slot\x18\x04 \x03(\x05\"c\n\rPlacementInfo\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07servers\x18\x02 \x03(\t\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.expertmesh.v1.LayerPlacement\"\x16\n\x14GetExpertLoadRequest\"*\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\"6\n\nExpertLoad\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.expertmesh.v1.LayerLoad2\x80\x02\n\x05\x41\x64min\x12T\n\x0bListServers\x12!.expertmesh.v1.ListServersRequest\x1a\".expertmesh.v1.ListServersResponse\x12P\n\x0cGetPlacement\x12\".expertmesh.v1.GetPlacementRequest\x1a\x1c.expertmesh.v1.PlacementInfo\x12O\n\rGetExpertLoad\x12#.expertmesh.v1.GetExpertLoadRequest\x1a\x19.expertmesh.v1.ExpertLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65xpertmesh/v1/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12ListServersRequest\"\xaa\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rslot_capacity\x18\x06 \x01(\x05\x12\x12\n\nslots_used\x18\x07 \x01(\x05\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\"A\n\x13ListServersResponse\x12*\n\x07servers\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.ServerInfo\"\x15\n\x13GetPlacementRequest\"S\n\x0eLayerPlacement\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07phy2log\x18\x02 \x03(\x05\x12\r\n\x05owner\x18\x03 \x03(\x05\x12\x12\n\nlocal_slot\x18\x04 \x03(\x05\"c\n\rPlacementInfo\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07servers\x18\x02 \x03(\t\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.expertmesh.v1.LayerPlacement\"\x16\n\x14GetExpertLoadRequest\"*\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\"6\n\nExpertLoad\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.expertmesh.v1.LayerLoad\"-\n\x0fLoadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"v\n\x08LoRAInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_slot\x18\x03 \x01(\x05\x12\x10\n\x08max_rank\x18\x04 \x01(\x05\x12\x15\n\rexpert_layers\x18\x05 \x03(\x05\x12\x0f\n\x07modules\x18\x06 \x03(\t\"!\n\x11UnloadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x12UnloadLoRAResponse\"\x11\n\x0fListLoRARequest\"P\n\x10ListLoRAResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.expertmesh.v1.LoRAInfo\x12\x11\n\tmax_loras\x18\x02 \x01(\x05\x32\xe5\x03\n\x05\x41\x64min\x12T\n\x0bListServers\x12!.expertmesh.v1.ListServersRequest\x1a\".expertmesh.v1.ListServersResponse\x12P\n\x0cGetPlacement\x12\".expertmesh.v1.GetPlacementRequest\x1a\x1c.expertmesh.v1.PlacementInfo\x12O\n\rGetExpertLoad\x12#.expertmesh.v1.GetExpertLoadRequest\x1a\x19.expertmesh.v1.ExpertLoad\x12\x43\n\x08LoadLoRA\x12\x1e.expertmesh.v1.LoadLoRARequest\x1a\x17.expertmesh.v1.LoRAInfo\x12Q\n\nUnloadLoRA\x12 .expertmesh.v1.UnloadLoRARequest\x1a!.expertmesh.v1.UnloadLoRAResponse\x12K\n\x08ListLoRA\x12\x1e.expertmesh.v1.ListLoRARequest\x1a\x1f.expertmesh.v1.ListLoRAResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,6 +49,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYERLOAD']._serialized_end=581
   _globals['_EXPERTLOAD']._serialized_start=583
   _globals['_EXPERTLOAD']._serialized_end=637
-  _globals['_ADMIN']._serialized_start=640
-  _globals['_ADMIN']._serialized_end=896
+  _globals['_LOADLORAREQUEST']._serialized_start=639
+  _globals['_LOADLORAREQUEST']._serialized_end=684
+  _globals['_LORAINFO']._serialized_start=686
+  _globals['_LORAINFO']._serialized_end=804
+  _globals['_UNLOADLORAREQUEST']._serialized_start=806
+  _globals['_UNLOADLORAREQUEST']._serialized_end=839
+  _globals['_UNLOADLORARESPONSE']._serialized_start=841
+  _globals['_UNLOADLORARESPONSE']._serialized_end=861
+  _globals['_LISTLORAREQUEST']._serialized_start=863
+  _globals['_LISTLORAREQUEST']._serialized_end=880
+  _globals['_LISTLORARESPONSE']._serialized_start=882
+  _globals['_LISTLORARESPONSE']._serialized_end=962
+  _globals['_ADMIN']._serialized_start=965
+  _globals['_ADMIN']._serialized_end=1450
 # @@protoc_insertion_point(module_scope)
