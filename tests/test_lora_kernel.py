@@ -97,13 +97,13 @@ UNEVEN = MoeConfig(
         (12, 96, 40, 5, 3, 1, 16, 16, UNEVEN),  # H and I not multiples of block_k
     ],
 )
-def test_kernel_matches_reference_cpu(t, h, inter, s, k, adapters, r13, r2, cfg):
+@pytest.mark.parametrize("strategy", ["inloop", "split"])
+def test_kernel_matches_reference_cpu(t, h, inter, s, k, adapters, r13, r2, cfg, strategy):
     x, w13, w2, slot_ids, weights = make_inputs(t, h, inter, s, k, torch.float32)
     lora = make_lora(adapters, s, h, inter, r13, r2, torch.float32)
     ta = token_adapters(t, adapters)
-    out = fused_moe_lora(
-        x, w13, w2, slot_ids, weights, lora, ta, config=cfg, out=torch.full_like(x, float("nan"))
-    )
+    nan = torch.full_like(x, float("nan"))
+    out = fused_moe_lora(x, w13, w2, slot_ids, weights, lora, ta, config=cfg, out=nan, strategy=strategy)
     assert rel_err(out, reference64(x, w13, w2, slot_ids, weights, lora, ta)) < 1e-5
 
 
@@ -116,14 +116,15 @@ REAL = {"qwen3_30b_a3b": (2048, 768, 128, 8), "deepseek_v2_lite": (2048, 1408, 6
 @pytest.mark.parametrize("rank", [8, 16, 64])
 @pytest.mark.parametrize("num_adapters", [1, 4])
 @pytest.mark.parametrize("model", list(REAL))
-@pytest.mark.parametrize("t", [1, 64, 512])
-def test_kernel_matches_reference_gpu(model, rank, num_adapters, t):
+@pytest.mark.parametrize("t,strategy", [(1, "auto"), (64, "inloop"), (64, "split"), (512, "auto")])
+def test_kernel_matches_reference_gpu(model, rank, num_adapters, t, strategy):
     h, inter, s, k = REAL[model]
     dev = "cuda"
     x, w13, w2, slot_ids, weights = make_inputs(t, h, inter, s, k, torch.bfloat16, device=dev, skip=0.1)
     # separate gate/up A matrices stack to rank 2r for gate_up
     lora = make_lora(num_adapters, s, h, inter, 2 * rank, rank, torch.bfloat16, device=dev)
     ta = token_adapters(t, num_adapters, device=dev)
-    out = fused_moe_lora(x, w13, w2, slot_ids, weights, lora, ta, out=torch.full_like(x, float("nan")))
+    nan = torch.full_like(x, float("nan"))
+    out = fused_moe_lora(x, w13, w2, slot_ids, weights, lora, ta, out=nan, strategy=strategy)
     # float64 on the device: same rounded inputs, exact-enough products
     assert rel_err(out, reference64(x, w13, w2, slot_ids, weights, lora, ta)) < 1e-2

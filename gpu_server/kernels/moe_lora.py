@@ -1,288 +1,49 @@
-"""Fused MoE with multi-adapter LoRA: shrink and expand grouped by expert slot and adapter.
+"""Fused MoE with multi-adapter LoRA: shrink/expand grouped by expert slot and adapter.
 
     gate_up = W13[s] x + B13[a, s] (A13[a, s] x)        a = token_adapter[t], -1 = base
-    act     = silu(gate_up[:I]) * gate_up[I:]
+    act     = silu(gate_up[:I]) * gate_up[I:]            the delta goes in BEFORE the activation
     y       = weights[t, k] * (W2[s] act + B2[a, s] (A2[a, s] act))
     out[t]  = sum_k y
 
 The (token, k) pairs are aligned by slot exactly as in the plain fused MoE (align.py), so each
-expert's base weights are streamed once however many adapters its tokens use; the launches are
-the plain fused MoE's (no extra kernel). Inside a block rows may carry different adapters:
+expert's base weights are streamed once however many adapters its tokens use; inside a block,
+each adapter present multiplies its own rows by its (A, B) of that slot. Two strategies:
 
-- the block's first adapter a0 (the largest id present) rides along the base GEMM's K loop:
-  each x (or act) tile loaded for the base product is also multiplied by A[a0, s] (shrink,
-  [BM, R]); after the loop its rows are masked to a0's and expanded by B[a0, s] into the base
-  accumulator, before the activation (gate_up) or the routing weight (down);
-- any other adapter in the block (mixed prefill blocks) gets its own shrink loop over the
-  (L2-resident) tiles of its rows, then its expand.
+- ``inloop`` (moe_lora_inloop.py): the shrink rides along the base K loop: no extra launch, best
+  when blocks hold one adapter (decode: about one row per slot);
+- ``split`` (moe_lora_split.py): separate shrink kernels, then the base GEMMs with the expands:
+  two more launches, but no per-block serial pass for blocks mixing adapters (prefill).
 
-Decode blocks hold one row, so they only ever take the first path. The shrink outputs are
-rounded to the activation dtype before the expand, as PEFT's lora_A outputs are. Blocks with
-base rows only pay a masked (no-memory) extra MMA per K step. No host synchronisation: the whole
-thing can be captured in a CUDA graph.
+``auto`` takes ``inloop`` when at most ``INLOOP_ROWS_PER_SLOT`` rows per slot are expected
+(uniform routing), else ``split`` (measured on H100, benchmarks/RESULTS.md, issue 12). The
+shrink outputs are rounded to the activation dtype before the expand, as PEFT's lora_A outputs
+are. No host synchronisation: the whole thing can be captured in a CUDA graph.
 
 Beside (not inside) kernels/grouped_gemm.py so the base kernels stay as tuned; the alignment,
 tile order, reduction over k and launch configs are shared.
 
 Shapes: T tokens, K top-k, H hidden, I intermediate, S slots, L adapter slots, R13/R2 ranks
-(BLOCK_R: padded to a power of two >= 16), P = T*K pairs, Rw aligned rows, BM/BN/BK tiles.
+(BLOCK_R: padded to a power of two >= 16), P = T*K pairs, Rw aligned rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
-import triton.language as tl
 
 from expertmesh.lora import MoELoRAWeights
-from gpu_server.kernels.align import align_pairs
-from gpu_server.kernels.config import MoeConfig, default_config
+from gpu_server.kernels import moe_lora_inloop as inloop
+from gpu_server.kernels import moe_lora_split as split
+from gpu_server.kernels.align import Alignment, align_pairs
+from gpu_server.kernels.config import GemmConfig, MoeConfig, default_config, fit_shared_memory
 from gpu_server.kernels.fused_moe import check_inputs
-from gpu_server.kernels.grouped_gemm import _flags, _mma, _tile_ids
+from gpu_server.kernels.grouped_gemm import _flags
 from gpu_server.kernels.reduce import sum_k
 
-
-@triton.jit
-def _block_rows(
-    pid_m, block_slot_ptr, start_ptr, count_ptr, sorted_ptr, adapter_ptr, TOP_K, BLOCK_M: tl.constexpr
-):
-    """(slot, rows [BM], live [BM], pair [BM], adapter of each row [BM] (-1: base or padding))."""
-    slot = tl.load(block_slot_ptr + pid_m)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = rows - tl.load(start_ptr + tl.maximum(slot, 0)) < tl.load(count_ptr + tl.maximum(slot, 0))
-    pair = tl.load(sorted_ptr + rows, mask=live, other=0)
-    ad = tl.load(adapter_ptr + pair // TOP_K, mask=live, other=-1)
-    return slot, rows, live, pair, ad
-
-
-@triton.jit
-def _other_adapters(acc_a, acc_b, in_rows, fan_in, ad, a0, la_ptr, lb_ptr, slot, offs_n, off_b, num_adapters,
-                    rank, stride_al, stride_as, stride_ar, stride_bl, stride_bs, stride_bn,
-                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, TWO: tl.constexpr, UPCAST: tl.constexpr,
-                    IEEE: tl.constexpr):  # fmt: skip
-    """Adapters of the block other than a0: shrink over their rows' tiles, expand into acc_a
-    (and acc_b, B rows shifted by off_b, when TWO: gate and up share the shrink)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
-    r_ok = offs_r < rank
-    for a in range(0, num_adapters):
-        sel = (ad == a) & (ad != a0)  # [BM]
-        if tl.max(sel.to(tl.int32)) > 0:
-            la = la_ptr + a * stride_al + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
-            v = tl.zeros((acc_a.shape[0], BLOCK_R), dtype=tl.float32)
-            for k in range(0, tl.cdiv(fan_in, BLOCK_K)):
-                kk = k * BLOCK_K + offs_k
-                k_ok = kk < fan_in
-                xa = tl.load(in_rows + kk[None, :], mask=sel[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-                at = tl.load(la + kk[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # [BK, BR]
-                v = _mma(xa, at, v, UPCAST, IEEE)
-            v_lo = v.to(in_rows.dtype.element_ty)
-            lb = lb_ptr + a * stride_bl + slot.to(tl.int64) * stride_bs + offs_r[:, None]
-            bt = tl.load(lb + offs_n[None, :] * stride_bn, mask=r_ok[:, None], other=0.0)  # [BR, BN]
-            acc_a = _mma(v_lo, bt, acc_a, UPCAST, IEEE)
-            if TWO:
-                bt = tl.load(lb + (off_b + offs_n)[None, :] * stride_bn, mask=r_ok[:, None], other=0.0)
-                acc_b = _mma(v_lo, bt, acc_b, UPCAST, IEEE)
-    return acc_a, acc_b
-
-
-@triton.jit(do_not_specialize=["num_m_blocks"])
-def _gate_up_lora_kernel(
-    x_ptr,  # [T, H]
-    w_ptr,  # [S, 2I, H]
-    la_ptr,  # [L, S, R, H]
-    lb_ptr,  # [L, S, 2I, R]
-    act_ptr,  # [Rw, I]
-    sorted_ptr,
-    block_slot_ptr,
-    start_ptr,
-    count_ptr,
-    adapter_ptr,  # [T] int32
-    num_m_blocks,
-    num_adapters,
-    hidden,
-    inter,
-    rank,
-    TOP_K,
-    stride_xt,
-    stride_ws,
-    stride_wn,
-    stride_wk,
-    stride_al,
-    stride_as,
-    stride_ar,
-    stride_bl,
-    stride_bs,
-    stride_bn,
-    stride_act,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    pid_m, pid_n = _tile_ids(num_m_blocks, inter, BLOCK_N, GROUP_M)
-    slot, rows, live, pair, ad = _block_rows(
-        pid_m, block_slot_ptr, start_ptr, count_ptr, sorted_ptr, adapter_ptr, TOP_K, BLOCK_M
-    )
-    if slot < 0:
-        return
-    tok = pair // TOP_K  # padding rows read token 0: harmless, and it keeps the A loads unmasked
-    a0 = tl.max(ad)  # the block's first adapter (-1: base rows only)
-    has = a0 >= 0
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % inter  # wrap: loads stay in bounds
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < tl.where(has, rank, 0)  # nothing to load for base-only blocks
-    x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt  # [BM, 1]
-    a_ptrs = x_rows + offs_k[None, :]  # [BM, BK]
-    g_ptrs = w_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    u_ptrs = g_ptrs + inter * stride_wn
-    l_ptrs = (
-        la_ptr
-        + tl.maximum(a0, 0).to(tl.int64) * stride_al
-        + slot.to(tl.int64) * stride_as
-        + offs_r[None, :] * stride_ar
-        + offs_k[:, None]
-    )  # [BK, BR]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-            at = tl.load(l_ptrs, mask=r_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            at = tl.load(l_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        acc_g = _mma(a, g, acc_g, UPCAST, IEEE)
-        acc_u = _mma(a, u, acc_u, UPCAST, IEEE)
-        v = _mma(a, at, v, UPCAST, IEEE)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
-        l_ptrs += BLOCK_K
-    if has:
-        v_lo = tl.where((ad == a0)[:, None], v, 0.0).to(x_ptr.dtype.element_ty)
-        lb = lb_ptr + a0.to(tl.int64) * stride_bl + slot.to(tl.int64) * stride_bs + offs_r[:, None]
-        bg = tl.load(lb + offs_n[None, :] * stride_bn, mask=r_ok[:, None], other=0.0)  # [BR, BN]
-        bu = tl.load(lb + (inter + offs_n)[None, :] * stride_bn, mask=r_ok[:, None], other=0.0)
-        acc_g = _mma(v_lo, bg, acc_g, UPCAST, IEEE)
-        acc_u = _mma(v_lo, bu, acc_u, UPCAST, IEEE)
-        if tl.min(tl.where(live, ad, a0)) < a0:  # rows of other adapters in this block
-            acc_g, acc_u = _other_adapters(
-                acc_g, acc_u, x_rows, hidden, ad, a0, la_ptr, lb_ptr, slot, offs_n, inter, num_adapters,
-                rank, stride_al, stride_as, stride_ar, stride_bl, stride_bs, stride_bn,
-                BLOCK_K, BLOCK_R, True, UPCAST, IEEE,
-            )  # fmt: skip
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
-    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
-
-
-@triton.jit(do_not_specialize=["num_m_blocks"])
-def _down_lora_kernel(
-    act_ptr,  # [Rw, I]
-    w_ptr,  # [S, H, I]
-    la_ptr,  # [L, S, R, I]
-    lb_ptr,  # [L, S, H, R]
-    y_ptr,  # [P, H]
-    topw_ptr,  # [P] float32
-    sorted_ptr,
-    block_slot_ptr,
-    start_ptr,
-    count_ptr,
-    adapter_ptr,
-    num_m_blocks,
-    num_adapters,
-    hidden,
-    inter,
-    rank,
-    TOP_K,
-    stride_act,
-    stride_ws,
-    stride_wn,
-    stride_wk,
-    stride_al,
-    stride_as,
-    stride_ar,
-    stride_bl,
-    stride_bs,
-    stride_bn,
-    stride_yp,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    pid_m, pid_n = _tile_ids(num_m_blocks, hidden, BLOCK_N, GROUP_M)
-    slot, rows, live, pair, ad = _block_rows(
-        pid_m, block_slot_ptr, start_ptr, count_ptr, sorted_ptr, adapter_ptr, TOP_K, BLOCK_M
-    )
-    if slot < 0:
-        return
-    a0 = tl.max(ad)
-    has = a0 >= 0
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < tl.where(has, rank, 0)  # nothing to load for base-only blocks
-    a_rows = act_ptr + rows.to(tl.int64)[:, None] * stride_act  # [BM, 1]
-    a_ptrs = a_rows + offs_k[None, :]
-    b_ptrs = w_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    l_ptrs = (
-        la_ptr
-        + tl.maximum(a0, 0).to(tl.int64) * stride_al
-        + slot.to(tl.int64) * stride_as
-        + offs_r[None, :] * stride_ar
-        + offs_k[:, None]
-    )  # [BK, BR]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            at = tl.load(l_ptrs, mask=r_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < inter - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            at = tl.load(l_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        acc = _mma(a, b, acc, UPCAST, IEEE)
-        v = _mma(a, at, v, UPCAST, IEEE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
-        l_ptrs += BLOCK_K
-    if has:
-        v_lo = tl.where((ad == a0)[:, None], v, 0.0).to(act_ptr.dtype.element_ty)
-        lb = lb_ptr + a0.to(tl.int64) * stride_bl + slot.to(tl.int64) * stride_bs + offs_r[:, None]
-        bt = tl.load(lb + offs_n[None, :] * stride_bn, mask=r_ok[:, None], other=0.0)  # [BR, BN]
-        acc = _mma(v_lo, bt, acc, UPCAST, IEEE)
-        if tl.min(tl.where(live, ad, a0)) < a0:
-            acc, _unused = _other_adapters(
-                acc, acc, a_rows, inter, ad, a0, la_ptr, lb_ptr, slot, offs_n, 0, num_adapters,
-                rank, stride_al, stride_as, stride_ar, stride_bl, stride_bs, stride_bn,
-                BLOCK_K, BLOCK_R, False, UPCAST, IEEE,
-            )  # fmt: skip
-    # NOTE: routing weights are float32; the product is rounded once, to the activation dtype
-    acc = acc * tl.load(topw_ptr + pair, mask=live, other=0.0)[:, None]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + cols[None, :]
-    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < hidden))
+STRATEGIES = ("auto", "inloop", "split")
+INLOOP_ROWS_PER_SLOT = 2
 
 
 def _block_r(rank: int) -> int:
@@ -300,6 +61,12 @@ def check_lora(x: torch.Tensor, w13: torch.Tensor, lora: MoELoRAWeights, token_a
     )
 
 
+def _fit(cfg: GemmConfig, block_m: int, b_tiles: int, block_r: int, itemsize: int) -> GemmConfig:
+    """The in-loop kernels pipeline one more [BK, BR] tile per stage: count it like BR more rows."""
+    fitted = fit_shared_memory(cfg, block_m + block_r, b_tiles, itemsize)
+    return replace(fitted, num_stages=max(2, fitted.num_stages))
+
+
 def fused_moe_lora(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [S, 2I, H]
@@ -310,27 +77,42 @@ def fused_moe_lora(
     token_adapter: torch.Tensor,  # [T] int, -1 = base; must be < L (checked by the caller)
     config: MoeConfig | None = None,
     out: torch.Tensor | None = None,
+    strategy: str = "auto",
 ) -> torch.Tensor:  # [T, H]
     check_inputs(x, w13, w2, slot_ids, weights)
     check_lora(x, w13, lora, token_adapter)
+    assert strategy in STRATEGIES, f"{strategy=}"
     t, h = x.shape
-    num_slots, inter = w13.shape[0], w2.shape[2]
+    num_slots = w13.shape[0]
     top_k = slot_ids.shape[1]
     if out is None:
         out = torch.empty_like(x)
     if t == 0 or top_k == 0:
         return out.zero_()
     cfg = (config or default_config(t, top_k, num_slots)).fitted(x.element_size())
+    if strategy == "auto":
+        strategy = "inloop" if t * top_k <= INLOOP_ROWS_PER_SLOT * num_slots else "split"
     x = x.contiguous()
     slot_ids = slot_ids.to(torch.int32).contiguous()
     adapters = token_adapter.to(torch.int32).contiguous()
     topw = weights.to(torch.float32).contiguous()
-    num_adapters = lora.num_adapters
     al = align_pairs(slot_ids, num_slots, cfg.block_m)
-    gu, dn = cfg.gate_up, cfg.down
+    run = _inloop if strategy == "inloop" else _split
+    y = run(x, w13, w2, topw, lora, adapters, al, cfg, top_k)  # [P, H]
+    sum_k(y, slot_ids, out)
+    return out
+
+
+def _inloop(x, w13, w2, topw, lora: MoELoRAWeights, adapters, al: Alignment, cfg: MoeConfig, top_k: int):
+    t, h = x.shape
+    inter = w2.shape[2]
+    num_adapters = lora.num_adapters
+    r13, r2 = lora.a13.shape[2], lora.a2.shape[2]
+    gu = _fit(cfg.gate_up, al.block_m, 2, _block_r(r13), x.element_size())
+    dn = _fit(cfg.down, al.block_m, 1, _block_r(r2), x.element_size())
     act = torch.empty(al.sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)  # [Rw, I]
-    a13, b13, r13 = lora.a13, lora.b13, lora.a13.shape[2]
-    _gate_up_lora_kernel[(al.max_blocks * triton.cdiv(inter, gu.block_n),)](
+    a13, b13 = lora.a13, lora.b13
+    inloop._gate_up_lora_kernel[(al.max_blocks * triton.cdiv(inter, gu.block_n),)](
         x, w13, a13, b13, act, al.sorted_pairs, al.block_slot, al.slot_start, al.slot_count, adapters,
         al.max_blocks, num_adapters, h, inter, r13, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
@@ -339,8 +121,8 @@ def fused_moe_lora(
         EVEN_K=h % gu.block_k == 0, num_warps=gu.num_warps, num_stages=gu.num_stages, **_flags(x),
     )  # fmt: skip
     y = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)  # [P, H]
-    a2, b2, r2 = lora.a2, lora.b2, lora.a2.shape[2]
-    _down_lora_kernel[(al.max_blocks * triton.cdiv(h, dn.block_n),)](
+    a2, b2 = lora.a2, lora.b2
+    inloop._down_lora_kernel[(al.max_blocks * triton.cdiv(h, dn.block_n),)](
         act, w2, a2, b2, y, topw, al.sorted_pairs, al.block_slot, al.slot_start, al.slot_count, adapters,
         al.max_blocks, num_adapters, h, inter, r2, top_k,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
@@ -348,5 +130,48 @@ def fused_moe_lora(
         BLOCK_M=al.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, BLOCK_R=_block_r(r2), GROUP_M=dn.group_m,
         EVEN_K=inter % dn.block_k == 0, num_warps=dn.num_warps, num_stages=dn.num_stages, **_flags(act),
     )  # fmt: skip
-    sum_k(y, slot_ids, out)
-    return out
+    return y
+
+
+def _shrink(src, la, al: Alignment, adapters, top_k, gather: bool, block_k: int) -> torch.Tensor:
+    """v [Rw, BLOCK_R] <- A[a_r, s] src_r for rows with an adapter, 0 elsewhere."""
+    rank, fan_in = la.shape[2], la.shape[3]
+    block_r = _block_r(rank)
+    v = torch.empty(al.sorted_pairs.shape[0], block_r, dtype=src.dtype, device=src.device)
+    split._shrink_kernel[(al.max_blocks,)](
+        src, la, v, al.sorted_pairs, al.block_slot, al.slot_start, al.slot_count, adapters,
+        la.shape[0], fan_in, rank, top_k,
+        src.stride(0), la.stride(0), la.stride(1), la.stride(2), v.stride(0),
+        GATHER=gather, BLOCK_M=al.block_m, BLOCK_K=min(block_k, 64), BLOCK_R=block_r, **_flags(src),
+    )  # fmt: skip
+    return v
+
+
+def _split(x, w13, w2, topw, lora: MoELoRAWeights, adapters, al: Alignment, cfg: MoeConfig, top_k: int):
+    t, h = x.shape
+    inter = w2.shape[2]
+    num_adapters = lora.num_adapters
+    gu, dn = cfg.gate_up, cfg.down
+    v13 = _shrink(x, lora.a13, al, adapters, top_k, True, gu.block_k)
+    act = torch.empty(al.sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)  # [Rw, I]
+    r13 = lora.a13.shape[2]
+    split._gate_up_expand_kernel[(al.max_blocks * triton.cdiv(inter, gu.block_n),)](
+        x, w13, v13, lora.b13, act, al.sorted_pairs, al.block_slot, al.slot_start, al.slot_count, adapters,
+        al.max_blocks, num_adapters, h, inter, r13, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), v13.stride(0),
+        lora.b13.stride(0), lora.b13.stride(1), lora.b13.stride(2), act.stride(0),
+        BLOCK_M=al.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, BLOCK_R=_block_r(r13), GROUP_M=gu.group_m,
+        EVEN_K=h % gu.block_k == 0, num_warps=gu.num_warps, num_stages=gu.num_stages, **_flags(x),
+    )  # fmt: skip
+    v2 = _shrink(act, lora.a2, al, adapters, top_k, False, dn.block_k)
+    y = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)  # [P, H]
+    r2 = lora.a2.shape[2]
+    split._down_expand_kernel[(al.max_blocks * triton.cdiv(h, dn.block_n),)](
+        act, w2, v2, lora.b2, y, topw, al.sorted_pairs, al.block_slot, al.slot_start, al.slot_count, adapters,
+        al.max_blocks, num_adapters, h, inter, r2, top_k,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), v2.stride(0),
+        lora.b2.stride(0), lora.b2.stride(1), lora.b2.stride(2), y.stride(0),
+        BLOCK_M=al.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, BLOCK_R=_block_r(r2), GROUP_M=dn.group_m,
+        EVEN_K=inter % dn.block_k == 0, num_warps=dn.num_warps, num_stages=dn.num_stages, **_flags(act),
+    )  # fmt: skip
+    return y
