@@ -92,3 +92,20 @@ def test_partial_copies_and_errors(adapters):
         store.buffer_index(torch.tensor([10, 11, 12]))
     assert store.remove(11) and not store.remove(11)
     assert store.names() == {10: "a", 12: "c"}
+
+
+def test_wire_round_trip_and_refusals(adapters):
+    from expertmesh.lora.wire import decode_adapter, encode_adapter
+
+    sent = {1: LayerAdapter((2, 5), adapters[11].select([2, 5]))}
+    msg = encode_adapter(sent, torch.float32)
+    got = decode_adapter(msg, H, INTER, E, [1, 2], torch.float32)
+    assert got[1].experts == (2, 5)
+    for part in ("a13", "b13", "a2", "b2"):
+        assert torch.equal(getattr(got[1].lora, part), getattr(sent[1].lora, part))
+    with pytest.raises(ValueError, match="layer 1 is not an MoE layer"):
+        decode_adapter(msg, H, INTER, E, [0, 2], torch.float32)
+    with pytest.raises(ValueError, match=r"layer 1 b13: .*expected float \[2, 48, 8\]"):
+        decode_adapter({**msg, "1.b13": msg["1.b2"]}, H, INTER, E, [1], torch.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        decode_adapter(msg, H, INTER, 4, [1], torch.float32)

@@ -23,7 +23,7 @@ from coordinator.lora.adapter import LoRAAdapter, Projection, ProjectionLoRA, lo
 from coordinator.lora.config import AdapterError
 from coordinator.models.base import CausalLM
 from expertmesh.config import ModelConfig
-from expertmesh.lora import MoELoRAWeights, lora_delta, moe_lora_reference
+from expertmesh.lora import LoRABatch, MoELoRAWeights, lora_delta
 
 
 class LoRAManager:
@@ -172,7 +172,8 @@ class LoRADispatcher(Dispatcher):
         if not isinstance(self.inner, LocalDispatcher):
             raise NotImplementedError("routed-expert LoRA through expert servers is pushed to the servers")
         w13, w2 = self.inner.slots[layer]
-        return Pending.done(moe_lora_reference(x, w13, w2, topk_ids, topk_weights, weights, slots))
+        lora = LoRABatch(weights, slots)
+        return Pending.done(self.inner.backend.forward(x, w13, w2, topk_ids, topk_weights, lora))
 
     def begin_step(self, num_tokens: int) -> None:
         self.inner.begin_step(num_tokens)

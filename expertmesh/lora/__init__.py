@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from expertmesh.lora.moe import ExpertLoRA, MoELoRAWeights, lora_delta, moe_lora_reference
+from expertmesh.lora.moe import ExpertLoRA, LoRABatch, MoELoRAWeights, lora_delta, moe_lora_reference
 
-__all__ = ["ExpertLoRA", "MoELoRAWeights", "lora_delta", "moe_lora_reference"]
+__all__ = ["ExpertLoRA", "LoRABatch", "MoELoRAWeights", "lora_delta", "moe_lora_reference"]

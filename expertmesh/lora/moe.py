@@ -125,6 +125,15 @@ class MoELoRAWeights:
             getattr(self, name)[index].zero_()
 
 
+@dataclass(frozen=True)
+class LoRABatch:
+    """What an expert backend needs to add LoRA to one forward: the layer's resident buffers and
+    each token's buffer index (-1 = base)."""
+
+    weights: MoELoRAWeights  # [L, S, ...]
+    token_adapter: torch.Tensor  # [T] int, -1 = base
+
+
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """B (A x) for rows of x: x [n, in], a [R, in], b [out, R] -> [n, out], dtype of x."""
     return F.linear(F.linear(x, a), b)
