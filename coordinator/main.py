@@ -17,7 +17,8 @@ from collections.abc import Coroutine
 
 import torch
 
-from coordinator.remote import ClusterConfig
+from coordinator.cluster_config import ClusterConfig
+from coordinator.coordinator_config import CoordinatorConfig, parse_size
 
 DEFAULT_PORT = 50051
 
@@ -45,9 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ClusterConfig.add_arguments(p)
 
 
-def config_from_args(args: argparse.Namespace):
-    from coordinator.server import CoordinatorConfig, parse_size
-
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
         model_dir=args.model,
         dtype=args.dtype,
@@ -66,7 +65,7 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
-async def serve(config) -> int:
+async def serve(config: CoordinatorConfig) -> int:
     from coordinator.server import create_server
 
     server = create_server(config)

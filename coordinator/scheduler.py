@@ -241,7 +241,7 @@ class Scheduler:
             elif msg.fut.set_running_or_notify_cancel():
                 try:
                     msg.fut.set_result(msg.fn())
-                except Exception as exc:  # handed to the caller through the future
+                except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
                     msg.fut.set_exception(exc)
             try:
                 msg = self._inbox.get_nowait()
@@ -311,7 +311,7 @@ class Scheduler:
             logits = self.engine.step(items)
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the thread boundary (above)
             log.warning("step of %d requests failed: %s", len(plan), exc)
             for req, _ in plan:
                 self._finish(req, "error", error=exc)
