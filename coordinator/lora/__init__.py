@@ -12,7 +12,10 @@ __all__ = ["AdapterConfig", "AdapterError", "LoRAAdapter", "LoRADispatcher", "Lo
 
 def enable_lora(engine, max_loras: int = 4) -> LoRAManager:
     """Gives an :class:`~coordinator.engine.Engine` a LoRA manager with ``max_loras`` slots."""
+    from coordinator.dispatch import LocalDispatcher
+
     manager = LoRAManager(engine.config, max_loras, engine.dtype, engine.device)
+    manager.local_experts = isinstance(engine.dispatcher, LocalDispatcher)
     manager.attach(engine.model)
     engine.lora = manager
     return manager

@@ -40,6 +40,8 @@ class LoRAManager:
         self.experts: dict[int, MoELoRAWeights] = {}  # MoE layer -> stacked slots (in-process path)
         self.token_adapter: torch.Tensor | None = None  # [T] for the current step
         self._hooked: set[str] = set()
+        # routed-expert LoRA computed here (in-process experts); False when expert servers hold it
+        self.local_experts = True
         self._model: CausalLM | None = None
 
     # ---------------------------------------------------------------- registry
@@ -77,6 +79,8 @@ class LoRAManager:
     def _restack(self) -> None:
         """Rebuilds the in-process expert buffers [max_loras, E, R, ...] from the resident adapters."""
         self.experts = {}
+        if not self.local_experts:
+            return
         cfg = self.model_cfg
         for layer in cfg.moe_layer_ids:
             loras = {
@@ -167,10 +171,12 @@ class LoRADispatcher(Dispatcher):
 
     def submit(self, layer, x, topk_ids, topk_weights):
         weights, slots = self.manager.expert_lora(layer)
-        if weights is None:
-            return self.inner.submit(layer, x, topk_ids, topk_weights)
         if not isinstance(self.inner, LocalDispatcher):
-            raise NotImplementedError("routed-expert LoRA through expert servers is pushed to the servers")
+            # expert servers hold the adapters (pushed at load): send each token's adapter slot
+            a = self.manager.token_adapter
+            return self.inner.submit(layer, x, topk_ids, topk_weights, adapter_slots=a)  # type: ignore[call-arg]
+        if weights is None or slots is None:
+            return self.inner.submit(layer, x, topk_ids, topk_weights)
         w13, w2 = self.inner.slots[layer]
         lora = LoRABatch(weights, slots)
         return Pending.done(self.inner.backend.forward(x, w13, w2, topk_ids, topk_weights, lora))

@@ -19,16 +19,22 @@ from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT (its Admin service)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the coordinator")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    # the options go after the verb (``lora load NAME PATH --addr A``): every verb takes them
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT (its Admin service)")
+    common.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the coordinator")
+    common.add_argument("--json", action="store_true", help="print JSON instead of text")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
-    load = verbs.add_parser("load", help="validate an adapter and push it to every expert server")
+    load = verbs.add_parser(
+        "load", parents=[common], help="validate an adapter and push it to every expert server"
+    )
     load.add_argument("name", help="the name GenerateRequest.lora / --lora selects it by")
     load.add_argument("path", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
-    unload = verbs.add_parser("unload", help="remove an adapter from the coordinator and every server")
+    unload = verbs.add_parser(
+        "unload", parents=[common], help="remove an adapter from the coordinator and every server"
+    )
     unload.add_argument("name")
-    verbs.add_parser("list", help="list the loaded adapters")
+    verbs.add_parser("list", parents=[common], help="list the loaded adapters")
 
 
 def _info(i: admin_pb2.LoRAInfo) -> dict:
