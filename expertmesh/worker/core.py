@@ -202,6 +202,11 @@ class ExpertWorker:
         a = req.adapter_slots
         if a is None or not bool((a >= 0).any()):
             return None
+        # slots check() accepted but with no weights in the store adapt nothing on this server
+        known = torch.tensor(sorted(self.lora.adapters), dtype=a.dtype)
+        a = torch.where(torch.isin(a, known), a, -1)
+        if not bool((a >= 0).any()):
+            return None
         try:
             index = self.lora.buffer_index(a.long())  # [T]
         except AdapterStoreError as e:
