@@ -33,7 +33,7 @@ from tests.test_serving_cluster import wait_health
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 7], [11, 60, 3, 3, 8, 21, 90]]
-STEPS = 6
+STEPS = 10
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,27 @@ def test_bad_loads_get_clear_statuses(lora_cluster, tmp_path):
     with Client(s.addr) as c, pytest.raises(grpc.RpcError) as e:
         c.generate(input_ids=[1, 2], lora="x")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown adapter" in e.value.details()
+
+
+def test_hot_load_use_unload_while_32_requests_stream(lora_cluster):
+    root, s, base_refs, lora_refs, _ = lora_cluster
+    path = str(root / "adapters" / "a")
+
+    async def run():
+        async with AsyncClient(s.addr) as c:
+            kw = dict(max_new_tokens=STEPS, logprobs=True, ignore_eos=True)
+            streams = [asyncio.ensure_future(c.generate(input_ids=PROMPTS[i % 3], **kw)) for i in range(32)]
+            await asyncio.sleep(0.05)
+            loaded = await asyncio.to_thread(cli, ["lora", "load", "b", path, "--addr", s.addr])
+            used = await c.generate(input_ids=PROMPTS[2], lora="b", **kw)
+            unloaded = await asyncio.to_thread(cli, ["lora", "unload", "b", "--addr", s.addr])
+            return loaded, used, unloaded, await asyncio.gather(*streams)
+
+    loaded, used, unloaded, base = asyncio.run(run())
+    assert loaded == 0 and unloaded == 0
+    _check(used, lora_refs[2])
+    for i, r in enumerate(base):  # 0 failed, outputs unchanged
+        _check(r, base_refs[i % 3])
 
 
 def test_unload_then_refused_push_names_the_server(lora_cluster, capsys):
