@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from expertmesh.checkpoint import CheckpointReader
+from expertmesh.errors import Unimplemented
 from expertmesh.experts import ExpertBackend
 from expertmesh.quant import FP8_DTYPE, FP8BlockQuant
 from gpu_server.kernels.fp8_moe import fused_moe_fp8
@@ -73,7 +74,14 @@ class Fp8TritonBackend(ExpertBackend):
         assert q13.shape[0] == sc13.shape[0] == q2.shape[0] == s
         return q13, sc13, q2, sc2
 
-    def forward(self, x, w13, w2, slot_ids, weights):
+    def forward(self, x, w13, w2, slot_ids, weights, lora=None):
+        if lora is not None:
+            # LoRA changes gate/up before the activation, so it cannot be added to this kernel's
+            # output; refusing beats computing without it
+            raise Unimplemented(
+                "MoE LoRA on FP8-resident experts is not implemented: serve this checkpoint's "
+                "adapters from a server that holds the experts dequantised (e.g. a CPU expert server)"
+            )
         if w13.shape[0] == 0:  # no expert of this layer here: every slot id is -1
             return torch.zeros_like(x)
         if w13.dtype != torch.uint8:

@@ -153,3 +153,7 @@ def test_fp8_backend_keeps_experts_fp8(tmp_path, device):
     ref = torch_moe(x.double(), w13.double(), w2.double(), ids, w.double())
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if device == "cpu" else 1e-2), err
+    from expertmesh.errors import Unimplemented
+
+    with pytest.raises(Unimplemented, match="LoRA on FP8"):  # never computed without the adapter
+        backend.forward(x, live.w13, live.w2, ids, w, lora=object())
