@@ -10,7 +10,7 @@ fp32, and the CPU's ISA flags.
 
 Columns: ms = per-layer expert time; GB/s = bytes of the active experts' weights (in the format
 used) per second; %BW = that over the measured read bandwidth; TFLOP/s = 2*T*K*3*H*I / time;
-tok/s = T / time; rel err = ||out - ref|| / ||ref|| against the torch
+tok/s = T / time; "/kernel" and "/gemm" rows force one of the backend's two paths; rel err = ||out - ref|| / ||ref|| against the torch
 reference on the bf16 weights (for int8/int4 this is the quantisation error).
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cpu_expert_server.backend import CpuExpertBackend
+from cpu_expert_server.backend import GEMV_MAX_TOKENS, CpuExpertBackend
 from expertmesh.experts import TorchExpertBackend
 
 MODELS = {  # name: (H, I, experts, top-k)
@@ -114,25 +114,33 @@ def bench_model(
         n_active = sum(len(torch.unique(r[0])) for r in routes) / len(routes)
         ref = TorchExpertBackend().forward(x, w13, w2, *routes[0]).float()  # [T, H]
         for label, (backend, a, b) in backends.items():
-            err = ((backend.forward(x, a, b, *routes[0]).float() - ref).norm() / ref.norm()).item()
-            per_expert = (
-                (a[0].numel() * a.element_size() + b[0].numel() * b.element_size()) if a.shape[0] else 0
-            )
-            s = timeit(lambda r, f=backend.forward, a=a, b=b, x=x, rs=routes: f(x, a, b, *rs[r % 16]), reps)
-            rows.append(
-                {
-                    "model": name,
-                    "T": t,
-                    "weights": label,
-                    "ms": s * 1e3,
-                    "GBps": n_active * per_expert / s / 1e9,
-                    "pct_bw": 100 * n_active * per_expert / s / 1e9 / bw,
-                    "TFLOPs": 2 * t * k * 3 * h * i / s / 1e12,
-                    "tok_s": t / s,
-                    "rel_err": err,
-                }  # fmt: skip
-            )
-            print(json.dumps(rows[-1]), flush=True)
+            per_expert = (a[0].numel() * a.element_size() + b[0].numel() * b.element_size()) if len(a) else 0
+            # past decode sizes also time the two paths the backend chooses between
+            modes = [("", None)]
+            if t >= 64 and isinstance(backend, CpuExpertBackend):
+                modes += [("/kernel", 10**9), ("/gemm", 0)]
+            for suffix, limit in modes:
+                if isinstance(backend, CpuExpertBackend):
+                    backend.gemv_max_tokens = GEMV_MAX_TOKENS if limit is None else limit
+                err = ((backend.forward(x, a, b, *routes[0]).float() - ref).norm() / ref.norm()).item()
+                s = timeit(
+                    lambda r, f=backend.forward, a=a, b=b, x=x, rs=routes: f(x, a, b, *rs[r % 16]), reps
+                )
+                gbps = n_active * per_expert / s / 1e9
+                rows.append(
+                    {
+                        "model": name,
+                        "T": t,
+                        "weights": label + suffix,
+                        "ms": s * 1e3,
+                        "GBps": gbps,
+                        "pct_bw": 100 * gbps / bw,
+                        "TFLOPs": 2 * t * k * 3 * h * i / s / 1e12,
+                        "tok_s": t / s,
+                        "rel_err": err,
+                    }  # fmt: skip
+                )
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

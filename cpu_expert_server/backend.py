@@ -3,8 +3,9 @@ torch GEMMs for prefill.
 
 Shapes: T tokens, K top-k, S local slots, H hidden, I intermediate.
 
-Decode (T <= ``gemv_max_tokens``) is bandwidth-bound: one C call per layer streams each active
-expert's rows once (kernels/moe_gemv.c), so the bytes read per token shrink with int8/int4.
+Decode is bandwidth-bound: one C call per layer streams each active expert's rows once
+(kernels/moe_gemv.c), so the bytes read per token shrink with int8/int4. The C path serves every
+call whose experts average at most ``gemv_max_tokens`` tokens each (T=64 over 128 experts is 4).
 Prefill is compute-bound: per active expert the rows are dequantised and multiplied with torch's
 GEMM (oneDNN/AMX in bf16 where the CPU has bf16 instructions, fp32 MKL elsewhere, because
 torch's bf16 GEMM without them is several times slower than converting first).
@@ -24,7 +25,8 @@ from expertmesh.experts import ExpertBackend
 
 log = logging.getLogger("expertmesh.cpu_backend")
 
-# rows of T tokens per expert: above this the per-row dot loop loses to a blocked GEMM
+# mean tokens per active expert above which a blocked GEMM beats the kernel's per-row dots
+# (bench_cpu_experts.py measures both)
 GEMV_MAX_TOKENS = 16
 KERNEL_DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 3}
 
@@ -74,7 +76,9 @@ class CpuExpertBackend(ExpertBackend):
         fmt = self.fmt
         assert h == fmt.hidden, f"{h=} {fmt=}"
         wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
-        if self.lib is not None and wcode is not None and t <= self.gemv_max_tokens:
+        pairs = slot_ids.numel()
+        per_expert = pairs / max(1, min(w13.shape[0], pairs))  # a lower bound on the mean
+        if self.lib is not None and wcode is not None and per_expert <= self.gemv_max_tokens:
             return self._decode(x, w13, w2, slot_ids, weights, wcode)
         return self._by_expert(x, w13, w2, slot_ids, weights)
 
@@ -119,16 +123,28 @@ class CpuExpertBackend(ExpertBackend):
         assert fmt is not None
         if ((slot_ids < -1) | (slot_ids >= w13.shape[0])).any():
             raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
-        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         # an fp32 server stays fp32 end to end; bf16/fp16 ones run the GEMM in the fast dtype
         cd = torch.float32 if x.dtype == torch.float32 else self.gemm_dtype
-        xg = x.to(cd)
-        for s in torch.unique(slot_ids[slot_ids >= 0]).tolist():
-            kpos, tok = torch.where(slot_ids.t() == s)  # [n], [n]
-            gu = F.linear(xg[tok], self._dense(w13[s], fmt.hidden, fmt.g13, cd))  # [n, 2I] interleaved
+        # one sort for the whole call: (token, k) pairs grouped by slot, k-major like the reference
+        flat = slot_ids.t().reshape(-1)  # [K*T]
+        order = torch.argsort(flat, stable=True)  # [K*T]
+        counts = torch.bincount(flat[order] + 1, minlength=w13.shape[0] + 1).tolist()  # slot -1 first
+        tok = order % x.shape[0]  # [K*T]
+        xs = x.to(cd)[tok]  # [K*T, H] rows grouped by slot
+        ys = torch.empty(xs.shape[0], fmt.hidden, dtype=cd)  # [K*T, H]
+        lo = counts[0]  # skip the pairs whose expert is elsewhere
+        for s, n in enumerate(counts[1:]):
+            if n == 0:
+                continue
+            gu = F.linear(
+                xs[lo : lo + n], self._dense(w13[s], fmt.hidden, fmt.g13, cd)
+            )  # [n, 2I] interleaved
             gate, up = split_gate_up(gu, fmt.rb)
-            y = F.linear(F.silu(gate) * up, self._dense(w2[s], fmt.inter, fmt.g2, cd))  # [n, H]
-            out.index_add_(0, tok, y.float() * weights[tok, kpos, None].float())
+            ys[lo : lo + n] = F.linear(F.silu(gate) * up, self._dense(w2[s], fmt.inter, fmt.g2, cd))
+            lo += n
+        w = weights.t().reshape(-1)[order[counts[0] :]].float()  # [pairs here]
+        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+        out.index_add_(0, tok[counts[0] :], ys[counts[0] :].float() * w[:, None])
         return out.to(x.dtype)
 
 

@@ -19,18 +19,19 @@ from cpu_expert_server.backend import CpuExpertBackend, make_backend
 from cpu_expert_server.packing import QMAX, PackedFormat, dequantize_rows, interleave, quantize_rows
 from expertmesh.experts import torch_moe
 
-S, H, I, K = 6, 64, 48, 3  # noqa: E741 (the shape legend of expertmesh.experts)
+S, H, I, K = 6, 96, 64, 3  # noqa: E741 (the shape legend of expertmesh.experts)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def inputs(t: int, dtype: torch.dtype, seed: int):
+def inputs(t: int, dtype: torch.dtype, seed: int, h: int = H, i: int = I):  # noqa: E741
+    """Fresh random problem; widths divisible by 32 take the kernel's vector path, others not."""
     g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(S, 2 * I, H, generator=g) / H**0.5).to(dtype)  # [S, 2I, H]
-    w2 = (torch.randn(S, H, I, generator=g) / I**0.5).to(dtype)  # [S, H, I]
-    x = torch.randn(t, H, generator=g).to(dtype)  # [T, H]
+    w13 = (torch.randn(S, 2 * i, h, generator=g) / h**0.5).to(dtype)  # [S, 2I, H]
+    w2 = (torch.randn(S, h, i, generator=g) / i**0.5).to(dtype)  # [S, H, I]
+    x = torch.randn(t, h, generator=g).to(dtype)  # [T, H]
     slot_ids = torch.randint(-1, S, (t, K), generator=g)  # [T, K], -1 = expert elsewhere
     weights = torch.rand(t, K, generator=g)  # [T, K]
     return x, w13, w2, slot_ids, weights
@@ -53,10 +54,11 @@ def use_kernel(request) -> bool:
     return request.param
 
 
-@pytest.mark.parametrize("t", [1, 5, 40])  # 40 > GEMV_MAX_TOKENS: the GEMM path
+@pytest.mark.parametrize("t", [1, 11, 120])  # 120 tokens over 6 slots: the GEMM path
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_unquantised_matches_reference(use_kernel, t, dtype, tol):
-    x, w13, w2, slot_ids, weights = inputs(t, dtype, seed=t)
+@pytest.mark.parametrize("h,i", [(H, I), (72, 40)])
+def test_unquantised_matches_reference(use_kernel, t, dtype, tol, h, i):
+    x, w13, w2, slot_ids, weights = inputs(t, dtype, seed=t, h=h, i=i)
     b = CpuExpertBackend(threads=2, use_kernel=use_kernel)
     out = b.forward(x, *b.pack_weights(w13, w2), slot_ids, weights)
     ref = torch_moe(x.double(), w13.double(), w2.double(), slot_ids, weights.double())
@@ -65,10 +67,11 @@ def test_unquantised_matches_reference(use_kernel, t, dtype, tol):
 
 
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
-@pytest.mark.parametrize("t", [1, 7, 40])
-def test_quantised_matches_dequantised_reference(use_kernel, wdtype, t):
+@pytest.mark.parametrize("t", [1, 11, 120])
+@pytest.mark.parametrize("group", [16, 32])  # 16: the kernel's scalar path, 32: its vector path
+def test_quantised_matches_dequantised_reference(use_kernel, wdtype, t, group):
     x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=100 + t)
-    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=16, use_kernel=use_kernel)
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=group, use_kernel=use_kernel)
     p13, p2 = b.pack_weights(w13, w2)
     assert b.fmt is not None and p13.dtype == torch.uint8
     out = b.forward(x, p13, p2, slot_ids, weights)
@@ -89,7 +92,7 @@ def test_quantisation_error_is_half_a_step(wdtype, g):
 
 
 def test_bytes_per_weight_shrink():
-    w13, w2 = torch.randn(2, 2 * 768, 2048).bfloat16(), torch.randn(2, 2048, 768).bfloat16()
+    w13, w2 = torch.randn(1, 2 * 768, 2048).bfloat16(), torch.randn(1, 2048, 768).bfloat16()
     size = {}
     for wd in ("bfloat16", "int8", "int4"):
         p13, p2 = CpuExpertBackend(weight_dtype=wd, use_kernel=False).pack_weights(w13, w2)

@@ -21,7 +21,7 @@ from pathlib import Path
 log = logging.getLogger("expertmesh.cpu_kernels")
 
 SOURCE = Path(__file__).with_name("moe_gemv.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 WDTYPE_CODE = {"bfloat16": 0, "int8": 1, "int4": 2}
 
 

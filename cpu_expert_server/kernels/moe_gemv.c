@@ -57,6 +57,104 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return acc;
 }
 
+/* ---- vector path: GCC vector extensions (AVX-512 where -march=native has it, 2x AVX2 elsewhere).
+ * Weights are converted 32 at a time in registers and FMAed into MAXM tokens' accumulators at
+ * once, two independent chains per token so the FMA latency does not bound the row rate. */
+#define MAXM 8
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef int32_t v16i32 __attribute__((vector_size(64)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+
+static inline v16f ldf(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline v16f cvt_bf16(const uint8_t *p) {
+    v16u16 u;
+    memcpy(&u, p, sizeof u);
+    v16u32 w = __builtin_convertvector(u, v16u32) << 16;
+    v16f f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+static inline v16f cvt_i8(const uint8_t *p) {
+    v16i8 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, v16f);
+}
+static inline void cvt_i4(const uint8_t *p, v16f *lo, v16f *hi) {
+    v16u8 b;
+    memcpy(&b, p, sizeof b);
+    *lo = __builtin_convertvector(__builtin_convertvector(b & 15, v16i32) - 8, v16f);
+    *hi = __builtin_convertvector(__builtin_convertvector(b >> 4, v16i32) - 8, v16f);
+}
+static inline float hsum(v16f v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* res[j] = row . xs[j] for j < m <= MAXM; needs c % 32 == 0 and (quantised) g % 32 == 0 */
+static void row_dots_vec(const uint8_t *row, int wdtype, int c, int g, const float *const *xs, int m,
+                         float *res) {
+    v16f a[MAXM], b[MAXM];
+    for (int j = 0; j < m; j++) a[j] = b[j] = (v16f){0};
+    if (wdtype == 0 || wdtype == 3) {
+        for (int i = 0; i < c; i += 32) {
+            v16f w0 = wdtype == 0 ? cvt_bf16(row + 2 * i) : ldf((const float *)row + i);
+            v16f w1 = wdtype == 0 ? cvt_bf16(row + 2 * i + 32) : ldf((const float *)row + i + 16);
+            for (int j = 0; j < m; j++) {
+                a[j] += w0 * ldf(xs[j] + i);
+                b[j] += w1 * ldf(xs[j] + i + 16);
+            }
+        }
+    } else if (wdtype == 1) {
+        const float *sc = (const float *)(row + c);
+        for (int i = 0; i < c; i += 32) {
+            const float s = sc[i / g];
+            v16f w0 = cvt_i8(row + i) * s, w1 = cvt_i8(row + i + 16) * s;
+            for (int j = 0; j < m; j++) {
+                a[j] += w0 * ldf(xs[j] + i);
+                b[j] += w1 * ldf(xs[j] + i + 16);
+            }
+        }
+    } else {
+        const float *sc = (const float *)(row + c / 2);
+        const int h = g / 2;
+        for (int gi = 0; gi < c / g; gi++) {
+            const float s = sc[gi];
+            for (int jj = 0; jj < h; jj += 16) {
+                v16f lo, hi;
+                cvt_i4(row + gi * h + jj, &lo, &hi);
+                lo *= s, hi *= s;
+                const int e = gi * g + jj;
+                for (int j = 0; j < m; j++) {
+                    a[j] += lo * ldf(xs[j] + e);
+                    b[j] += hi * ldf(xs[j] + e + h);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < m; j++) res[j] = hsum(a[j] + b[j]);
+}
+
+/* res[j] = row . xs[j] for any m: the vector path where the shape allows, else convert + dot */
+static void row_dots(const uint8_t *row, int wdtype, int c, int g, const float *const *xs, int m, float *res,
+                     float *buf) {
+    const int vec = c % 32 == 0 && (wdtype == 0 || wdtype == 3 || g % 32 == 0);
+    if (vec) {
+        for (int j0 = 0; j0 < m; j0 += MAXM)
+            row_dots_vec(row, wdtype, c, g, xs + j0, m - j0 < MAXM ? m - j0 : MAXM, res + j0);
+        return;
+    }
+    row_to_f32(row, wdtype, c, g, buf);
+    for (int j = 0; j < m; j++) res[j] = dot(buf, xs[j], c);
+}
+
 /* x [T, H] fp32; slot_ids [T, K] int64 (-1 = not here); weights [T, K] fp32; out [T, H] fp32.
  * w13 [S, 2I, row13 bytes], w2 [S, H, row2 bytes]; act scratch [T*K, I] fp32.
  * Returns 0, or -1 when a slot id is out of range (nothing written then). */
@@ -100,22 +198,22 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = malloc(sizeof(float) * (size_t)(h_ > i_ ? h_ : i_));
+        const float **xs = malloc(sizeof(float *) * (size_t)(n > 0 ? n : 1));
+        float *res = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
 #pragma omp for schedule(static)
         for (long it = 0; it < items1; it++) {
             const int s = active[it / nblk], b = (int)(it % nblk);
             const uint8_t *base = w13 + ((size_t)s * 2 * i_ + (size_t)b * 2 * rb) * row13;
             const int m = start[s + 1] - start[s];
+            for (int j = 0; j < m; j++) xs[j] = x + (size_t)tok[start[s] + j] * h_;
             for (int r = 0; r < 2 * rb; r++) {
-                row_to_f32(base + (size_t)r * row13, wdtype, h_, g13, buf);
+                row_dots(base + (size_t)r * row13, wdtype, h_, g13, xs, m, res, buf);
                 for (int j = 0; j < m; j++) {
-                    const float *xt = x + (size_t)tok[start[s] + j] * h_;
-                    const float v = dot(buf, xt, h_);
-                    if (r < rb) {
-                        act[(size_t)(start[s] + j) * i_ + b * rb + r] = v;
-                    } else {
-                        float *a = &act[(size_t)(start[s] + j) * i_ + b * rb + (r - rb)];
-                        *a = (*a / (1.0f + expf(-*a))) * v; /* silu(gate) * up */
-                    }
+                    float *a = &act[(size_t)(start[s] + j) * i_ + b * rb + (r % rb)];
+                    if (r < rb)
+                        *a = res[j];
+                    else
+                        *a = (*a / (1.0f + expf(-*a))) * res[j]; /* silu(gate) * up */
                 }
             }
         }
@@ -124,12 +222,15 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
         for (int h = 0; h < h_; h++) {
             for (int ai = 0; ai < na; ai++) {
                 const int s = active[ai];
-                row_to_f32(w2 + ((size_t)s * h_ + h) * row2, wdtype, i_, g2, buf);
-                for (int q = start[s]; q < start[s + 1]; q++)
-                    out[(size_t)tok[q] * h_ + h] += wt[q] * dot(buf, act + (size_t)q * i_, i_);
+                const int m = start[s + 1] - start[s];
+                for (int j = 0; j < m; j++) xs[j] = act + (size_t)(start[s] + j) * i_;
+                row_dots(w2 + ((size_t)s * h_ + h) * row2, wdtype, i_, g2, xs, m, res, buf);
+                for (int j = 0; j < m; j++) out[(size_t)tok[start[s] + j] * h_ + h] += wt[start[s] + j] * res[j];
             }
         }
         free(buf);
+        free(xs);
+        free(res);
     }
     free(count), free(start), free(tok), free(wt), free(active);
     return 0;
