@@ -84,7 +84,8 @@ static inline v16f cvt_bf16(const uint8_t *p) {
 static inline v16f cvt_i8(const uint8_t *p) {
     v16i8 q;
     memcpy(&q, p, sizeof q);
-    return __builtin_convertvector(q, v16f);
+    /* NOTE: via int32: GCC scalarises a direct int8 -> float vector conversion */
+    return __builtin_convertvector(__builtin_convertvector(q, v16i32), v16f);
 }
 static inline void cvt_i4(const uint8_t *p, v16f *lo, v16f *hi) {
     v16u8 b;
@@ -98,9 +99,12 @@ static inline float hsum(v16f v) {
     return s;
 }
 
-/* res[j] = row . xs[j] for j < m <= MAXM; needs c % 32 == 0 and (quantised) g % 32 == 0 */
-static void row_dots_vec(const uint8_t *row, int wdtype, int c, int g, const float *const *xs, int m,
-                         float *res) {
+/* res[j] = row . xs[j] for j < m <= MAXM; needs c % 32 == 0 and (quantised) g % 32 == 0.
+ * Always inlined with a constant m (see row_dots) so the accumulators live in registers: with a
+ * run-time m they live on the stack and every FMA waits on a store-to-load round trip. */
+static inline __attribute__((always_inline)) void row_dots_vec(const uint8_t *row, int wdtype, int c, int g,
+                                                               const float *const *xs, const int m,
+                                                               float *res) {
     v16f a[MAXM], b[MAXM];
     for (int j = 0; j < m; j++) a[j] = b[j] = (v16f){0};
     if (wdtype == 0 || wdtype == 3) {
@@ -147,8 +151,20 @@ static void row_dots(const uint8_t *row, int wdtype, int c, int g, const float *
                      float *buf) {
     const int vec = c % 32 == 0 && (wdtype == 0 || wdtype == 3 || g % 32 == 0);
     if (vec) {
-        for (int j0 = 0; j0 < m; j0 += MAXM)
-            row_dots_vec(row, wdtype, c, g, xs + j0, m - j0 < MAXM ? m - j0 : MAXM, res + j0);
+        for (int j0 = 0; j0 < m; j0 += MAXM) {
+            const float *const *x = xs + j0;
+            float *r = res + j0;
+            switch (m - j0 < MAXM ? m - j0 : MAXM) {
+                case 1: row_dots_vec(row, wdtype, c, g, x, 1, r); break;
+                case 2: row_dots_vec(row, wdtype, c, g, x, 2, r); break;
+                case 3: row_dots_vec(row, wdtype, c, g, x, 3, r); break;
+                case 4: row_dots_vec(row, wdtype, c, g, x, 4, r); break;
+                case 5: row_dots_vec(row, wdtype, c, g, x, 5, r); break;
+                case 6: row_dots_vec(row, wdtype, c, g, x, 6, r); break;
+                case 7: row_dots_vec(row, wdtype, c, g, x, 7, r); break;
+                default: row_dots_vec(row, wdtype, c, g, x, 8, r); break;
+            }
+        }
         return;
     }
     row_to_f32(row, wdtype, c, g, buf);
