@@ -82,8 +82,8 @@ static inline v16f cvt_bf16(const uint8_t *p) {
     memcpy(&f, &w, sizeof f);
     return f;
 }
-/* NOTE: 8 -> 32 bit widening goes through 16 bits: GCC 12/13 scalarise a direct 8 -> 32 bit
- * __builtin_convertvector (one movsbl per byte), which made int8 slower than bf16 */
+/* NOTE: int8 -> int32 goes through 16 bits: GCC 12/13 scalarise a direct 8 -> 32 bit
+ * __builtin_convertvector of loaded bytes (one movsbl per byte: int8 ran at ~10 GB/s) */
 static inline v16f widen(v16i8 q) {
     return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(q, v16i16), v16i32), v16f);
 }
@@ -95,8 +95,10 @@ static inline v16f cvt_i8(const uint8_t *p) {
 static inline void cvt_i4(const uint8_t *p, v16f *lo, v16f *hi) {
     v16u8 b;
     memcpy(&b, p, sizeof b);
-    *lo = widen((v16i8)(b & 15) - 8);
-    *hi = widen((v16i8)(b >> 4) - 8);
+    /* NOTE: here the direct widening of the masked bytes vectorises, and measured faster on the
+     * device host than going through widen() (0.7 vs 1.2 ms per Qwen3 layer at T=1) */
+    *lo = __builtin_convertvector(__builtin_convertvector(b & 15, v16i32) - 8, v16f);
+    *hi = __builtin_convertvector(__builtin_convertvector(b >> 4, v16i32) - 8, v16f);
 }
 static inline float hsum(v16f v) {
     float s = 0.0f;
