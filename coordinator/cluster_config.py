@@ -77,22 +77,24 @@ class ClusterConfig:
         g.add_argument(
             "--placement", default=None, metavar="FILE", help="JSON placement (see expertmesh/placement.py)"
         )
-        g.add_argument("--replica-policy", default="static", choices=list(REPLICA_POLICIES))
+        g.add_argument(
+            "--replica-policy", default=ClusterConfig.replica_policy, choices=list(REPLICA_POLICIES)
+        )
         g.add_argument(
             "--gpu-prefill-token-threshold",
             type=int,
-            default=0,
+            default=ClusterConfig.gpu_prefill_token_threshold,
             help="steps with >= T tokens run all experts on the GPU server",
         )
         g.add_argument(
             "--expert-timeout",
             type=float,
-            default=30.0,
+            default=ClusterConfig.timeout_s,
             help="seconds before an expert server is declared failed",
         )
         g.add_argument(
             "--transport",
-            default="auto",
+            default=ClusterConfig.transport,
             choices=list(negotiate.CHOICES),
             help="data path to the expert servers: auto = the fastest both sides offer; shm / cuda_ipc = "
             "require shared memory / CUDA IPC (same host / same GPU); grpc = plain gRPC",
@@ -100,7 +102,7 @@ class ClusterConfig:
         g.add_argument(
             "--shm-ring-mb",
             type=float,
-            default=64,
+            default=ClusterConfig.shm_ring_mb,
             help="shared-memory ring per expert server; larger payloads go over gRPC",
         )
         g.add_argument(

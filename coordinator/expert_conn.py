@@ -68,7 +68,9 @@ class _Stream:
     fast: ShmClient | None = None  # the stream's shared-memory channel, if it has one
 
 
-class _GrpcReply:
+class GrpcReply:
+    """An answer due on the gRPC stream."""
+
     def __init__(self, fut: Future) -> None:
         self.fut = fut
 
@@ -82,7 +84,9 @@ class _GrpcReply:
         pass
 
 
-class _FastReply:
+class FastReply:
+    """An answer due on the stream's fast path (its output is a view into the ring)."""
+
     def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply) -> None:
         self.conn, self.st, self.reply = conn, st, reply
 
@@ -106,7 +110,7 @@ class _FastReply:
         self.reply.abandon()
 
 
-Reply_ = _GrpcReply | _FastReply  # what submit() returns: result(timeout) -> [T_s, H]
+ExpertReply = GrpcReply | FastReply  # what submit() returns: result(timeout) -> [T_s, H]
 
 
 class ServerConnection:
@@ -335,7 +339,7 @@ class ServerConnection:
         """The sequence number for the next request to this server (seq 0 is the handshake)."""
         return next(self._seq)
 
-    def submit(self, req: ExpertRequest) -> Reply_:
+    def submit(self, req: ExpertRequest) -> ExpertReply:
         """Sends one layer's request over the live stream (fast path if it has room); the
         reply's ``result`` is ``[T_s, H]``. No stream: the reply fails at once (the cluster
         reconnects; the step path never does)."""
@@ -345,14 +349,14 @@ class ServerConnection:
             fut.set_exception(
                 ExpertServerError.of(errors.Unavailable(f"{self.describe_self()}: no open stream"))
             )
-            return _GrpcReply(fut)
+            return GrpcReply(fut)
         dtype = self.dtype or req.hidden.dtype
         if st.fast is not None and st.dead is None:
             r = st.fast.send(req, dtype)
             if r is not None:
-                return _FastReply(self, st, r)
+                return FastReply(self, st, r)
             self.fast_fallbacks += 1
-        return _GrpcReply(self._send(st, wire.encode_request(req, dtype)))
+        return GrpcReply(self._send(st, wire.encode_request(req, dtype)))
 
     def _send(self, st: _Stream, msg: pb.ForwardRequest) -> Future:
         fut: Future = Future()

@@ -24,13 +24,15 @@ import torch
 from coordinator.cluster import RECONNECT_WAIT_S, ExpertCluster
 from coordinator.cluster_config import ClusterConfig, ServerSpec
 from coordinator.dispatch import Dispatcher, Pending
-from coordinator.expert_conn import ExpertServerError, Reply_, ServerConnection
+from coordinator.expert_conn import ExpertReply, ExpertServerError, FastReply, ServerConnection
 from expertmesh import errors
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
 from expertmesh.worker_api import ExpertRequest
 
 __all__ = ["ClusterConfig", "ExpertServerError", "RemoteDispatcher", "ServerConnection", "ServerSpec"]
+
+_FastReply = FastReply  # the name tests/test_transport_gpu.py patches (same class object)
 
 
 class RemoteDispatcher(Dispatcher):
@@ -99,7 +101,7 @@ class RemoteDispatcher(Dispatcher):
         conns = self.conns
         batches.sort(key=lambda b: conns[b.server].spec.kind != "cpu")
         adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
-        sent: list[tuple[pl.ServerBatch, Reply_]] = []
+        sent: list[tuple[pl.ServerBatch, ExpertReply]] = []
         for b in batches:
             conn = conns[b.server]
             a = None if adapters is None else adapters[b.rows]  # [T_s]
@@ -132,7 +134,7 @@ class RemoteDispatcher(Dispatcher):
         return Pending(wait)
 
     def _collect(
-        self, b: pl.ServerBatch, reply: Reply_, layer: int, hidden: int, deadline: float
+        self, b: pl.ServerBatch, reply: ExpertReply, layer: int, hidden: int, deadline: float
     ) -> torch.Tensor:
         conn = self.conns[b.server]
         try:

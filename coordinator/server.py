@@ -250,7 +250,7 @@ class CoordinatorServer(grpc.aio.Server):
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await asyncio.to_thread(self.scheduler.stop)
-        self.dispatcher.close()
+        await asyncio.to_thread(self.dispatcher.close)  # joins the cluster's thread
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
         return await self.server.wait_for_termination(timeout)

@@ -62,15 +62,20 @@ class WorkerConfig:
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
+        """The flags of this config (called by the expert servers' entry points only)."""
         p.add_argument("--model", required=True, help="HF checkpoint directory (shared with the coordinator)")
-        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--host", default=WorkerConfig.host)
         p.add_argument("--port", type=int, default=default_port, help="0 = a free port (printed)")
-        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-        p.add_argument("--experts", default="all", help="experts to preload per layer: all | none | 0-15,32")
+        p.add_argument("--dtype", default=WorkerConfig.dtype, choices=list(DTYPES))
+        p.add_argument(
+            "--experts",
+            default=WorkerConfig.experts,
+            help="experts to preload per layer: all | none | 0-15,32",
+        )
         p.add_argument(
             "--capacity", type=int, default=None, help="local slots per layer (default: expert count)"
         )
-        p.add_argument("--max-message-mb", type=int, default=256)
+        p.add_argument("--max-message-mb", type=int, default=WorkerConfig.max_message_mb)
         p.add_argument(
             "--no-shm",
             action="store_true",
