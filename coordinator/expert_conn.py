@@ -288,6 +288,9 @@ class ServerConnection:
             if first:  # NOTE: the first error says why; the cancellation that follows does not
                 st.dead = err
             pending, st.pending = st.pending, {}
+        # NOTE: ends the request iterator: gRPC's thread that consumes it would otherwise wait
+        # on this dead stream's queue forever (one leaked thread per lost server)
+        st.requests.put(None)
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(st.dead)

@@ -285,6 +285,8 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
     tokenizer = TextTokenizer.from_dir(config.model_dir)
     limits = SchedulerLimits(config.max_batch_tokens, config.max_running, max_context)
     scheduler = Scheduler(engine, limits, tokenizer, cfg.eos_token_ids)
+    if cluster is not None:  # placement commits (and renumbering) land between two steps
+        cluster.between_steps = scheduler.call_between_steps
     log.info(
         "KV cache: %d pages of %d tokens (%d tokens), max context %d, tokenizer %s",
         spec.num_pages,

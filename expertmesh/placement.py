@@ -26,6 +26,10 @@ from pathlib import Path
 
 import torch
 
+# NOTE: generations travel as uint64 but are counted in Python ints, SQL, JSON...: both sides
+# refuse anything above this, so "newest + 1" never overflows and a bogus push cannot wedge a cluster.
+MAX_GENERATION = 2**53 - 1
+
 
 class PlacementError(ValueError):
     pass
@@ -87,6 +91,8 @@ class Placement:
         return {layer: lp.server_experts(server) for layer, lp in self.layers.items()}
 
     def with_generation(self, generation: int) -> Placement:
+        if not 0 < generation <= MAX_GENERATION:
+            raise PlacementError(f"placement generation {generation} outside [1, {MAX_GENERATION}]")
         return Placement(generation, self.servers, self.num_experts, self.layers)
 
     @cached_property
