@@ -200,32 +200,52 @@ class ExpertCluster:
             self._kicked = True
             self._cond.notify_all()
 
-    def ensure_ready(self, wait_s: float) -> None:
-        """Before a step: returns once every server is READY with a live stream, waiting at
-        most ``wait_s`` for the maintenance thread; else raises (UNAVAILABLE, or the
-        incompatibility that keeps a server out)."""
+    def down(self) -> frozenset[int]:
+        """Servers a step cannot use now (not READY, or their stream died)."""
+        return frozenset(i for i, m in enumerate(self.members) if not self._usable(m))
+
+    def covered(self) -> bool:
+        """Whether every expert of every layer has a replica on a usable server."""
+        down = self.down()
+        return not down or not pl.uncovered(self.tables.placement.tables, down)
+
+    def ensure_ready(self, wait_s: float) -> frozenset[int]:
+        """Before a step: returns the servers the step must route around (empty when all are
+        up). A down server whose experts all have live replicas elsewhere is routed around at
+        once; otherwise this waits at most ``wait_s`` for the maintenance thread, then raises
+        (UNAVAILABLE naming the experts without a live server, or the incompatibility that
+        keeps a server out)."""
         if all(self._usable(m) for m in self.members):  # the common case: no lock
-            return
+            return frozenset()
         self.start()
         deadline = time.monotonic() + wait_s
         with self._cond:
             self._kicked = True
             self._cond.notify_all()
             while True:
-                bad = [m for m in self.members if not self._usable(m)]
-                if not bad:
-                    return
+                down = self.down()
+                lost = pl.uncovered(self.tables.placement.tables, down) if down else {}
+                if not lost:
+                    return down
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 # NOTE: a dead stream is not signalled through the condition: poll it too
                 self._cond.wait(min(left, 0.05))
+        bad = [self.members[i] for i in sorted(down)]
+        for m in bad:
+            if m.error is not None and isinstance(m.error.error, errors.Incompatible):
+                raise m.error
         m = bad[0]
-        if m.error is not None and isinstance(m.error.error, errors.Incompatible):
-            raise m.error
         name = f"expert server {m.conn.spec.name} ({m.conn.spec.address})"
         why = m.last_error or ("connecting" if m.state is ServerState.CONNECTING else "stream closed")
-        raise ExpertServerError.of(errors.Unavailable(f"{name} is not ready: {why}"))
+        layer, experts = next(iter(sorted(lost.items())))
+        more = f" (and {len(lost) - 1} more layers)" if len(lost) > 1 else ""
+        raise ExpertServerError.of(
+            errors.Unavailable(
+                f"{name} is not ready: {why}; no live server holds layer {layer} experts {experts}{more}"
+            )
+        )
 
     # ------------------------------------------------------------ bring-up
 
@@ -280,9 +300,9 @@ class ExpertCluster:
             swap=swap,
         )
         if failed:
-            err = self.members[failed[0]].error
-            assert err is not None
-            raise err
+            first = self.members[failed[0]].error
+            assert first is not None
+            raise first
         for i in range(len(self.members)):
             self._guard(i, lambda c: c.open_stream())
             self._set(i, ServerState.READY)

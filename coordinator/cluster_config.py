@@ -4,8 +4,10 @@ frozen ``ClusterConfig`` (and its command-line flags)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
+from expertmesh import auth
 from expertmesh.transport import negotiate
 
 REPLICA_POLICIES = ("static", "round_robin")
@@ -34,6 +36,7 @@ class ClusterConfig:
     max_message_mb: int = 256
     shm_ring_mb: float = 64  # per server stream; a payload that does not fit goes over gRPC
     shm_spin_us: float = 300.0  # poll for a fast-path answer this long before sleeping
+    cluster_token: str | None = field(default=None, repr=False)  # sent with placement pushes
 
     def __post_init__(self) -> None:
         if self.replica_policy not in REPLICA_POLICIES:
@@ -111,6 +114,11 @@ class ClusterConfig:
             default=300.0,
             help="fast paths: poll this long for an answer before sleeping (0 = always sleep)",
         )
+        g.add_argument(
+            "--cluster-token",
+            default=None,
+            help=f"secret the expert servers require for placement pushes (or env {auth.CLUSTER_TOKEN_ENV})",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
@@ -126,4 +134,5 @@ class ClusterConfig:
             transport=args.transport,
             shm_ring_mb=args.shm_ring_mb,
             shm_spin_us=args.shm_spin_us,
+            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
         )

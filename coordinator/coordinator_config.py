@@ -5,7 +5,7 @@ asserts). The command line becomes one in coordinator/main.py only; the expert t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,8 @@ class CoordinatorConfig:
     max_message_mb: int = 64
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
+    # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

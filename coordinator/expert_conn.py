@@ -28,7 +28,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.cluster_config import ClusterConfig, ServerSpec
-from expertmesh import errors, status, wire
+from expertmesh import auth, errors, status, wire
 from expertmesh.net import grpc_options
 from expertmesh.transport import negotiate
 from expertmesh.transport.client import Reply, ShmClient
@@ -199,7 +199,7 @@ class ServerConnection:
     def _apply(self, phase: int, generation: int, timeout: float, layers: list | None = None) -> None:
         req = pb.ApplyPlacementRequest(phase=phase, generation=generation, layers=layers or [])  # type: ignore[arg-type]
         try:
-            self.stub.ApplyPlacement(req, timeout=timeout)
+            self.stub.ApplyPlacement(req, timeout=timeout, metadata=auth.metadata(self.cluster.cluster_token))
         except grpc.RpcError as e:
             raise _status_error(self.spec, e) from None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -19,6 +20,7 @@ import torch
 
 from coordinator.cluster_config import ClusterConfig
 from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
+from expertmesh import auth
 
 C = CoordinatorConfig  # NOTE: the defaults live in the config dataclass, read here once
 DEFAULT_PORT = C.port
@@ -49,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=C.connect_timeout_s,
         help="seconds per expert-server connect attempt",
     )
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"secret every Admin call must carry (or env {auth.ADMIN_TOKEN_ENV}); "
+        "without one, Admin answers loopback peers only",
+    )
     ClusterConfig.add_arguments(p)
 
 
@@ -68,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_message_mb=args.max_message_mb,
         connect_timeout_s=args.connect_timeout,
         cluster=ClusterConfig.from_args(args),
+        admin_token=args.admin_token or os.environ.get(auth.ADMIN_TOKEN_ENV) or None,
     )
 
 
@@ -81,6 +90,13 @@ async def serve(config: CoordinatorConfig) -> int:
         return 1
     await server.start()
     print(f"coordinator listening on {config.host}:{port}", flush=True)
+    if not config.admin_token and auth.binds_beyond_loopback(config.host):
+        logging.getLogger("expertmesh.coordinator").warning(
+            "listening on %s without an admin token: Admin answers loopback peers only "
+            "(set --admin-token or %s to manage it remotely)",
+            config.host,
+            auth.ADMIN_TOKEN_ENV,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -34,8 +34,10 @@ from coordinator.remote import RemoteDispatcher
 from coordinator.requests import InvalidRequest, RequestLimits, parse_request
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
 from coordinator.tokenizer import TextTokenizer
+from expertmesh import auth, status
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.config import ModelConfig
+from expertmesh.errors import ExpertMeshError
 from expertmesh.net import grpc_options
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -133,10 +135,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """Admin: with an admin token every call must carry it; without one, loopback peers only."""
+
     def __init__(self, coord: CoordinatorServer) -> None:
         self.coord = coord
 
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        token = self.coord.config.admin_token
+        try:
+            if token:
+                auth.check_token(token, context.invocation_metadata(), "Admin")
+            else:
+                auth.check_local(context.peer(), "Admin")
+        except ExpertMeshError as e:
+            await context.abort(status.grpc_code(e), e.message)
+
     async def ListServers(self, request, context) -> admin_pb2.ListServersResponse:
+        await self._authorize(context)
         cluster = self.coord.cluster
         infos = cluster.server_infos() if cluster is not None else []
         fields = set(admin_pb2.ServerInfo.DESCRIPTOR.fields_by_name)
@@ -145,6 +160,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )
 
     async def GetPlacement(self, request, context) -> admin_pb2.PlacementInfo:
+        await self._authorize(context)
         cluster = self.coord.cluster
         if cluster is None:
             return admin_pb2.PlacementInfo()
@@ -161,6 +177,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )
 
     async def GetExpertLoad(self, request, context) -> admin_pb2.ExpertLoad:
+        await self._authorize(context)
         snap = self.coord.load.snapshot()
         return admin_pb2.ExpertLoad(
             layers=[admin_pb2.LayerLoad(layer=layer, tokens=t) for layer, t in sorted(snap.items())]
@@ -215,7 +232,8 @@ class CoordinatorServer(grpc.aio.Server):
         reconnects them)."""
         cluster.start(self.config.connect_timeout_s)
         while True:
-            ready = cluster.ready()
+            # NOTE: serving while every expert has a live server (a down replica is routed around)
+            ready = cluster.covered()
             if ready != self.experts_ready:
                 log.info("expert servers %s", "ready" if ready else f"not ready: {self.expert_state()}")
             self.experts_ready = ready

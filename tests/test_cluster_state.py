@@ -316,3 +316,24 @@ def test_the_maintenance_thread_survives_a_bug_in_a_round():
         assert boom["left"] == 0 and c.ready()
     finally:
         c.close()
+
+
+def test_a_down_server_whose_experts_have_live_replicas_is_routed_around_at_once():
+    gpu, cpu = FakeServer(), FakeServer()
+    file_placement = {0: {"gpu0": [0, 1, 2, 3], "cpu0": [2, 3]}, 1: {"gpu0": [0, 1, 2, 3], "cpu0": [2, 3]}}
+    c, conns = make(gpu, cpu)
+    c.tables = pl.server_tables(pl.from_server_lists(1, ("gpu0", "cpu0"), 4, file_placement))
+    try:
+        c.connect(5)
+        conns[1].die()  # cpu0's experts 2, 3 are on gpu0 too
+        t0 = time.monotonic()
+        assert c.ensure_ready(5) == frozenset({1}) and time.monotonic() - t0 < 0.5
+        assert c.covered() and not c.ready()
+        conns[0].die()  # now nothing holds anything
+        cpu.up = False
+        with pytest.raises(ExpertServerError) as ei:
+            c.ensure_ready(0.2)
+        assert "no live server holds layer 0 experts [0, 1, 2, 3] (and 1 more layers)" in str(ei.value)
+        assert not c.covered()
+    finally:
+        c.close()

@@ -5,11 +5,12 @@ entry points only add their own flags and defaults)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
-from expertmesh import wire
+from expertmesh import auth, wire
 from expertmesh.transport import segment
 
 KINDS = ("gpu", "cpu")
@@ -29,6 +30,8 @@ class WorkerConfig:
     max_message_mb: int = 256
     shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
     shm_spin_us: float = 300.0  # fast paths: poll this long for the next request before sleeping
+    # control RPCs (ApplyPlacement, LoadAdapter, UnloadAdapter) need it when set (expertmesh/auth.py)
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -87,6 +90,11 @@ class WorkerConfig:
             default=300.0,
             help="fast paths: poll this long for the next request before sleeping (0 = always sleep)",
         )
+        p.add_argument(
+            "--cluster-token",
+            default=None,
+            help=f"secret the coordinator must send with placement/adapter pushes (or env {auth.CLUSTER_TOKEN_ENV})",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, kind: str, device: str) -> WorkerConfig:
@@ -103,4 +111,5 @@ class WorkerConfig:
             max_message_mb=args.max_message_mb,
             shm=not args.no_shm,
             shm_spin_us=args.shm_spin_us,
+            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
         )
