@@ -66,6 +66,8 @@ class Connection(Protocol):
     def prepare(self, generation: int, table: dict[int, list[int]], timeout: float) -> None: ...
     def commit(self, generation: int, timeout: float) -> None: ...
     def abort(self, generation: int, timeout: float) -> None: ...
+    def load_adapter(self, adapter_slot: int, name: str, tensors: dict, timeout: float) -> None: ...
+    def unload_adapter(self, name: str, timeout: float) -> None: ...
     def open_stream(self) -> object: ...
     def stream_alive(self) -> bool: ...
     def reset(self, reason: str) -> None: ...
@@ -409,6 +411,7 @@ class ExpertCluster:
         abort: Callable[[int], object],
         members: Sequence[int] | None = None,
         swap: Callable[[], object] | None = None,
+        between_steps: Callable[[Callable[[], None]], Future] | None = None,
     ) -> list[int]:
         """Prepare on every member (all or nothing: a failure aborts the prepared ones and
         raises), then ``swap`` (what the coordinator itself switches to) and commit on every
@@ -438,21 +441,32 @@ class ExpertCluster:
                     self.mark_down(i, e)
                     failed.append(i)
 
-        self._run_between_steps(commit_all)
+        self._run_between_steps(commit_all, between_steps)
         return failed
 
-    def _run_between_steps(self, fn: Callable[[], None]) -> None:
-        hook = self.between_steps
-        if hook is None or not self._serving:
-            fn()  # no step runs yet (first bring-up), or nothing to coordinate with
+    def _run_between_steps(
+        self, fn: Callable[[], None], hook: Callable[[Callable[[], None]], Future] | None = None
+    ) -> None:
+        """Runs ``fn`` between two steps through ``hook`` (default :attr:`between_steps`), or at
+        once before the first placement is live (no step runs yet) or without a hook."""
+        if hook is None:
+            hook = self.between_steps if self._serving else None
+        if hook is None:
+            fn()
             return
         hook(fn).result(timeout=BETWEEN_STEPS_WAIT_S)
 
-    def update_placement(self, new: pl.Placement, timeout_s: float) -> list[int]:
+    def update_placement(
+        self,
+        new: pl.Placement,
+        timeout_s: float,
+        between_steps: Callable[[Callable[[], None]], Future] | None = None,
+    ) -> list[int]:
         """Pushes ``new`` (a newer generation, same servers) to every ready server: prepare on
         all on the caller's thread (loads weights; serving goes on), then the swap of
         :attr:`tables` and the commits together, between two steps (:attr:`between_steps`) so
-        that no step sees two generations. Call it off the scheduler thread. Returns the
+        that no step sees two generations (``between_steps`` overrides the cluster's hook). Call
+        it off the scheduler thread. Returns the
         servers whose commit failed; a server that was down gets the new generation when it
         comes back."""
         if new.generation <= self.placement.generation or new.servers != self.placement.servers:
@@ -477,6 +491,7 @@ class ExpertCluster:
             abort=lambda i: self.conns[i].abort(gen, timeout_s),
             members=[i for i, m in enumerate(self.members) if m.state is ServerState.READY],
             swap=swap,
+            between_steps=between_steps,
         )
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from expertmesh import auth
 from expertmesh.transport import negotiate
 
-REPLICA_POLICIES = ("static", "round_robin")
+REPLICA_POLICIES = ("static", "round_robin", "load_aware")
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,10 @@ class ClusterConfig:
             "--placement", default=None, metavar="FILE", help="JSON placement (see expertmesh/placement.py)"
         )
         g.add_argument(
-            "--replica-policy", default=ClusterConfig.replica_policy, choices=list(REPLICA_POLICIES)
+            "--replica-policy",
+            default=ClusterConfig.replica_policy,
+            choices=list(REPLICA_POLICIES),
+            help="which replica of an expert gets a token: the first, in turn, or the least loaded server's",
         )
         g.add_argument(
             "--gpu-prefill-token-threshold",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from coordinator.cluster_config import ClusterConfig
+from coordinator.eplb.plan import EplbConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -40,6 +41,11 @@ class CoordinatorConfig:
     max_message_mb: int = 64
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
+    http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
+    eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
+
+    lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these
+    max_loras: int = 4  # MoE LoRA adapters loaded at once
     # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
     admin_token: str | None = field(default=None, repr=False)
 
@@ -48,11 +54,15 @@ class CoordinatorConfig:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} outside 0..65535")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http port {self.http_port} outside 0..65535")
         for name in ("page_size", "kv_memory_bytes", "max_batch_tokens", "max_running", "max_message_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
+        if self.max_loras <= 0:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.default_max_new_tokens <= 0:
             raise ValueError(f"default_max_new_tokens must be positive, got {self.default_max_new_tokens}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -20,6 +20,7 @@ import torch
 
 from coordinator.cluster_config import ClusterConfig
 from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
+from coordinator.eplb.plan import EplbConfig
 from expertmesh import auth
 
 C = CoordinatorConfig  # NOTE: the defaults live in the config dataclass, read here once
@@ -30,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default=C.host, help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = a free port (printed)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API, /health and /metrics on this port (0 = a free one)",
+    )
     p.add_argument("--dtype", default=C.dtype, choices=list(DTYPES))
     p.add_argument("--device", default=C.device, help="device of attention, router and KV cache (cpu, cuda)")
     g = p.add_argument_group("scheduling and KV cache")
@@ -58,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "without one, Admin answers loopback peers only",
     )
     ClusterConfig.add_arguments(p)
+    EplbConfig.add_arguments(p)
+
+    lo = p.add_argument_group("MoE LoRA")
+    lo.add_argument(
+        "--lora-dir", action="append", default=[], help="root under which adapters may be loaded (repeatable)"
+    )
+    lo.add_argument("--max-loras", type=int, default=4, help="adapters loaded at once")
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
@@ -76,6 +90,10 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_message_mb=args.max_message_mb,
         connect_timeout_s=args.connect_timeout,
         cluster=ClusterConfig.from_args(args),
+        http_port=args.http_port,
+        eplb=EplbConfig.from_args(args),
+        lora_dirs=tuple(args.lora_dir),
+        max_loras=args.max_loras,
         admin_token=args.admin_token or os.environ.get(auth.ADMIN_TOKEN_ENV) or None,
     )
 
@@ -90,6 +108,10 @@ async def serve(config: CoordinatorConfig) -> int:
         return 1
     await server.start()
     print(f"coordinator listening on {config.host}:{port}", flush=True)
+    if server.http is not None:
+        print(
+            f"OpenAI-compatible HTTP API and /metrics on http://{config.host}:{server.http.port}", flush=True
+        )
     if not config.admin_token and auth.binds_beyond_loopback(config.host):
         logging.getLogger("expertmesh.coordinator").warning(
             "listening on %s without an admin token: Admin answers loopback peers only "

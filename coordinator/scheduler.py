@@ -31,12 +31,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from coordinator.engine import Engine
 from coordinator.sampler import SamplingParams, make_generator, sample
 from coordinator.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+
+if TYPE_CHECKING:
+    from coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,8 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: BaseException | None = None  # set with finish_reason "error"
+    # per token, the params.top_logprobs most likely (token id, logprob) pairs, when asked
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 Sink = Callable[[Output], None]
@@ -70,8 +76,10 @@ class Request:
         sink: Sink,
         device: torch.device,
         tokenizer: TextTokenizer | None,
+        lora: str | None = None,
     ) -> None:
         self.rid, self.params, self.sink = rid, params, sink
+        self.lora = lora  # MoE LoRA adapter name; None = base model
         self.num_prompt = len(prompt_ids)
         self.tokens = list(prompt_ids)
         self.logprobs: list[float] = []
@@ -147,6 +155,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order, oldest first
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.metrics: CoordinatorMetrics | None = None  # issue 16: set by the coordinator
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -159,13 +168,17 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> int:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, sink: Sink, lora: str | None = None
+    ) -> int:
         """Queues a request; ``sink`` is called from the scheduler thread and must not block."""
         assert prompt_ids, "empty prompt"
+        if self.metrics is not None:
+            sink = self.metrics.track(sink, len(prompt_ids))
         with self._rid_lock:
             self._next_rid += 1
             rid = self._next_rid
-        req = Request(rid, prompt_ids, params, sink, self.engine.device, self.tokenizer)
+        req = Request(rid, prompt_ids, params, sink, self.engine.device, self.tokenizer, lora)
         with self._rid_lock:
             if self._stopped:
                 raise SchedulerStopped("the coordinator is shutting down")
@@ -185,6 +198,10 @@ class Scheduler:
                 return fut
             self._inbox.put(_Call(fn, fut))
         return fut
+
+    def uses_adapter(self, name: str) -> int:
+        """Requests (waiting or running) using LoRA adapter ``name``; call on the scheduler thread."""
+        return sum(1 for r in self._requests.values() if r.lora == name)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -307,8 +324,9 @@ class Scheduler:
         for req, n in plan:
             assert req.seq is not None
             items.append((req.seq, req.tokens[req.computed : req.computed + n]))
+        adapters = [req.lora for req, _ in plan]
         try:
-            logits = self.engine.step(items)
+            logits = self.engine.step(items, adapters=adapters if any(adapters) else None)
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
         except Exception as exc:  # noqa: BLE001 - the thread boundary (above)
@@ -317,6 +335,8 @@ class Scheduler:
                 self._finish(req, "error", error=exc)
             return
         self.num_steps += 1
+        if self.metrics is not None:
+            self.metrics.step(sum(n for _, n in plan))
         done = []
         for (req, n), row in zip(plan, logits):
             req.computed += n
@@ -327,10 +347,11 @@ class Scheduler:
             toks, lps = sample(
                 torch.stack([row for _, row in done]), [r.params for r in reqs], [r.generator for r in reqs]
             )
-            for req, tok, lp in zip(reqs, toks.tolist(), lps.tolist()):
-                self._emit_token(req, tok, lp)
+            for (req, row), tok, lp in zip(done, toks.tolist(), lps.tolist()):
+                top = _top_logprobs(row, req.params.top_logprobs) if req.params.top_logprobs else []
+                self._emit_token(req, tok, lp, top)
 
-    def _emit_token(self, req: Request, tok: int, logprob: float) -> None:
+    def _emit_token(self, req: Request, tok: int, logprob: float, top: list[tuple[int, float]]) -> None:
         req.tokens.append(tok)
         req.logprobs.append(logprob)
         p = req.params
@@ -348,10 +369,11 @@ class Scheduler:
             if reason is not None:
                 text += self._flush_text(req)
         lps = [logprob] if p.logprobs else []
+        tops = [top] if p.top_logprobs else []
         if reason is None:
-            req.sink(Output([tok], text, lps))
+            req.sink(Output([tok], text, lps, top_logprobs=tops))
         else:
-            self._finish(req, reason, Output([tok], text, lps))
+            self._finish(req, reason, Output([tok], text, lps, top_logprobs=tops))
 
     def _flush_text(self, req: Request) -> str:
         tail = req.detok.flush() if req.detok is not None else ""
@@ -382,5 +404,13 @@ class Scheduler:
                 prompt_tokens=req.num_prompt,
                 completion_tokens=req.num_generated,
                 error=error,
+                top_logprobs=last.top_logprobs,
             )
         )
+
+
+def _top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:  # logits [V]
+    """The ``n`` most likely tokens and their log-probabilities (the raw logits' log-softmax, as
+    the sampled token's logprob)."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(n, logits.shape[-1]))
+    return list(zip(ids.tolist(), values.tolist()))

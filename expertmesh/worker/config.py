@@ -30,6 +30,9 @@ class WorkerConfig:
     max_message_mb: int = 256
     shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
     shm_spin_us: float = 300.0  # fast paths: poll this long for the next request before sleeping
+    metrics_port: int | None = None  # issue 16: Prometheus /metrics here (0 = a free one); None = off
+
+    max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
     # control RPCs (ApplyPlacement, LoadAdapter, UnloadAdapter) need it when set (expertmesh/auth.py)
     cluster_token: str | None = field(default=None, repr=False)
 
@@ -40,8 +43,12 @@ class WorkerConfig:
             raise ValueError(f"--dtype {self.dtype!r}: expected one of {DTYPES}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} outside 0..65535")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port} outside 0..65535")
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"--capacity must be positive, got {self.capacity}")
+        if self.max_loras <= 0:
+            raise ValueError(f"--max-loras must be positive, got {self.max_loras}")
         if self.max_message_mb <= 0:
             raise ValueError(f"--max-message-mb must be positive, got {self.max_message_mb}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -80,6 +87,9 @@ class WorkerConfig:
         )
         p.add_argument("--max-message-mb", type=int, default=WorkerConfig.max_message_mb)
         p.add_argument(
+            "--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0 = a free port)"
+        )
+        p.add_argument(
             "--no-shm",
             action="store_true",
             help="offer no shared-memory or CUDA IPC fast path: coordinators on this host use gRPC",
@@ -89,6 +99,12 @@ class WorkerConfig:
             type=float,
             default=300.0,
             help="fast paths: poll this long for the next request before sleeping (0 = always sleep)",
+        )
+        p.add_argument(
+            "--max-loras",
+            type=int,
+            default=4,
+            help="MoE LoRA adapters resident at once (least recently used evicted, reloaded on demand)",
         )
         p.add_argument(
             "--cluster-token",
@@ -111,5 +127,7 @@ class WorkerConfig:
             max_message_mb=args.max_message_mb,
             shm=not args.no_shm,
             shm_spin_us=args.shm_spin_us,
+            metrics_port=args.metrics_port,
+            max_loras=args.max_loras,
             cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
         )

@@ -20,8 +20,9 @@ import grpc
 import torch
 
 from expertmesh import auth, status, wire
-from expertmesh.errors import ExpertMeshError, InvalidRequest, Unimplemented
+from expertmesh.errors import ExpertMeshError, InvalidRequest
 from expertmesh.experts import ExpertBackend
+from expertmesh.lora.wire import decode_adapter
 from expertmesh.transport.handshake import Ack, HandshakeError, Hello
 from expertmesh.transport.server import ShmServer
 from expertmesh.v1 import expert_worker_pb2 as pb
@@ -46,9 +47,10 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         backend: ExpertBackend,
         identity: WorkerIdentity,
         shm_spin_us: float = 300.0,
+        max_loras: int = 4,
         cluster_token: str | None = None,
     ) -> None:
-        self.worker = ExpertWorker(slots, backend, identity)
+        self.worker = ExpertWorker(slots, backend, identity, max_loras)
         self.shm_spin_us = shm_spin_us
         self.cluster_token = cluster_token  # None: control RPCs are open (a warning at start)
         # NOTE: one compute thread for gRPC requests and commits (the core's lock orders them
@@ -83,7 +85,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                     t0 = time.perf_counter()
                     out = await self._run(loop, req)
                 except ExpertMeshError as e:
-                    self.worker.count_error()
+                    self.worker.count_error(e)
                     await _abort(context, e)
                     return
                 yield pb.ForwardResponse(
@@ -136,11 +138,27 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
 
     async def LoadAdapter(self, request, context):
         await self._control(context, "LoadAdapter")
-        await _abort(context, Unimplemented("MoE LoRA adapters are not implemented yet"))
+        w = self.worker
+        cfg = w.cfg
+        try:
+            layers = decode_adapter(
+                request.tensors, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                w.slots.moe_layers, w.slots.dtype,
+            )  # fmt: skip
+            if request.scaling not in (0.0, 1.0):
+                raise ValueError(f"scaling {request.scaling}: B must come with the scaling folded in (1)")
+            w.load_adapter(request.adapter_slot, request.name, layers)
+        except ValueError as e:
+            await _abort(context, InvalidRequest(f"adapter {request.name!r}: {e}"))
+        except InvalidRequest as e:
+            await _abort(context, e)
+        return pb.LoadAdapterResponse()
 
     async def UnloadAdapter(self, request, context):
         await self._control(context, "UnloadAdapter")
-        await _abort(context, Unimplemented("MoE LoRA adapters are not implemented yet"))
+        # NOTE: idempotent (unknown names are a no-op), so a rollback may unload everywhere
+        self.worker.unload_adapter(request.name)
+        return pb.UnloadAdapterResponse()
 
     async def _control(self, context: grpc.aio.ServicerContext, what: str) -> None:
         """Aborts a control RPC that lacks the cluster token (when this server has one)."""
