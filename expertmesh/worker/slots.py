@@ -20,6 +20,7 @@ import torch
 
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.errors import InvalidRequest, StaleGeneration
+from expertmesh.placement import MAX_GENERATION
 
 
 class SlotError(InvalidRequest, ValueError):
@@ -119,6 +120,10 @@ class SlotTable:
         return read
 
     def prepare(self, generation: int, table: dict[int, list[int]]) -> int:
+        if generation > MAX_GENERATION:
+            raise SlotError(
+                f"placement generation {generation} is above the largest allowed, {MAX_GENERATION}"
+            )
         if generation <= self.live.generation:
             raise StaleGeneration(
                 f"generation {generation} is not newer than the live {self.live.generation}"
