@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.cluster_config import ClusterConfig
+from coordinator.eplb.plan import EplbConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -41,6 +42,10 @@ class CoordinatorConfig:
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
     http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
+    eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
+
+    lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these
+    max_loras: int = 4  # MoE LoRA adapters loaded at once
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +59,8 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
+        if self.max_loras <= 0:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.default_max_new_tokens <= 0:
             raise ValueError(f"default_max_new_tokens must be positive, got {self.default_max_new_tokens}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -71,9 +71,12 @@ class _Stream:
 class _GrpcReply:
     def __init__(self, fut: Future) -> None:
         self.fut = fut
+        self.compute_ms: float | None = None  # the server's own compute time (EPLB speeds)
 
     def result(self, timeout: float) -> torch.Tensor:  # [T_s, H]
-        return wire.decode(self.fut.result(timeout=timeout).output, "output")
+        resp = self.fut.result(timeout=timeout)
+        self.compute_ms = resp.compute_ms
+        return wire.decode(resp.output, "output")
 
     def release(self) -> None:
         pass
@@ -191,6 +194,20 @@ class ServerConnection:
 
     def abort(self, generation: int, timeout: float) -> None:
         self._apply(pb.ApplyPlacementRequest.ABORT, generation, timeout)
+
+    def load_adapter(self, adapter_slot: int, name: str, tensors: dict, timeout: float) -> None:
+        """MoE LoRA: the server keeps adapter ``name`` (its experts' part) as ``adapter_slot``."""
+        req = pb.LoadAdapterRequest(name=name, adapter_slot=adapter_slot, tensors=tensors, scaling=1.0)
+        try:
+            self.stub.LoadAdapter(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _status_error(self.spec, e) from None
+
+    def unload_adapter(self, name: str, timeout: float) -> None:
+        try:
+            self.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout)
+        except grpc.RpcError as e:
+            raise _status_error(self.spec, e) from None
 
     def _apply(self, phase: int, generation: int, timeout: float, layers: list | None = None) -> None:
         req = pb.ApplyPlacementRequest(phase=phase, generation=generation, layers=layers or [])  # type: ignore[arg-type]

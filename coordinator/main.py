@@ -19,6 +19,7 @@ import torch
 
 from coordinator.cluster_config import ClusterConfig
 from coordinator.coordinator_config import CoordinatorConfig, parse_size
+from coordinator.eplb.plan import EplbConfig
 
 DEFAULT_PORT = 50051
 
@@ -50,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--connect-timeout", type=float, default=10.0, help="seconds per expert-server connect attempt"
     )
     ClusterConfig.add_arguments(p)
+    EplbConfig.add_arguments(p)
+
+    lo = p.add_argument_group("MoE LoRA")
+    lo.add_argument(
+        "--lora-dir", action="append", default=[], help="root under which adapters may be loaded (repeatable)"
+    )
+    lo.add_argument("--max-loras", type=int, default=4, help="adapters loaded at once")
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
@@ -69,6 +77,9 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         connect_timeout_s=args.connect_timeout,
         cluster=ClusterConfig.from_args(args),
         http_port=args.http_port,
+        eplb=EplbConfig.from_args(args),
+        lora_dirs=tuple(args.lora_dir),
+        max_loras=args.max_loras,
     )
 
 
