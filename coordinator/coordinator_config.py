@@ -42,12 +42,15 @@ class CoordinatorConfig:
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
     eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
+    http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} outside 0..65535")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http port {self.http_port} outside 0..65535")
         for name in ("page_size", "kv_memory_bytes", "max_batch_tokens", "max_running", "max_message_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

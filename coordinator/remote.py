@@ -53,6 +53,7 @@ class RemoteDispatcher(Dispatcher):
         # (server, layer, compute ms, (token, k) pairs) per answer that reports its compute
         # time (gRPC answers do; fast-path answers do not): the EPLB load recorder's speeds
         self.server_time_hook: Callable[[int, int, float, int], None] | None = None
+        self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
 
     # ------------------------------------------------------------ the cluster, for callers
 
@@ -102,6 +103,7 @@ class RemoteDispatcher(Dispatcher):
         # NOTE: CPU servers first: they are the slowest, so their work starts earliest.
         conns = self.conns
         batches.sort(key=lambda b: conns[b.server].spec.kind != "cpu")
+        t0 = time.perf_counter()
         adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
         sent: list[tuple[pl.ServerBatch, Reply_]] = []
         for b in batches:
@@ -122,6 +124,8 @@ class RemoteDispatcher(Dispatcher):
                     ms = getattr(reply, "compute_ms", None)
                     if ms is not None and self.server_time_hook is not None:
                         self.server_time_hook(b.server, layer, ms, int((b.slot_ids >= 0).sum()))
+                    if self.on_round_trip is not None:
+                        self.on_round_trip(conns[b.server].spec.name, time.perf_counter() - t0)
                     part = part.to(device=x.device, dtype=x.dtype)
                     if b.rows.numel() == x.shape[0]:  # every row, in order: no index to upload
                         out.add_(part)

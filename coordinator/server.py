@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import eplb_admin
+from coordinator.chat import ChatTemplate
 from coordinator.cluster import ExpertCluster
 from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
 from coordinator.dispatch import Dispatcher, LocalDispatcher
@@ -30,12 +31,15 @@ from coordinator.engine import Engine
 from coordinator.eplb.manager import EplbManager, RebalanceError
 from coordinator.eplb_target import ClusterTarget
 from coordinator.expert_conn import ExpertServerError
+from coordinator.http.server import HttpServer, start_http
 from coordinator.kv_cache import KVCacheSpec
 from coordinator.load_recorder import LoadRecorder
 from coordinator.loader import load_model
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.remote import RemoteDispatcher
 from coordinator.requests import InvalidRequest, RequestLimits, parse_request
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
+from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
 from expertmesh import placement as pl
 from expertmesh.checkpoint import CheckpointReader
@@ -77,6 +81,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             ids, params = parse_request(request, c.request_limits, c.tokenizer)
         except InvalidRequest as e:
+            c.metrics.invalid()  # issue 16: expertmesh_requests_total{status="invalid"}
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not c.experts_ready:
             await context.abort(
@@ -123,9 +128,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         cluster = self.coord.cluster
         infos = cluster.server_infos() if cluster is not None else []
         fields = set(admin_pb2.ServerInfo.DESCRIPTOR.fields_by_name)
-        return admin_pb2.ListServersResponse(
+        resp = admin_pb2.ListServersResponse(
             servers=[admin_pb2.ServerInfo(**{k: v for k, v in i.items() if k in fields}) for i in infos]
         )
+        add_status(self.coord, resp)  # issue 16: round trips and coordinator stats (fields 140+)
+        return resp
 
     async def GetPlacement(self, request, context) -> admin_pb2.PlacementInfo:
         cluster = self.coord.cluster
@@ -225,6 +232,10 @@ class CoordinatorServer(grpc.aio.Server):
         self.health = health.aio.HealthServicer()
         self.experts_ready = cluster is None
         self._watch: asyncio.Task | None = None
+        # issue 16: Prometheus metrics, chat template and the HTTP server (coordinator/http)
+        self.metrics = CoordinatorMetrics(self)
+        self.chat_template = ChatTemplate.from_dir(config.model_dir)
+        self.http: HttpServer | None = None
         cfg = scheduler.engine.config
         self.request_limits = RequestLimits(
             cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens
@@ -276,6 +287,8 @@ class CoordinatorServer(grpc.aio.Server):
         await self._set_health(self.experts_ready)
         self.scheduler.start()
         await self.server.start()
+        if self.config.http_port is not None:  # issue 16
+            self.http = await start_http(self, self.config.host, self.config.http_port)
         if self.cluster is not None:
             self._watch = asyncio.create_task(self._watch_experts(self.cluster))
             self._watch.add_done_callback(_report_crash)
@@ -284,6 +297,8 @@ class CoordinatorServer(grpc.aio.Server):
         if self._watch is not None:
             self._watch.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         await asyncio.to_thread(self.scheduler.stop)
         self.dispatcher.close()
