@@ -41,8 +41,11 @@ class CoordinatorConfig:
     max_message_mb: int = 64
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
-    eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
     http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
+    eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
+
+    lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these
+    max_loras: int = 4  # MoE LoRA adapters loaded at once
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,6 +59,8 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
+        if self.max_loras <= 0:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.default_max_new_tokens <= 0:
             raise ValueError(f"default_max_new_tokens must be positive, got {self.default_max_new_tokens}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

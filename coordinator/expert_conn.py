@@ -195,6 +195,20 @@ class ServerConnection:
     def abort(self, generation: int, timeout: float) -> None:
         self._apply(pb.ApplyPlacementRequest.ABORT, generation, timeout)
 
+    def load_adapter(self, adapter_slot: int, name: str, tensors: dict, timeout: float) -> None:
+        """MoE LoRA: the server keeps adapter ``name`` (its experts' part) as ``adapter_slot``."""
+        req = pb.LoadAdapterRequest(name=name, adapter_slot=adapter_slot, tensors=tensors, scaling=1.0)
+        try:
+            self.stub.LoadAdapter(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _status_error(self.spec, e) from None
+
+    def unload_adapter(self, name: str, timeout: float) -> None:
+        try:
+            self.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout)
+        except grpc.RpcError as e:
+            raise _status_error(self.spec, e) from None
+
     def _apply(self, phase: int, generation: int, timeout: float, layers: list | None = None) -> None:
         req = pb.ApplyPlacementRequest(phase=phase, generation=generation, layers=layers or [])  # type: ignore[arg-type]
         try:

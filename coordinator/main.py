@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ClusterConfig.add_arguments(p)
     EplbConfig.add_arguments(p)
 
+    lo = p.add_argument_group("MoE LoRA")
+    lo.add_argument(
+        "--lora-dir", action="append", default=[], help="root under which adapters may be loaded (repeatable)"
+    )
+    lo.add_argument("--max-loras", type=int, default=4, help="adapters loaded at once")
+
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
@@ -70,8 +76,10 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_message_mb=args.max_message_mb,
         connect_timeout_s=args.connect_timeout,
         cluster=ClusterConfig.from_args(args),
-        eplb=EplbConfig.from_args(args),
         http_port=args.http_port,
+        eplb=EplbConfig.from_args(args),
+        lora_dirs=tuple(args.lora_dir),
+        max_loras=args.max_loras,
     )
 
 

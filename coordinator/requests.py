@@ -5,7 +5,7 @@ prompt ids and :class:`~coordinator.sampler.SamplingParams`."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from coordinator.sampler import SamplingParams
@@ -25,7 +25,10 @@ class RequestLimits:
 
 
 def parse_request(
-    req: generation_pb2.GenerateRequest, limits: RequestLimits, tokenizer: TextTokenizer | None
+    req: generation_pb2.GenerateRequest,
+    limits: RequestLimits,
+    tokenizer: TextTokenizer | None,
+    adapters: Collection[str] = (),
 ) -> tuple[list[int], SamplingParams]:
     """Checks a request and turns it into (prompt ids, sampling params); InvalidRequest says why."""
     if req.prompt and req.input_ids:
@@ -69,8 +72,9 @@ def parse_request(
     if any(not s for s in req.stop):
         raise InvalidRequest("empty stop string")
     _check_ids("stop_token_ids", req.stop_token_ids, limits.vocab_size)
-    if req.lora:
-        raise InvalidRequest(f"unknown adapter {req.lora!r} (no LoRA adapters are loaded)")
+    if req.lora and req.lora not in adapters:
+        loaded = ", ".join(sorted(adapters)) or "none"
+        raise InvalidRequest(f"unknown adapter {req.lora!r} (loaded: {loaded})")
     params = SamplingParams(
         temperature=temperature,
         top_p=top_p,

@@ -35,6 +35,8 @@ from coordinator.http.server import HttpServer, start_http
 from coordinator.kv_cache import KVCacheSpec
 from coordinator.load_recorder import LoadRecorder
 from coordinator.loader import load_model
+from coordinator.lora import AdapterError, LoRAAdapter, enable_lora
+from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError, LoRAService
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.remote import RemoteDispatcher
 from coordinator.requests import InvalidRequest, RequestLimits, parse_request
@@ -79,7 +81,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         c = self.coord
         try:
-            ids, params = parse_request(request, c.request_limits, c.tokenizer)
+            ids, params = parse_request(request, c.request_limits, c.tokenizer, c.lora.usable)
         except InvalidRequest as e:
             c.metrics.invalid()  # issue 16: expertmesh_requests_total{status="invalid"}
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -95,7 +97,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         try:
-            rid = c.scheduler.submit(ids, params, sink)
+            rid = c.scheduler.submit(ids, params, sink, lora=request.lora or None)
         except SchedulerStopped as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         request_id = request.request_id or f"req-{rid}"
@@ -197,6 +199,30 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         policy = self.coord.config.cluster.replica_policy if self.coord.config.cluster else ""
         return eplb_admin.status_pb(m, policy)
 
+    # ------------------------------------------------------------------ MoE LoRA
+
+    async def LoadLoRA(self, request, context) -> admin_pb2.LoRAInfo:
+        service = self.coord.lora
+        try:
+            adapter = await asyncio.to_thread(service.load, request.name, request.path)
+        except _LORA_ERRORS as e:
+            await _lora_abort(context, e)
+        return _lora_info(adapter, service.manager.slot_of[adapter.name])
+
+    async def UnloadLoRA(self, request, context) -> admin_pb2.UnloadLoRAResponse:
+        try:
+            await asyncio.to_thread(self.coord.lora.unload, request.name)
+        except _LORA_ERRORS as e:
+            await _lora_abort(context, e)
+        return admin_pb2.UnloadLoRAResponse()
+
+    async def ListLoRA(self, request, context) -> admin_pb2.ListLoRAResponse:
+        service = self.coord.lora
+        return admin_pb2.ListLoRAResponse(
+            adapters=[_lora_info(a, service.manager.slot_of[a.name]) for a in service.list()],
+            max_loras=service.manager.max_loras,
+        )
+
 
 class _AdminError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
@@ -207,6 +233,34 @@ class _AdminError(Exception):
 async def _abort(context, e: Exception) -> None:
     code = e.code if isinstance(e, _AdminError) else grpc.StatusCode.ABORTED
     await context.abort(code, str(e))
+
+
+_LORA_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (LoRAPermissionError, grpc.StatusCode.PERMISSION_DENIED),
+    (LoRANotFound, grpc.StatusCode.NOT_FOUND),
+    (AdapterError, grpc.StatusCode.INVALID_ARGUMENT),
+    (LoRAPushError, grpc.StatusCode.UNAVAILABLE),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+_LORA_ERRORS = tuple(kind for kind, _ in _LORA_CODES)
+
+
+async def _lora_abort(context: grpc.aio.ServicerContext, e: BaseException) -> None:
+    code = next(code for kind, code in _LORA_CODES if isinstance(e, kind))
+    await context.abort(code, e.args[0] if e.args else str(e))
+
+
+def _lora_info(a: LoRAAdapter, slot: int) -> admin_pb2.LoRAInfo:
+    return admin_pb2.LoRAInfo(
+        name=a.name,
+        path=a.path,
+        adapter_slot=slot,
+        max_rank=a.max_rank,
+        expert_layers=sorted(a.experts),
+        modules=sorted(a.projections),
+    )
 
 
 # ---------------------------------------------------------------------- the server
@@ -231,6 +285,16 @@ class CoordinatorServer(grpc.aio.Server):
         self.cluster = cluster  # None: every expert in process
         self.health = health.aio.HealthServicer()
         self.experts_ready = cluster is None
+        # MoE LoRA: adapter registry + hot-load (coordinator/lora); the engine gets its hooks
+        manager = enable_lora(scheduler.engine, config.max_loras)
+        self.lora = LoRAService(
+            manager,
+            config.lora_dirs,
+            scheduler.call_between_steps,
+            lambda name: int(scheduler.call_between_steps(lambda: scheduler.uses_adapter(name)).result()),
+            cluster,
+            timeout_s=config.cluster.timeout_s if config.cluster is not None else 60.0,
+        )
         self._watch: asyncio.Task | None = None
         # issue 16: Prometheus metrics, chat template and the HTTP server (coordinator/http)
         self.metrics = CoordinatorMetrics(self)

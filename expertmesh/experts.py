@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from expertmesh.lora.moe import LoRABatch, moe_lora_reference
+
 
 class ExpertBackend(ABC):
     """Computes the weighted sum of routed experts for a batch of tokens."""
@@ -31,6 +33,7 @@ class ExpertBackend(ABC):
         w2: torch.Tensor,  # [S, H, I]
         slot_ids: torch.Tensor,  # [T, K] int, -1 = not here
         weights: torch.Tensor,  # [T, K] routing weights
+        lora: LoRABatch | None = None,  # MoE LoRA (expertmesh/lora): per-token adapters
     ) -> torch.Tensor:  # [T, H], dtype of x
         ...
 
@@ -58,5 +61,7 @@ class TorchExpertBackend(ExpertBackend):
 
     name = "torch"
 
-    def forward(self, x, w13, w2, slot_ids, weights):
+    def forward(self, x, w13, w2, slot_ids, weights, lora=None):
+        if lora is not None:
+            return moe_lora_reference(x, w13, w2, slot_ids, weights, lora.weights, lora.token_adapter)
         return torch_moe(x, w13, w2, slot_ids, weights)

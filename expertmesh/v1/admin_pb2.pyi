@@ -229,3 +229,49 @@ class EplbStatus(_message.Message):
     dry_runs: int
     history: _containers.RepeatedCompositeFieldContainer[RebalanceOutcome]
     def __init__(self, interval_steps: _Optional[int] = ..., window_steps: _Optional[int] = ..., redundant_slots: _Optional[int] = ..., replica_policy: _Optional[str] = ..., rebalanced: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., dry_runs: _Optional[int] = ..., history: _Optional[_Iterable[_Union[RebalanceOutcome, _Mapping]]] = ...) -> None: ...
+
+class LoadLoRARequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoRAInfo(_message.Message):
+    __slots__ = ("name", "path", "adapter_slot", "max_rank", "expert_layers", "modules")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    adapter_slot: int
+    max_rank: int
+    expert_layers: _containers.RepeatedScalarFieldContainer[int]
+    modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., adapter_slot: _Optional[int] = ..., max_rank: _Optional[int] = ..., expert_layers: _Optional[_Iterable[int]] = ..., modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadLoRARequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoRARequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoRAResponse(_message.Message):
+    __slots__ = ("adapters", "max_loras")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAInfo]
+    max_loras: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...

@@ -31,6 +31,8 @@ class WorkerConfig:
     shm_spin_us: float = 300.0  # fast paths: poll this long for the next request before sleeping
     metrics_port: int | None = None  # issue 16: Prometheus /metrics here (0 = a free one); None = off
 
+    max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"expert server kind {self.kind!r}: expected one of {KINDS}")
@@ -42,6 +44,8 @@ class WorkerConfig:
             raise ValueError(f"--metrics-port {self.metrics_port} outside 0..65535")
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"--capacity must be positive, got {self.capacity}")
+        if self.max_loras <= 0:
+            raise ValueError(f"--max-loras must be positive, got {self.max_loras}")
         if self.max_message_mb <= 0:
             raise ValueError(f"--max-message-mb must be positive, got {self.max_message_mb}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -88,6 +92,12 @@ class WorkerConfig:
             default=300.0,
             help="fast paths: poll this long for the next request before sleeping (0 = always sleep)",
         )
+        p.add_argument(
+            "--max-loras",
+            type=int,
+            default=4,
+            help="MoE LoRA adapters resident at once (least recently used evicted, reloaded on demand)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, kind: str, device: str) -> WorkerConfig:
@@ -105,4 +115,5 @@ class WorkerConfig:
             shm=not args.no_shm,
             shm_spin_us=args.shm_spin_us,
             metrics_port=args.metrics_port,
+            max_loras=args.max_loras,
         )

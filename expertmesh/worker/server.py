@@ -72,7 +72,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     if config.fast_paths:
         for name in segment.sweep():
             log.info("removed %s from %s (its creator is gone)", name, segment.SHM_DIR)
-    servicer = ExpertWorkerServicer(slots, backend, identity, config.shm_spin_us)
+    servicer = ExpertWorkerServicer(slots, backend, identity, config.shm_spin_us, config.max_loras)
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
     expert_worker_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
