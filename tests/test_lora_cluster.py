@@ -104,6 +104,25 @@ def test_hot_loaded_adapter_matches_peft_beside_base(lora_cluster, capsys):
     assert base_refs[0][0] != lora_refs[0][0] or base_refs[2][0] != lora_refs[2][0]
 
 
+def test_adapter_follows_a_placement_change(lora_cluster):
+    """Experts moved and replicated across servers by a new placement keep the adapter's LoRA:
+    each server gets the LoRA of its new experts in the same PREPARE."""
+    from expertmesh import placement as pl
+
+    _, s, base_refs, lora_refs, _ = lora_cluster
+    cluster = s.server.cluster
+    old = cluster.placement
+    # the GPU server takes 4..7 and a replica of 0; the CPU server 0..3 (it had 3..7)
+    lists = {"gpu0": [4, 5, 6, 7, 0], "cpu0": [0, 1, 2, 3]}
+    new = pl.from_server_lists(old.generation + 1, old.servers, 8, {layer: lists for layer in (0, 1, 2)})
+    assert cluster.update_placement(new, 10.0, s.scheduler.call_between_steps) == []
+    with Client(s.addr) as c:
+        kw = dict(max_new_tokens=STEPS, logprobs=True, ignore_eos=True)
+        for i, p in enumerate(PROMPTS):
+            _check(c.generate(input_ids=p, lora="a", **kw), lora_refs[i])
+            _check(c.generate(input_ids=p, **kw), base_refs[i])
+
+
 def test_bad_loads_get_clear_statuses(lora_cluster, tmp_path):
     root, s, _, _, _ = lora_cluster
     ch, admin = _admin(s.addr)
