@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from expertmesh.transport import negotiate
 
-REPLICA_POLICIES = ("static", "round_robin")
+REPLICA_POLICIES = ("static", "round_robin", "load_aware")
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,12 @@ class ClusterConfig:
         g.add_argument(
             "--placement", default=None, metavar="FILE", help="JSON placement (see expertmesh/placement.py)"
         )
-        g.add_argument("--replica-policy", default="static", choices=list(REPLICA_POLICIES))
+        g.add_argument(
+            "--replica-policy",
+            default="static",
+            choices=list(REPLICA_POLICIES),
+            help="which replica of an expert gets a token: the first, in turn, or the least loaded server's",
+        )
         g.add_argument(
             "--gpu-prefill-token-threshold",
             type=int,

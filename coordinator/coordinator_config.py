@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.cluster_config import ClusterConfig
+from coordinator.eplb.plan import EplbConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -40,6 +41,9 @@ class CoordinatorConfig:
     max_message_mb: int = 64
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
+    http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
+    eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
+
     lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these
     max_loras: int = 4  # MoE LoRA adapters loaded at once
 
@@ -48,6 +52,8 @@ class CoordinatorConfig:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} outside 0..65535")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http port {self.http_port} outside 0..65535")
         for name in ("page_size", "kv_memory_bytes", "max_batch_tokens", "max_running", "max_message_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

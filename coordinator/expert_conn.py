@@ -71,9 +71,12 @@ class _Stream:
 class _GrpcReply:
     def __init__(self, fut: Future) -> None:
         self.fut = fut
+        self.compute_ms: float | None = None  # the server's own compute time (EPLB speeds)
 
     def result(self, timeout: float) -> torch.Tensor:  # [T_s, H]
-        return wire.decode(self.fut.result(timeout=timeout).output, "output")
+        resp = self.fut.result(timeout=timeout)
+        self.compute_ms = resp.compute_ms
+        return wire.decode(resp.output, "output")
 
     def release(self) -> None:
         pass

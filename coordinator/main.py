@@ -19,6 +19,7 @@ import torch
 
 from coordinator.cluster_config import ClusterConfig
 from coordinator.coordinator_config import CoordinatorConfig, parse_size
+from coordinator.eplb.plan import EplbConfig
 
 DEFAULT_PORT = 50051
 
@@ -27,6 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = a free port (printed)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API, /health and /metrics on this port (0 = a free one)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="device of attention, router and KV cache (cpu, cuda)")
     g = p.add_argument_group("scheduling and KV cache")
@@ -44,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--connect-timeout", type=float, default=10.0, help="seconds per expert-server connect attempt"
     )
     ClusterConfig.add_arguments(p)
+    EplbConfig.add_arguments(p)
+
     lo = p.add_argument_group("MoE LoRA")
     lo.add_argument(
         "--lora-dir", action="append", default=[], help="root under which adapters may be loaded (repeatable)"
@@ -67,6 +76,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_message_mb=args.max_message_mb,
         connect_timeout_s=args.connect_timeout,
         cluster=ClusterConfig.from_args(args),
+        http_port=args.http_port,
+        eplb=EplbConfig.from_args(args),
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras,
     )
@@ -82,6 +93,10 @@ async def serve(config: CoordinatorConfig) -> int:
         return 1
     await server.start()
     print(f"coordinator listening on {config.host}:{port}", flush=True)
+    if server.http is not None:
+        print(
+            f"OpenAI-compatible HTTP API and /metrics on http://{config.host}:{server.http.port}", flush=True
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -17,6 +17,7 @@ Shapes: T tokens, K top-k, H hidden, E experts, T_s rows sent to one server.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -49,6 +50,11 @@ class RemoteDispatcher(Dispatcher):
         self._step: pl.ServerTables | None = None  # the placement this step routes with
         self._rr_offset = 0
         self._all_on_gpu = False
+        self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
+
+        # (server, layer, compute ms, (token, k) pairs) per answer that reports its compute
+        # time (gRPC answers do; fast-path answers do not): the EPLB load recorder's speeds
+        self.server_time_hook: Callable[[int, int, float, int], None] | None = None
 
     # ------------------------------------------------------------ the cluster, for callers
 
@@ -98,6 +104,7 @@ class RemoteDispatcher(Dispatcher):
         # NOTE: CPU servers first: they are the slowest, so their work starts earliest.
         conns = self.conns
         batches.sort(key=lambda b: conns[b.server].spec.kind != "cpu")
+        t0 = time.perf_counter()
         adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
         sent: list[tuple[pl.ServerBatch, Reply_]] = []
         for b in batches:
@@ -115,6 +122,12 @@ class RemoteDispatcher(Dispatcher):
             try:
                 for b, reply in sent:
                     part = self._collect(b, reply, layer, x.shape[1], deadline)  # [T_s, H]
+                    if self.on_round_trip is not None:
+                        self.on_round_trip(conns[b.server].spec.name, time.perf_counter() - t0)
+
+                    ms = getattr(reply, "compute_ms", None)
+                    if ms is not None and self.server_time_hook is not None:
+                        self.server_time_hook(b.server, layer, ms, int((b.slot_ids >= 0).sum()))
                     part = part.to(device=x.device, dtype=x.dtype)
                     if b.rows.numel() == x.shape[0]:  # every row, in order: no index to upload
                         out.add_(part)

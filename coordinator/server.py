@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,21 +22,29 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from coordinator import eplb_admin
+from coordinator.chat import ChatTemplate
 from coordinator.cluster import ExpertCluster
 from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
 from coordinator.dispatch import Dispatcher, LocalDispatcher
 from coordinator.engine import Engine
+from coordinator.eplb.manager import EplbManager, RebalanceError
+from coordinator.eplb_target import ClusterTarget
 from coordinator.expert_conn import ExpertServerError
+from coordinator.http.server import HttpServer, start_http
 from coordinator.kv_cache import KVCacheSpec
+from coordinator.load_recorder import LoadRecorder
 from coordinator.loader import load_model
 from coordinator.lora import AdapterError, LoRAAdapter, enable_lora
 from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError, LoRAService
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.remote import RemoteDispatcher
 from coordinator.requests import InvalidRequest, RequestLimits, parse_request
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
+from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
+from expertmesh import placement as pl
 from expertmesh.checkpoint import CheckpointReader
-from expertmesh.config import ModelConfig
 from expertmesh.net import grpc_options
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -47,26 +54,6 @@ log = logging.getLogger("expertmesh.coordinator")
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-
-
-class ExpertLoadRecorder:
-    """Tokens routed to each logical expert of each MoE layer since start (the engine's load hook)."""
-
-    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
-        self.layers = cfg.moe_layer_ids
-        self._row = {layer: i for i, layer in enumerate(self.layers)}
-        self._counts = torch.zeros(len(self.layers), cfg.num_experts, dtype=torch.long, device=device)
-        self._lock = threading.Lock()
-
-    def __call__(self, layer: int, topk_ids: torch.Tensor) -> None:  # topk_ids [T, K]
-        ids = topk_ids.flatten().long()
-        with self._lock:
-            self._counts[self._row[layer]].index_add_(0, ids, torch.ones_like(ids))
-
-    def snapshot(self) -> dict[int, list[int]]:
-        with self._lock:
-            counts = self._counts.cpu()
-        return {layer: counts[i].tolist() for i, layer in enumerate(self.layers)}
 
 
 def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -96,6 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             ids, params = parse_request(request, c.request_limits, c.tokenizer, c.lora.usable)
         except InvalidRequest as e:
+            c.metrics.invalid()  # issue 16: expertmesh_requests_total{status="invalid"}
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not c.experts_ready:
             await context.abort(
@@ -142,9 +130,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         cluster = self.coord.cluster
         infos = cluster.server_infos() if cluster is not None else []
         fields = set(admin_pb2.ServerInfo.DESCRIPTOR.fields_by_name)
-        return admin_pb2.ListServersResponse(
+        resp = admin_pb2.ListServersResponse(
             servers=[admin_pb2.ServerInfo(**{k: v for k, v in i.items() if k in fields}) for i in infos]
         )
+        add_status(self.coord, resp)  # issue 16: round trips and coordinator stats (fields 140+)
+        return resp
 
     async def GetPlacement(self, request, context) -> admin_pb2.PlacementInfo:
         cluster = self.coord.cluster
@@ -163,10 +153,51 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )
 
     async def GetExpertLoad(self, request, context) -> admin_pb2.ExpertLoad:
-        snap = self.coord.load.snapshot()
-        return admin_pb2.ExpertLoad(
-            layers=[admin_pb2.LayerLoad(layer=layer, tokens=t) for layer, t in sorted(snap.items())]
-        )
+        snap = await asyncio.to_thread(self.coord.load.snapshot)
+        cluster = self.coord.cluster
+        return eplb_admin.load_pb(snap, cluster.placement if cluster is not None else None)
+
+    # ---------------------------------------------------------------- EPLB (issue 11)
+
+    def _eplb(self) -> EplbManager:
+        m = self.coord.eplb
+        if m is None:
+            raise _AdminError(
+                grpc.StatusCode.FAILED_PRECONDITION, "no expert servers: every expert runs in process"
+            )
+        return m
+
+    async def Rebalance(self, request, context) -> admin_pb2.RebalanceResponse:
+        try:
+            out = await asyncio.to_thread(self._eplb().rebalance, request.dry_run)
+        except (_AdminError, RebalanceError) as e:
+            await _abort(context, e)
+        return admin_pb2.RebalanceResponse(outcome=eplb_admin.outcome_pb(out))
+
+    async def SetPlacement(self, request, context) -> admin_pb2.SetPlacementResponse:
+        try:
+            m = self._eplb()
+            live = m.target.live_placement()
+            layers = self.coord.scheduler.engine.config.moe_layer_ids
+            new = pl.parse_json(request.placement_json, layers, live.num_experts, live.servers)
+            out = await asyncio.to_thread(m.set_placement, new)
+        except pl.PlacementError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (_AdminError, RebalanceError) as e:
+            await _abort(context, e)
+        if out.kind == "failed":
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"placement not applied, the old one stays: {out.error}"
+            )
+        return admin_pb2.SetPlacementResponse(generation=out.generation)
+
+    async def GetEplbStatus(self, request, context) -> admin_pb2.EplbStatus:
+        try:
+            m = self._eplb()
+        except _AdminError as e:
+            await _abort(context, e)
+        policy = self.coord.config.cluster.replica_policy if self.coord.config.cluster else ""
+        return eplb_admin.status_pb(m, policy)
 
     # ------------------------------------------------------------------ MoE LoRA
 
@@ -191,6 +222,17 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             adapters=[_lora_info(a, service.manager.slot_of[a.name]) for a in service.list()],
             max_loras=service.manager.max_loras,
         )
+
+
+class _AdminError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+async def _abort(context, e: Exception) -> None:
+    code = e.code if isinstance(e, _AdminError) else grpc.StatusCode.ABORTED
+    await context.abort(code, str(e))
 
 
 _LORA_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -234,11 +276,12 @@ class CoordinatorServer(grpc.aio.Server):
         scheduler: Scheduler,
         dispatcher: Dispatcher,
         tokenizer: TextTokenizer | None,
-        load: ExpertLoadRecorder,
+        load: LoadRecorder,
         cluster: ExpertCluster | None = None,
+        eplb: EplbManager | None = None,
     ) -> None:
         self.config, self.server, self.scheduler, self.dispatcher = config, server, scheduler, dispatcher
-        self.tokenizer, self.load = tokenizer, load
+        self.tokenizer, self.load, self.eplb = tokenizer, load, eplb
         self.cluster = cluster  # None: every expert in process
         self.health = health.aio.HealthServicer()
         self.experts_ready = cluster is None
@@ -253,6 +296,10 @@ class CoordinatorServer(grpc.aio.Server):
             timeout_s=config.cluster.timeout_s if config.cluster is not None else 60.0,
         )
         self._watch: asyncio.Task | None = None
+        # issue 16: Prometheus metrics, chat template and the HTTP server (coordinator/http)
+        self.metrics = CoordinatorMetrics(self)
+        self.chat_template = ChatTemplate.from_dir(config.model_dir)
+        self.http: HttpServer | None = None
         cfg = scheduler.engine.config
         self.request_limits = RequestLimits(
             cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens
@@ -304,6 +351,8 @@ class CoordinatorServer(grpc.aio.Server):
         await self._set_health(self.experts_ready)
         self.scheduler.start()
         await self.server.start()
+        if self.config.http_port is not None:  # issue 16
+            self.http = await start_http(self, self.config.host, self.config.http_port)
         if self.cluster is not None:
             self._watch = asyncio.create_task(self._watch_experts(self.cluster))
             self._watch.add_done_callback(_report_crash)
@@ -312,6 +361,8 @@ class CoordinatorServer(grpc.aio.Server):
         if self._watch is not None:
             self._watch.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         await asyncio.to_thread(self.scheduler.stop)
         self.dispatcher.close()
@@ -344,11 +395,21 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         dispatcher = RemoteDispatcher(cfg, config.cluster, dtype, device, cluster)
     else:
         dispatcher = LocalDispatcher(reader, dtype, device)
-    load = ExpertLoadRecorder(cfg, device)
-    engine = Engine(load_model(reader, dtype, device), dispatcher, spec, dtype, device, load_hook=load)
+    num_servers = len(config.cluster.servers) if cluster is not None and config.cluster else 0
+    load = LoadRecorder(cfg.moe_layer_ids, cfg.num_experts, config.eplb.window_steps, num_servers, device)
+    engine = Engine(load_model(reader, dtype, device), dispatcher, spec, dtype, device, load_hook=load.record)
     tokenizer = TextTokenizer.from_dir(config.model_dir)
     limits = SchedulerLimits(config.max_batch_tokens, config.max_running, max_context)
     scheduler = Scheduler(engine, limits, tokenizer, cfg.eos_token_ids)
+    eplb: EplbManager | None = None
+    if cluster is not None:
+        assert config.cluster is not None
+        expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype.itemsize
+        target = ClusterTarget(cluster, config.cluster.timeout_s)
+        eplb = EplbManager(config.eplb, load, target, expert_bytes, scheduler.call_between_steps)
+        engine.after_step = eplb.on_step
+        assert isinstance(dispatcher, RemoteDispatcher)
+        dispatcher.server_time_hook = load.record_server_time
     log.info(
         "KV cache: %d pages of %d tokens (%d tokens), max context %d, tokenizer %s",
         spec.num_pages,
@@ -358,4 +419,4 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         "yes" if tokenizer else "none (input_ids only)",
     )
     server = grpc.aio.server(options=grpc_options(config.max_message_mb << 20))
-    return CoordinatorServer(config, server, scheduler, dispatcher, tokenizer, load, cluster)
+    return CoordinatorServer(config, server, scheduler, dispatcher, tokenizer, load, cluster, eplb)

@@ -7,6 +7,11 @@ import argparse
 import importlib
 import sys
 
+DESCRIPTION = (
+    "Serve Mixture-of-Experts LLMs with the routed experts on GPU and CPU expert servers. "
+    "Start with `expertmesh up --demo`; `expertmesh COMMAND --help` shows a command's flags."
+)
+
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo-model": ("expertmesh.demo.cli", "write the tiny demo checkpoint to a directory"),
@@ -17,12 +22,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("expertmesh.client_cli", "send one generation request to a coordinator"),
     "lora": ("expertmesh.lora.cli", "hot-load, unload or list MoE LoRA adapters on a coordinator"),
     "health": ("expertmesh.health", "exit 0 iff a server's grpc.health.v1 status is SERVING"),
+    "status": ("expertmesh.status_cli", "operator view: servers, placement, KV use, throughput, hot experts"),
+    "load": ("expertmesh.load_cli", "a coordinator's expert load: hot experts and per-server balance"),
+    "placement": ("expertmesh.placement_cli", "show / set the expert placement, or run EPLB now"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="expertmesh", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(prog="expertmesh", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     for name, (module, help_text) in COMMANDS.items():

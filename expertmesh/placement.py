@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.replica import choose_load_aware
+
 
 class PlacementError(ValueError):
     pass
@@ -173,7 +175,19 @@ def static_split(
 def load_file(
     path: str | Path, moe_layers: list[int], num_experts: int, servers: tuple[str, ...]
 ) -> Placement:
-    raw = json.loads(Path(path).read_text())
+    return parse_json(Path(path).read_text(), moe_layers, num_experts, servers, str(path))
+
+
+def parse_json(
+    text: str, moe_layers: list[int], num_experts: int, servers: tuple[str, ...], path: str = "placement"
+) -> Placement:
+    """A placement file's text (see the module docstring) -> a validated placement."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlacementError(f"{path}: not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise PlacementError(f"{path}: expected a JSON object with 'servers' and 'layers'")
     layer_specs = raw.get("layers")
     if not isinstance(layer_specs, dict):
         raise PlacementError(f"{path}: 'layers' must be an object of layer -> {{server: [experts]}}")
@@ -208,6 +222,8 @@ def choose_replicas(
 
     ``static``: always the first replica. ``round_robin``: replicas in turn, (token, k) pairs
     numbered from ``offset`` (callers advance it per step so load spreads over steps too).
+    ``load_aware``: each token to the least loaded of its expert's replicas' servers in this
+    step (expertmesh/replica.py).
     """
     if policy == "static":
         return tables.log2phy[topk_ids, 0]
@@ -216,7 +232,10 @@ def choose_replicas(
         counter = offset + torch.arange(t * k, dtype=torch.long).view(t, k)
         r = counter % tables.logcnt[topk_ids]
         return tables.log2phy[topk_ids, r]
-    raise PlacementError(f"unknown replica policy {policy!r}; expected static or round_robin")
+    if policy == "load_aware":
+        num_servers = int(tables.owner.max()) + 1
+        return choose_load_aware(topk_ids, tables.log2phy, tables.logcnt, tables.owner, num_servers)
+    raise PlacementError(f"unknown replica policy {policy!r}; expected static, round_robin or load_aware")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ class ListServersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("name", "address", "kind", "state", "device", "slot_capacity", "slots_used", "transport", "last_error")
+    __slots__ = ("name", "address", "kind", "state", "device", "slot_capacity", "slots_used", "transport", "last_error", "layer_round_trips", "layer_round_trip_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class ServerInfo(_message.Message):
     SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ROUND_TRIPS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ROUND_TRIP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     kind: str
@@ -30,13 +32,45 @@ class ServerInfo(_message.Message):
     slots_used: int
     transport: str
     last_error: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., slot_capacity: _Optional[int] = ..., slots_used: _Optional[int] = ..., transport: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
+    layer_round_trips: int
+    layer_round_trip_seconds: float
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., slot_capacity: _Optional[int] = ..., slots_used: _Optional[int] = ..., transport: _Optional[str] = ..., last_error: _Optional[str] = ..., layer_round_trips: _Optional[int] = ..., layer_round_trip_seconds: _Optional[float] = ...) -> None: ...
 
 class ListServersResponse(_message.Message):
-    __slots__ = ("servers",)
+    __slots__ = ("servers", "coordinator")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ...) -> None: ...
+    coordinator: CoordinatorStats
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., coordinator: _Optional[_Union[CoordinatorStats, _Mapping]] = ...) -> None: ...
+
+class CoordinatorStats(_message.Message):
+    __slots__ = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total", "kv_page_size", "requests_finished", "prompt_tokens", "generation_tokens", "steps", "preemptions", "uptime_seconds", "placement_generation")
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    requests_running: int
+    requests_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    kv_page_size: int
+    requests_finished: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    preemptions: int
+    uptime_seconds: float
+    placement_generation: int
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., placement_generation: _Optional[int] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
     __slots__ = ()
@@ -69,18 +103,132 @@ class GetExpertLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LayerLoad(_message.Message):
-    __slots__ = ("layer", "tokens")
+    __slots__ = ("layer", "tokens", "window_tokens")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layer: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    window_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., window_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
-    __slots__ = ("layers",)
+    __slots__ = ("layers", "window_steps", "steps", "servers")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[LayerLoad]
-    def __init__(self, layers: _Optional[_Iterable[_Union[LayerLoad, _Mapping]]] = ...) -> None: ...
+    window_steps: int
+    steps: int
+    servers: _containers.RepeatedCompositeFieldContainer[ServerLoad]
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerLoad, _Mapping]]] = ..., window_steps: _Optional[int] = ..., steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerLoad, _Mapping]]] = ...) -> None: ...
+
+class ServerLoad(_message.Message):
+    __slots__ = ("name", "window_tokens", "compute_ms", "computed_tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    window_tokens: _containers.RepeatedScalarFieldContainer[float]
+    compute_ms: float
+    computed_tokens: float
+    def __init__(self, name: _Optional[str] = ..., window_tokens: _Optional[_Iterable[float]] = ..., compute_ms: _Optional[float] = ..., computed_tokens: _Optional[float] = ...) -> None: ...
+
+class RebalanceRequest(_message.Message):
+    __slots__ = ("dry_run",)
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+
+class RebalanceOutcome(_message.Message):
+    __slots__ = ("outcome", "trigger", "reason", "error", "generation", "token_balance_before", "token_balance_after", "time_before", "time_after", "weights_moved", "bytes_moved", "compute_ms", "prepare_ms", "commit_ms", "layers_kept", "layers_searched", "layers_scratch", "placement_json", "unix_time")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BALANCE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BALANCE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    TIME_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    TIME_AFTER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_SEARCHED_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_SCRATCH_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    trigger: str
+    reason: str
+    error: str
+    generation: int
+    token_balance_before: float
+    token_balance_after: float
+    time_before: float
+    time_after: float
+    weights_moved: int
+    bytes_moved: int
+    compute_ms: float
+    prepare_ms: float
+    commit_ms: float
+    layers_kept: int
+    layers_searched: int
+    layers_scratch: int
+    placement_json: str
+    unix_time: float
+    def __init__(self, outcome: _Optional[str] = ..., trigger: _Optional[str] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., generation: _Optional[int] = ..., token_balance_before: _Optional[float] = ..., token_balance_after: _Optional[float] = ..., time_before: _Optional[float] = ..., time_after: _Optional[float] = ..., weights_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., compute_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., layers_kept: _Optional[int] = ..., layers_searched: _Optional[int] = ..., layers_scratch: _Optional[int] = ..., placement_json: _Optional[str] = ..., unix_time: _Optional[float] = ...) -> None: ...
+
+class RebalanceResponse(_message.Message):
+    __slots__ = ("outcome",)
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    outcome: RebalanceOutcome
+    def __init__(self, outcome: _Optional[_Union[RebalanceOutcome, _Mapping]] = ...) -> None: ...
+
+class SetPlacementRequest(_message.Message):
+    __slots__ = ("placement_json",)
+    PLACEMENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    placement_json: str
+    def __init__(self, placement_json: _Optional[str] = ...) -> None: ...
+
+class SetPlacementResponse(_message.Message):
+    __slots__ = ("generation", "weights_moved")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    weights_moved: int
+    def __init__(self, generation: _Optional[int] = ..., weights_moved: _Optional[int] = ...) -> None: ...
+
+class GetEplbStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EplbStatus(_message.Message):
+    __slots__ = ("interval_steps", "window_steps", "redundant_slots", "replica_policy", "rebalanced", "skipped", "failed", "dry_runs", "history")
+    INTERVAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_POLICY_FIELD_NUMBER: _ClassVar[int]
+    REBALANCED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUNS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    interval_steps: int
+    window_steps: int
+    redundant_slots: int
+    replica_policy: str
+    rebalanced: int
+    skipped: int
+    failed: int
+    dry_runs: int
+    history: _containers.RepeatedCompositeFieldContainer[RebalanceOutcome]
+    def __init__(self, interval_steps: _Optional[int] = ..., window_steps: _Optional[int] = ..., redundant_slots: _Optional[int] = ..., replica_policy: _Optional[str] = ..., rebalanced: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., dry_runs: _Optional[int] = ..., history: _Optional[_Iterable[_Union[RebalanceOutcome, _Mapping]]] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
     __slots__ = ("name", "path")

@@ -29,6 +29,8 @@ class WorkerConfig:
     max_message_mb: int = 256
     shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
     shm_spin_us: float = 300.0  # fast paths: poll this long for the next request before sleeping
+    metrics_port: int | None = None  # issue 16: Prometheus /metrics here (0 = a free one); None = off
+
     max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
 
     def __post_init__(self) -> None:
@@ -38,6 +40,8 @@ class WorkerConfig:
             raise ValueError(f"--dtype {self.dtype!r}: expected one of {DTYPES}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} outside 0..65535")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port} outside 0..65535")
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"--capacity must be positive, got {self.capacity}")
         if self.max_loras <= 0:
@@ -75,6 +79,9 @@ class WorkerConfig:
         )
         p.add_argument("--max-message-mb", type=int, default=256)
         p.add_argument(
+            "--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0 = a free port)"
+        )
+        p.add_argument(
             "--no-shm",
             action="store_true",
             help="offer no shared-memory or CUDA IPC fast path: coordinators on this host use gRPC",
@@ -107,5 +114,6 @@ class WorkerConfig:
             max_message_mb=args.max_message_mb,
             shm=not args.no_shm,
             shm_spin_us=args.shm_spin_us,
+            metrics_port=args.metrics_port,
             max_loras=args.max_loras,
         )

@@ -23,6 +23,7 @@ from expertmesh.errors import ExpertMeshError, InvalidRequest, StaleGeneration
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora import LoRABatch
 from expertmesh.lora.store import AdapterStore, AdapterStoreError, LayerAdapter
+from expertmesh.metrics import WorkerMetrics
 from expertmesh.worker.slots import SlotTable
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
 
@@ -54,6 +55,7 @@ class ExpertWorker:
         self.slots, self.backend, self.identity = slots, backend, identity
         self.cfg = slots.reader.config
         self.stats = WorkerStats()
+        self.metrics = WorkerMetrics(self)  # issue 16: Prometheus /metrics (--metrics-port)
         self.tokens_per_slot: dict[int, np.ndarray] = {}  # layer -> [S] tokens routed to each slot
         # MoE-LoRA adapter slots pushed here (LoadAdapter); -1 in a request = no adapter
         self.adapter_slots: frozenset[int] = frozenset()
@@ -159,12 +161,13 @@ class ExpertWorker:
         """Check + compute for a fast-path request (on its channel's thread): ``[T, H]`` on device."""
         try:
             return self.compute(self.check(req), to_host=False)
-        except ExpertMeshError:
-            self.count_error()
+        except ExpertMeshError as e:
+            self.count_error(e)
             raise
 
-    def count_error(self) -> None:
+    def count_error(self, err: ExpertMeshError | None = None) -> None:
         self.stats.errors += 1
+        self.metrics.reject(err)
 
     def _compute_locked(self, req: ExpertRequest, to_host: bool) -> torch.Tensor:
         live = self.slots.live
@@ -183,7 +186,9 @@ class ExpertWorker:
         )
         if to_host:
             out = out.cpu()
-        self.stats.compute_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.compute_seconds += dt
+        self.metrics.compute(req.layer, dt)
         self.stats.requests += 1
         self.stats.tokens += req.hidden.shape[0]
         # NOTE: numpy: on these few numbers its ops cost a fraction of torch's per-op overhead

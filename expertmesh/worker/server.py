@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
+from expertmesh.metrics import serve_metrics
 from expertmesh.net import grpc_options, host_id
 from expertmesh.transport import segment
 from expertmesh.v1 import expert_worker_pb2, expert_worker_pb2_grpc
@@ -42,11 +44,15 @@ class RunningWorker:
     servicer: ExpertWorkerServicer
     health: health.aio.HealthServicer
     preload: asyncio.Task
+    metrics_port: int | None = None  # issue 16
+    metrics_server: Any = None
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         self.servicer.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
 
 
 async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> RunningWorker:
@@ -91,7 +97,11 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    return RunningWorker(server, port, servicer, health_servicer, asyncio.create_task(preload()))
+    w = RunningWorker(server, port, servicer, health_servicer, asyncio.create_task(preload()))
+    if config.metrics_port is not None:  # issue 16
+        registry = servicer.worker.metrics.registry
+        w.metrics_server, _, w.metrics_port = serve_metrics(registry, config.host, config.metrics_port)
+    return w
 
 
 def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> int:
@@ -104,6 +114,8 @@ def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         print(f"{config.kind} expert server listening on {config.host}:{w.port}", flush=True)
+        if w.metrics_port is not None:
+            print(f"Prometheus metrics on http://{config.host}:{w.metrics_port}/metrics", flush=True)
         done, _ = await asyncio.wait(
             [asyncio.ensure_future(stop.wait()), w.preload], return_when=asyncio.FIRST_COMPLETED
         )

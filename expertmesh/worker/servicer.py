@@ -83,7 +83,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                     t0 = time.perf_counter()
                     out = await self._run(loop, req)
                 except ExpertMeshError as e:
-                    self.worker.count_error()
+                    self.worker.count_error(e)
                     await _abort(context, e)
                     return
                 yield pb.ForwardResponse(
