@@ -10,6 +10,7 @@ that server."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 
 import grpc
@@ -101,6 +102,22 @@ def test_hot_loaded_adapter_matches_peft_beside_base(lora_cluster, capsys):
     for i in range(len(PROMPTS)):
         _check(results[2 * i], base_refs[i])
         _check(results[2 * i + 1], lora_refs[i])
+    ids = ",".join(map(str, PROMPTS[2]))
+    argv = [
+        "generate",
+        "--addr",
+        s.addr,
+        "--input-ids",
+        ids,
+        "--max-new-tokens",
+        "4",
+        "--json",
+        "--ignore-eos",
+        "--lora",
+        "a",
+    ]
+    assert cli(argv) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == lora_refs[2][0][:4]
     assert base_refs[0][0] != lora_refs[0][0] or base_refs[2][0] != lora_refs[2][0]
 
 
