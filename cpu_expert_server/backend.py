@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from cpu_expert_server import kernels
 from cpu_expert_server.packing import WEIGHT_DTYPES, PackedFormat, dequantize_rows, pack, split_gate_up
 from expertmesh.experts import ExpertBackend
+from expertmesh.lora.moe import LoRABatch, MoELoRAWeights, moe_lora_reference
 
 log = logging.getLogger("expertmesh.cpu_backend")
 
@@ -69,10 +70,12 @@ class CpuExpertBackend(ExpertBackend):
         self.fmt = fmt
         return pack(w13.contiguous(), w2.contiguous(), fmt)
 
-    def forward(self, x, w13, w2, slot_ids, weights):
+    def forward(self, x, w13, w2, slot_ids, weights, lora=None):
         t, h = x.shape
         if t == 0 or w13.shape[0] == 0 or self.fmt is None:
             return torch.zeros_like(x)
+        if lora is not None:
+            return self._with_lora(x, w13, w2, slot_ids, weights, lora)
         fmt = self.fmt
         assert h == fmt.hidden, f"{h=} {fmt=}"
         wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
@@ -146,6 +149,32 @@ class CpuExpertBackend(ExpertBackend):
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         out.index_add_(0, tok[counts[0] :], ys[counts[0] :].float() * w[:, None])
         return out.to(x.dtype)
+
+    def _with_lora(self, x, w13, w2, slot_ids, weights, lora: LoRABatch) -> torch.Tensor:
+        """MoE LoRA: the delta goes inside each expert (before the activation), which the packed
+        kernels do not do, so the active slots are unpacked and the batched reference runs on
+        them (and on the matching slices of the LoRA buffers)."""
+        fmt = self.fmt
+        assert fmt is not None
+        if ((slot_ids < -1) | (slot_ids >= w13.shape[0])).any():
+            raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
+        active = torch.unique(slot_ids[slot_ids >= 0])  # [A] sorted local slots
+        remap = torch.full((w13.shape[0],), -1, dtype=torch.long)
+        remap[active] = torch.arange(active.numel())
+        local = torch.where(slot_ids >= 0, remap[slot_ids.clamp_min(0).long()], -1)  # [T, K]
+        dense13, dense2 = [], []
+        for s in active.tolist():
+            gate_up = self._dense(w13[s], fmt.hidden, fmt.g13, x.dtype)  # [2I, H] interleaved rows
+            gate, up = split_gate_up(gate_up.t(), fmt.rb)  # [H, I] each
+            dense13.append(torch.cat([gate, up], dim=1).t())  # [2I, H] gate rows, then up rows
+            dense2.append(self._dense(w2[s], fmt.inter, fmt.g2, x.dtype))  # [H, I]
+        if not dense13:
+            return torch.zeros_like(x)
+        lw = lora.weights
+        sub = MoELoRAWeights(*(w[:, active] for w in (lw.a13, lw.b13, lw.a2, lw.b2)))  # [L, A, ...]
+        return moe_lora_reference(
+            x, torch.stack(dense13), torch.stack(dense2), local, weights, sub, lora.token_adapter
+        )
 
 
 def make_backend(threads: int | None = None, weight_dtype: str = "bfloat16") -> ExpertBackend:
