@@ -136,7 +136,9 @@ def test_fp8_backend_keeps_experts_fp8(tmp_path, device):
     if device == "cuda" and torch.cuda.get_device_capability() >= (8, 9):
         assert isinstance(fp8_backend_for(str(tmp_path), device), Fp8TritonBackend)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    slots = SlotTable(reader, dtype, dev, 8, lambda layer, e: backend.read_expert(reader, layer, e, dev))
+    slots = SlotTable(
+        reader, dtype, dev, 8, read_expert=lambda layer, e: backend.read_expert(reader, layer, e, dev)
+    )
     experts = [0, 2, 3, 5, 7]
     slots.preload(experts)
     live = slots.live.layers[2]

@@ -64,7 +64,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     # a backend that keeps experts as stored (FP8) reads them itself (issue 13)
     read = getattr(backend, "read_expert", None)
     hook = (lambda layer, e: read(reader, layer, e, device)) if read is not None else None
-    slots = SlotTable(reader, config.torch_dtype, device, capacity, hook)
+    slots = SlotTable(reader, config.torch_dtype, device, capacity, backend.pack_weights, hook)
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
         kind=config.kind,
@@ -77,7 +77,16 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     if config.fast_paths:
         for name in segment.sweep():
             log.info("removed %s from %s (its creator is gone)", name, segment.SHM_DIR)
-    servicer = ExpertWorkerServicer(slots, backend, identity, config.shm_spin_us, config.max_loras)
+    servicer = ExpertWorkerServicer(
+        slots, backend, identity, config.shm_spin_us, config.max_loras, config.cluster_token
+    )
+    if not config.cluster_token:
+        log.warning(
+            "no cluster token: any client that reaches %s:%d can push this server a placement "
+            "(start it with --cluster-token or EXPERTMESH_CLUSTER_TOKEN, the coordinator too)",
+            config.host,
+            config.port,
+        )
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
     expert_worker_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -20,6 +20,7 @@ import torch
 
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.errors import InvalidRequest, StaleGeneration
+from expertmesh.placement import MAX_GENERATION
 
 
 class SlotError(InvalidRequest, ValueError):
@@ -29,8 +30,8 @@ class SlotError(InvalidRequest, ValueError):
 @dataclass(frozen=True)
 class LayerSlots:
     experts: tuple[int, ...]  # [S] logical expert of each local slot
-    w13: torch.Tensor  # [S, 2I, H]
-    w2: torch.Tensor  # [S, H, I]
+    w13: torch.Tensor  # [S, 2I, H], or the backend's packed layout (slot still dim 0)
+    w2: torch.Tensor  # [S, H, I], or packed
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,15 @@ class SlotTable:
         dtype: torch.dtype,
         device: torch.device,
         capacity: int,
+        pack: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
         read_expert: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.reader, self.dtype, self.device, self.capacity = reader, dtype, device, capacity
-        # (layer, expert) -> the backend's own per-slot rows (FP8 experts kept as stored);
-        # None: float weights in the compute dtype
+        # ExpertBackend.pack_weights: applied once per expert as it is read, so reuse and stacking
+        # work on packed tensors
+        self.pack = pack or (lambda w13, w2: (w13, w2))
+        # (layer, expert) -> the backend's own per-slot rows, read as stored (FP8 experts, issue
+        # 13); replaces both the float read and pack. None: float weights, then pack
         self.read_expert = read_expert
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
@@ -79,7 +84,10 @@ class SlotTable:
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         dt, dev = self.dtype, self.device
         return LayerSlots(
-            (), torch.empty(0, 2 * i, h, dtype=dt, device=dev), torch.empty(0, h, i, dtype=dt, device=dev)
+            (),
+            *self.pack(
+                torch.empty(0, 2 * i, h, dtype=dt, device=dev), torch.empty(0, h, i, dtype=dt, device=dev)
+            ),
         )
 
     def _build(self, layer: int, experts: list[int], reuse: LayerSlots | None) -> tuple[LayerSlots, int]:
@@ -102,8 +110,11 @@ class SlotTable:
                 read += 1
                 continue
             w = self.reader.expert_weights(layer, e)
-            w13.append(w.w13.to(self.device, self.dtype))
-            w2.append(w.w2.to(self.device, self.dtype))
+            p13, p2 = self.pack(
+                w.w13.to(self.device, self.dtype)[None], w.w2.to(self.device, self.dtype)[None]
+            )
+            w13.append(p13[0])
+            w2.append(p2[0])
             read += 1
         if not experts:
             return self._empty(), 0
@@ -119,6 +130,10 @@ class SlotTable:
         return read
 
     def prepare(self, generation: int, table: dict[int, list[int]]) -> int:
+        if generation > MAX_GENERATION:
+            raise SlotError(
+                f"placement generation {generation} is above the largest allowed, {MAX_GENERATION}"
+            )
         if generation <= self.live.generation:
             raise StaleGeneration(
                 f"generation {generation} is not newer than the live {self.live.generation}"
