@@ -172,8 +172,10 @@ def test_kimi_k2_fp8_yarn_over_cluster(tmp_path):
             check_parity(eng, hf)
             infos = d.server_infos()
             assert {i["kind"] for i in infos} == {"gpu", "cpu"}
-            # on the CPU both servers hold the experts dequantised (Describe.weight_dtype)
-            assert {i["weight_dtype"] for i in infos} == {"float32"}
+            # on the CPU both servers hold the experts dequantised (Describe.weight_dtype): the
+            # gpu-server's torch backend in the compute dtype, the cpu-server in its packing dtype
+            dtypes = {i["kind"]: i["weight_dtype"] for i in infos}
+            assert dtypes["gpu"] == "float32" and dtypes["cpu"] in ("float32", "bfloat16", "int8"), dtypes
         finally:
             d.close()
     finally:
