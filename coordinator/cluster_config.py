@@ -4,8 +4,9 @@ frozen ``ClusterConfig`` (and its command-line flags)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from expertmesh import cores
 from expertmesh.transport import negotiate
 
 
@@ -30,7 +31,8 @@ class ClusterConfig:
     transport: str = "auto"  # auto | grpc | shm | cuda_ipc (expertmesh/transport/negotiate.py)
     max_message_mb: int = 256
     shm_ring_mb: float = 64  # per server stream; a payload that does not fit goes over gRPC
-    shm_spin_us: float = 300.0  # poll for a fast-path answer this long before sleeping
+    # poll for a fast-path answer this long before sleeping (0 where cores are scarce)
+    shm_spin_us: float = field(default_factory=cores.default_spin_us)
 
     def __post_init__(self) -> None:
         assert self.replica_policy in ("static", "round_robin"), f"{self.replica_policy=}"
@@ -92,8 +94,9 @@ class ClusterConfig:
         g.add_argument(
             "--shm-spin-us",
             type=float,
-            default=300.0,
-            help="fast paths: poll this long for an answer before sleeping (0 = always sleep)",
+            default=cores.default_spin_us(),
+            help="fast paths: poll this long for an answer before sleeping (0 = always sleep; "
+            "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
         )
 
     @classmethod

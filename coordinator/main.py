@@ -15,9 +15,8 @@ import signal
 import sys
 from collections.abc import Coroutine
 
-import torch
-
 from coordinator.remote import ClusterConfig
+from expertmesh import cores
 
 DEFAULT_PORT = 50051
 
@@ -97,7 +96,7 @@ def _run_loop(main: Coroutine[object, object, int]) -> int:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
-        torch.set_num_threads(args.threads)
+        cores.set_torch_threads(args.threads)  # intra- and inter-op pools
     try:
         return _run_loop(serve(config_from_args(args)))
     except ValueError as e:  # bad flags, checkpoint or config: ConfigError, CheckpointError, ...

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
+from expertmesh import cores
 from expertmesh.experts import TorchExpertBackend
 from expertmesh.worker.server import WorkerConfig, serve
 
@@ -35,5 +34,5 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 def run(args: argparse.Namespace) -> int:
     if args.threads:
-        torch.set_num_threads(args.threads)
+        cores.set_torch_threads(args.threads)  # intra- and inter-op pools
     return serve(config_from_args(args), TorchExpertBackend())

@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -19,7 +19,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from expertmesh import wire
+from expertmesh import cores, wire
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
 from expertmesh.transport import segment
@@ -59,7 +59,8 @@ class WorkerConfig:
     capacity: int | None = None  # local slots per layer; default: the model's expert count
     max_message_mb: int = 256
     shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
-    shm_spin_us: float = 300.0  # fast paths: poll this long for the next request before sleeping
+    # fast paths: poll this long for the next request before sleeping (0 where cores are scarce)
+    shm_spin_us: float = field(default_factory=cores.default_spin_us)
 
     def __post_init__(self) -> None:
         assert self.kind in ("gpu", "cpu"), f"{self.kind=}"
@@ -98,8 +99,9 @@ class WorkerConfig:
         p.add_argument(
             "--shm-spin-us",
             type=float,
-            default=300.0,
-            help="fast paths: poll this long for the next request before sleeping (0 = always sleep)",
+            default=cores.default_spin_us(),
+            help="fast paths: poll this long for the next request before sleeping (0 = always sleep; "
+            "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
         )
 
     @property
