@@ -16,6 +16,7 @@ import sys
 from collections.abc import Coroutine
 
 from coordinator.remote import ClusterConfig
+from coordinator.requests import InputLimits
 from expertmesh import cores
 
 DEFAULT_PORT = 50051
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--connect-timeout", type=float, default=10.0, help="seconds per expert-server connect attempt"
     )
     ClusterConfig.add_arguments(p)
+    InputLimits.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -62,6 +64,7 @@ def config_from_args(args: argparse.Namespace):
         max_message_mb=args.max_message_mb,
         connect_timeout_s=args.connect_timeout,
         cluster=ClusterConfig.from_args(args),
+        input_limits=InputLimits.from_args(args),
     )
 
 

@@ -30,7 +30,13 @@ from coordinator.engine import Engine
 from coordinator.kv_cache import KVCacheSpec
 from coordinator.loader import load_model
 from coordinator.remote import ClusterConfig, ExpertServerError, RemoteDispatcher
-from coordinator.requests import InvalidRequest, RequestLimits, parse_request
+from coordinator.requests import (
+    InputLimits,
+    InvalidRequest,
+    RequestLimits,
+    add_generation_servicer,
+    parse_request_async,
+)
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
 from coordinator.tokenizer import TextTokenizer
 from expertmesh.checkpoint import CheckpointReader
@@ -71,6 +77,7 @@ class CoordinatorConfig:
     max_message_mb: int = 64
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
+    input_limits: InputLimits = InputLimits()  # per-request caps (coordinator/requests.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -141,7 +148,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         c = self.coord
         try:
-            ids, params = parse_request(request, c.request_limits, c.tokenizer)
+            ids, params = await parse_request_async(request, c.request_limits, c.tokenizer)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not c.experts_ready:
@@ -238,9 +245,9 @@ class CoordinatorServer(grpc.aio.Server):
         self._watch: asyncio.Task | None = None
         cfg = scheduler.engine.config
         self.request_limits = RequestLimits(
-            cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens
+            cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens, config.input_limits
         )
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self), server)
+        add_generation_servicer(GenerationServicer(self), server)  # INVALID_ARGUMENT for non-UTF-8
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
