@@ -7,10 +7,14 @@ PROMPT ?= Once upon a time
 
 .PHONY: demo test lint venv
 
+# NOTE: the first install fetches about 2.3 GB (torch, triton, transformers); pip's own
+# progress is shown so it does not look hung (1.5-3 min on a fast link, longer on a slow one).
 $(BIN)/expertmesh: pyproject.toml constraints.txt
+	@echo ">>> creating $(VENV) and installing expertmesh with its dependencies (first time: ~2.3 GB, typically 1.5-3 min)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(PIP_FLAGS) -e '.[test]'
+	$(BIN)/pip install $(PIP_FLAGS) -e '.[test]'
+	@echo ">>> $(VENV) is ready"
 	touch $@
 
 venv: $(BIN)/expertmesh

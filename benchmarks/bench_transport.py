@@ -52,6 +52,7 @@ from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec  # no
 from expertmesh import placement as pl  # noqa: E402
 from expertmesh.checkpoint import CheckpointReader  # noqa: E402
 from expertmesh.wire import parse_dtype  # noqa: E402
+from expertmesh.worker_api import ExpertRequest  # noqa: E402
 from tests.cluster_utils import start_server  # noqa: E402
 
 
@@ -175,7 +176,7 @@ class _EchoClient:
 
         self.seq += 1
         if self.fast is not None:
-            r = self.fast.send(self.seq, 0, 0, x, rows, slots, w, x.dtype)
+            r = self.fast.send(ExpertRequest(self.seq, 0, 0, x, slots, w, rows=rows), x.dtype)
             assert r is not None
             r.result(30)
             r.release()
@@ -288,7 +289,8 @@ def layer(args: argparse.Namespace) -> None:
             # dispatchers use the live one (the slot tables are identical)
             live = max(d.placement.generation for d in remotes.values())
             for d in remotes.values():
-                d.placement = d.placement.with_generation(live)
+                c = d.expert_cluster
+                c.tables = pl.server_tables(c.placement.with_generation(live))
             backend = None
             if dev.type == "cuda":
                 from gpu_server.backend import make_backend
@@ -318,7 +320,16 @@ def layer(args: argparse.Namespace) -> None:
                         server_ms: list[float] = []
 
                         def bare_rt(conn=conn, d=d, x=x, bare=bare, server_ms=server_ms) -> None:
-                            r = conn.submit(d.placement.generation, 0, x, bare)
+                            req = ExpertRequest(
+                                conn.next_seq(),
+                                d.placement.generation,
+                                0,
+                                x,
+                                bare.slot_ids,
+                                bare.weights,
+                                rows=bare.rows,
+                            )
+                            r = conn.submit(req)
                             r.result(30)
                             r.release()
                             if hasattr(r, "reply"):  # fast path: the server's own time

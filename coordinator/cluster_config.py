@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from expertmesh import cores
 from expertmesh.transport import negotiate
 
+REPLICA_POLICIES = ("static", "round_robin")
+
 
 @dataclass(frozen=True)
 class ServerSpec:
@@ -17,7 +19,8 @@ class ServerSpec:
     kind: str  # "gpu" | "cpu"
 
     def __post_init__(self) -> None:
-        assert self.kind in ("gpu", "cpu"), f"{self.kind=}"
+        if self.kind not in ("gpu", "cpu"):
+            raise ValueError(f"expert server {self.name}: kind {self.kind!r}, expected gpu or cpu")
 
 
 @dataclass(frozen=True)
@@ -35,12 +38,23 @@ class ClusterConfig:
     shm_spin_us: float = field(default_factory=cores.default_spin_us)
 
     def __post_init__(self) -> None:
-        assert self.replica_policy in ("static", "round_robin"), f"{self.replica_policy=}"
-        assert self.transport in negotiate.CHOICES, f"{self.transport=}"
-        assert self.shm_ring_bytes >= 4096, f"{self.shm_ring_mb=}"
-        assert self.timeout_s > 0, f"{self.timeout_s=}"
+        if self.replica_policy not in REPLICA_POLICIES:
+            raise ValueError(f"--replica-policy {self.replica_policy!r}: expected one of {REPLICA_POLICIES}")
+        if self.transport not in negotiate.CHOICES:
+            raise ValueError(f"--transport {self.transport!r}: expected one of {negotiate.CHOICES}")
+        if self.shm_ring_bytes < 4096:
+            raise ValueError(f"--shm-ring-mb {self.shm_ring_mb}: the ring needs at least 4 KiB")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--expert-timeout must be positive, got {self.timeout_s}")
+        if self.max_message_mb <= 0:
+            raise ValueError(f"max_message_mb must be positive, got {self.max_message_mb}")
+        if self.gpu_prefill_token_threshold < 0:
+            raise ValueError(
+                f"--gpu-prefill-token-threshold must be >= 0, got {self.gpu_prefill_token_threshold}"
+            )
         names = [s.name for s in self.servers]
-        assert len(set(names)) == len(names), f"duplicate server names {names}"
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate expert server names {names}")
         if self.gpu_prefill_token_threshold and not self.gpu:
             raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server")
 
@@ -65,7 +79,7 @@ class ClusterConfig:
         g.add_argument(
             "--placement", default=None, metavar="FILE", help="JSON placement (see expertmesh/placement.py)"
         )
-        g.add_argument("--replica-policy", default="static", choices=["static", "round_robin"])
+        g.add_argument("--replica-policy", default="static", choices=list(REPLICA_POLICIES))
         g.add_argument(
             "--gpu-prefill-token-threshold",
             type=int,

@@ -62,6 +62,16 @@ def stack_experts(
     return w13, w2
 
 
+def default_backend(device: torch.device) -> ExpertBackend:
+    """The fused Triton kernels on CUDA (the GPU expert server's backend), plain torch elsewhere."""
+    if device.type == "cuda":
+        # NOTE: imported here so the CPU coordinator never loads Triton
+        from gpu_server.backend import make_backend
+
+        return make_backend(str(device))
+    return TorchExpertBackend()
+
+
 class LocalDispatcher(Dispatcher):
     """All routed experts in this process: the in-process engine path and the reference."""
 
@@ -73,7 +83,7 @@ class LocalDispatcher(Dispatcher):
         backend: ExpertBackend | None = None,
     ) -> None:
         cfg = reader.config
-        self.backend = backend or TorchExpertBackend()
+        self.backend = backend or default_backend(device)
         all_experts = list(range(cfg.num_experts))
         self.slots = {
             layer: stack_experts(reader, layer, all_experts, dtype, device) for layer in cfg.moe_layer_ids

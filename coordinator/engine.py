@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from coordinator.batch import ForwardBatch
+from coordinator.cuda_graphs import DecodeGraphs
 from coordinator.dispatch import Dispatcher, LocalDispatcher
 from coordinator.kv_cache import KVCache, KVCacheSpec, OutOfPages, PageAllocator
 from coordinator.loader import load_model
@@ -37,7 +38,10 @@ class Engine:
         dtype: torch.dtype,
         device: torch.device,
         load_hook: LoadHook | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
+        """``cuda_graphs``: on CUDA with every expert in process, capture the decode step's
+        graphs now (coordinator/cuda_graphs.py); ignored elsewhere."""
         self.model, self.dispatcher, self.dtype, self.device = model, dispatcher, dtype, device
         self.config = model.config
         model.attach(dispatcher, load_hook)
@@ -45,6 +49,10 @@ class Engine:
         self.pages = PageAllocator(spec.num_pages)
         self.seqs: dict[int, SeqState] = {}
         self._next_id = 0
+        self.graphs: DecodeGraphs | None = None
+        # NOTE: remote dispatch waits on the network inside the layer loop: not capturable
+        if cuda_graphs and device.type == "cuda" and isinstance(dispatcher, LocalDispatcher):
+            self.graphs = DecodeGraphs(model, self.cache, spec.num_pages, load_hook)
 
     @classmethod
     def from_checkpoint(
@@ -55,12 +63,13 @@ class Engine:
         dispatcher: Dispatcher | None = None,
         num_pages: int = 256,
         page_size: int = 16,
+        cuda_graphs: bool = True,
     ) -> Engine:
         reader = CheckpointReader(path)
         dev = torch.device(device)
         model = load_model(reader, dtype, dev)
         dispatcher = dispatcher or LocalDispatcher(reader, dtype, dev)
-        return cls(model, dispatcher, KVCacheSpec(num_pages, page_size), dtype, dev)
+        return cls(model, dispatcher, KVCacheSpec(num_pages, page_size), dtype, dev, cuda_graphs=cuda_graphs)
 
     @property
     def page_size(self) -> int:
@@ -92,14 +101,21 @@ class Engine:
             raise OutOfPages(f"step needs {need} new pages, {self.pages.num_free} free")
         for sid, toks in items:
             self.seqs[sid].pages.extend(self.pages.alloc(self.pages_needed(sid, len(toks))))
-        batch = ForwardBatch.build(
-            [(toks, self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in items],
-            self.page_size,
-            self.device,
-            all_logits=all_logits,
-        )
-        self.dispatcher.begin_step(batch.num_tokens)
-        logits = self.model(batch, self.cache)  # [B', V]
+        decode = not all_logits and all(len(toks) == 1 for _, toks in items)
+        if decode and self.graphs is not None and self.graphs.bucket(len(items)) is not None:
+            self.dispatcher.begin_step(len(items))
+            logits = self.graphs.run(
+                [(toks[0], self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in items]
+            )
+        else:
+            batch = ForwardBatch.build(
+                [(toks, self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in items],
+                self.page_size,
+                self.device,
+                all_logits=all_logits,
+            )
+            self.dispatcher.begin_step(batch.num_tokens)
+            logits = self.model(batch, self.cache)  # [B', V]
         for sid, toks in items:
             self.seqs[sid].cached += len(toks)
         if not all_logits:

@@ -1,6 +1,11 @@
-"""One expert server seen from the coordinator: channel, ``Describe``, placement pushes, and the
+"""One expert server seen from the coordinator: channel, ``Describe``, placement phases, and the
 long-lived ``Forward`` stream (pipelined by sequence number, read by its own thread), with the
 shared-memory / CUDA IPC fast path negotiated on it (expertmesh.transport).
+
+This is the coordinator's gRPC edge: gRPC errors become :class:`ExpertServerError` (a typed
+library error plus its status code) here and nowhere else. The connection does not decide when
+to connect or what state the server is in: the cluster (coordinator/cluster.py) does; the
+connection tells it through ``on_down`` when its stream dies.
 
 Shapes: T_s rows sent to the server, H hidden.
 """
@@ -12,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -22,8 +28,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.cluster_config import ClusterConfig, ServerSpec
-from expertmesh import placement as pl
-from expertmesh import wire
+from expertmesh import errors, status, wire
+from expertmesh.net import grpc_options
 from expertmesh.transport import negotiate
 from expertmesh.transport.client import Reply, ShmClient
 from expertmesh.transport.cuda_ipc import CudaIpcError
@@ -31,17 +37,25 @@ from expertmesh.transport.errors import Rejected
 from expertmesh.transport.handshake import Ack, HandshakeError
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
-from expertmesh.worker.server import grpc_options
+from expertmesh.worker_api import ExpertRequest, WorkerInfo
 
 log = logging.getLogger("expertmesh.remote")
 
 
 class ExpertServerError(RuntimeError):
-    """An expert server failed, timed out or is unavailable; ``code`` is a grpc.StatusCode."""
+    """An expert server failed, timed out or is unavailable: ``error`` is the typed library
+    error, ``code`` the grpc.StatusCode the coordinator answers its own clients with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, error: errors.ExpertMeshError | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
+        self.error = error if error is not None else errors.from_status(status.status_of(code), message)
+
+    @classmethod
+    def of(cls, err: errors.ExpertMeshError) -> ExpertServerError:
+        return cls(status.grpc_code(err), err.message, err)
 
 
 @dataclass
@@ -75,11 +89,13 @@ class _FastReply:
     def result(self, timeout: float) -> torch.Tensor:  # [T_s, H], a view valid until release()
         try:
             return self.reply.result(timeout)
-        except Rejected as e:
+        except Rejected as e:  # the fast channel's failure, with its gRPC status
             if self.st.dead is not None:  # the stream died: its error says why
                 raise self.st.dead from None
             # the server refused the request: as on the gRPC path, that ends the stream
-            err = ExpertServerError(e.code, f"{self.conn.describe_self()}: {e.code.name}: {e.message}")
+            err = ExpertServerError(
+                e.code, f"{self.conn.describe_self()}: {e.code.name}: {e.message}", e.error
+            )
             self.conn.end_stream(self.st, err)
             raise err from None
 
@@ -90,8 +106,11 @@ class _FastReply:
         self.reply.abandon()
 
 
+Reply_ = _GrpcReply | _FastReply  # what submit() returns: result(timeout) -> [T_s, H]
+
+
 class ServerConnection:
-    """One expert server: channel, description, placement push, the Forward stream."""
+    """One expert server: channel, description, placement phases, the Forward stream."""
 
     def __init__(self, spec: ServerSpec, cluster: ClusterConfig, device: torch.device | None = None) -> None:
         self.spec, self.cluster = spec, cluster
@@ -106,12 +125,12 @@ class ServerConnection:
             ],
         )
         self.stub = pb_grpc.ExpertWorkerStub(self.channel)
-        self.info: pb.DescribeResponse | None = None
+        self.info: WorkerInfo | None = None
         self.dtype: torch.dtype | None = None
-        self.state = "connecting"
-        self.last_error = ""
         self.slots_used = 0
+        self.on_down: Callable[[ExpertServerError], None] = lambda err: None  # set by the cluster
         self._stream: _Stream | None = None
+        self._open_lock = threading.Lock()  # the cluster's thread and callers of open_stream
         self._seq = itertools.count(1)
         self.plan = "grpc"  # data path chosen from Describe (negotiate.choose)
         self.transport = "grpc"  # the path of the current stream (the handshake may settle lower)
@@ -123,10 +142,24 @@ class ServerConnection:
 
     # ------------------------------------------------------------ control plane
 
-    def describe(self, timeout: float) -> pb.DescribeResponse:
-        info = self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
-        self.info, self.dtype = info, wire.parse_dtype(info.dtype)
+    def describe(self, timeout: float) -> WorkerInfo:
+        try:
+            info = wire.decode_info(self.stub.Describe(pb.DescribeRequest(), timeout=timeout))
+        except grpc.RpcError as e:
+            raise _status_error(self.spec, e) from None
+        self.info, self.dtype = info, info.dtype
         return info
+
+    def plan_transport(self, info: WorkerInfo, local: negotiate.Side) -> None:
+        """Chooses this server's data path from its description (the next stream uses it)."""
+        offer = negotiate.Side(info.host_id, info.device_uuid, info.fast_paths)
+        try:
+            choice = negotiate.choose(self.cluster.transport, local, offer, self.spec.name)
+        except negotiate.NegotiationError as e:
+            raise ExpertServerError.of(errors.Incompatible(f"{self.describe_self()}: {e}")) from None
+        if choice.transport != self.plan:
+            self.reset("the data path changes")
+        self.plan, self.transport_note = choice.transport, choice.reason
 
     def wait_serving(self, deadline: float) -> None:
         stub = health_pb2_grpc.HealthStub(self.channel)
@@ -142,22 +175,29 @@ class ServerConnection:
                 if left <= 0:
                     raise _status_error(self.spec, e) from None
             if left <= 0:
-                raise ExpertServerError(
-                    grpc.StatusCode.UNAVAILABLE, f"{self.spec.name} ({self.spec.address}) is not SERVING yet"
+                raise ExpertServerError.of(
+                    errors.Unavailable(f"{self.spec.name} ({self.spec.address}) is not SERVING yet")
                 )
             time.sleep(0.1)
 
-    def push(self, generation: int, table: dict[int, list[int]], timeout: float) -> None:
+    def prepare(self, generation: int, table: dict[int, list[int]], timeout: float) -> None:
+        """Phase 1: the server loads ``table`` (layer -> expert per local slot) beside its live set."""
         layers = [pb.LayerSlots(layer=layer, experts=ex) for layer, ex in sorted(table.items())]
-        prep = pb.ApplyPlacementRequest(
-            phase=pb.ApplyPlacementRequest.PREPARE, generation=generation, layers=layers
-        )
-        self.stub.ApplyPlacement(prep, timeout=timeout)
+        self._apply(pb.ApplyPlacementRequest.PREPARE, generation, timeout, layers)
         self.slots_used = max((len(x) for x in table.values()), default=0)
 
     def commit(self, generation: int, timeout: float) -> None:
-        req = pb.ApplyPlacementRequest(phase=pb.ApplyPlacementRequest.COMMIT, generation=generation)
-        self.stub.ApplyPlacement(req, timeout=timeout)
+        self._apply(pb.ApplyPlacementRequest.COMMIT, generation, timeout)
+
+    def abort(self, generation: int, timeout: float) -> None:
+        self._apply(pb.ApplyPlacementRequest.ABORT, generation, timeout)
+
+    def _apply(self, phase: int, generation: int, timeout: float, layers: list | None = None) -> None:
+        req = pb.ApplyPlacementRequest(phase=phase, generation=generation, layers=layers or [])  # type: ignore[arg-type]
+        try:
+            self.stub.ApplyPlacement(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _status_error(self.spec, e) from None
 
     # ------------------------------------------------------------ data plane
 
@@ -190,8 +230,8 @@ class ServerConnection:
             why = str(e) or f"no answer within {wait_s:g}s"
             self.end_stream(
                 st,
-                ExpertServerError(
-                    grpc.StatusCode.UNAVAILABLE, f"{self.describe_self()}: fast-path handshake: {why}"
+                ExpertServerError.of(
+                    errors.Unavailable(f"{self.describe_self()}: fast-path handshake: {why}")
                 ),
             )
             assert st.dead is not None
@@ -222,7 +262,7 @@ class ServerConnection:
     def _refuse(self, st: _Stream, fast: ShmClient | None, message: str) -> NoReturn:
         if fast is not None:
             fast.close()
-        err = ExpertServerError(grpc.StatusCode.FAILED_PRECONDITION, message)
+        err = ExpertServerError.of(errors.Incompatible(message))
         self.end_stream(st, err)
         raise err
 
@@ -233,7 +273,7 @@ class ServerConnection:
                     fut = st.pending.pop(resp.seq, None)
                 if fut is not None:
                     fut.set_result(resp)
-            err = ExpertServerError(grpc.StatusCode.UNAVAILABLE, f"{self.spec.name}: stream closed")
+            err = ExpertServerError.of(errors.Unavailable(f"{self.spec.name}: stream closed"))
         except grpc.RpcError as e:
             err = _status_error(self.spec, e)
         self._fail(st, err)
@@ -248,9 +288,10 @@ class ServerConnection:
             if not fut.done():
                 fut.set_exception(st.dead)
         if st.fast is not None:
-            st.fast.kill(Rejected(err.code, str(err)))
-        if first and err.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            self.state, self.last_error = "unavailable", str(err)
+            st.fast.kill(Rejected(err.error))
+        # NOTE: a refused request (bad input, stale generation) ends the stream, not the server
+        if first and not isinstance(err.error, (errors.InvalidRequest, errors.StaleGeneration)):
+            self.on_down(err)
 
     def end_stream(self, st: _Stream, err: ExpertServerError) -> None:
         """Fails ``st`` with ``err``, cancels it and frees its channel (the caller's thread)."""
@@ -265,18 +306,23 @@ class ServerConnection:
     def reset(self, reason: str) -> None:
         st = self._stream
         if st is not None:
-            self.end_stream(
-                st, ExpertServerError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.spec.name}: {reason}")
-            )
+            self.end_stream(st, ExpertServerError.of(errors.DeadlineExceeded(f"{self.spec.name}: {reason}")))
 
     def open_stream(self) -> _Stream:
-        """The live stream, opened (with its handshake) if there is none."""
+        """The live stream, opened (with its handshake) if there is none. Called by the
+        cluster's bring-up, never by the step path (:meth:`submit` fails on a dead stream)."""
+        with self._open_lock:
+            return self._open_stream()
+
+    def _open_stream(self) -> _Stream:
         st = self._stream
         if st is not None and st.dead is None and st.fast is not None and st.fast.dead:
             # the channel failed with nobody waiting on it (its error went to no one)
             why = st.fast.error
             assert why is not None
-            self.end_stream(st, ExpertServerError(why.code, f"{self.describe_self()}: {why.message}"))
+            self.end_stream(
+                st, ExpertServerError(why.code, f"{self.describe_self()}: {why.message}", why.error)
+            )
             st = None
         if st is None or st.dead is not None:
             if st is not None and st.fast is not None:
@@ -285,36 +331,37 @@ class ServerConnection:
             st = self._stream = self._open()
         return st
 
-    def submit(
-        self, generation: int, layer: int, x: torch.Tensor, b: pl.ServerBatch
-    ) -> _GrpcReply | _FastReply:
-        """Sends one layer's batch for this server; the reply's ``result`` is ``[T_s, H]``."""
-        st = self.open_stream()
-        dtype = self.dtype or x.dtype
+    def next_seq(self) -> int:
+        """The sequence number for the next request to this server (seq 0 is the handshake)."""
+        return next(self._seq)
+
+    def submit(self, req: ExpertRequest) -> Reply_:
+        """Sends one layer's request over the live stream (fast path if it has room); the
+        reply's ``result`` is ``[T_s, H]``. No stream: the reply fails at once (the cluster
+        reconnects; the step path never does)."""
+        st = self._stream
+        if st is None:
+            fut: Future = Future()
+            fut.set_exception(
+                ExpertServerError.of(errors.Unavailable(f"{self.describe_self()}: no open stream"))
+            )
+            return _GrpcReply(fut)
+        dtype = self.dtype or req.hidden.dtype
         if st.fast is not None and st.dead is None:
-            r = st.fast.send(next(self._seq), generation, layer, x, b.rows, b.slot_ids, b.weights, dtype)
+            r = st.fast.send(req, dtype)
             if r is not None:
                 return _FastReply(self, st, r)
             self.fast_fallbacks += 1
-        req = pb.ForwardRequest(
-            generation=generation,
-            layer=layer,
-            hidden=wire.encode(x[b.rows.to(x.device)].to(dtype)),
-            slot_ids=wire.encode(b.slot_ids),
-            weights=wire.encode(b.weights),
-        )
-        return _GrpcReply(self.send(req))
+        return _GrpcReply(self._send(st, wire.encode_request(req, dtype)))
 
-    def send(self, req: pb.ForwardRequest) -> Future:
-        st = self.open_stream()
-        req.seq = next(self._seq)
+    def _send(self, st: _Stream, msg: pb.ForwardRequest) -> Future:
         fut: Future = Future()
         with st.lock:
             if st.dead is not None:
                 fut.set_exception(st.dead)
                 return fut
-            st.pending[req.seq] = fut
-        st.requests.put(req)
+            st.pending[msg.seq] = fut
+        st.requests.put(msg)
         return fut
 
     def stream_alive(self) -> bool:
@@ -329,4 +376,5 @@ class ServerConnection:
 def _status_error(spec: ServerSpec, e: grpc.RpcError) -> ExpertServerError:
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = e.details() if hasattr(e, "details") else str(e)
-    return ExpertServerError(code, f"expert server {spec.name} ({spec.address}): {code.name}: {details}")
+    message = f"expert server {spec.name} ({spec.address}): {code.name}: {details}"
+    return ExpertServerError(code, message, errors.from_status(status.status_of(code), message))

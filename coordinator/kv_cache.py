@@ -70,8 +70,11 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device) -> None:
         self.spec = spec
         n, p, hk = spec.num_pages, spec.page_size, cfg.kv_heads_cached
-        self.k = torch.zeros(cfg.num_layers, n * p, hk, cfg.q_head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(cfg.num_layers, n * p, hk, cfg.v_dim, dtype=dtype, device=device)
+        # NOTE: one page past the allocator's: padding rows of a CUDA-graph step write there
+        rows = (n + 1) * p
+        self.k = torch.zeros(cfg.num_layers, rows, hk, cfg.q_head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(cfg.num_layers, rows, hk, cfg.v_dim, dtype=dtype, device=device)
+        self.scratch_row = n * p  # never handed out, never read
 
     @property
     def page_size(self) -> int:

@@ -15,7 +15,8 @@ import signal
 import sys
 from collections.abc import Coroutine
 
-from coordinator.remote import ClusterConfig
+from coordinator.cluster_config import ClusterConfig
+from coordinator.coordinator_config import CoordinatorConfig, parse_size
 from coordinator.requests import InputLimits
 from expertmesh import cores
 
@@ -26,6 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = a free port (printed)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API, /health and /metrics on this port (0 = a free one)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="device of attention, router and KV cache (cpu, cuda)")
     g = p.add_argument_group("scheduling and KV cache")
@@ -46,9 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     InputLimits.add_arguments(p)
 
 
-def config_from_args(args: argparse.Namespace):
-    from coordinator.server import CoordinatorConfig, parse_size
-
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
         model_dir=args.model,
         dtype=args.dtype,
@@ -64,11 +69,12 @@ def config_from_args(args: argparse.Namespace):
         max_message_mb=args.max_message_mb,
         connect_timeout_s=args.connect_timeout,
         cluster=ClusterConfig.from_args(args),
+        http_port=args.http_port,
         input_limits=InputLimits.from_args(args),
     )
 
 
-async def serve(config) -> int:
+async def serve(config: CoordinatorConfig) -> int:
     from coordinator.server import create_server
 
     server = create_server(config)
@@ -78,6 +84,10 @@ async def serve(config) -> int:
         return 1
     await server.start()
     print(f"coordinator listening on {config.host}:{port}", flush=True)
+    if server.http is not None:
+        print(
+            f"OpenAI-compatible HTTP API and /metrics on http://{config.host}:{server.http.port}", flush=True
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -68,6 +68,16 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``topk_ids [T, K]`` (int64) and ``topk_weights [T, K]`` (float32, rounded to the
     logits' dtype first when ``spec.round_weights``)."""
+    if logits.is_cuda and spec.topk_method == "greedy" and spec.scoring == "softmax":
+        from coordinator.kernels.fused_ops import softmax_topk
+
+        return softmax_topk(
+            logits.contiguous(),
+            spec.top_k,
+            spec.norm_topk_prob,
+            spec.routed_scaling_factor,
+            spec.round_weights,
+        )
     scores = logits.float().softmax(-1) if spec.scoring == "softmax" else logits.float().sigmoid()  # [T, E]
     if spec.topk_method == "greedy":
         weights, ids = torch.topk(scores, spec.top_k, dim=-1)

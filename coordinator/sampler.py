@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # also return this many most likely tokens per step (HTTP API)
 
     def __post_init__(self) -> None:
         assert math.isfinite(self.temperature) and self.temperature >= 0, f"{self.temperature=}"
@@ -39,6 +40,7 @@ class SamplingParams:
         assert self.top_k >= 0, f"{self.top_k=}"
         assert self.max_new_tokens > 0, f"{self.max_new_tokens=}"
         assert all(self.stop), f"empty stop string in {self.stop=}"
+        assert self.top_logprobs >= 0, f"{self.top_logprobs=}"
 
     @property
     def greedy(self) -> bool:

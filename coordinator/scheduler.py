@@ -31,12 +31,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from coordinator.engine import Engine
 from coordinator.sampler import SamplingParams, make_generator, sample
 from coordinator.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+
+if TYPE_CHECKING:
+    from coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,8 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: BaseException | None = None  # set with finish_reason "error"
+    # per token, the params.top_logprobs most likely (token id, logprob) pairs, when asked
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 Sink = Callable[[Output], None]
@@ -147,6 +153,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order, oldest first
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.metrics: CoordinatorMetrics | None = None  # issue 16: set by the coordinator
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -162,6 +169,8 @@ class Scheduler:
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> int:
         """Queues a request; ``sink`` is called from the scheduler thread and must not block."""
         assert prompt_ids, "empty prompt"
+        if self.metrics is not None:
+            sink = self.metrics.track(sink, len(prompt_ids))
         with self._rid_lock:
             self._next_rid += 1
             rid = self._next_rid
@@ -241,7 +250,7 @@ class Scheduler:
             elif msg.fut.set_running_or_notify_cancel():
                 try:
                     msg.fut.set_result(msg.fn())
-                except Exception as exc:  # handed to the caller through the future
+                except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
                     msg.fut.set_exception(exc)
             try:
                 msg = self._inbox.get_nowait()
@@ -311,12 +320,14 @@ class Scheduler:
             logits = self.engine.step(items)
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the thread boundary (above)
             log.warning("step of %d requests failed: %s", len(plan), exc)
             for req, _ in plan:
                 self._finish(req, "error", error=exc)
             return
         self.num_steps += 1
+        if self.metrics is not None:
+            self.metrics.step(sum(n for _, n in plan))
         done = []
         for (req, n), row in zip(plan, logits):
             req.computed += n
@@ -327,10 +338,11 @@ class Scheduler:
             toks, lps = sample(
                 torch.stack([row for _, row in done]), [r.params for r in reqs], [r.generator for r in reqs]
             )
-            for req, tok, lp in zip(reqs, toks.tolist(), lps.tolist()):
-                self._emit_token(req, tok, lp)
+            for (req, row), tok, lp in zip(done, toks.tolist(), lps.tolist()):
+                top = _top_logprobs(row, req.params.top_logprobs) if req.params.top_logprobs else []
+                self._emit_token(req, tok, lp, top)
 
-    def _emit_token(self, req: Request, tok: int, logprob: float) -> None:
+    def _emit_token(self, req: Request, tok: int, logprob: float, top: list[tuple[int, float]]) -> None:
         req.tokens.append(tok)
         req.logprobs.append(logprob)
         p = req.params
@@ -348,10 +360,11 @@ class Scheduler:
             if reason is not None:
                 text += self._flush_text(req)
         lps = [logprob] if p.logprobs else []
+        tops = [top] if p.top_logprobs else []
         if reason is None:
-            req.sink(Output([tok], text, lps))
+            req.sink(Output([tok], text, lps, top_logprobs=tops))
         else:
-            self._finish(req, reason, Output([tok], text, lps))
+            self._finish(req, reason, Output([tok], text, lps, top_logprobs=tops))
 
     def _flush_text(self, req: Request) -> str:
         tail = req.detok.flush() if req.detok is not None else ""
@@ -382,5 +395,13 @@ class Scheduler:
                 prompt_tokens=req.num_prompt,
                 completion_tokens=req.num_generated,
                 error=error,
+                top_logprobs=last.top_logprobs,
             )
         )
+
+
+def _top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:  # logits [V]
+    """The ``n`` most likely tokens and their log-probabilities (the raw logits' log-softmax, as
+    the sampled token's logprob)."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(n, logits.shape[-1]))
+    return list(zip(ids.tolist(), values.tolist()))

@@ -15,92 +15,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from coordinator.chat import ChatTemplate
+from coordinator.cluster import ExpertCluster
+from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
 from coordinator.dispatch import Dispatcher, LocalDispatcher
 from coordinator.engine import Engine
+from coordinator.expert_conn import ExpertServerError
+from coordinator.http.server import HttpServer, start_http
 from coordinator.kv_cache import KVCacheSpec
 from coordinator.loader import load_model
-from coordinator.remote import ClusterConfig, ExpertServerError, RemoteDispatcher
-from coordinator.requests import (
-    InputLimits,
-    InvalidRequest,
-    RequestLimits,
-    add_generation_servicer,
-    parse_request_async,
-)
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.remote import RemoteDispatcher
+from coordinator.requests import InvalidRequest, RequestLimits, add_generation_servicer, parse_request_async
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
+from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.config import ModelConfig
+from expertmesh.net import grpc_options
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from expertmesh.worker.server import grpc_options
+
+__all__ = ["DTYPES", "CoordinatorConfig", "CoordinatorServer", "create_server", "parse_size"]
 
 log = logging.getLogger("expertmesh.coordinator")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``"256MiB"``, ``"1.5GB"``, ``"4096"`` -> bytes (K/M/G/T are powers of 1024 either way)."""
-    m = _SIZE.match(text)
-    if m is None:
-        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
-    unit = (m.group(2) or "b")[0].lower()
-    return int(float(m.group(1)) * 1024 ** "bkmgt".index(unit))
-
-
-@dataclass(frozen=True)
-class CoordinatorConfig:
-    model_dir: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 = a free port
-    page_size: int = 16  # tokens per KV page
-    kv_memory_bytes: int = 256 << 20  # KV cache budget; sets the number of pages
-    max_batch_tokens: int = 512  # tokens per forward step (decodes + prefill chunks)
-    max_running: int = 64  # requests holding KV pages at once
-    max_context: int | None = None  # prompt + generated tokens; default: the model's limit
-    default_max_new_tokens: int = 64
-    max_message_mb: int = 64
-    connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
-    cluster: ClusterConfig | None = None  # None or no servers: experts in process
-    input_limits: InputLimits = InputLimits()  # per-request caps (coordinator/requests.py)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port {self.port} outside 0..65535")
-        for name in ("page_size", "kv_memory_bytes", "max_batch_tokens", "max_running", "max_message_mb"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
-        if self.default_max_new_tokens <= 0:
-            raise ValueError(f"default_max_new_tokens must be positive, got {self.default_max_new_tokens}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device}: CUDA is not available on this machine")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def remote(self) -> bool:
-        return self.cluster is not None and bool(self.cluster.servers)
 
 
 class ExpertLoadRecorder:
@@ -150,6 +98,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             ids, params = await parse_request_async(request, c.request_limits, c.tokenizer)
         except InvalidRequest as e:
+            c.metrics.invalid()  # issue 16: expertmesh_requests_total{status="invalid"}
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not c.experts_ready:
             await context.abort(
@@ -193,18 +142,20 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.coord = coord
 
     async def ListServers(self, request, context) -> admin_pb2.ListServersResponse:
-        d = self.coord.dispatcher
-        infos = d.server_infos() if isinstance(d, RemoteDispatcher) else []
+        cluster = self.coord.cluster
+        infos = cluster.server_infos() if cluster is not None else []
         fields = set(admin_pb2.ServerInfo.DESCRIPTOR.fields_by_name)
-        return admin_pb2.ListServersResponse(
+        resp = admin_pb2.ListServersResponse(
             servers=[admin_pb2.ServerInfo(**{k: v for k, v in i.items() if k in fields}) for i in infos]
         )
+        add_status(self.coord, resp)  # issue 16: round trips and coordinator stats (fields 140+)
+        return resp
 
     async def GetPlacement(self, request, context) -> admin_pb2.PlacementInfo:
-        d = self.coord.dispatcher
-        if not isinstance(d, RemoteDispatcher):
+        cluster = self.coord.cluster
+        if cluster is None:
             return admin_pb2.PlacementInfo()
-        p = d.placement
+        p = cluster.placement
         return admin_pb2.PlacementInfo(
             generation=p.generation,
             servers=list(p.servers),
@@ -237,12 +188,18 @@ class CoordinatorServer(grpc.aio.Server):
         dispatcher: Dispatcher,
         tokenizer: TextTokenizer | None,
         load: ExpertLoadRecorder,
+        cluster: ExpertCluster | None = None,
     ) -> None:
         self.config, self.server, self.scheduler, self.dispatcher = config, server, scheduler, dispatcher
         self.tokenizer, self.load = tokenizer, load
+        self.cluster = cluster  # None: every expert in process
         self.health = health.aio.HealthServicer()
-        self.experts_ready = not isinstance(dispatcher, RemoteDispatcher)
+        self.experts_ready = cluster is None
         self._watch: asyncio.Task | None = None
+        # issue 16: Prometheus metrics, chat template and the HTTP server (coordinator/http)
+        self.metrics = CoordinatorMetrics(self)
+        self.chat_template = ChatTemplate.from_dir(config.model_dir)
+        self.http: HttpServer | None = None
         cfg = scheduler.engine.config
         self.request_limits = RequestLimits(
             cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens, config.input_limits
@@ -255,12 +212,7 @@ class CoordinatorServer(grpc.aio.Server):
         )
 
     def expert_state(self) -> str:
-        if not isinstance(self.dispatcher, RemoteDispatcher):
-            return "in process"
-        return ", ".join(
-            f"{i['name']} {i['state']}" + (f" ({i['last_error']})" if i["last_error"] else "")
-            for i in self.dispatcher.server_infos()
-        )
+        return "in process" if self.cluster is None else self.cluster.describe_state()
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -269,19 +221,12 @@ class CoordinatorServer(grpc.aio.Server):
         for name in ("", GENERATION, ADMIN):
             await self.health.set(name, status)
 
-    async def _watch_experts(self, d: RemoteDispatcher) -> None:
-        """Connects the expert servers, then keeps health in step with them, reconnecting on loss."""
-        last_error = ""
+    async def _watch_experts(self, cluster: ExpertCluster) -> None:
+        """Keeps health in step with the expert servers (the cluster's own thread connects and
+        reconnects them)."""
+        cluster.start(self.config.connect_timeout_s)
         while True:
-            if not d.ready():
-                fut = self.scheduler.call_between_steps(lambda: d.connect(self.config.connect_timeout_s))
-                try:
-                    await asyncio.wrap_future(fut)
-                except (ExpertServerError, grpc.RpcError) as e:
-                    if str(e) != last_error:
-                        log.warning("expert servers not ready: %s", e)
-                    last_error = str(e)
-            ready = d.ready()
+            ready = cluster.ready()
             if ready != self.experts_ready:
                 log.info("expert servers %s", "ready" if ready else f"not ready: {self.expert_state()}")
             self.experts_ready = ready
@@ -306,14 +251,18 @@ class CoordinatorServer(grpc.aio.Server):
         await self._set_health(self.experts_ready)
         self.scheduler.start()
         await self.server.start()
-        if isinstance(self.dispatcher, RemoteDispatcher):
-            self._watch = asyncio.create_task(self._watch_experts(self.dispatcher))
+        if self.config.http_port is not None:  # issue 16
+            self.http = await start_http(self, self.config.host, self.config.http_port)
+        if self.cluster is not None:
+            self._watch = asyncio.create_task(self._watch_experts(self.cluster))
             self._watch.add_done_callback(_report_crash)
 
     async def stop(self, grace: float | None) -> None:
         if self._watch is not None:
             self._watch.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         await asyncio.to_thread(self.scheduler.stop)
         self.dispatcher.close()
@@ -340,9 +289,10 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         )
     max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
     dispatcher: Dispatcher
-    if config.remote:
-        assert config.cluster is not None
-        dispatcher = RemoteDispatcher(cfg, config.cluster, dtype, device)
+    cluster: ExpertCluster | None = None
+    if config.cluster is not None and config.cluster.servers:
+        cluster = ExpertCluster(cfg, config.cluster, device)
+        dispatcher = RemoteDispatcher(cfg, config.cluster, dtype, device, cluster)
     else:
         dispatcher = LocalDispatcher(reader, dtype, device)
     load = ExpertLoadRecorder(cfg, device)
@@ -359,4 +309,4 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         "yes" if tokenizer else "none (input_ids only)",
     )
     server = grpc.aio.server(options=grpc_options(config.max_message_mb << 20))
-    return CoordinatorServer(config, server, scheduler, dispatcher, tokenizer, load)
+    return CoordinatorServer(config, server, scheduler, dispatcher, tokenizer, load, cluster)

@@ -17,19 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(
-        kind="cpu",
-        model_dir=args.model,
-        host=args.host,
-        port=args.port,
-        dtype=args.dtype,
-        device="cpu",
-        experts=args.experts,
-        capacity=args.capacity,
-        max_message_mb=args.max_message_mb,
-        shm=not args.no_shm,
-        shm_spin_us=args.shm_spin_us,
-    )
+    return WorkerConfig.from_args(args, kind="cpu", device="cpu")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Container CI job: build the expertmesh image on a host that reaches no container registry,
 # bring the stack up with `docker compose up`, make a real generation request through the
-# coordinator's published port, and tear everything down. Exits non-zero on any failure.
+# coordinator's published gRPC port and one through its HTTP port (curl, /v1/completions), check
+# /metrics, and tear everything down. Exits non-zero on any failure.
 #
 #   bash docker/ci-compose.sh          # as root; installs Debian's docker.io etc. when missing
 #
@@ -280,6 +281,33 @@ print(f"ok: {len(ids)} tokens, finish_reason={reason}, text={ans.get('text')!r}"
 EOF
 }
 
+# The OpenAI-compatible HTTP API on its published port, with curl (the host's: it needs nothing
+# of expertmesh), and the metrics of the coordinator and of an expert server.
+check_http() {
+    local out
+    log "curl POST /v1/completions -> 127.0.0.1:$HTTP_PORT"
+    out=$(curl -sS --fail-with-body --max-time 120 "http://127.0.0.1:$HTTP_PORT/v1/completions" \
+        -H 'Content-Type: application/json' \
+        -d '{"model": "model", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}') ||
+        die "POST /v1/completions failed: $out"
+    echo "$out"
+    python3 - "$out" <<'EOF' || die "unexpected /v1/completions answer"
+import json, sys
+ans = json.loads(sys.argv[1])
+choice, usage = ans["choices"][0], ans["usage"]
+assert ans["object"] == "text_completion" and choice["text"], ans
+assert choice["finish_reason"] in ("stop", "length") and usage["completion_tokens"] > 0, ans
+print(f"ok: {usage['completion_tokens']} tokens, finish_reason={choice['finish_reason']}, text={choice['text']!r}")
+EOF
+    out=$(curl -sS --fail --max-time 30 "http://127.0.0.1:$HTTP_PORT/metrics") || die "GET /metrics failed"
+    grep -E '^expertmesh_requests_total\{status="length"\} [1-9]' <<<"$out" ||
+        die "coordinator /metrics does not count the finished request"
+    # the expert servers' metrics ports are not published: scrape one from inside the network
+    compose exec -T coordinator python -c \
+        'import urllib.request; print(urllib.request.urlopen("http://cpu-server:9061/metrics").read().decode())' |
+        grep -E '^expertmesh_worker_requests_total [1-9]' || die "cpu-server /metrics shows no requests"
+}
+
 # What `grpcurl -plaintext HOST:PORT list` shows, through server reflection (no grpcurl here).
 check_reflection() {
     docker run --rm -i --network host --entrypoint python "$IMAGE" - "127.0.0.1:$PORT" <<'EOF' ||
@@ -324,7 +352,8 @@ main() {
 
     phase compose-up
     PORT=$(free_port)
-    export EXPERTMESH_IMAGE=$IMAGE EXPERTMESH_PORT=$PORT EXPERTMESH_PUBLISH_ADDR=127.0.0.1
+    HTTP_PORT=$(free_port)
+    export EXPERTMESH_IMAGE=$IMAGE EXPERTMESH_PORT=$PORT EXPERTMESH_HTTP_PORT=$HTTP_PORT EXPERTMESH_PUBLISH_ADDR=127.0.0.1
     STACK_STARTED=1
     compose down -v --remove-orphans >/dev/null 2>&1 || true # leftovers of a killed run
     timeout "$HEALTH_TIMEOUT" "${COMPOSE[@]}" -p "$PROJECT" -f "$COMPOSE_FILE_MAIN" up -d --no-build ||
@@ -335,6 +364,7 @@ main() {
 
     phase generate
     check_generation
+    check_http
     check_reflection
 
     phase compose-down

@@ -7,6 +7,11 @@ import argparse
 import importlib
 import sys
 
+DESCRIPTION = (
+    "Serve Mixture-of-Experts LLMs with the routed experts on GPU and CPU expert servers. "
+    "Start with `expertmesh up --demo`; `expertmesh COMMAND --help` shows a command's flags."
+)
+
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo-model": ("expertmesh.demo.cli", "write the tiny demo checkpoint to a directory"),
@@ -16,12 +21,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cpu-server": ("cpu_expert_server.main", "run a CPU expert server"),
     "generate": ("expertmesh.client_cli", "send one generation request to a coordinator"),
     "health": ("expertmesh.health", "exit 0 iff a server's grpc.health.v1 status is SERVING"),
+    "status": ("expertmesh.status_cli", "operator view: servers, placement, KV use, throughput, hot experts"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="expertmesh", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(prog="expertmesh", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     for name, (module, help_text) in COMMANDS.items():

@@ -30,6 +30,7 @@ from pathlib import Path
 from expertmesh import cores
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_HTTP = re.compile(r"HTTP API and /metrics on http://\S+:(\d+)")  # the coordinator's (issue 16)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -59,6 +60,7 @@ class Child:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     port: int | None = None
     listening: threading.Event = field(default_factory=threading.Event)
+    http_port: int | None = None
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -80,6 +82,9 @@ class Child:
             self.tail.append(line)
             if self.echo:
                 sys.stderr.write(f"[{self.name}] {line}")
+            h = _HTTP.search(line)
+            if h:
+                self.http_port = int(h.group(1))
             m = _LISTENING.search(line)
             if m and self.port is None:
                 self.port = int(m.group(2))
@@ -117,6 +122,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator-device", default="cpu", help="device of attention and the KV cache")
     p.add_argument("--host", default="127.0.0.1", help="coordinator's bind address")
     p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free port)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="coordinator's OpenAI-compatible HTTP API and /metrics (default 0: a free port, printed; -1: off)",
+    )
     p.add_argument(
         "--transport", default="auto", help="coordinator <-> expert server data path (auto, grpc, shm, ...)"
     )
@@ -197,6 +208,8 @@ def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> t
     ]  # fmt: skip
     if args.kv_memory:
         coord_tail += ["--kv-memory", args.kv_memory]
+    if args.http_port >= 0:
+        coord_tail += ["--http-port", str(args.http_port)]
     coord_cmd = [*cli, "coordinator", "--model", str(model), "--dtype", args.dtype, *coord_tail]
     return Child("gpu-server", gpu_cmd, args.verbose), Child("cpu-server", cpu_cmd, args.verbose), coord_cmd
 
@@ -265,11 +278,19 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"expertmesh is serving on {addr}", flush=True)
+    # NOTE: one-shot (--prompt) stops by itself: no Ctrl-C hint then
+    hint = "" if args.prompt is not None else "; Ctrl-C stops all"
     print(
-        f"  gpu expert server 127.0.0.1:{gpu.port}, cpu expert server 127.0.0.1:{cpu.port}; Ctrl-C stops all",
+        f"  gpu expert server 127.0.0.1:{gpu.port}, cpu expert server 127.0.0.1:{cpu.port}{hint}",
         file=sys.stderr,
         flush=True,
     )
+    if coord.http_port is not None and args.prompt is None:
+        print(
+            f"  OpenAI-compatible API http://{host}:{coord.http_port}/v1, Prometheus http://{host}:{coord.http_port}/metrics",
+            file=sys.stderr,
+            flush=True,
+        )
     threads, spin = core_plan(args)
     print(
         f"  torch threads: coordinator {threads['coordinator']}, gpu server {threads['gpu-server']}, "

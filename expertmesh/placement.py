@@ -38,7 +38,11 @@ class LayerPlacement:
     local_slot: tuple[int, ...]  # [P] slot index on its owner
 
     def __post_init__(self) -> None:
-        assert len(self.phy2log) == len(self.owner) == len(self.local_slot), "ragged layer placement"
+        if not len(self.phy2log) == len(self.owner) == len(self.local_slot):
+            raise PlacementError(
+                f"ragged layer placement: {len(self.phy2log)} slots, {len(self.owner)} owners, "
+                f"{len(self.local_slot)} local slots"
+            )
 
     def logcnt(self, num_experts: int) -> list[int]:  # [E] replicas per logical expert
         cnt = [0] * num_experts
@@ -243,3 +247,53 @@ def split_by_server(
         slot_ids = torch.where(mine, local, -1)[rows].to(torch.int32)
         out.append(ServerBatch(s, rows, slot_ids, weights[rows].float()))
     return out
+
+
+# ---------------------------------------------------------------- what each server holds
+
+
+@dataclass(frozen=True)
+class ServerTables:
+    """One placement generation as the cluster pushes it and the dispatcher routes with it.
+
+    ``slots[s]`` is server ``s``'s slot table (layer -> logical expert per local slot). With a
+    prefill threshold, ``full_server`` (the first GPU server) also holds every expert it is not
+    already given, appended after its placement slots, and ``full_slots[layer]`` ``[E]`` is the
+    local slot of each logical expert there (its first slot when it has several)."""
+
+    placement: Placement
+    slots: tuple[dict[int, list[int]], ...]
+    full_server: int | None = None
+    full_slots: dict[int, torch.Tensor] | None = None  # layer -> [E] int64
+
+    @property
+    def generation(self) -> int:
+        return self.placement.generation
+
+    def slots_needed(self, server: int) -> int:
+        """The most slots of any layer on ``server`` (compare with its capacity)."""
+        return max((len(x) for x in self.slots[server].values()), default=0)
+
+
+def server_tables(placement: Placement, full_server: int | None = None) -> ServerTables:
+    tables = [placement.server_slots(i) for i in range(len(placement.servers))]
+    if full_server is None:
+        return ServerTables(placement, tuple(tables))
+    full_slots: dict[int, torch.Tensor] = {}
+    e_all = placement.num_experts
+    for layer, experts in tables[full_server].items():
+        extra = [e for e in range(e_all) if e not in experts]
+        tables[full_server][layer] = experts + extra
+        where = {e: s for s, e in reversed(list(enumerate(tables[full_server][layer])))}
+        full_slots[layer] = torch.tensor([where[e] for e in range(e_all)], dtype=torch.long)
+    return ServerTables(placement, tuple(tables), full_server, full_slots)
+
+
+def all_on_server(
+    tables: ServerTables, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> ServerBatch:
+    """A step above the prefill threshold: every (token, k) to ``full_server``'s slots."""
+    assert tables.full_server is not None and tables.full_slots is not None, "no full server"
+    rows = torch.arange(topk_ids.shape[0])  # [T]
+    slots = tables.full_slots[layer][topk_ids].to(torch.int32)  # [T, K]
+    return ServerBatch(tables.full_server, rows, slots, topk_weights.float())

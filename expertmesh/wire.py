@@ -1,10 +1,18 @@
-"""Tensors on the wire: raw little-endian bytes + dtype name + shape (``expertmesh.v1.Tensor``)."""
+"""Tensors on the wire: raw little-endian bytes + dtype name + shape (``expertmesh.v1.Tensor``),
+and the gRPC codec of the ExpertWorker API's plain types (:mod:`expertmesh.worker_api`):
+``ExpertRequest`` <-> ``ForwardRequest``, ``WorkerInfo`` <-> ``DescribeResponse``.
+
+Protobuf messages only, no gRPC: the servicer and the coordinator's connection call these.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from expertmesh.errors import InvalidRequest
+from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import tensor_pb2
+from expertmesh.worker_api import ExpertRequest, WorkerInfo
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -16,7 +24,7 @@ DTYPES: dict[str, torch.dtype] = {
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class WireError(ValueError):
+class WireError(InvalidRequest, ValueError):
     """A tensor message that cannot be decoded (unknown dtype, size/shape mismatch)."""
 
 
@@ -60,3 +68,74 @@ def decode(msg: tensor_pb2.Tensor, what: str = "tensor") -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
     return flat.view(dtype).view(shape)
+
+
+# ---------------------------------------------------------------- ExpertWorker messages
+
+
+def encode_request(req: ExpertRequest, dtype: torch.dtype) -> pb.ForwardRequest:
+    """``req`` as a ``ForwardRequest``, hidden states gathered and cast to the server's ``dtype``."""
+    msg = pb.ForwardRequest(
+        seq=req.seq,
+        generation=req.generation,
+        layer=req.layer,
+        hidden=encode(req.gathered().to(dtype)),
+        slot_ids=encode(req.slot_ids),
+        weights=encode(req.weights),
+    )
+    if req.adapter_slots is not None:
+        msg.adapter_slots.CopyFrom(encode(req.adapter_slots))
+    return msg
+
+
+def decode_request(msg: pb.ForwardRequest) -> ExpertRequest:
+    """Raises :class:`WireError` (an InvalidRequest) for a tensor that does not decode; the
+    worker core checks shapes and values."""
+    adapters = decode(msg.adapter_slots, "adapter_slots") if msg.HasField("adapter_slots") else None
+    return ExpertRequest(
+        seq=msg.seq,
+        generation=msg.generation,
+        layer=msg.layer,
+        hidden=decode(msg.hidden, "hidden"),
+        slot_ids=decode(msg.slot_ids, "slot_ids"),
+        weights=decode(msg.weights, "weights"),
+        adapter_slots=adapters,
+    )
+
+
+def encode_info(info: WorkerInfo) -> pb.DescribeResponse:
+    return pb.DescribeResponse(
+        kind=info.kind,
+        device=info.device,
+        dtype=dtype_name(info.dtype),
+        backend=info.backend,
+        model_type=info.model_type,
+        hidden_size=info.hidden_size,
+        num_experts=info.num_experts,
+        moe_layers=list(info.moe_layers),
+        slot_capacity=info.slot_capacity,
+        host_id=info.host_id,
+        fast_paths=list(info.fast_paths),
+        generation=info.generation,
+        device_uuid=info.device_uuid,
+        max_message_bytes=info.max_message_bytes,
+    )
+
+
+def decode_info(msg: pb.DescribeResponse) -> WorkerInfo:
+    return WorkerInfo(
+        kind=msg.kind,
+        device=msg.device,
+        dtype=parse_dtype(msg.dtype),
+        backend=msg.backend,
+        model_type=msg.model_type,
+        hidden_size=msg.hidden_size,
+        num_experts=msg.num_experts,
+        moe_layers=tuple(msg.moe_layers),
+        slot_capacity=msg.slot_capacity,
+        host_id=msg.host_id,
+        fast_paths=tuple(msg.fast_paths),
+        generation=msg.generation,
+        device_uuid=msg.device_uuid,
+        max_message_bytes=msg.max_message_bytes,
+    )

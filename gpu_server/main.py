@@ -9,6 +9,7 @@ import torch
 
 from expertmesh import cores
 from expertmesh.experts import ExpertBackend, TorchExpertBackend
+from expertmesh.net import device_uuid
 from expertmesh.worker.server import WorkerConfig, serve
 
 DEFAULT_PORT = 50062
@@ -29,27 +30,8 @@ def backend_for(device: str) -> ExpertBackend:
     return TorchExpertBackend()
 
 
-def device_uuid(device: str) -> str:
-    if not device.startswith("cuda"):
-        return ""
-    props = torch.cuda.get_device_properties(torch.device(device))
-    return str(getattr(props, "uuid", ""))
-
-
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         cores.set_torch_threads(args.threads)  # intra- and inter-op pools
-    config = WorkerConfig(
-        kind="gpu",
-        model_dir=args.model,
-        host=args.host,
-        port=args.port,
-        dtype=args.dtype,
-        device=args.device,
-        experts=args.experts,
-        capacity=args.capacity,
-        max_message_mb=args.max_message_mb,
-        shm=not args.no_shm,
-        shm_spin_us=args.shm_spin_us,
-    )
+    config = WorkerConfig.from_args(args, kind="gpu", device=args.device)
     return serve(config, backend_for(args.device), device_uuid(args.device))

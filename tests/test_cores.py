@@ -9,7 +9,7 @@ import pytest
 
 from coordinator.cluster_config import ClusterConfig
 from expertmesh import cores, launcher
-from expertmesh.worker.server import WorkerConfig
+from expertmesh.worker.config import WorkerConfig
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8, 16, 64])

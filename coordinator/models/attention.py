@@ -23,20 +23,42 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, Dv]
-    """Writes the new K/V into the cache, then attends causally per sequence."""
+    """Writes the new K/V into the cache, then attends causally per sequence.
+
+    On CUDA one Triton kernel reads the cache through the page table for every token of the
+    step (coordinator/kernels/paged_attention.py); elsewhere the plain-torch loop below.
+    """
     k_cache[batch.write_index] = k
     v_cache[batch.write_index] = v
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    groups = q.shape[1] // k.shape[1]
-    for c in batch.chunks:
+    if q.is_cuda:
+        from coordinator.kernels.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            q, k_cache, v_cache, batch.page_table, batch.token_seq, batch.positions, batch.page_size, scale
+        )
+    return paged_attention_torch(q, k_cache, v_cache, batch, scale)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    k_cache: torch.Tensor,  # [rows, Hk, Dk], the step's K/V already written
+    v_cache: torch.Tensor,  # [rows, Hk, Dv]
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """The plain-torch reference (and CPU path): gathers each sequence's rows, one chunk at a time."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    groups = q.shape[1] // k_cache.shape[1]
+    for b, c in enumerate(batch.chunks):
+        s = c.past + c.length
+        kv_index = c.kv_index if c.kv_index is not None else _cache_rows(batch, b, s)
         qs = q[c.start : c.start + c.length].transpose(0, 1)  # [Hq, n, Dk]
-        ks = k_cache[c.kv_index].transpose(0, 1)  # [Hk, S, Dk]
-        vs = v_cache[c.kv_index].transpose(0, 1)  # [Hk, S, Dv]
+        ks = k_cache[kv_index].transpose(0, 1)  # [Hk, S, Dk]
+        vs = v_cache[kv_index].transpose(0, 1)  # [Hk, S, Dv]
         if groups > 1:
             ks = ks.repeat_interleave(groups, dim=0)
             vs = vs.repeat_interleave(groups, dim=0)
         # query i (absolute position past+i) sees keys 0..past+i
-        s = c.past + c.length
         mask = (
             torch.arange(s, device=q.device)[None, :]
             <= (c.past + torch.arange(c.length, device=q.device))[:, None]
@@ -46,6 +68,11 @@ def paged_attention(
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[c.start : c.start + c.length] = torch.matmul(probs, vs).transpose(0, 1)
     return out
+
+
+def _cache_rows(batch: ForwardBatch, b: int, s: int) -> torch.Tensor:  # [s] cache rows of sequence b
+    p = torch.arange(s, device=batch.page_table.device)
+    return batch.page_table[b].long()[p // batch.page_size] * batch.page_size + p % batch.page_size
 
 
 class Attention(nn.Module):
@@ -68,11 +95,14 @@ class Attention(nn.Module):
         self.clip = cfg.clip_qkv
         self.rotary = Rotary(self.d, cfg.rope_theta)
         self.scale = self.d**-0.5
+        self._inv_freq: torch.Tensor | None = None  # the fused CUDA path's rotary frequencies
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         t = x.shape[0]
+        if x.is_cuda and self.qk_norm in (None, "head") and self.clip is None and self.d in (64, 128, 256):
+            return self._forward_fused(x, batch, kv)
         q, k, v = self.qkv_proj(x)  # [T, Hq*D], [T, Hk*D], [T, Hk*D]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -84,4 +114,25 @@ class Attention(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.hq * self.d))
+
+    def _forward_fused(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """CUDA: projection, one kernel for q/k norm + rotary + the K/V cache write, attention."""
+        from coordinator.kernels.fused_ops import qk_norm_rope_store
+        from coordinator.kernels.paged_attention import paged_attention_triton
+
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hk)*D]
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm == "head" else None
+        if self._inv_freq is None or self._inv_freq.device != x.device:
+            self._inv_freq = self.rotary.inv_freq(x.device)  # [D/2], once: not per layer per step
+        inv_freq = self._inv_freq
+        q = qk_norm_rope_store(
+            qkv, self.hq, self.hk, batch.positions, batch.write_index, inv_freq, kv[0], kv[1], norms
+        )  # [T, Hq, D]
+        o = paged_attention_triton(
+            q, kv[0], kv[1], batch.page_table, batch.token_seq, batch.positions, batch.page_size, self.scale
+        )  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.hq * self.d))

@@ -46,6 +46,23 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H]
+        pending: torch.Tensor | None,  # [T, H] the previous layer's MLP output, not yet added
+        batch: ForwardBatch,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (residual stream, this layer's MLP output)
+        """CUDA: each residual add happens inside the RMSNorm kernel that follows it."""
+        from coordinator.kernels.fused_ops import rmsnorm
+
+        norm = self.input_layernorm
+        x, h = rmsnorm(x, norm.weight, norm.eps, residual=pending)
+        a = self.self_attn(h, batch, kv)
+        norm = self.post_attention_layernorm
+        x, h = rmsnorm(x, norm.weight, norm.eps, residual=a)
+        return x, self.mlp(h)
+
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attn: AttentionFactory, moe: MoEFactory) -> None:
@@ -75,7 +92,14 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:  # [B', V] float32
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        for i, layer in enumerate(self.decoder_layers()):
-            x = layer(x, batch, (cache.k[i], cache.v[i]))
-        x = self.model.norm(x[batch.logits_index])
-        return self.lm_head(x).float()
+        if x.is_cuda:
+            pending: torch.Tensor | None = None
+            for i, layer in enumerate(self.decoder_layers()):
+                x, pending = layer.forward_fused(x, pending, batch, (cache.k[i], cache.v[i]))
+            assert pending is not None
+            x = x[batch.logits_index] + pending[batch.logits_index]
+        else:
+            for i, layer in enumerate(self.decoder_layers()):
+                x = layer(x, batch, (cache.k[i], cache.v[i]))
+            x = x[batch.logits_index]
+        return self.lm_head(self.model.norm(x)).float()

@@ -17,6 +17,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.stride(-1) == 1:
+            from coordinator.kernels.fused_ops import rmsnorm
+
+            return rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[1].view(x.shape)
         # NOTE: normalise in float32, cast back, then scale: the order HF uses, so bf16 rounds alike.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -75,9 +79,12 @@ class Rotary(nn.Module):
         # NOTE: not a buffer: models are built on the meta device, and this costs nothing to redo
         self.dim, self.theta, self.interleave = dim, theta, interleave
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:  # [D/2] float32
+        exps = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
+        return 1.0 / (self.theta**exps)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        exps = torch.arange(0, self.dim, 2, dtype=torch.int64, device=positions.device).float() / self.dim
-        inv_freq = 1.0 / (self.theta**exps)  # [D/2]
+        inv_freq = self.inv_freq(positions.device)  # [D/2]
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)

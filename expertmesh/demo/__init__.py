@@ -13,7 +13,7 @@ from pathlib import Path
 WEIGHTS_DIR = Path(__file__).with_name("weights")
 # config.json and model.safetensors make the checkpoint, tokenizer.json its tokenizer
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-OPTIONAL_FILES = ("generation_config.json", "tokenizer_config.json")
+OPTIONAL_FILES = ("generation_config.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 class DemoModelMissing(FileNotFoundError):

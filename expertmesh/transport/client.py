@@ -25,13 +25,14 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import torch
 
+from expertmesh import errors
+from expertmesh.net import device_uuid
 from expertmesh.transport import cuda_ipc, segment
 from expertmesh.transport import descriptor as dsc
-from expertmesh.transport.errors import Rejected, code_of
+from expertmesh.transport.errors import Rejected
 from expertmesh.transport.handshake import Ack, CudaHello, Hello
 from expertmesh.transport.layout import (
     HEADER,
@@ -45,6 +46,7 @@ from expertmesh.transport.layout import (
 )
 from expertmesh.transport.ring import Region, Ring
 from expertmesh.transport.spin import Spin
+from expertmesh.worker_api import ExpertRequest
 
 
 @dataclass
@@ -124,7 +126,7 @@ class ShmClient:
             self._gpu_ring = Ring(ring_bytes)
             self.ready_event, ready = cuda_ipc.new_event(device)
             self._cuda = CudaHello(
-                cuda_ipc.device_uuid(self.device), cuda_ipc.share(self._in_ring.ring), ready, cuda_sync
+                device_uuid(self.device), cuda_ipc.share(self._in_ring.ring), ready, cuda_sync
             )
 
     # ------------------------------------------------------------ handshake
@@ -154,22 +156,15 @@ class ShmClient:
 
     # ------------------------------------------------------------ data path
 
-    def send(
-        self,
-        seq: int,
-        generation: int,
-        layer: int,
-        x: torch.Tensor,  # [T_all, H] the step's hidden states
-        rows: torch.Tensor,  # [T] rows of x for this server
-        slot_ids: torch.Tensor,  # [T, K] int32
-        weights: torch.Tensor,  # [T, K] float32
-        dtype: torch.dtype,  # the server's compute dtype
-    ) -> Reply | None:
-        """Queues one request; None when the ring has no room for it (send it over gRPC)."""
+    def send(self, req: ExpertRequest, dtype: torch.dtype) -> Reply | None:
+        """This path's codec: queues ``req`` (hidden cast to the server's compute ``dtype``);
+        None when the ring has no room for it (send it over gRPC)."""
+        x, rows, slot_ids, weights = req.hidden, req.rows, req.slot_ids, req.weights
         t, k = slot_ids.shape
         h = x.shape[1]
         payload = t * h * dtype.itemsize
-        route = dsc.route_nbytes(t, k)
+        adapters = req.adapter_slots
+        route = dsc.route_nbytes(t, k, adapters is not None)
         regions: tuple[tuple[Ring, Region], ...]
         if self.gpu:  # hidden [T, H] at the same offset of both GPU rings, routing on the host
             host_r = self._ring.alloc(route)
@@ -193,7 +188,7 @@ class ShmClient:
             h_off, r_off, o_off = host_r.offset, host_r.offset + n_h, host_r.offset + n_h + n_r
             hidden = self._host.tensor(h_off, (t, h), dtype)
             out = self._host.tensor(o_off, (t, h), dtype)
-        if t == x.shape[0]:  # every row of the step (rows are sorted and unique)
+        if rows is None or t == x.shape[0]:  # every row of the step (rows are sorted and unique)
             hidden.copy_(x)
         elif x.device == hidden.device and x.dtype == dtype:
             torch.index_select(x, 0, rows if x.device.type == "cpu" else rows.to(x.device), out=hidden)
@@ -202,17 +197,21 @@ class ShmClient:
         block = self._host.block(r_off, t, k)  # [2, T, K]
         block[0] = slot_ids.numpy()
         block[1] = weights.numpy().view(np.int32)
+        if adapters is not None:
+            self._host.adapters(r_off, t, k)[:] = adapters.numpy()
         if self.gpu:
             if self._cuda is not None and self._cuda.sync == "local":
                 torch.cuda.current_stream(self.device).synchronize()
             else:
                 self.ready_event.record(torch.cuda.current_stream(self.device))
-        flags = dsc.FLAG_GPU if self.gpu else 0
-        desc = dsc.Request(seq, generation, layer, t, h, k, dtype, dtype, h_off, r_off, o_off, flags)
+        flags = (dsc.FLAG_GPU if self.gpu else 0) | (dsc.FLAG_ADAPTERS if adapters is not None else 0)
+        desc = dsc.Request(
+            req.seq, req.generation, req.layer, t, h, k, dtype, dtype, h_off, r_off, o_off, flags
+        )
         os.write(self._req_fd, desc.pack())
         self._sent = (self._sent + 1) & 0xFFFFFFFF
         self._words[REQUESTS_WORD] = self._sent  # after the write: a spinning server may read it now
-        return Reply(self, seq, out, regions)
+        return Reply(self, req.seq, out, regions)
 
     def _answered(self) -> bool:
         return self._words[RESPONSES_WORD] != self._received or self._dead is not None
@@ -240,10 +239,10 @@ class ShmClient:
                 try:
                     r = dsc.Response.parse(raw)
                 except dsc.DescriptorError as e:
-                    self.kill(Rejected(grpc.StatusCode.INTERNAL, f"bad response from the server: {e}"))
+                    self.kill(Rejected(errors.Internal(f"bad response from the server: {e}")))
                     continue
                 if r.code:  # the server stops serving the channel after any error
-                    self.kill(Rejected(code_of(r.code), r.message))
+                    self.kill(Rejected(errors.from_status(r.code, r.message)))
                     continue
                 orphan = self._orphans.pop(r.seq, None)
                 if orphan is not None:
@@ -295,7 +294,7 @@ class ShmClient:
         return self._dead
 
     def close(self) -> None:
-        self.kill(Rejected(grpc.StatusCode.CANCELLED, "fast-path channel closed"))
+        self.kill(Rejected(errors.Cancelled("fast-path channel closed")))
         with self._lock, self._state:
             if self._closed:
                 return

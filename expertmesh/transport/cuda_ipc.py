@@ -153,11 +153,3 @@ def indexed(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def device_uuid(device: torch.device | str) -> str:
-    """The GPU's UUID as ``Describe`` reports it ("" off CUDA)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return ""
-    return str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))

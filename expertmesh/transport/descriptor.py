@@ -8,7 +8,8 @@ Anything that does not parse, or points outside the rings, is rejected with a me
 what is wrong; the expert server answers it with INVALID_ARGUMENT.
 
 Shapes: T tokens, H hidden, K top-k. The routing block is ``[2, T, K]`` 32-bit words: slot ids
-(int32) then weights (float32).
+(int32) then weights (float32), followed, when the request carries MoE-LoRA adapter slots
+(:data:`FLAG_ADAPTERS`), by ``[T]`` int32 adapter slots.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ SIZE = 256
 VERSION = 1
 ALIGN = 64  # every payload offset; enough for any dtype view
 FLAG_GPU = 1  # hidden in the coordinator's GPU ring, output in the server's GPU ring
+FLAG_ADAPTERS = 2  # the routing block ends with [T] int32 adapter slots
+FLAGS = FLAG_GPU | FLAG_ADAPTERS
 
 REQUEST_MAGIC, RESPONSE_MAGIC, KICK_MAGIC = b"EMRQ", b"EMRS", b"EMKI"
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)  # code = index + 1
@@ -65,8 +68,8 @@ def _open(raw: bytes, magic: bytes) -> bytes:
     return body
 
 
-def route_nbytes(tokens: int, top_k: int) -> int:
-    return 2 * tokens * top_k * 4
+def route_nbytes(tokens: int, top_k: int, adapters: bool = False) -> int:
+    return 2 * tokens * top_k * 4 + (tokens * 4 if adapters else 0)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,10 @@ class Request:
     @property
     def on_gpu(self) -> bool:
         return bool(self.flags & FLAG_GPU)
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool(self.flags & FLAG_ADAPTERS)
 
     @property
     def hidden_nbytes(self) -> int:
@@ -123,7 +130,7 @@ class Request:
         magic, version, flags, seq, gen, layer, t, h, k, hd, od, h_off, r_off, o_off = _REQ.unpack_from(body)
         if version != VERSION:
             raise DescriptorError(f"descriptor version {version}, this server speaks {VERSION}")
-        if flags & ~FLAG_GPU:
+        if flags & ~FLAGS:
             raise DescriptorError(f"unknown descriptor flags {flags:#x}")
         if flags & FLAG_GPU and not gpu_bytes:
             raise DescriptorError("descriptor points into a GPU ring, but this channel has none")
@@ -135,7 +142,7 @@ class Request:
         big = gpu_bytes if req.on_gpu else host_bytes
         for what, off, n, cap in (
             ("hidden", h_off, req.hidden_nbytes, big),
-            ("routing block", r_off, route_nbytes(t, k), host_bytes),
+            ("routing block", r_off, route_nbytes(t, k, req.has_adapters), host_bytes),
             ("output", o_off, req.out_nbytes, big),
         ):
             if off % ALIGN or off + n > cap:
@@ -148,7 +155,7 @@ class Request:
 @dataclass(frozen=True)
 class Response:
     seq: int
-    code: int = 0  # grpc.StatusCode value; 0 = OK
+    code: int = 0  # status number (expertmesh.errors, the gRPC numbering); 0 = OK
     compute_ms: float = 0.0
     message: str = ""
 

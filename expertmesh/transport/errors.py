@@ -1,24 +1,19 @@
-"""Errors of the fast paths, carried as gRPC status codes like those of the plain path."""
+"""How the coordinator's end of a fast path reports a failure: :class:`Rejected` wraps the typed
+library error (:mod:`expertmesh.errors`) and, because the fast path rides on a gRPC stream and
+is part of the coordinator's connection, also says which gRPC status the plain path would have
+given. The server's end (transport/server.py) deals in typed errors and status numbers only."""
 
 from __future__ import annotations
 
-import grpc
-
-_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+from expertmesh import status
+from expertmesh.errors import ExpertMeshError
 
 
 class Rejected(Exception):
-    """A request refused by the server, or a fast-path channel that failed: ``code`` is a
-    grpc.StatusCode, ``message`` says why (the same words the gRPC path would send)."""
+    """A request refused by the server, or a fast-path channel that failed: ``error`` is the
+    typed error, ``code`` its grpc.StatusCode, ``message`` the words the gRPC path would send."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-def code_value(code: grpc.StatusCode) -> int:
-    return int(code.value[0])
-
-
-def code_of(value: int) -> grpc.StatusCode:
-    return _BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+    def __init__(self, error: ExpertMeshError) -> None:
+        super().__init__(error.message)
+        self.error, self.message = error, error.message
+        self.code = status.grpc_code(error)

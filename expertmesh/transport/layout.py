@@ -76,6 +76,12 @@ class Views:
             v = self._numpy[key] = self._np[offset : offset + n].view(np.int32).reshape(2, tokens, top_k)
         return v
 
+    def adapters(self, offset: int, tokens: int, top_k: int) -> np.ndarray:
+        """The ``[T]`` int32 adapter slots after the routing block at ``offset`` (FLAG_ADAPTERS)."""
+        assert self._np is not None, "routing blocks live in host memory"
+        start = offset + 2 * tokens * top_k * 4
+        return self._np[start : start + tokens * 4].view(np.int32)
+
     def clear(self) -> None:
         self._torch.clear()
         self._numpy.clear()

@@ -3,9 +3,10 @@ for one.
 
 The thread maps the coordinator's segment (and unlinks its name at once), opens the FIFOs,
 with ``cuda_ipc`` maps the coordinator's GPU ring and shares its own output ring, and answers
-the handshake. Then it reads request descriptors, hands each request to the servicer's
-``forward`` (validation + compute, serialised with the gRPC path there) and writes the output
-and a response descriptor. A bad descriptor or a refused request is answered with its status
+the handshake. Then it reads request descriptors, decodes each into an
+:class:`~expertmesh.worker_api.ExpertRequest` (:meth:`ShmServer._decode`, this path's codec),
+hands it to ``forward`` (the worker core's checks + compute, serialised with the gRPC path
+there) and writes the output and a response descriptor. A bad descriptor or a refused request is answered with its status
 and ends the channel, as a bad message ends a gRPC stream; the stream's handler calls
 :meth:`ShmServer.close` when the stream ends, whoever ended it.
 
@@ -21,15 +22,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import torch
 
+from expertmesh import errors
+from expertmesh.net import device_uuid
 from expertmesh.transport import cuda_ipc, segment
 from expertmesh.transport import descriptor as dsc
-from expertmesh.transport.errors import Rejected, code_value
 from expertmesh.transport.handshake import Ack, Hello
 from expertmesh.transport.layout import (
     HEADER,
@@ -40,18 +40,9 @@ from expertmesh.transport.layout import (
     header_words,
 )
 from expertmesh.transport.spin import Spin
+from expertmesh.worker_api import ExpertRequest
 
 log = logging.getLogger("expertmesh.transport")
-
-
-@dataclass(frozen=True)
-class FastRequest:
-    seq: int
-    generation: int
-    layer: int
-    hidden: torch.Tensor  # [T, H] in shared memory: read, never written
-    slot_ids: torch.Tensor  # [T, K] int32, this side's own copy
-    weights: torch.Tensor  # [T, K] float32, this side's own copy
 
 
 class ShmServer:
@@ -59,7 +50,7 @@ class ShmServer:
         self,
         hello: Hello,
         device: torch.device,
-        forward: Callable[[FastRequest], torch.Tensor],  # [T, H] on device; raises Rejected
+        forward: Callable[[ExpertRequest], torch.Tensor],  # [T, H] on device; raises ExpertMeshError
         on_error: Callable[[], None] = lambda: None,
         spin_us: float = 300.0,  # how long to poll for the next request before sleeping
     ) -> None:
@@ -114,7 +105,7 @@ class ShmServer:
         try:
             if self.device.type != "cuda":
                 raise cuda_ipc.CudaIpcError("this server computes on the CPU")
-            ours = cuda_ipc.device_uuid(self.device)
+            ours = device_uuid(self.device)
             if h.cuda.device_uuid != ours:
                 raise cuda_ipc.CudaIpcError(
                     f"the coordinator's GPU {h.cuda.device_uuid} is not ours ({ours})"
@@ -134,7 +125,7 @@ class ShmServer:
             torch.cuda.set_device(self.device)
         try:
             ack = self._attach()
-        except Exception as e:  # NOTE: a thread's boundary: the handshake must get an answer
+        except Exception as e:  # noqa: BLE001  # NOTE: a thread's boundary: the handshake must get an answer
             log.exception("fast-path set-up failed")
             ack = Ack("grpc", f"fast-path set-up failed: {type(e).__name__}: {e}")
         self.ack.set_result(ack)
@@ -176,15 +167,13 @@ class ShmServer:
                 resp = dsc.Response(seq, 0, (time.perf_counter() - t0) * 1e3)
             except dsc.DescriptorError as e:
                 self.on_error()
-                resp = self._error(
-                    seq, grpc.StatusCode.INVALID_ARGUMENT, f"invalid fast-path descriptor: {e}"
-                )
-            except Rejected as e:
-                resp = self._error(seq, e.code, e.message)
-            except Exception as e:  # NOTE: a thread's boundary: the coordinator must get an answer
+                resp = self._error(seq, errors.InvalidRequest(f"invalid fast-path descriptor: {e}"))
+            except errors.ExpertMeshError as e:
+                resp = self._error(seq, e)
+            except Exception as e:  # noqa: BLE001  # NOTE: a thread's boundary: the coordinator must get an answer
                 log.exception("fast-path request %d failed", seq)
                 self.on_error()
-                resp = self._error(seq, grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+                resp = self._error(seq, errors.Internal(f"{type(e).__name__}: {e}"))
             os.write(resp_fd, resp.pack())
             answered = (answered + 1) & 0xFFFFFFFF
             words[RESPONSES_WORD] = answered
@@ -192,14 +181,26 @@ class ShmServer:
                 return  # a bad request ends the channel, as it ends a gRPC stream
 
     @staticmethod
-    def _error(seq: int, code: grpc.StatusCode, message: str) -> dsc.Response:
-        return dsc.Response(seq, code_value(code), 0.0, message)
+    def _error(seq: int, err: errors.ExpertMeshError) -> dsc.Response:
+        return dsc.Response(seq, err.status, 0.0, err.message)
 
     def _one(self, req: dsc.Request) -> None:
+        out_ring = self._out if req.on_gpu else self._host
+        out = out_ring.tensor(req.out_off, (req.tokens, req.hidden), req.out_dtype)
+        y = self.forward(self._decode(req))
+        out.copy_(y)
+        if req.on_gpu:
+            assert self.hello.cuda is not None
+            if self.hello.cuda.sync == "local":
+                torch.cuda.current_stream(self.device).synchronize()
+            else:
+                self._done.record(torch.cuda.current_stream(self.device))
+
+    def _decode(self, req: dsc.Request) -> ExpertRequest:
+        """This path's codec: a descriptor and the ring contents -> the one request type."""
         t, h, k = req.tokens, req.hidden, req.top_k
-        data, out_ring = (self._in, self._out) if req.on_gpu else (self._host, self._host)
-        hidden = data.tensor(req.hidden_off, (t, h), req.hidden_dtype)
-        out = out_ring.tensor(req.out_off, (t, h), req.out_dtype)
+        data = self._in if req.on_gpu else self._host
+        hidden = data.tensor(req.hidden_off, (t, h), req.hidden_dtype)  # read, never written
         # NOTE: our own copy of the routing block: what was validated is what gets computed,
         # whatever the other side writes meanwhile (pinned on a GPU: its upload is asynchronous).
         shared = self._host.block(req.route_off, t, k)  # [2, T, K]
@@ -216,14 +217,10 @@ class ShmServer:
         else:
             mine = shared.copy()
             slot_ids, weights = torch.from_numpy(mine[0]), torch.from_numpy(mine[1].view(np.float32))
-        y = self.forward(FastRequest(req.seq, req.generation, req.layer, hidden, slot_ids, weights))
-        out.copy_(y)
-        if req.on_gpu:
-            assert self.hello.cuda is not None
-            if self.hello.cuda.sync == "local":
-                torch.cuda.current_stream(self.device).synchronize()
-            else:
-                self._done.record(torch.cuda.current_stream(self.device))
+        adapters = None
+        if req.has_adapters:
+            adapters = torch.from_numpy(self._host.adapters(req.route_off, t, k).copy())  # [T] int32
+        return ExpertRequest(req.seq, req.generation, req.layer, hidden, slot_ids, weights, adapters)
 
     def _release(self) -> None:
         with self._state:

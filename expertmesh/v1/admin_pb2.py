@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65xpertmesh/v1/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12ListServersRequest\"\xaa\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rslot_capacity\x18\x06 \x01(\x05\x12\x12\n\nslots_used\x18\x07 \x01(\x05\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\"A\n\x13ListServersResponse\x12*\n\x07servers\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.ServerInfo\"\x15\n\x13GetPlacementRequest\"S\n\x0eLayerPlacement\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07phy2log\x18\x02 \x03(\x05\x12\r\n\x05owner\x18\x03 \x03(\x05\x12\x12\n\nlocal_slot\x18\x04 \x03(\x05\"c\n\rPlacementInfo\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07servers\x18\x02 \x03(\t\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.expertmesh.v1.LayerPlacement\"\x16\n\x14GetExpertLoadRequest\"*\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\"6\n\nExpertLoad\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.expertmesh.v1.LayerLoad2\x80\x02\n\x05\x41\x64min\x12T\n\x0bListServers\x12!.expertmesh.v1.ListServersRequest\x1a\".expertmesh.v1.ListServersResponse\x12P\n\x0cGetPlacement\x12\".expertmesh.v1.GetPlacementRequest\x1a\x1c.expertmesh.v1.PlacementInfo\x12O\n\rGetExpertLoad\x12#.expertmesh.v1.GetExpertLoadRequest\x1a\x19.expertmesh.v1.ExpertLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65xpertmesh/v1/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12ListServersRequest\"\xe9\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rslot_capacity\x18\x06 \x01(\x05\x12\x12\n\nslots_used\x18\x07 \x01(\x05\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x1a\n\x11layer_round_trips\x18\x8c\x01 \x01(\x04\x12!\n\x18layer_round_trip_seconds\x18\x8d\x01 \x01(\x01\"x\n\x13ListServersResponse\x12*\n\x07servers\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.ServerInfo\x12\x35\n\x0b\x63oordinator\x18\x8c\x01 \x01(\x0b\x32\x1f.expertmesh.v1.CoordinatorStats\"\xb2\x02\n\x10\x43oordinatorStats\x12\x18\n\x10requests_running\x18\x01 \x01(\x05\x12\x18\n\x10requests_waiting\x18\x02 \x01(\x05\x12\x15\n\rkv_pages_used\x18\x03 \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x05\x12\x14\n\x0ckv_page_size\x18\x05 \x01(\x05\x12\x19\n\x11requests_finished\x18\x06 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x04\x12\x19\n\x11generation_tokens\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x0b \x01(\x01\x12\x1c\n\x14placement_generation\x18\x0c \x01(\x04\"\x15\n\x13GetPlacementRequest\"S\n\x0eLayerPlacement\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07phy2log\x18\x02 \x03(\x05\x12\r\n\x05owner\x18\x03 \x03(\x05\x12\x12\n\nlocal_slot\x18\x04 \x03(\x05\"c\n\rPlacementInfo\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07servers\x18\x02 \x03(\t\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.expertmesh.v1.LayerPlacement\"\x16\n\x14GetExpertLoadRequest\"*\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\"6\n\nExpertLoad\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.expertmesh.v1.LayerLoad2\x80\x02\n\x05\x41\x64min\x12T\n\x0bListServers\x12!.expertmesh.v1.ListServersRequest\x1a\".expertmesh.v1.ListServersResponse\x12P\n\x0cGetPlacement\x12\".expertmesh.v1.GetPlacementRequest\x1a\x1c.expertmesh.v1.PlacementInfo\x12O\n\rGetExpertLoad\x12#.expertmesh.v1.GetExpertLoadRequest\x1a\x19.expertmesh.v1.ExpertLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTSERVERSREQUEST']._serialized_start=44
   _globals['_LISTSERVERSREQUEST']._serialized_end=64
   _globals['_SERVERINFO']._serialized_start=67
-  _globals['_SERVERINFO']._serialized_end=237
-  _globals['_LISTSERVERSRESPONSE']._serialized_start=239
-  _globals['_LISTSERVERSRESPONSE']._serialized_end=304
-  _globals['_GETPLACEMENTREQUEST']._serialized_start=306
-  _globals['_GETPLACEMENTREQUEST']._serialized_end=327
-  _globals['_LAYERPLACEMENT']._serialized_start=329
-  _globals['_LAYERPLACEMENT']._serialized_end=412
-  _globals['_PLACEMENTINFO']._serialized_start=414
-  _globals['_PLACEMENTINFO']._serialized_end=513
-  _globals['_GETEXPERTLOADREQUEST']._serialized_start=515
-  _globals['_GETEXPERTLOADREQUEST']._serialized_end=537
-  _globals['_LAYERLOAD']._serialized_start=539
-  _globals['_LAYERLOAD']._serialized_end=581
-  _globals['_EXPERTLOAD']._serialized_start=583
-  _globals['_EXPERTLOAD']._serialized_end=637
-  _globals['_ADMIN']._serialized_start=640
-  _globals['_ADMIN']._serialized_end=896
+  _globals['_SERVERINFO']._serialized_end=300
+  _globals['_LISTSERVERSRESPONSE']._serialized_start=302
+  _globals['_LISTSERVERSRESPONSE']._serialized_end=422
+  _globals['_COORDINATORSTATS']._serialized_start=425
+  _globals['_COORDINATORSTATS']._serialized_end=731
+  _globals['_GETPLACEMENTREQUEST']._serialized_start=733
+  _globals['_GETPLACEMENTREQUEST']._serialized_end=754
+  _globals['_LAYERPLACEMENT']._serialized_start=756
+  _globals['_LAYERPLACEMENT']._serialized_end=839
+  _globals['_PLACEMENTINFO']._serialized_start=841
+  _globals['_PLACEMENTINFO']._serialized_end=940
+  _globals['_GETEXPERTLOADREQUEST']._serialized_start=942
+  _globals['_GETEXPERTLOADREQUEST']._serialized_end=964
+  _globals['_LAYERLOAD']._serialized_start=966
+  _globals['_LAYERLOAD']._serialized_end=1008
+  _globals['_EXPERTLOAD']._serialized_start=1010
+  _globals['_EXPERTLOAD']._serialized_end=1064
+  _globals['_ADMIN']._serialized_start=1067
+  _globals['_ADMIN']._serialized_end=1323
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,7 @@
 """Expert server factory and entry point, shared by the GPU and CPU expert servers.
 
+The configuration is :class:`~expertmesh.worker.config.WorkerConfig`; the worker itself is
+the gRPC-free core (expertmesh/worker/core.py) behind the servicer (servicer.py).
 ``start_worker(config, backend)`` binds the port (0 = a free one), serves ExpertWorker +
 grpc.health.v1 + reflection, and preloads the configured experts in the background: health is
 NOT_SERVING until they are resident. ``serve(config, backend)`` runs it until SIGINT/SIGTERM.
@@ -7,108 +9,32 @@ NOT_SERVING until they are resident. ``serve(config, backend)`` runs it until SI
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from expertmesh import cores, wire
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
+from expertmesh.metrics import serve_metrics
+from expertmesh.net import grpc_options, host_id
 from expertmesh.transport import segment
 from expertmesh.v1 import expert_worker_pb2, expert_worker_pb2_grpc
-from expertmesh.worker.servicer import ExpertWorkerServicer, WorkerIdentity
+from expertmesh.worker.config import WorkerConfig
+from expertmesh.worker.core import WorkerIdentity
+from expertmesh.worker.servicer import ExpertWorkerServicer
 from expertmesh.worker.slots import SlotTable, parse_expert_spec
+
+__all__ = ["RunningWorker", "WorkerConfig", "grpc_options", "host_id", "serve", "start_worker"]
 
 log = logging.getLogger("expertmesh.worker")
 SERVICE = "expertmesh.v1.ExpertWorker"
-
-
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
-
-
-def host_id() -> str:
-    """Boot id: two processes with the same value run on the same host (kernel)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    kind: str  # "gpu" | "cpu"
-    model_dir: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-    experts: str = "all"  # preloaded before any placement arrives: all | none | 0-15,32
-    capacity: int | None = None  # local slots per layer; default: the model's expert count
-    max_message_mb: int = 256
-    shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
-    # fast paths: poll this long for the next request before sleeping (0 where cores are scarce)
-    shm_spin_us: float = field(default_factory=cores.default_spin_us)
-
-    def __post_init__(self) -> None:
-        assert self.kind in ("gpu", "cpu"), f"{self.kind=}"
-        wire.parse_dtype(self.dtype)
-        assert self.dtype in ("float32", "bfloat16", "float16"), f"{self.dtype=}"
-        assert 0 <= self.port < 65536, f"{self.port=}"
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(
-                f"--device {self.device}: CUDA is not available on this machine (use --device cpu)"
-            )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return wire.parse_dtype(self.dtype)
-
-    @property
-    def max_message_bytes(self) -> int:
-        return self.max_message_mb << 20
-
-    @staticmethod
-    def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
-        p.add_argument("--model", required=True, help="HF checkpoint directory (shared with the coordinator)")
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=default_port, help="0 = a free port (printed)")
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        p.add_argument("--experts", default="all", help="experts to preload per layer: all | none | 0-15,32")
-        p.add_argument(
-            "--capacity", type=int, default=None, help="local slots per layer (default: expert count)"
-        )
-        p.add_argument("--max-message-mb", type=int, default=256)
-        p.add_argument(
-            "--no-shm",
-            action="store_true",
-            help="offer no shared-memory or CUDA IPC fast path: coordinators on this host use gRPC",
-        )
-        p.add_argument(
-            "--shm-spin-us",
-            type=float,
-            default=cores.default_spin_us(),
-            help="fast paths: poll this long for the next request before sleeping (0 = always sleep; "
-            "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
-        )
-
-    @property
-    def fast_paths(self) -> tuple[str, ...]:
-        if not self.shm or not segment.available():
-            return ()
-        return ("shm", "cuda_ipc") if self.device.startswith("cuda") else ("shm",)
 
 
 @dataclass
@@ -118,11 +44,15 @@ class RunningWorker:
     servicer: ExpertWorkerServicer
     health: health.aio.HealthServicer
     preload: asyncio.Task
+    metrics_port: int | None = None  # issue 16
+    metrics_server: Any = None
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         self.servicer.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
 
 
 async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> RunningWorker:
@@ -167,7 +97,11 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    return RunningWorker(server, port, servicer, health_servicer, asyncio.create_task(preload()))
+    w = RunningWorker(server, port, servicer, health_servicer, asyncio.create_task(preload()))
+    if config.metrics_port is not None:  # issue 16
+        registry = servicer.worker.metrics.registry
+        w.metrics_server, _, w.metrics_port = serve_metrics(registry, config.host, config.metrics_port)
+    return w
 
 
 def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> int:
@@ -180,6 +114,8 @@ def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         print(f"{config.kind} expert server listening on {config.host}:{w.port}", flush=True)
+        if w.metrics_port is not None:
+            print(f"Prometheus metrics on http://{config.host}:{w.metrics_port}/metrics", flush=True)
         done, _ = await asyncio.wait(
             [asyncio.ensure_future(stop.wait()), w.preload], return_when=asyncio.FIRST_COMPLETED
         )

@@ -3,7 +3,9 @@ and the stacked weights the backend computes with.
 
 Placement changes are two-phase: :meth:`SlotTable.prepare` builds the new table beside the live
 one (reusing weights already resident, reading only new experts from the checkpoint),
-:meth:`commit` swaps it in, :meth:`abort` drops it. Forward reads ``live`` only.
+:meth:`commit` swaps it in, :meth:`abort` drops it. Forward reads ``live`` only. Errors are
+typed: :class:`SlotError` (an InvalidRequest) for a table that cannot be built,
+``StaleGeneration`` for a phase naming the wrong generation.
 
 Shapes: S local slots of a layer, H hidden, I expert intermediate size.
 """
@@ -16,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from expertmesh.checkpoint import CheckpointReader
+from expertmesh.errors import InvalidRequest, StaleGeneration
 
 
-class SlotError(ValueError):
-    pass
+class SlotError(InvalidRequest, ValueError):
+    """A slot table that cannot be built: unknown layers or experts, more slots than capacity."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,9 @@ class SlotTable:
 
     def prepare(self, generation: int, table: dict[int, list[int]]) -> int:
         if generation <= self.live.generation:
-            raise SlotError(f"generation {generation} is not newer than the live {self.live.generation}")
+            raise StaleGeneration(
+                f"generation {generation} is not newer than the live {self.live.generation}"
+            )
         unknown = set(table) - set(self.moe_layers)
         if unknown:
             raise SlotError(f"layers {sorted(unknown)} are not MoE layers (MoE layers: {self.moe_layers})")
@@ -119,7 +124,9 @@ class SlotTable:
         with self._lock:
             if self._staged is None or self._staged.generation != generation:
                 staged = None if self._staged is None else self._staged.generation
-                raise SlotError(f"no prepared placement of generation {generation} (prepared: {staged})")
+                raise StaleGeneration(
+                    f"no prepared placement of generation {generation} (prepared: {staged})"
+                )
             self.live, self._staged = self._staged, None
 
     def abort(self, generation: int) -> None:

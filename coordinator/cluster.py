@@ -1,0 +1,445 @@
+"""The expert servers as one cluster: their connections, their states, the live placement, and
+how all of that changes (bring-up, reconnection, two-phase broadcasts), all off the step path.
+
+:class:`ExpertCluster` owns one connection per server (coordinator/expert_conn.py) and a
+:class:`ServerState` per server. A maintenance thread does every slow thing: the first
+bring-up (Describe, health wait, placement prepare + commit on all servers, streams), and the
+reconnection of a server whose stream died (re-pushing the live placement if it restarted).
+The forward step only asks :meth:`ensure_ready` (wait, bounded, for the thread; never a
+Describe, health wait or placement push on the step's thread) and reads
+:attr:`tables` (one placement generation per step).
+
+:meth:`two_phase` is the generic broadcast (prepare on all, abort on any failure, commit on
+all) that placement changes use (:meth:`update_placement`) and adapter loads will use.
+
+The connection is passed in as a factory so the state machine is tested with fake
+connections (tests/test_cluster_state.py). No gRPC here: connections raise
+:class:`ExpertServerError`, which carries a typed error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from coordinator.cluster_config import ClusterConfig, ServerSpec
+from coordinator.expert_conn import ExpertServerError, ServerConnection
+from expertmesh import errors
+from expertmesh import placement as pl
+from expertmesh.config import ModelConfig
+from expertmesh.net import device_uuid, host_id
+from expertmesh.transport import negotiate
+from expertmesh.worker_api import WorkerInfo
+
+log = logging.getLogger("expertmesh.cluster")
+
+RECONNECT_WAIT_S = 5.0  # at most this long (or the expert timeout) a step waits for a reconnect
+POLL_S = 0.5  # the maintenance thread looks at every server this often
+
+
+class ServerState(Enum):
+    CONNECTING = "connecting"  # never brought up yet
+    READY = "ready"  # placement committed, stream open
+    UNAVAILABLE = "unavailable"  # failed; the maintenance thread is bringing it back
+
+
+class Connection(Protocol):
+    """What the cluster needs of one server's connection (coordinator/expert_conn.py)."""
+
+    spec: ServerSpec
+    info: WorkerInfo | None
+    on_down: Callable[[ExpertServerError], None]
+
+    def describe(self, timeout: float) -> WorkerInfo: ...
+    def plan_transport(self, info: WorkerInfo, local: negotiate.Side) -> None: ...
+    def wait_serving(self, deadline: float) -> None: ...
+    def prepare(self, generation: int, table: dict[int, list[int]], timeout: float) -> None: ...
+    def commit(self, generation: int, timeout: float) -> None: ...
+    def abort(self, generation: int, timeout: float) -> None: ...
+    def open_stream(self) -> object: ...
+    def stream_alive(self) -> bool: ...
+    def reset(self, reason: str) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class Member:
+    conn: Connection
+    state: ServerState = ServerState.CONNECTING
+    last_error: str = ""
+    error: ExpertServerError | None = None
+
+
+def initial_placement(cfg: ModelConfig, c: ClusterConfig) -> pl.Placement:
+    names = tuple(s.name for s in c.servers)
+    if c.placement_file:
+        return pl.load_file(c.placement_file, cfg.moe_layer_ids, cfg.num_experts, names)
+    n = c.num_gpu_experts
+    if n is None:
+        n = cfg.num_experts if not c.cpu else 0 if not c.gpu else cfg.num_experts // 2
+    return pl.static_split(
+        cfg.moe_layer_ids, cfg.num_experts, [s.name for s in c.gpu], [s.name for s in c.cpu], n
+    )
+
+
+class ExpertCluster:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: ClusterConfig,
+        device: torch.device | str = "cpu",
+        connect: Callable[[ServerSpec], Connection] | None = None,
+        local_side: negotiate.Side | None = None,
+    ) -> None:
+        if not config.servers:
+            raise ValueError("an expert cluster needs at least one expert server")
+        self.cfg, self.config, self.device = model_config, config, torch.device(device)
+        make = connect or (lambda spec: ServerConnection(spec, config, self.device))
+        self.members = [Member(make(spec)) for spec in config.servers]
+        for i, m in enumerate(self.members):
+            m.conn.on_down = self._down_hook(i)
+        self.local_side = local_side or negotiate.Side(
+            host_id(), device_uuid(self.device), ("shm", "cuda_ipc")
+        )
+        full = None
+        if config.gpu_prefill_token_threshold:
+            full = next(i for i, s in enumerate(config.servers) if s.kind == "gpu")
+        self._full_server = full
+        self.tables = pl.server_tables(initial_placement(model_config, config), full)
+        self._placed = False  # the first placement is committed on every server
+        self._cond = threading.Condition()
+        self._kicked = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._connect_timeout_s = 10.0
+
+    # ------------------------------------------------------------ reading
+
+    @property
+    def placement(self) -> pl.Placement:
+        return self.tables.placement
+
+    @property
+    def conns(self) -> list[Connection]:
+        return [m.conn for m in self.members]
+
+    def ready(self) -> bool:
+        return all(m.state is ServerState.READY for m in self.members)
+
+    def _usable(self, m: Member) -> bool:
+        return m.state is ServerState.READY and m.conn.stream_alive()
+
+    def server_infos(self) -> list[dict]:
+        out = []
+        for m in self.members:
+            c, info = m.conn, m.conn.info
+            out.append(
+                dict(
+                    name=c.spec.name,
+                    address=c.spec.address,
+                    kind=c.spec.kind,
+                    state=m.state.value,
+                    device=info.device if info else "",
+                    slot_capacity=info.slot_capacity if info else 0,
+                    slots_used=getattr(c, "slots_used", 0),
+                    transport=getattr(c, "transport", "grpc"),
+                    transport_note=getattr(c, "transport_note", ""),
+                    fast_fallbacks=getattr(c, "fast_fallbacks", 0),
+                    last_error=m.last_error,
+                )
+            )
+        return out
+
+    def describe_state(self) -> str:
+        return ", ".join(
+            f"{m.conn.spec.name} {m.state.value}" + (f" ({m.last_error})" if m.last_error else "")
+            for m in self.members
+        )
+
+    # ------------------------------------------------------------ state changes
+
+    def _set(self, i: int, state: ServerState, error: ExpertServerError | str | None = None) -> None:
+        with self._cond:
+            m = self.members[i]
+            m.state = state
+            if isinstance(error, ExpertServerError):
+                m.error, m.last_error = error, str(error)
+            elif error is not None:
+                m.last_error = error
+            elif state is ServerState.READY:
+                m.error, m.last_error = None, ""
+            self._cond.notify_all()
+
+    def _down_hook(self, i: int) -> Callable[[ExpertServerError], None]:
+        def down(err: ExpertServerError) -> None:  # a connection's reader thread
+            self.mark_down(i, err)
+
+        return down
+
+    def mark_down(self, i: int, error: ExpertServerError | str) -> None:
+        """Server ``i`` failed (its stream died, it timed out): the maintenance thread brings it back."""
+        self._set(i, ServerState.UNAVAILABLE, error)
+        self._kick()
+
+    def _kick(self) -> None:
+        with self._cond:
+            self._kicked = True
+            self._cond.notify_all()
+
+    def ensure_ready(self, wait_s: float) -> None:
+        """Before a step: returns once every server is READY with a live stream, waiting at
+        most ``wait_s`` for the maintenance thread; else raises (UNAVAILABLE, or the
+        incompatibility that keeps a server out)."""
+        if all(self._usable(m) for m in self.members):  # the common case: no lock
+            return
+        self.start()
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            self._kicked = True
+            self._cond.notify_all()
+            while True:
+                bad = [m for m in self.members if not self._usable(m)]
+                if not bad:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                # NOTE: a dead stream is not signalled through the condition: poll it too
+                self._cond.wait(min(left, 0.05))
+        m = bad[0]
+        if m.error is not None and isinstance(m.error.error, errors.Incompatible):
+            raise m.error
+        name = f"expert server {m.conn.spec.name} ({m.conn.spec.address})"
+        why = m.last_error or ("connecting" if m.state is ServerState.CONNECTING else "stream closed")
+        raise ExpertServerError.of(errors.Unavailable(f"{name} is not ready: {why}"))
+
+    # ------------------------------------------------------------ bring-up
+
+    def connect(self, timeout_s: float = 60.0) -> None:
+        """The first bring-up, on the caller's thread (raises if it fails); then the
+        maintenance thread keeps the servers up."""
+        self._connect_all(time.monotonic() + timeout_s)
+        self.start(timeout_s)
+
+    def start(self, connect_timeout_s: float | None = None) -> None:
+        """Starts the maintenance thread (idempotent): it does the first bring-up if
+        :meth:`connect` did not, retrying every ``connect_timeout_s``, then reconnects."""
+        with self._cond:
+            if connect_timeout_s is not None:
+                self._connect_timeout_s = connect_timeout_s
+            if self._thread is not None or self._stop:
+                return
+            self._kicked = True  # the first round at once
+            self._thread = threading.Thread(target=self._maintain, daemon=True, name="expert-cluster")
+        self._thread.start()
+
+    def _connect_all(self, deadline: float) -> None:
+        infos = [self._guard(i, lambda c: _describe_until(c, deadline)) for i, c in enumerate(self.conns)]
+        # NOTE: a new coordinator's placement must be newer than whatever the servers hold
+        # (they may have served an earlier coordinator), so numbering continues from theirs.
+        gen = max([self.placement.generation - 1, *(i.generation for i in infos)]) + 1
+        with self._cond:
+            self.tables = pl.server_tables(self.placement.with_generation(gen), self._full_server)
+        tables = self.tables
+
+        def left() -> float:
+            return max(1.0, deadline - time.monotonic())
+
+        failed = self.two_phase(
+            prepare=lambda i: self._prepare_member(i, tables, deadline),
+            commit=lambda i: self._guard(i, lambda c: c.commit(gen, left())),
+            abort=lambda i: self.conns[i].abort(gen, left()),
+        )
+        if failed:
+            err = self.members[failed[0]].error
+            assert err is not None
+            raise err
+        for i in range(len(self.members)):
+            self._guard(i, lambda c: c.open_stream())
+            self._set(i, ServerState.READY)
+        self._placed = True
+
+    def _prepare_member(self, i: int, tables: pl.ServerTables, deadline: float) -> bool:
+        """Describe, check, choose the data path, wait for health, and prepare the placement
+        if the server does not hold it yet (returns whether it did)."""
+        info = self._guard(i, lambda c: _describe_until(c, deadline))
+        self._guard(i, lambda c: self._check(c, info, tables.slots_needed(i)))
+        self._guard(i, lambda c: c.plan_transport(info, self.local_side))
+        self._guard(i, lambda c: c.wait_serving(deadline))
+        if info.generation == tables.generation:
+            return False
+        left = max(1.0, deadline - time.monotonic())
+        self._guard(i, lambda c: c.prepare(tables.generation, tables.slots[i], left))
+        return True
+
+    def _bring_back(self, i: int, deadline: float) -> None:
+        """Reconnects one server: the live placement prepared and committed if it lacks it."""
+        tables = self.tables
+        if self._prepare_member(i, tables, deadline):
+            left = max(1.0, deadline - time.monotonic())
+            self._guard(i, lambda c: c.commit(tables.generation, left))
+        self._guard(i, lambda c: c.open_stream())
+        self._set(i, ServerState.READY)
+
+    def _check(self, conn: Connection, info: WorkerInfo, need: int) -> None:
+        cfg = self.cfg
+        want = (cfg.model_type, cfg.hidden_size, cfg.num_experts, list(cfg.moe_layer_ids))
+        got = (info.model_type, info.hidden_size, info.num_experts, list(info.moe_layers))
+        if want != got:
+            raise ExpertServerError.of(
+                errors.Incompatible(
+                    f"{conn.spec.name} serves a different model: (model_type, hidden, experts, moe layers) {got}, expected {want}"
+                )
+            )
+        if need > info.slot_capacity:
+            raise ExpertServerError.of(
+                errors.Incompatible(
+                    f"{conn.spec.name} holds at most {info.slot_capacity} slots per layer, the placement gives it {need}"
+                )
+            )
+
+    def _guard(self, i: int, fn: Callable[[Connection], object]):
+        """Runs ``fn`` on server ``i``'s connection; a failure marks the server UNAVAILABLE."""
+        try:
+            return fn(self.conns[i])
+        except ExpertServerError as e:
+            self._set(i, ServerState.UNAVAILABLE, e)
+            raise
+
+    def _maintain(self) -> None:
+        last = ""
+        while True:
+            with self._cond:
+                if not self._kicked and not self._stop:
+                    self._cond.wait(POLL_S)
+                self._kicked = False
+                if self._stop:
+                    return
+            try:
+                if not self._placed:
+                    self._connect_all(time.monotonic() + self._connect_timeout_s)
+                else:
+                    for i, m in enumerate(self.members):
+                        if not self._usable(m) and not self._stop:
+                            self._bring_back(i, time.monotonic() + self._reconnect_s())
+                last = ""
+            except ExpertServerError as e:
+                if str(e) != last:
+                    log.warning("expert servers not ready: %s", e)
+                last = str(e)
+                time.sleep(0.2)  # a server that refuses at once is not hammered
+
+    def _reconnect_s(self) -> float:
+        return min(RECONNECT_WAIT_S, self.config.timeout_s)
+
+    # ------------------------------------------------------------ broadcasts
+
+    def two_phase(
+        self,
+        prepare: Callable[[int], object],
+        commit: Callable[[int], object],
+        abort: Callable[[int], object],
+        members: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Prepare on every member (all or nothing: a failure aborts the prepared ones and
+        raises), then commit on every member. A member whose commit fails is marked down (its
+        reconnection re-pushes what is live) and returned; the others are committed."""
+        idx = list(range(len(self.members)) if members is None else members)
+        prepared: list[int] = []
+        try:
+            for i in idx:
+                prepare(i)
+                prepared.append(i)
+        except ExpertServerError:
+            for i in prepared:
+                with contextlib.suppress(ExpertServerError):
+                    abort(i)
+            raise
+        failed = []
+        for i in idx:
+            try:
+                commit(i)
+            except ExpertServerError as e:
+                self.mark_down(i, e)
+                failed.append(i)
+        return failed
+
+    def update_placement(
+        self,
+        new: pl.Placement,
+        timeout_s: float,
+        between_steps: Callable[[Callable[[], object]], Future] | None = None,
+    ) -> list[int]:
+        """Pushes ``new`` (a newer generation, same servers) to every server: prepare on all
+        here (loads weights; serving goes on), then the commit phase and the swap of
+        :attr:`tables` run through ``between_steps`` (e.g. ``Scheduler.call_between_steps``)
+        so that no step sees two generations. Returns the servers whose commit failed."""
+        if new.generation <= self.placement.generation or new.servers != self.placement.servers:
+            raise ValueError(
+                f"placement generation {new.generation} over servers {new.servers} cannot replace "
+                f"generation {self.placement.generation} over {self.placement.servers}"
+            )
+        new.validate()
+        tables = pl.server_tables(new, self._full_server)
+        gen = tables.generation
+        for i, c in enumerate(self.conns):
+            info = c.info
+            if info is not None:
+                self._check(c, info, tables.slots_needed(i))
+        failed: list[int] = []
+        ready = [i for i, m in enumerate(self.members) if m.state is ServerState.READY]
+
+        def commit_all() -> None:
+            with self._cond:
+                self.tables = tables
+            failed.extend(
+                self.two_phase(
+                    prepare=lambda i: None,  # already prepared
+                    commit=lambda i: self.conns[i].commit(gen, timeout_s),
+                    abort=lambda i: None,
+                    members=ready,
+                )
+            )
+
+        self.two_phase(
+            prepare=lambda i: self.conns[i].prepare(gen, tables.slots[i], timeout_s),
+            commit=lambda i: None,
+            abort=lambda i: self.conns[i].abort(gen, timeout_s),
+            members=ready,
+        )
+        if between_steps is None:
+            commit_all()
+        else:
+            between_steps(commit_all).result()
+        # NOTE: a server that was down meanwhile gets the new generation when it comes back
+        return failed
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=10)
+        for c in self.conns:
+            c.close()
+
+
+def _describe_until(conn: Connection, deadline: float) -> WorkerInfo:
+    """Describe, retried until ``deadline`` (a server that is starting refuses connections)."""
+    while True:
+        try:
+            return conn.describe(timeout=max(0.2, min(2.0, deadline - time.monotonic())))
+        except ExpertServerError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)

@@ -1,0 +1,70 @@
+"""``CoordinatorConfig``: the coordinator's settings, frozen and validated (errors, not
+asserts). The command line becomes one in coordinator/main.py only; the expert tier's part is
+:class:`~coordinator.cluster_config.ClusterConfig`."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from coordinator.cluster_config import ClusterConfig
+from coordinator.requests import InputLimits
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"``, ``"1.5GB"``, ``"4096"`` -> bytes (K/M/G/T are powers of 1024 either way)."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
+    unit = (m.group(2) or "b")[0].lower()
+    return int(float(m.group(1)) * 1024 ** "bkmgt".index(unit))
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = a free port
+    page_size: int = 16  # tokens per KV page
+    kv_memory_bytes: int = 256 << 20  # KV cache budget; sets the number of pages
+    max_batch_tokens: int = 512  # tokens per forward step (decodes + prefill chunks)
+    max_running: int = 64  # requests holding KV pages at once
+    max_context: int | None = None  # prompt + generated tokens; default: the model's limit
+    default_max_new_tokens: int = 64
+    max_message_mb: int = 64
+    connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
+    cluster: ClusterConfig | None = None  # None or no servers: experts in process
+    http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
+    input_limits: InputLimits = InputLimits()  # per-request caps (coordinator/requests.py)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} outside 0..65535")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http port {self.http_port} outside 0..65535")
+        for name in ("page_size", "kv_memory_bytes", "max_batch_tokens", "max_running", "max_message_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
+        if self.default_max_new_tokens <= 0:
+            raise ValueError(f"default_max_new_tokens must be positive, got {self.default_max_new_tokens}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: CUDA is not available on this machine")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def remote(self) -> bool:
+        return self.cluster is not None and bool(self.cluster.servers)

@@ -1,0 +1,1 @@
+"""The coordinator's OpenAI-compatible HTTP server (FastAPI + uvicorn): see app.py."""

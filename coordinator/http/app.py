@@ -1,0 +1,104 @@
+"""The coordinator's HTTP API as a FastAPI app: OpenAI-compatible ``/v1/models``,
+``/v1/completions``, ``/v1/chat/completions``, plus ``/health`` and Prometheus ``/metrics``.
+
+Every error is OpenAI's error JSON (``{"error": {"message", "type", "param", "code"}}``) with
+the matching HTTP status: 400 for bad parameters (pydantic's validation errors included, where
+FastAPI would say 422), 404 for an unknown model, 503 while the expert servers are not ready.
+Non-streaming requests are cancelled when the client disconnects, as streaming ones are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from coordinator.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from coordinator.http.serving import Serving, adapter_names
+
+
+def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
+    name = model_name or Path(coord.config.model_dir).resolve().name
+    serving = Serving(coord, name)
+    created = int(time.time())
+    app = FastAPI(title="expertmesh", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:])}: {e.get('msg')}" for e in errs)
+        coord.metrics.invalid()
+        return JSONResponse(APIError(400, msg or "invalid request body", param=param).body(), status_code=400)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if coord.experts_ready:
+            return Response(status_code=200)
+        return JSONResponse(
+            APIError(503, f"expert servers are not ready: {coord.expert_state()}", "service_unavailable_error").body(),
+            status_code=503,
+        )  # fmt: skip
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(coord.metrics.exposition)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        max_len = coord.request_limits.max_context
+        base = {"id": name, "object": "model", "created": created, "owned_by": "expertmesh", "root": name,
+                "parent": None, "max_model_len": max_len}  # fmt: skip
+        loras = [{**base, "id": a, "root": a, "parent": name} for a in adapter_names(coord)]
+        return {"object": "list", "data": [base, *loras]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _respond(serving.completions(body), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return await _respond(serving.chat(body), request)
+
+    return app
+
+
+async def _respond(work: Awaitable[dict[str, Any] | AsyncIterator[str]], request: Request) -> Response:
+    """Runs a handler; a whole response is abandoned (its requests cancelled) if the client
+    disconnects first; a stream is cancelled by Starlette when the client goes away."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():  # NOTE: cancelling the task cancels its scheduler requests (run_jobs)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    result = task.result()
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,123 @@
+"""The HTTP server's way into the scheduler: the same validation (``parse_request``) and the
+same ``Scheduler.submit`` / ``cancel`` as the gRPC Generation servicer, without a gRPC hop.
+
+:func:`run_jobs` submits one or more requests (``n`` choices, several prompts), yields their
+outputs as they come, and cancels whatever has not finished when the caller stops iterating
+(the client went away, an error), which frees the requests' KV pages before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from coordinator.http.protocol import APIError
+from coordinator.requests import InvalidRequest, parse_request
+from coordinator.sampler import SamplingParams
+from coordinator.scheduler import Output, SchedulerStopped
+from expertmesh.v1 import generation_pb2
+
+# gRPC status of a failed step -> HTTP status
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def make_job(
+    coord: Any,
+    *,
+    prompt: str | None = None,
+    input_ids: Sequence[int] | None = None,
+    max_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: list[str],
+    ignore_eos: bool,
+    logprobs: bool,
+    top_logprobs: int,
+    lora: str = "",
+) -> Job:
+    """Validates one request exactly as the gRPC API does; bad values raise a 400 APIError."""
+    req = generation_pb2.GenerateRequest(
+        prompt=prompt or "",
+        input_ids=list(input_ids or ()),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        stop=stop,
+        ignore_eos=ignore_eos,
+        logprobs=logprobs or top_logprobs > 0,
+        lora=lora,
+    )
+    if max_tokens is not None:
+        req.max_new_tokens = max_tokens
+    if seed is not None:
+        req.seed = seed
+    try:
+        ids, params = parse_request(req, coord.request_limits, coord.tokenizer)
+    except InvalidRequest as e:
+        coord.metrics.invalid()
+        # the gRPC field names in the shared messages, in OpenAI's words
+        raise APIError(400, str(e).replace("max_new_tokens", "max_tokens")) from None
+    return Job(ids, dataclasses.replace(params, top_logprobs=top_logprobs))
+
+
+async def run_jobs(coord: Any, jobs: list[Job]) -> AsyncGenerator[tuple[int, Output], None]:
+    """Yields ``(job index, output)`` until every job has finished; a failed job raises APIError."""
+    if not coord.experts_ready:
+        raise APIError(
+            503, f"expert servers are not ready: {coord.expert_state()}", "service_unavailable_error"
+        )
+    outputs: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def sink_for(i: int):
+        def sink(out: Output) -> None:  # scheduler thread
+            with contextlib.suppress(RuntimeError):  # the event loop closed under a shutdown
+                loop.call_soon_threadsafe(outputs.put_nowait, (i, out))
+
+        return sink
+
+    rids: dict[int, int] = {}
+    try:
+        for i, job in enumerate(jobs):
+            rids[i] = coord.scheduler.submit(job.prompt_ids, job.params, sink_for(i))
+        while rids:
+            i, out = await outputs.get()
+            if out.finish_reason is not None:
+                rids.pop(i, None)
+                if out.error is not None:
+                    raise _api_error(out.error)
+            yield i, out
+    except SchedulerStopped as e:
+        raise APIError(503, str(e), "service_unavailable_error") from None
+    finally:
+        for rid in rids.values():  # the client went away or another choice failed
+            coord.scheduler.cancel(rid)
+
+
+def _api_error(exc: BaseException) -> APIError:
+    from coordinator.server import error_status
+
+    code, msg = error_status(exc)
+    status = _HTTP_STATUS.get(code, 500)
+    return APIError(status, msg, "service_unavailable_error" if status == 503 else "server_error")

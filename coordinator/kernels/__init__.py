@@ -1,0 +1,1 @@
+"""Coordinator-side GPU kernels (Triton): attention over the paged KV cache."""

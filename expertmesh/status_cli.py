@@ -1,0 +1,142 @@
+"""``expertmesh status --addr HOST:PORT [--watch]``: the operator's view of a running cluster.
+
+Reads the coordinator's Admin API (ListServers, GetPlacement, GetExpertLoad) twice,
+``--interval`` seconds apart, and prints: the expert servers (state, data path, slots in use,
+mean MoE-layer round trip over the interval), the placement generation, requests running and
+waiting, KV cache use, throughput over the interval and the hottest experts of each layer
+(share of routed tokens since start). ``--watch`` repeats until Ctrl-C; ``--json`` prints one
+JSON object instead of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import grpc
+
+from expertmesh.v1 import admin_pb2, admin_pb2_grpc
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT (gRPC)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between the two readings")
+    p.add_argument("--watch", action="store_true", help="refresh every --interval seconds until Ctrl-C")
+    p.add_argument("--top", type=int, default=3, help="hottest experts shown per layer")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per Admin call")
+
+
+def read(stub: admin_pb2_grpc.AdminStub, timeout: float) -> dict[str, Any]:
+    servers = stub.ListServers(admin_pb2.ListServersRequest(), timeout=timeout)
+    load = stub.GetExpertLoad(admin_pb2.GetExpertLoadRequest(), timeout=timeout)
+    return {
+        "t": time.monotonic(),
+        "servers": servers,
+        "load": {ly.layer: list(ly.tokens) for ly in load.layers},
+    }
+
+
+def summarize(a: dict[str, Any], b: dict[str, Any], top: int) -> dict[str, Any]:
+    """Two readings -> the numbers shown (rates over the time between them)."""
+    dt = max(b["t"] - a["t"], 1e-9)
+    ca, cb = a["servers"].coordinator, b["servers"].coordinator
+    before = {s.name: s for s in a["servers"].servers}
+    servers = []
+    for s in b["servers"].servers:
+        p = before.get(s.name)
+        n = s.layer_round_trips - (p.layer_round_trips if p else 0)
+        secs = s.layer_round_trip_seconds - (p.layer_round_trip_seconds if p else 0.0)
+        servers.append(
+            {
+                "name": s.name, "address": s.address, "kind": s.kind, "state": s.state,
+                "transport": s.transport or "-", "slots_used": s.slots_used, "slot_capacity": s.slot_capacity,
+                "layer_round_trip_ms": secs / n * 1e3 if n else None, "last_error": s.last_error,
+            }
+        )  # fmt: skip
+    hottest = {}
+    for layer, tokens in sorted(b["load"].items()):
+        total = sum(tokens) or 1
+        order = sorted(range(len(tokens)), key=lambda e: -tokens[e])[:top]
+        hottest[layer] = [(e, tokens[e] / total) for e in order if tokens[e]]
+    return {
+        "uptime_seconds": cb.uptime_seconds,
+        "placement_generation": cb.placement_generation,
+        "requests": {
+            "running": cb.requests_running,
+            "waiting": cb.requests_waiting,
+            "finished": cb.requests_finished,
+        },
+        "kv": {
+            "pages_used": cb.kv_pages_used,
+            "pages_total": cb.kv_pages_total,
+            "page_size": cb.kv_page_size,
+        },
+        "throughput": {
+            "interval_seconds": dt,
+            "generation_tokens_per_s": (cb.generation_tokens - ca.generation_tokens) / dt,
+            "prompt_tokens_per_s": (cb.prompt_tokens - ca.prompt_tokens) / dt,
+            "requests_per_s": (cb.requests_finished - ca.requests_finished) / dt,
+            "steps_per_s": (cb.steps - ca.steps) / dt,
+        },
+        "servers": servers,
+        "hottest_experts": hottest,
+    }
+
+
+def render(addr: str, s: dict[str, Any]) -> str:
+    up = int(s["uptime_seconds"])
+    r, kv, tp = s["requests"], s["kv"], s["throughput"]
+    share = kv["pages_used"] / kv["pages_total"] * 100 if kv["pages_total"] else 0.0
+    lines = [
+        f"coordinator {addr}: up {up // 3600}h{up // 60 % 60:02d}m{up % 60:02d}s, "
+        f"placement generation {s['placement_generation']}",
+        f"requests: {r['running']} running, {r['waiting']} waiting, {r['finished']} finished",
+        f"KV cache: {kv['pages_used']}/{kv['pages_total']} pages used ({share:.1f}%), {kv['page_size']} tokens/page",
+        f"throughput over {tp['interval_seconds']:.1f}s: {tp['generation_tokens_per_s']:.1f} generated tok/s, "
+        f"{tp['prompt_tokens_per_s']:.1f} prompt tok/s, {tp['requests_per_s']:.2f} req/s, "
+        f"{tp['steps_per_s']:.1f} steps/s",
+        "",
+    ]
+    if s["servers"]:
+        rows = [("SERVER", "KIND", "STATE", "TRANSPORT", "SLOTS", "LAYER RTT", "ADDRESS")]
+        for v in s["servers"]:
+            rtt = f"{v['layer_round_trip_ms']:.2f} ms" if v["layer_round_trip_ms"] is not None else "-"
+            state = v["state"] + (f" ({v['last_error']})" if v["last_error"] else "")
+            slots = f"{v['slots_used']}/{v['slot_capacity']}"
+            rows.append((v["name"], v["kind"], state, v["transport"], slots, rtt, v["address"]))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    else:
+        lines.append("expert servers: none (every expert runs in the coordinator)")
+    lines += ["", "hottest experts per layer (share of routed tokens since start):"]
+    for layer, top in s["hottest_experts"].items():
+        text = ", ".join(f"e{e} {f * 100:.1f}%" for e, f in top) or "(no tokens yet)"
+        lines.append(f"  layer {layer:>3}: {text}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with grpc.insecure_channel(args.addr) as ch:
+            stub = admin_pb2_grpc.AdminStub(ch)
+            prev = read(stub, args.timeout)
+            while True:
+                time.sleep(args.interval)
+                cur = read(stub, args.timeout)
+                s = summarize(prev, cur, args.top)
+                if args.json:
+                    print(json.dumps(s), flush=True)
+                else:
+                    print(("\x1b[H\x1b[2J" if args.watch else "") + render(args.addr, s), flush=True)
+                if not args.watch:
+                    return 0
+                prev = cur
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0 if args.watch else 130

@@ -1,0 +1,110 @@
+"""``WorkerConfig``: one expert server's settings, frozen and validated (errors, not asserts),
+built once from the command line by :meth:`WorkerConfig.from_args` (the GPU and CPU servers'
+entry points only add their own flags and defaults)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+import torch
+
+from expertmesh import cores, wire
+from expertmesh.transport import segment
+
+KINDS = ("gpu", "cpu")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    kind: str  # "gpu" | "cpu"
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    experts: str = "all"  # preloaded before any placement arrives: all | none | 0-15,32
+    capacity: int | None = None  # local slots per layer; default: the model's expert count
+    max_message_mb: int = 256
+    shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
+    # fast paths: poll this long for the next request before sleeping (0 where cores are scarce)
+    shm_spin_us: float = field(default_factory=cores.default_spin_us)
+    metrics_port: int | None = None  # issue 16: Prometheus /metrics here (0 = a free one); None = off
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"expert server kind {self.kind!r}: expected one of {KINDS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: expected one of {DTYPES}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port {self.port} outside 0..65535")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port} outside 0..65535")
+        if self.capacity is not None and self.capacity <= 0:
+            raise ValueError(f"--capacity must be positive, got {self.capacity}")
+        if self.max_message_mb <= 0:
+            raise ValueError(f"--max-message-mb must be positive, got {self.max_message_mb}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {self.device}: CUDA is not available on this machine (use --device cpu)"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return wire.parse_dtype(self.dtype)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb << 20
+
+    @property
+    def fast_paths(self) -> tuple[str, ...]:
+        if not self.shm or not segment.available():
+            return ()
+        return ("shm", "cuda_ipc") if self.device.startswith("cuda") else ("shm",)
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
+        p.add_argument("--model", required=True, help="HF checkpoint directory (shared with the coordinator)")
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=default_port, help="0 = a free port (printed)")
+        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+        p.add_argument("--experts", default="all", help="experts to preload per layer: all | none | 0-15,32")
+        p.add_argument(
+            "--capacity", type=int, default=None, help="local slots per layer (default: expert count)"
+        )
+        p.add_argument("--max-message-mb", type=int, default=256)
+        p.add_argument(
+            "--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0 = a free port)"
+        )
+        p.add_argument(
+            "--no-shm",
+            action="store_true",
+            help="offer no shared-memory or CUDA IPC fast path: coordinators on this host use gRPC",
+        )
+        p.add_argument(
+            "--shm-spin-us",
+            type=float,
+            default=cores.default_spin_us(),
+            help="fast paths: poll this long for the next request before sleeping (0 = always sleep; "
+            "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, kind: str, device: str) -> WorkerConfig:
+        """The one place the command line becomes a WorkerConfig (GPU and CPU servers alike)."""
+        return cls(
+            kind=kind,
+            model_dir=args.model,
+            host=args.host,
+            port=args.port,
+            dtype=args.dtype,
+            device=device,
+            experts=args.experts,
+            capacity=args.capacity,
+            max_message_mb=args.max_message_mb,
+            shm=not args.no_shm,
+            shm_spin_us=args.shm_spin_us,
+            metrics_port=args.metrics_port,
+        )

@@ -1,0 +1,218 @@
+"""The expert worker core: slot table + backend + stats, without gRPC.
+
+:class:`ExpertWorker` checks an :class:`~expertmesh.worker_api.ExpertRequest` (whichever
+transport it came by), computes it (one request at a time, and a placement commit never lands
+in the middle of one), counts load, and runs the two placement phases. It raises typed errors
+(:mod:`expertmesh.errors`); the gRPC servicer (servicer.py) and the fast-path server
+(expertmesh/transport/server.py) are thin adapters around it.
+
+Shapes: T tokens, K top-k, H hidden, S local slots.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from expertmesh import wire
+from expertmesh.errors import ExpertMeshError, InvalidRequest, StaleGeneration
+from expertmesh.experts import ExpertBackend
+from expertmesh.metrics import WorkerMetrics
+from expertmesh.worker.slots import SlotTable
+from expertmesh.worker_api import ExpertRequest, WorkerInfo
+
+MAX_TOP_K = 64
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    kind: str  # "gpu" | "cpu"
+    device: str
+    host_id: str
+    device_uuid: str = ""
+    fast_paths: tuple[str, ...] = ()
+    max_message_bytes: int = 0
+
+
+@dataclass
+class WorkerStats:
+    requests: int = 0
+    tokens: int = 0
+    errors: int = 0
+    compute_seconds: float = 0.0
+
+
+class ExpertWorker:
+    def __init__(self, slots: SlotTable, backend: ExpertBackend, identity: WorkerIdentity) -> None:
+        self.slots, self.backend, self.identity = slots, backend, identity
+        self.cfg = slots.reader.config
+        self.stats = WorkerStats()
+        self.metrics = WorkerMetrics(self)  # issue 16: Prometheus /metrics (--metrics-port)
+        self.tokens_per_slot: dict[int, np.ndarray] = {}  # layer -> [S] tokens routed to each slot
+        # MoE-LoRA adapter slots resident here (issue 12 fills it); -1 in a request = no adapter
+        self.adapter_slots: frozenset[int] = frozenset()
+        # NOTE: compute and commit hold this lock: requests come from the gRPC compute thread,
+        # the event loop (small ones) and fast-path channel threads.
+        self._serial = threading.Lock()
+
+    def info(self) -> WorkerInfo:
+        cfg, ident = self.cfg, self.identity
+        return WorkerInfo(
+            kind=ident.kind,
+            device=ident.device,
+            dtype=self.slots.dtype,
+            backend=self.backend.name,
+            model_type=cfg.model_type,
+            hidden_size=cfg.hidden_size,
+            num_experts=cfg.num_experts,
+            moe_layers=tuple(self.slots.moe_layers),
+            slot_capacity=self.slots.capacity,
+            host_id=ident.host_id,
+            fast_paths=ident.fast_paths,
+            generation=self.slots.live.generation,
+            device_uuid=ident.device_uuid,
+            max_message_bytes=ident.max_message_bytes,
+        )
+
+    # ------------------------------------------------------------ checks
+
+    def check(self, req: ExpertRequest) -> ExpertRequest:
+        """The checks of a decoded request, whichever path it came by."""
+        live = self.slots.live
+        layer, x, slot_ids, weights = req.layer, req.hidden, req.slot_ids, req.weights
+        if layer not in live.layers:
+            raise InvalidRequest(
+                f"layer {layer} is not an MoE layer of this model (MoE layers: {self.slots.moe_layers})"
+            )
+        if req.generation != live.generation:
+            raise StaleGeneration(
+                f"placement generation {req.generation} is not the live generation {live.generation}"
+            )
+        h = self.cfg.hidden_size
+        if x.dtype != self.slots.dtype:
+            raise InvalidRequest(
+                f"hidden has dtype {wire.dtype_name(x.dtype)}, this server computes in {wire.dtype_name(self.slots.dtype)}"
+            )
+        if x.dim() != 2 or x.shape[1] != h:
+            raise InvalidRequest(f"hidden has shape {list(x.shape)}, expected [T, {h}]")
+        t = x.shape[0]
+        if slot_ids.dtype != torch.int32 or slot_ids.dim() != 2 or slot_ids.shape[0] != t:
+            raise InvalidRequest(
+                f"slot_ids must be int32 [{t}, K], got {wire.dtype_name(slot_ids.dtype)} {list(slot_ids.shape)}"
+            )
+        k = slot_ids.shape[1]
+        if not 0 < k <= MAX_TOP_K:
+            raise InvalidRequest(f"top-k {k} outside [1, {MAX_TOP_K}]")
+        if weights.dtype != torch.float32 or tuple(weights.shape) != (t, k):
+            raise InvalidRequest(
+                f"weights must be float32 [{t}, {k}], got {wire.dtype_name(weights.dtype)} {list(weights.shape)}"
+            )
+        n_slots = len(live.layers[layer].experts)
+        if t:
+            lo, hi = (int(v) for v in torch.aminmax(slot_ids))
+            if lo < -1 or hi >= n_slots:
+                raise InvalidRequest(
+                    f"slot ids must be -1 or in [0, {n_slots}) for layer {layer}; got range [{lo}, {hi}]"
+                )
+        if t and not bool(np.isfinite(weights.numpy()).all()):
+            raise InvalidRequest("weights contain NaN or infinity")
+        if req.adapter_slots is not None:
+            self._check_adapters(req.adapter_slots, t)
+        return req
+
+    def _check_adapters(self, a: torch.Tensor, t: int) -> None:
+        if a.dtype != torch.int32 or tuple(a.shape) != (t,):
+            raise InvalidRequest(
+                f"adapter_slots must be int32 [{t}], got {wire.dtype_name(a.dtype)} {list(a.shape)}"
+            )
+        used = set(np.unique(a.numpy()).tolist()) - {-1}
+        missing = sorted(used - self.adapter_slots)
+        if missing:
+            loaded = sorted(self.adapter_slots) or "none"
+            raise InvalidRequest(f"adapter slots {missing} hold no adapter on this server (loaded: {loaded})")
+
+    # ------------------------------------------------------------ compute
+
+    def compute(self, req: ExpertRequest, to_host: bool = True) -> torch.Tensor:
+        """``[T, H]`` on the host, or on the server's device (``to_host=False``: the fast paths
+        copy it where the coordinator reads it)."""
+        with self._serial:
+            return self._compute_locked(req, to_host)
+
+    def try_compute(self, req: ExpertRequest) -> torch.Tensor | None:
+        """Computes now (on the caller's thread) if nobody else is computing, else None."""
+        if not self._serial.acquire(blocking=False):
+            return None
+        try:
+            return self._compute_locked(req, True)
+        finally:
+            self._serial.release()
+
+    def forward(self, req: ExpertRequest) -> torch.Tensor:
+        """Check + compute for a fast-path request (on its channel's thread): ``[T, H]`` on device."""
+        try:
+            return self.compute(self.check(req), to_host=False)
+        except ExpertMeshError as e:
+            self.count_error(e)
+            raise
+
+    def count_error(self, err: ExpertMeshError | None = None) -> None:
+        self.stats.errors += 1
+        self.metrics.reject(err)
+
+    def _compute_locked(self, req: ExpertRequest, to_host: bool) -> torch.Tensor:
+        live = self.slots.live
+        if live.generation != req.generation:  # a commit ran between check and compute
+            raise StaleGeneration(f"placement generation {req.generation} was replaced by {live.generation}")
+        layer = live.layers[req.layer]
+        t0 = time.perf_counter()
+        dev = self.slots.device
+        # NOTE: adapter_slots is checked but not computed with yet (MoE LoRA, issue 12)
+        out = self.backend.forward(
+            req.hidden.to(dev, non_blocking=True),
+            layer.w13,
+            layer.w2,
+            req.slot_ids.to(dev, non_blocking=True),
+            req.weights.to(dev, non_blocking=True),
+        )
+        if to_host:
+            out = out.cpu()
+        dt = time.perf_counter() - t0
+        self.stats.compute_seconds += dt
+        self.metrics.compute(req.layer, dt)
+        self.stats.requests += 1
+        self.stats.tokens += req.hidden.shape[0]
+        # NOTE: numpy: on these few numbers its ops cost a fraction of torch's per-op overhead
+        ids = req.slot_ids.numpy().ravel()  # [T * K]
+        counts = np.bincount(ids[ids >= 0], minlength=len(layer.experts))  # [S]
+        prev = self.tokens_per_slot.get(req.layer)
+        if prev is None or prev.shape != counts.shape:
+            self.tokens_per_slot[req.layer] = counts
+        else:
+            prev += counts
+        return out
+
+    # ------------------------------------------------------------ placement (two phases)
+
+    def prepare(self, generation: int, table: dict[int, list[int]]) -> int:
+        """Loads the slot table of ``generation`` beside the live one; returns experts read."""
+        for layer, experts in table.items():
+            bad = [e for e in experts if not 0 <= e < self.cfg.num_experts]
+            if bad:
+                raise InvalidRequest(f"layer {layer}: experts {bad} outside [0, {self.cfg.num_experts})")
+        return self.slots.prepare(generation, table)
+
+    def commit(self, generation: int) -> None:
+        with self._serial:
+            self.slots.commit(generation)
+
+    def abort(self, generation: int) -> None:
+        self.slots.abort(generation)
+
+    @property
+    def generation(self) -> int:
+        return self.slots.live.generation

@@ -1,0 +1,111 @@
+"""The fused Triton ops of the decoder layer against the plain-torch path they replace
+(interpreter on the CPU, bf16 at real widths on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.kernels.fused_ops import qk_norm_rope_store, rmsnorm, softmax_topk
+from coordinator.models.layers import RMSNorm, Rotary
+from coordinator.router import RouterSpec, route
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_rmsnorm(t, n, dtype, device, tol):
+    norm = RMSNorm(n, 1e-6, dtype).to(device)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(t, n, device=device).to(dtype)
+    r = torch.randn(t, n, device=device).to(dtype)
+    ref_x = (x.cpu() + r.cpu()).float()
+    ref = RMSNorm.forward(norm.cpu(), (x.cpu() + r.cpu()))  # the torch path (CPU)
+    x_out, y = rmsnorm(x, norm.weight.to(device), 1e-6, residual=r)
+    assert rel_err(x_out.cpu(), ref_x) < tol and rel_err(y.cpu(), ref) < tol
+    _, y2 = rmsnorm(x, norm.weight.to(device), 1e-6)
+    assert rel_err(y2.cpu(), RMSNorm.forward(norm.cpu(), x.cpu())) < tol
+
+
+def check_qk_rope(t, hq, hk, d, dtype, device, with_norm, tol):
+    g = torch.Generator().manual_seed(t + d)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
+    pos = torch.randint(0, 4000, (t,), generator=g)
+    rows = torch.randperm(3 * t, generator=g)[:t]
+    qn, kn = RMSNorm(d, 1e-6, dtype), RMSNorm(d, 1e-6, dtype)
+    with torch.no_grad():
+        qn.weight.uniform_(0.5, 1.5)
+        kn.weight.uniform_(0.5, 1.5)
+    rot = Rotary(d, 1e6)
+    # reference: the plain-torch Attention steps
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+    if with_norm:
+        q, k = qn(q), kn(k)
+    cos, sin = rot.cos_sin(pos, dtype)
+    q, k = rot.apply(q, cos, sin), rot.apply(k, cos, sin)
+    k_cache = torch.full((3 * t, hk, d), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full((3 * t, hk, d), float("nan"), dtype=dtype, device=device)
+    norms = (qn.weight.to(device), kn.weight.to(device), 1e-6) if with_norm else None
+    q_out = qk_norm_rope_store(
+        qkv.to(device), hq, hk, pos.to(device), rows.to(device), rot.inv_freq(torch.device(device)),
+        k_cache, v_cache, norms,
+    )  # fmt: skip
+    assert rel_err(q_out.cpu(), q) < tol
+    assert rel_err(k_cache.cpu()[rows], k) < tol
+    assert torch.equal(v_cache.cpu()[rows], v)
+
+
+def check_topk(t, e, k, dtype, device):
+    spec = RouterSpec(top_k=k, norm_topk_prob=True, routed_scaling_factor=1.5, round_weights=True)
+    # distinct logits, exact in bf16: ties would let either implementation pick either expert
+    logits = (torch.stack([torch.randperm(e) for _ in range(t)]).float() / 16).to(dtype)
+    ref_ids, ref_w = route(logits, spec)
+    ids, w = softmax_topk(logits.to(device), k, True, 1.5, True)
+    assert torch.equal(ids.cpu(), ref_ids)
+    # bf16 weights may round one ulp apart when the float32 values differ in their last bits
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert torch.allclose(w.cpu(), ref_w, rtol=tol, atol=0)
+
+
+def test_rmsnorm_cpu():
+    check_rmsnorm(3, 48, torch.float32, "cpu", 1e-6)
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qk_norm_rope_store_cpu(with_norm):
+    check_qk_rope(3, 4, 2, 16, torch.float32, "cpu", with_norm, 1e-6)
+
+
+def test_softmax_topk_cpu():
+    check_topk(5, 24, 3, torch.float32, "cpu")
+
+
+@pytest.mark.gpu
+def test_fused_ops_real_widths_gpu():
+    check_rmsnorm(64, 2048, torch.bfloat16, "cuda", 1e-2)
+    check_qk_rope(64, 32, 4, 128, torch.bfloat16, "cuda", True, 1e-2)
+    check_qk_rope(7, 32, 4, 128, torch.float32, "cuda", True, 1e-5)
+    check_topk(64, 128, 8, torch.bfloat16, "cuda")
+    check_topk(64, 60, 4, torch.float32, "cuda")
+
+
+@pytest.mark.parametrize("t,k,s,bm", [(1, 8, 128, 16), (37, 3, 6, 16), (64, 8, 128, 16)])
+def test_align_one_program_matches_three_launches(t, k, s, bm):
+    """The decode-size alignment (one program) against the three-launch one: same counts,
+    starts and block map, and each slot's rows hold the same pairs."""
+    from gpu_server.kernels.align import align_pairs
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(t)
+    ids = torch.randint(-1, s, (t, k), generator=g, dtype=torch.int32).to(dev)
+    one, three = align_pairs(ids, s, bm, one_program=True), align_pairs(ids, s, bm, one_program=False)
+    for name in ("slot_count", "slot_start", "block_slot"):
+        assert torch.equal(getattr(one, name), getattr(three, name)), name
+    for e in range(s):
+        lo, n = int(three.slot_start[e]), int(three.slot_count[e])
+        assert sorted(one.sorted_pairs[lo : lo + n].tolist()) == sorted(
+            three.sorted_pairs[lo : lo + n].tolist()
+        )
