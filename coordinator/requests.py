@@ -133,12 +133,7 @@ def check_bounds(
     if req.prompt:
         if tokenizer is None:
             raise InvalidRequest("this model has no tokenizer.json: send input_ids instead of prompt text")
-        n_bytes = _utf8_size(req.prompt, lim.max_prompt_bytes)
-        if n_bytes > lim.max_prompt_bytes:
-            raise InvalidRequest(
-                f"prompt of {len(req.prompt)} characters is longer than the limit of "
-                f"{lim.max_prompt_bytes} bytes (--max-prompt-bytes)"
-            )
+        n_bytes = check_prompt_bytes(req.prompt, lim)
     if req.stop and tokenizer is None:
         raise InvalidRequest("stop strings need a tokenizer: this model has no tokenizer.json")
     if len(req.input_ids) >= limits.max_context:  # NOTE: before any per-id work
@@ -163,6 +158,17 @@ def check_bounds(
         raise InvalidRequest(
             f"request_id {_quote(rid)} is longer than the limit of {lim.max_request_id_bytes} bytes "
             "(--max-request-id-bytes)"
+        )
+    return n_bytes
+
+
+def check_prompt_bytes(prompt: str, lim: InputLimits) -> int:
+    """The prompt's UTF-8 size, or InvalidRequest beyond ``--max-prompt-bytes``."""
+    n_bytes = _utf8_size(prompt, lim.max_prompt_bytes)
+    if n_bytes > lim.max_prompt_bytes:
+        raise InvalidRequest(
+            f"prompt of {len(prompt)} characters is longer than the limit of "
+            f"{lim.max_prompt_bytes} bytes (--max-prompt-bytes)"
         )
     return n_bytes
 

@@ -36,13 +36,14 @@ class TextTokenizer:
         f = Path(path) / TOKENIZER_FILE
         return cls(Tokenizer.from_file(str(f))) if f.is_file() else None
 
-    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
-        """With the tokenizer's own special tokens (e.g. a BOS its post-processor adds).
+    def encode(self, text: str, max_tokens: int | None = None, add_special_tokens: bool = True) -> list[int]:
+        """With the tokenizer's own special tokens (e.g. a BOS its post-processor adds), unless
+        ``add_special_tokens`` is False (a chat template writes them itself).
 
         Releases the GIL while it tokenizes (``encode_batch`` does; ``encode`` does not), so it
         can run in a worker thread without stalling the event loop. Raises PromptTooLong for
         more than ``max_tokens`` tokens, before building the Python list of ids."""
-        enc = self.tok.encode_batch([text])[0]
+        enc = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         if max_tokens is not None and len(enc) > max_tokens:
             raise PromptTooLong(len(enc), max_tokens)
         return enc.ids

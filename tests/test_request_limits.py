@@ -10,6 +10,7 @@ import threading
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer, decoders, models
@@ -153,7 +154,7 @@ def test_detokenizer_holds_an_incomplete_character_but_not_forever():
 @pytest.fixture(scope="module")
 def server():
     config = CoordinatorConfig(
-        model_dir=str(WEIGHTS_DIR), port=0, input_limits=InputLimits(max_prompt_bytes=16 << 20)
+        model_dir=str(WEIGHTS_DIR), port=0, http_port=0, input_limits=InputLimits(max_prompt_bytes=16 << 20)
     )
     with ServerThread(config) as s:
         yield s
@@ -169,27 +170,43 @@ def _health_latencies(addr: str, stop: threading.Event, out: list[float]) -> Non
             time.sleep(0.02)
 
 
-def test_a_huge_prompt_does_not_stall_health(server, tok):
+def _send_huge(server, api: str, prompt: str) -> str:
+    """Sends ``prompt`` through ``api``; returns the error text (the request must fail)."""
+    if api == "grpc":
+        with Client(server.addr, max_message_mb=64) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt=prompt)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return e.value.details()
+    base = f"http://127.0.0.1:{server.server.http.port}/v1/"
+    model = httpx.get(base + "models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": prompt} if api == "completions" else {"model": model}
+    if api == "chat/completions":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    r = httpx.post(base + api, json=body, timeout=120)
+    assert r.status_code == 400, r.text[:300]
+    return r.text
+
+
+@pytest.mark.parametrize("api", ["grpc", "completions", "chat/completions"])
+def test_a_huge_prompt_does_not_stall_health(server, api):
     """While a prompt of ~2 MB is tokenized (seconds of CPU) and then rejected for its token
-    count, health checks keep answering: tokenizing on the event loop would hold them for the
-    whole tokenization."""
+    count, health checks keep answering: tokenizing on the event loop (or holding the GIL while
+    tokenizing) would hold them for the whole tokenization."""
     prompt = "Once upon a time, a fox met a crow by the river. " * 40_000  # ~2 MB
     latencies: list[float] = []
     stop = threading.Event()
     poller = threading.Thread(target=_health_latencies, args=(server.addr, stop, latencies))
-    with Client(server.addr, max_message_mb=64) as c:
+    with Client(server.addr) as c:
         c.generate(input_ids=[3, 4], max_new_tokens=2)  # warm
         poller.start()
         time.sleep(0.2)
         t0 = time.perf_counter()
-        with pytest.raises(grpc.RpcError) as e:
-            c.generate(prompt=prompt)
+        details = _send_huge(server, api, prompt)
         took = time.perf_counter() - t0
         time.sleep(0.2)
         stop.set()
         poller.join(60)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "does not fit the max context" in e.value.details()
+        assert "does not fit the max context" in details, details[:300]
         assert c.generate(input_ids=[3, 4], max_new_tokens=2).finish_reason == "length"
     worst = max(latencies)
     print(
