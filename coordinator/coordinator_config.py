@@ -5,11 +5,12 @@ asserts). The command line becomes one in coordinator/main.py only; the expert t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from coordinator.cluster_config import ClusterConfig
+from coordinator.eplb.plan import EplbConfig
 from coordinator.requests import InputLimits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,6 +44,12 @@ class CoordinatorConfig:
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
     http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
     input_limits: InputLimits = InputLimits()  # per-request caps (coordinator/requests.py)
+    eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
+
+    lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these
+    max_loras: int = 4  # MoE LoRA adapters loaded at once
+    # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,6 +63,8 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
+        if self.max_loras <= 0:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.default_max_new_tokens <= 0:
             raise ValueError(f"default_max_new_tokens must be positive, got {self.default_max_new_tokens}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

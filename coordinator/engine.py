@@ -9,7 +9,9 @@ Shapes: T tokens in the step, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +23,9 @@ from coordinator.loader import load_model
 from coordinator.models.base import CausalLM
 from coordinator.models.moe import LoadHook
 from expertmesh.checkpoint import CheckpointReader
+
+if TYPE_CHECKING:
+    from coordinator.lora.manager import LoRAManager
 
 
 @dataclass
@@ -53,6 +58,12 @@ class Engine:
         # NOTE: remote dispatch waits on the network inside the layer loop: not capturable
         if cuda_graphs and device.type == "cuda" and isinstance(dispatcher, LocalDispatcher):
             self.graphs = DecodeGraphs(model, self.cache, spec.num_pages, load_hook)
+
+        # called after every forward step on the step's thread (the EPLB manager's counter)
+        self.after_step: Callable[[], None] | None = None
+
+        # MoE LoRA (coordinator/lora): set by enable_lora; None = adapters refused
+        self.lora: LoRAManager | None = None
 
     @classmethod
     def from_checkpoint(
@@ -90,18 +101,35 @@ class Engine:
         if s is not None:
             self.pages.free(s.pages)
 
-    def step(self, items: list[tuple[int, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
+    def step(
+        self,
+        items: list[tuple[int, list[int]]],
+        all_logits: bool = False,
+        adapters: list[str | None] | None = None,
+    ) -> list[torch.Tensor]:
         """Runs one forward step. items: (seq id, new token ids). Returns logits per item:
         ``[V]`` for its last token, or ``[n, V]`` for each new token when ``all_logits``.
+        ``adapters``: the LoRA adapter name of each item (None = base model).
 
         Raises OutOfPages (before touching any state) when the cache cannot hold the step.
         """
+        # unknown adapters raise KeyError here, before any state changes
+        token_adapter = None
+        if self.lora is not None:
+            names = adapters if adapters is not None else [None] * len(items)
+            token_adapter = self.lora.token_slots(names, [len(t) for _, t in items])
+        elif adapters is not None and any(a is not None for a in adapters):
+            raise KeyError("LoRA adapters are not enabled on this engine")
         need = sum(self.pages_needed(sid, len(toks)) for sid, toks in items)
         if need > self.pages.num_free:
             raise OutOfPages(f"step needs {need} new pages, {self.pages.num_free} free")
         for sid, toks in items:
             self.seqs[sid].pages.extend(self.pages.alloc(self.pages_needed(sid, len(toks))))
-        decode = not all_logits and all(len(toks) == 1 for _, toks in items)
+        # NOTE: captured decode graphs hold the base model only: a step with an adapter runs eagerly
+        uses_lora = adapters is not None and any(a is not None for a in adapters)
+        decode = not all_logits and not uses_lora and all(len(toks) == 1 for _, toks in items)
+        if self.lora is not None:
+            self.lora.begin_step(token_adapter if uses_lora else None)
         if decode and self.graphs is not None and self.graphs.bucket(len(items)) is not None:
             self.dispatcher.begin_step(len(items))
             logits = self.graphs.run(
@@ -118,6 +146,8 @@ class Engine:
             logits = self.model(batch, self.cache)  # [B', V]
         for sid, toks in items:
             self.seqs[sid].cached += len(toks)
+        if self.after_step is not None:
+            self.after_step()
         if not all_logits:
             return list(logits.unbind(0))
         return list(logits.split([len(t) for _, t in items]))

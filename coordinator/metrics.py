@@ -192,7 +192,8 @@ class _StateCollector(Collector):
             "(token, k) pairs routed to each logical expert of each MoE layer",
             labels=["layer", "expert"],
         )
-        for layer, counts in c.load.snapshot().items():
+        snap = c.load.snapshot()
+        for layer, counts in zip(snap.moe_layers, snap.totals.tolist()):
             for e, n in enumerate(counts):
                 tokens.add_metric([str(layer), str(e)], n)
         yield tokens

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -81,19 +81,23 @@ class RequestLimits:
 
 
 def parse_request(
-    req: generation_pb2.GenerateRequest, limits: RequestLimits, tokenizer: TextTokenizer | None
+    req: generation_pb2.GenerateRequest,
+    limits: RequestLimits,
+    tokenizer: TextTokenizer | None,
+    adapters: Collection[str] = (),
 ) -> tuple[list[int], SamplingParams]:
     """Checks a request and turns it into (prompt ids, sampling params); InvalidRequest says why.
     Tokenizes on the calling thread (see :func:`parse_request_async`)."""
     check_bounds(req, limits, tokenizer)
     ids = _tokenize(tokenizer, req.prompt, limits) if req.prompt and tokenizer else None
-    return finish_parse(req, limits, ids)
+    return finish_parse(req, limits, ids, adapters)
 
 
 async def parse_request_async(
     req: generation_pb2.GenerateRequest | InvalidRequest,
     limits: RequestLimits,
     tokenizer: TextTokenizer | None,
+    adapters: Collection[str] = (),
 ) -> tuple[list[int], SamplingParams]:
     """:func:`parse_request` for the event loop: a prompt longer than ``INLINE_PROMPT_BYTES`` is
     tokenized in a worker thread (the tokenizer releases the GIL), after the byte limit passed.
@@ -107,7 +111,7 @@ async def parse_request_async(
             ids = _tokenize(tokenizer, req.prompt, limits)
         else:
             ids = await asyncio.to_thread(_tokenize, tokenizer, req.prompt, limits)
-    return finish_parse(req, limits, ids)
+    return finish_parse(req, limits, ids, adapters)
 
 
 def _tokenize(tokenizer: TextTokenizer, prompt: str, limits: RequestLimits) -> list[int]:
@@ -185,7 +189,10 @@ def _quote(s: str) -> str:
 
 
 def finish_parse(
-    req: generation_pb2.GenerateRequest, limits: RequestLimits, prompt_ids: list[int] | None
+    req: generation_pb2.GenerateRequest,
+    limits: RequestLimits,
+    prompt_ids: list[int] | None,
+    adapters: Collection[str] = (),
 ) -> tuple[list[int], SamplingParams]:
     """The rest of the checks, once :func:`check_bounds` passed and the prompt (if text) is
     tokenized to ``prompt_ids``."""
@@ -219,8 +226,9 @@ def finish_parse(
     if any(not s for s in req.stop):
         raise InvalidRequest("empty stop string")
     _check_ids("stop_token_ids", req.stop_token_ids, limits.vocab_size)
-    if req.lora:
-        raise InvalidRequest(f"unknown adapter {_quote(req.lora)} (no LoRA adapters are loaded)")
+    if req.lora and req.lora not in adapters:
+        loaded = ", ".join(sorted(adapters)) or "none"
+        raise InvalidRequest(f"unknown adapter {_quote(req.lora)} (loaded: {loaded})")
     params = SamplingParams(
         temperature=temperature,
         top_p=top_p,

@@ -76,8 +76,10 @@ class Request:
         sink: Sink,
         device: torch.device,
         tokenizer: TextTokenizer | None,
+        lora: str | None = None,
     ) -> None:
         self.rid, self.params, self.sink = rid, params, sink
+        self.lora = lora  # MoE LoRA adapter name; None = base model
         self.num_prompt = len(prompt_ids)
         self.tokens = list(prompt_ids)
         self.logprobs: list[float] = []
@@ -166,7 +168,9 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> int:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, sink: Sink, lora: str | None = None
+    ) -> int:
         """Queues a request; ``sink`` is called from the scheduler thread and must not block."""
         assert prompt_ids, "empty prompt"
         if self.metrics is not None:
@@ -174,7 +178,7 @@ class Scheduler:
         with self._rid_lock:
             self._next_rid += 1
             rid = self._next_rid
-        req = Request(rid, prompt_ids, params, sink, self.engine.device, self.tokenizer)
+        req = Request(rid, prompt_ids, params, sink, self.engine.device, self.tokenizer, lora)
         with self._rid_lock:
             if self._stopped:
                 raise SchedulerStopped("the coordinator is shutting down")
@@ -194,6 +198,10 @@ class Scheduler:
                 return fut
             self._inbox.put(_Call(fn, fut))
         return fut
+
+    def uses_adapter(self, name: str) -> int:
+        """Requests (waiting or running) using LoRA adapter ``name``; call on the scheduler thread."""
+        return sum(1 for r in self._requests.values() if r.lora == name)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -316,8 +324,9 @@ class Scheduler:
         for req, n in plan:
             assert req.seq is not None
             items.append((req.seq, req.tokens[req.computed : req.computed + n]))
+        adapters = [req.lora for req, _ in plan]
         try:
-            logits = self.engine.step(items)
+            logits = self.engine.step(items, adapters=adapters if any(adapters) else None)
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
         except Exception as exc:  # noqa: BLE001 - the thread boundary (above)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,23 +22,31 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from coordinator import eplb_admin
 from coordinator.chat import ChatTemplate
 from coordinator.cluster import ExpertCluster
 from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
 from coordinator.dispatch import Dispatcher, LocalDispatcher
 from coordinator.engine import Engine
+from coordinator.eplb.manager import EplbManager, RebalanceError
+from coordinator.eplb_target import ClusterTarget
 from coordinator.expert_conn import ExpertServerError
 from coordinator.http.server import HttpServer, start_http
 from coordinator.kv_cache import KVCacheSpec
+from coordinator.load_recorder import LoadRecorder
 from coordinator.loader import load_model
+from coordinator.lora import AdapterError, LoRAAdapter, enable_lora
+from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError, LoRAService
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.remote import RemoteDispatcher
 from coordinator.requests import InvalidRequest, RequestLimits, add_generation_servicer, parse_request_async
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
 from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
+from expertmesh import auth, status
+from expertmesh import placement as pl
 from expertmesh.checkpoint import CheckpointReader
-from expertmesh.config import ModelConfig
+from expertmesh.errors import ExpertMeshError
 from expertmesh.net import grpc_options
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -49,26 +56,6 @@ log = logging.getLogger("expertmesh.coordinator")
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-
-
-class ExpertLoadRecorder:
-    """Tokens routed to each logical expert of each MoE layer since start (the engine's load hook)."""
-
-    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
-        self.layers = cfg.moe_layer_ids
-        self._row = {layer: i for i, layer in enumerate(self.layers)}
-        self._counts = torch.zeros(len(self.layers), cfg.num_experts, dtype=torch.long, device=device)
-        self._lock = threading.Lock()
-
-    def __call__(self, layer: int, topk_ids: torch.Tensor) -> None:  # topk_ids [T, K]
-        ids = topk_ids.flatten().long()
-        with self._lock:
-            self._counts[self._row[layer]].index_add_(0, ids, torch.ones_like(ids))
-
-    def snapshot(self) -> dict[int, list[int]]:
-        with self._lock:
-            counts = self._counts.cpu()
-        return {layer: counts[i].tolist() for i, layer in enumerate(self.layers)}
 
 
 def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -96,7 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         c = self.coord
         try:
-            ids, params = await parse_request_async(request, c.request_limits, c.tokenizer)
+            ids, params = await parse_request_async(request, c.request_limits, c.tokenizer, c.lora.usable)
         except InvalidRequest as e:
             c.metrics.invalid()  # issue 16: expertmesh_requests_total{status="invalid"}
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -112,7 +99,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         try:
-            rid = c.scheduler.submit(ids, params, sink)
+            rid = c.scheduler.submit(ids, params, sink, lora=request.lora or None)
         except SchedulerStopped as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         request_id = request.request_id or f"req-{rid}"
@@ -138,10 +125,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """Admin: with an admin token every call must carry it; without one, loopback peers only."""
+
     def __init__(self, coord: CoordinatorServer) -> None:
         self.coord = coord
 
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        token = self.coord.config.admin_token
+        try:
+            if token:
+                auth.check_token(token, context.invocation_metadata(), "Admin")
+            else:
+                auth.check_local(context.peer(), "Admin")
+        except ExpertMeshError as e:
+            await context.abort(status.grpc_code(e), e.message)
+
     async def ListServers(self, request, context) -> admin_pb2.ListServersResponse:
+        await self._authorize(context)
         cluster = self.coord.cluster
         infos = cluster.server_infos() if cluster is not None else []
         fields = set(admin_pb2.ServerInfo.DESCRIPTOR.fields_by_name)
@@ -152,6 +152,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return resp
 
     async def GetPlacement(self, request, context) -> admin_pb2.PlacementInfo:
+        await self._authorize(context)
         cluster = self.coord.cluster
         if cluster is None:
             return admin_pb2.PlacementInfo()
@@ -168,10 +169,121 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )
 
     async def GetExpertLoad(self, request, context) -> admin_pb2.ExpertLoad:
-        snap = self.coord.load.snapshot()
-        return admin_pb2.ExpertLoad(
-            layers=[admin_pb2.LayerLoad(layer=layer, tokens=t) for layer, t in sorted(snap.items())]
+        await self._authorize(context)
+        snap = await asyncio.to_thread(self.coord.load.snapshot)
+        cluster = self.coord.cluster
+        return eplb_admin.load_pb(snap, cluster.placement if cluster is not None else None)
+
+    # ---------------------------------------------------------------- EPLB (issue 11)
+
+    def _eplb(self) -> EplbManager:
+        m = self.coord.eplb
+        if m is None:
+            raise _AdminError(
+                grpc.StatusCode.FAILED_PRECONDITION, "no expert servers: every expert runs in process"
+            )
+        return m
+
+    async def Rebalance(self, request, context) -> admin_pb2.RebalanceResponse:
+        await self._authorize(context)
+        try:
+            out = await asyncio.to_thread(self._eplb().rebalance, request.dry_run)
+        except (_AdminError, RebalanceError) as e:
+            await _abort(context, e)
+        return admin_pb2.RebalanceResponse(outcome=eplb_admin.outcome_pb(out))
+
+    async def SetPlacement(self, request, context) -> admin_pb2.SetPlacementResponse:
+        await self._authorize(context)
+        try:
+            m = self._eplb()
+            live = m.target.live_placement()
+            layers = self.coord.scheduler.engine.config.moe_layer_ids
+            new = pl.parse_json(request.placement_json, layers, live.num_experts, live.servers)
+            out = await asyncio.to_thread(m.set_placement, new)
+        except pl.PlacementError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (_AdminError, RebalanceError) as e:
+            await _abort(context, e)
+        if out.kind == "failed":
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"placement not applied, the old one stays: {out.error}"
+            )
+        return admin_pb2.SetPlacementResponse(generation=out.generation)
+
+    async def GetEplbStatus(self, request, context) -> admin_pb2.EplbStatus:
+        await self._authorize(context)
+        try:
+            m = self._eplb()
+        except _AdminError as e:
+            await _abort(context, e)
+        policy = self.coord.config.cluster.replica_policy if self.coord.config.cluster else ""
+        return eplb_admin.status_pb(m, policy)
+
+    # ------------------------------------------------------------------ MoE LoRA
+
+    async def LoadLoRA(self, request, context) -> admin_pb2.LoRAInfo:
+        await self._authorize(context)
+        service = self.coord.lora
+        try:
+            adapter = await asyncio.to_thread(service.load, request.name, request.path)
+        except _LORA_ERRORS as e:
+            await _lora_abort(context, e)
+        return _lora_info(adapter, service.manager.slot_of[adapter.name])
+
+    async def UnloadLoRA(self, request, context) -> admin_pb2.UnloadLoRAResponse:
+        await self._authorize(context)
+        try:
+            await asyncio.to_thread(self.coord.lora.unload, request.name)
+        except _LORA_ERRORS as e:
+            await _lora_abort(context, e)
+        return admin_pb2.UnloadLoRAResponse()
+
+    async def ListLoRA(self, request, context) -> admin_pb2.ListLoRAResponse:
+        await self._authorize(context)
+        service = self.coord.lora
+        return admin_pb2.ListLoRAResponse(
+            adapters=[_lora_info(a, service.manager.slot_of[a.name]) for a in service.list()],
+            max_loras=service.manager.max_loras,
         )
+
+
+class _AdminError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+async def _abort(context, e: Exception) -> None:
+    code = e.code if isinstance(e, _AdminError) else grpc.StatusCode.ABORTED
+    await context.abort(code, str(e))
+
+
+_LORA_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (LoRAPermissionError, grpc.StatusCode.PERMISSION_DENIED),
+    (LoRANotFound, grpc.StatusCode.NOT_FOUND),
+    (AdapterError, grpc.StatusCode.INVALID_ARGUMENT),
+    (LoRAPushError, grpc.StatusCode.UNAVAILABLE),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+_LORA_ERRORS = tuple(kind for kind, _ in _LORA_CODES)
+
+
+async def _lora_abort(context: grpc.aio.ServicerContext, e: BaseException) -> None:
+    code = next(code for kind, code in _LORA_CODES if isinstance(e, kind))
+    await context.abort(code, e.args[0] if e.args else str(e))
+
+
+def _lora_info(a: LoRAAdapter, slot: int) -> admin_pb2.LoRAInfo:
+    return admin_pb2.LoRAInfo(
+        name=a.name,
+        path=a.path,
+        adapter_slot=slot,
+        max_rank=a.max_rank,
+        expert_layers=sorted(a.experts),
+        modules=sorted(a.projections),
+    )
 
 
 # ---------------------------------------------------------------------- the server
@@ -187,14 +299,29 @@ class CoordinatorServer(grpc.aio.Server):
         scheduler: Scheduler,
         dispatcher: Dispatcher,
         tokenizer: TextTokenizer | None,
-        load: ExpertLoadRecorder,
+        load: LoadRecorder,
         cluster: ExpertCluster | None = None,
+        eplb: EplbManager | None = None,
     ) -> None:
         self.config, self.server, self.scheduler, self.dispatcher = config, server, scheduler, dispatcher
-        self.tokenizer, self.load = tokenizer, load
+        self.tokenizer, self.load, self.eplb = tokenizer, load, eplb
         self.cluster = cluster  # None: every expert in process
         self.health = health.aio.HealthServicer()
         self.experts_ready = cluster is None
+        # MoE LoRA: adapter registry + hot-load (coordinator/lora); the engine gets its hooks
+        manager = enable_lora(scheduler.engine, config.max_loras)
+        self.lora = LoRAService(
+            manager,
+            config.lora_dirs,
+            scheduler.call_between_steps,
+            lambda name: int(scheduler.call_between_steps(lambda: scheduler.uses_adapter(name)).result()),
+            cluster,
+            timeout_s=config.cluster.timeout_s if config.cluster is not None else 60.0,
+        )
+        if eplb is not None:
+            # NOTE: adapters are pushed for the placement live at load time (coordinator/lora/
+            # service.py): moving an expert would leave its new server without its LoRA
+            eplb.blocked = self._placement_blocked
         self._watch: asyncio.Task | None = None
         # issue 16: Prometheus metrics, chat template and the HTTP server (coordinator/http)
         self.metrics = CoordinatorMetrics(self)
@@ -211,6 +338,12 @@ class CoordinatorServer(grpc.aio.Server):
             (GENERATION, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
 
+    def _placement_blocked(self) -> str | None:
+        names = sorted(self.lora.manager.adapters)
+        if names:
+            return f"MoE LoRA adapters {names} are loaded for the live placement; unload them to re-place experts"
+        return None
+
     def expert_state(self) -> str:
         return "in process" if self.cluster is None else self.cluster.describe_state()
 
@@ -226,7 +359,8 @@ class CoordinatorServer(grpc.aio.Server):
         reconnects them)."""
         cluster.start(self.config.connect_timeout_s)
         while True:
-            ready = cluster.ready()
+            # NOTE: serving while every expert has a live server (a down replica is routed around)
+            ready = cluster.covered()
             if ready != self.experts_ready:
                 log.info("expert servers %s", "ready" if ready else f"not ready: {self.expert_state()}")
             self.experts_ready = ready
@@ -265,7 +399,7 @@ class CoordinatorServer(grpc.aio.Server):
             await self.http.stop()
         await self.server.stop(grace)
         await asyncio.to_thread(self.scheduler.stop)
-        self.dispatcher.close()
+        await asyncio.to_thread(self.dispatcher.close)  # joins the cluster's thread
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
         return await self.server.wait_for_termination(timeout)
@@ -295,11 +429,23 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         dispatcher = RemoteDispatcher(cfg, config.cluster, dtype, device, cluster)
     else:
         dispatcher = LocalDispatcher(reader, dtype, device)
-    load = ExpertLoadRecorder(cfg, device)
-    engine = Engine(load_model(reader, dtype, device), dispatcher, spec, dtype, device, load_hook=load)
+    num_servers = len(config.cluster.servers) if cluster is not None and config.cluster else 0
+    load = LoadRecorder(cfg.moe_layer_ids, cfg.num_experts, config.eplb.window_steps, num_servers, device)
+    engine = Engine(load_model(reader, dtype, device), dispatcher, spec, dtype, device, load_hook=load.record)
     tokenizer = TextTokenizer.from_dir(config.model_dir)
     limits = SchedulerLimits(config.max_batch_tokens, config.max_running, max_context)
     scheduler = Scheduler(engine, limits, tokenizer, cfg.eos_token_ids)
+    eplb: EplbManager | None = None
+    if cluster is not None:
+        assert config.cluster is not None
+        expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype.itemsize
+        target = ClusterTarget(cluster, config.cluster.timeout_s)
+        eplb = EplbManager(config.eplb, load, target, expert_bytes, scheduler.call_between_steps)
+        engine.after_step = eplb.on_step
+        assert isinstance(dispatcher, RemoteDispatcher)
+        dispatcher.server_time_hook = load.record_server_time
+    if cluster is not None:  # placement commits (and renumbering) land between two steps
+        cluster.between_steps = scheduler.call_between_steps
     log.info(
         "KV cache: %d pages of %d tokens (%d tokens), max context %d, tokenizer %s",
         spec.num_pages,
@@ -309,4 +455,4 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         "yes" if tokenizer else "none (input_ids only)",
     )
     server = grpc.aio.server(options=grpc_options(config.max_message_mb << 20))
-    return CoordinatorServer(config, server, scheduler, dispatcher, tokenizer, load, cluster)
+    return CoordinatorServer(config, server, scheduler, dispatcher, tokenizer, load, cluster, eplb)

@@ -20,8 +20,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gpu-server": ("gpu_server.main", "run a GPU expert server"),
     "cpu-server": ("cpu_expert_server.main", "run a CPU expert server"),
     "generate": ("expertmesh.client_cli", "send one generation request to a coordinator"),
+    "lora": ("expertmesh.lora.cli", "hot-load, unload or list MoE LoRA adapters on a coordinator"),
     "health": ("expertmesh.health", "exit 0 iff a server's grpc.health.v1 status is SERVING"),
     "status": ("expertmesh.status_cli", "operator view: servers, placement, KV use, throughput, hot experts"),
+    "load": ("expertmesh.load_cli", "a coordinator's expert load: hot experts and per-server balance"),
+    "placement": ("expertmesh.placement_cli", "show / set the expert placement, or run EPLB now"),
 }
 
 

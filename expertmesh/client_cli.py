@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", action="store_true", help="return each token's log-probability")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole request")
+    p.add_argument("--lora", default="", help="LoRA adapter name (see `expertmesh lora list`); default: base")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        lora=args.lora,
     )
     try:
         with Client(args.addr, timeout=args.timeout) as client:

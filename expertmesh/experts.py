@@ -17,11 +17,21 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from expertmesh.lora.moe import LoRABatch, moe_lora_reference
+
 
 class ExpertBackend(ABC):
     """Computes the weighted sum of routed experts for a batch of tokens."""
 
     name: str = "abstract"
+
+    def pack_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[S, 2I, H], [S, H, I] -> what ``forward`` takes as w13, w2 (called at load, not per step).
+
+        A backend with its own layout (interleaved, quantised) packs here; its packed tensors keep
+        the slot as dim 0 so a slot table can index and stack them. Default: unchanged.
+        """
+        return w13, w2
 
     @abstractmethod
     def forward(
@@ -31,6 +41,7 @@ class ExpertBackend(ABC):
         w2: torch.Tensor,  # [S, H, I]
         slot_ids: torch.Tensor,  # [T, K] int, -1 = not here
         weights: torch.Tensor,  # [T, K] routing weights
+        lora: LoRABatch | None = None,  # MoE LoRA (expertmesh/lora): per-token adapters
     ) -> torch.Tensor:  # [T, H], dtype of x
         ...
 
@@ -58,5 +69,7 @@ class TorchExpertBackend(ExpertBackend):
 
     name = "torch"
 
-    def forward(self, x, w13, w2, slot_ids, weights):
+    def forward(self, x, w13, w2, slot_ids, weights, lora=None):
+        if lora is not None:
+            return moe_lora_reference(x, w13, w2, slot_ids, weights, lora.weights, lora.token_adapter)
         return torch_moe(x, w13, w2, slot_ids, weights)

@@ -30,7 +30,8 @@ from pathlib import Path
 from expertmesh import cores
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
-_HTTP = re.compile(r"HTTP API and /metrics on http://\S+:(\d+)")  # the coordinator's (issue 16)
+# issue 16: the coordinator's HTTP port and the expert servers' metrics ports
+_HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on http://\S+:(\d+)")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -60,7 +61,7 @@ class Child:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     port: int | None = None
     listening: threading.Event = field(default_factory=threading.Event)
-    http_port: int | None = None
+    http_port: int | None = None  # the coordinator's HTTP API; an expert server's /metrics
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -126,7 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--http-port",
         type=int,
         default=0,
-        help="coordinator's OpenAI-compatible HTTP API and /metrics (default 0: a free port, printed; -1: off)",
+        help="coordinator's OpenAI-compatible HTTP API and /metrics (default 0: a free port, printed; -1: "
+        "off); the expert servers then serve /metrics on free ports too",
     )
     p.add_argument(
         "--transport", default="auto", help="coordinator <-> expert server data path (auto, grpc, shm, ...)"
@@ -197,6 +199,8 @@ def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> t
     cli = [sys.executable, "-m", "expertmesh.cli"]
     threads, spin = core_plan(args)
     common = ["--model", str(model), "--dtype", args.dtype, "--port", "0", "--shm-spin-us", f"{spin:g}"]
+    if args.http_port >= 0:  # with the coordinator's HTTP on, the servers' metrics too (free ports)
+        common += ["--metrics-port", "0"]
     gpu_cmd = [*cli, "gpu-server", *common, "--threads", str(threads["gpu-server"])]
     gpu_cmd += ["--device", args.device] if args.device else []
     cpu_cmd = [*cli, "cpu-server", *common, "--threads", str(threads["cpu-server"])]
@@ -291,6 +295,9 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
             file=sys.stderr,
             flush=True,
         )
+        servers = ", ".join(f"http://127.0.0.1:{c.http_port}/metrics" for c in (gpu, cpu) if c.http_port)
+        if servers:
+            print(f"  expert servers' Prometheus metrics {servers}", file=sys.stderr, flush=True)
     threads, spin = core_plan(args)
     print(
         f"  torch threads: coordinator {threads['coordinator']}, gpu server {threads['gpu-server']}, "

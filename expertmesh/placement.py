@@ -26,6 +26,12 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.replica import choose_load_aware
+
+# NOTE: generations travel as uint64 but are counted in Python ints, SQL, JSON...: both sides
+# refuse anything above this, so "newest + 1" never overflows and a bogus push cannot wedge a cluster.
+MAX_GENERATION = 2**53 - 1
+
 
 class PlacementError(ValueError):
     pass
@@ -87,6 +93,8 @@ class Placement:
         return {layer: lp.server_experts(server) for layer, lp in self.layers.items()}
 
     def with_generation(self, generation: int) -> Placement:
+        if not 0 < generation <= MAX_GENERATION:
+            raise PlacementError(f"placement generation {generation} outside [1, {MAX_GENERATION}]")
         return Placement(generation, self.servers, self.num_experts, self.layers)
 
     @cached_property
@@ -173,7 +181,19 @@ def static_split(
 def load_file(
     path: str | Path, moe_layers: list[int], num_experts: int, servers: tuple[str, ...]
 ) -> Placement:
-    raw = json.loads(Path(path).read_text())
+    return parse_json(Path(path).read_text(), moe_layers, num_experts, servers, str(path))
+
+
+def parse_json(
+    text: str, moe_layers: list[int], num_experts: int, servers: tuple[str, ...], path: str = "placement"
+) -> Placement:
+    """A placement file's text (see the module docstring) -> a validated placement."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlacementError(f"{path}: not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise PlacementError(f"{path}: expected a JSON object with 'servers' and 'layers'")
     layer_specs = raw.get("layers")
     if not isinstance(layer_specs, dict):
         raise PlacementError(f"{path}: 'layers' must be an object of layer -> {{server: [experts]}}")
@@ -208,6 +228,8 @@ def choose_replicas(
 
     ``static``: always the first replica. ``round_robin``: replicas in turn, (token, k) pairs
     numbered from ``offset`` (callers advance it per step so load spreads over steps too).
+    ``load_aware``: each token to the least loaded of its expert's replicas' servers in this
+    step (expertmesh/replica.py).
     """
     if policy == "static":
         return tables.log2phy[topk_ids, 0]
@@ -216,7 +238,10 @@ def choose_replicas(
         counter = offset + torch.arange(t * k, dtype=torch.long).view(t, k)
         r = counter % tables.logcnt[topk_ids]
         return tables.log2phy[topk_ids, r]
-    raise PlacementError(f"unknown replica policy {policy!r}; expected static or round_robin")
+    if policy == "load_aware":
+        num_servers = int(tables.owner.max()) + 1
+        return choose_load_aware(topk_ids, tables.log2phy, tables.logcnt, tables.owner, num_servers)
+    raise PlacementError(f"unknown replica policy {policy!r}; expected static, round_robin or load_aware")
 
 
 @dataclass(frozen=True)
@@ -234,6 +259,7 @@ def split_by_server(
     weights: torch.Tensor,  # [T, K]
     tables: LayerTables,
     num_servers: int,
+    pairs: torch.Tensor | None = None,  # [T, K] bool: only these (token, k) pairs (a re-send)
 ) -> list[ServerBatch]:
     """Per server: the rows with at least one slot on it, other slots masked as -1."""
     owner = tables.owner[phys]  # [T, K]
@@ -241,6 +267,8 @@ def split_by_server(
     out = []
     for s in range(num_servers):
         mine = owner == s  # [T, K]
+        if pairs is not None:
+            mine &= pairs
         rows = mine.any(dim=1).nonzero().flatten()
         if rows.numel() == 0:
             continue
@@ -297,3 +325,31 @@ def all_on_server(
     rows = torch.arange(topk_ids.shape[0])  # [T]
     slots = tables.full_slots[layer][topk_ids].to(torch.int32)  # [T, K]
     return ServerBatch(tables.full_server, rows, slots, topk_weights.float())
+
+
+# ---------------------------------------------------------------- routing around down servers
+
+
+def live_tables(t: LayerTables, down: frozenset[int]) -> LayerTables:
+    """``t`` without the slots of the servers in ``down``: each expert's live replicas first in
+    ``log2phy [E, R]`` (-1 padded), ``logcnt [E]`` counts only them (0 = no live replica)."""
+    if not down:
+        return t
+    rows = []
+    for phys in t.log2phy.tolist():  # [E][R]
+        live = [p for p in phys if p >= 0 and int(t.owner[p]) not in down]
+        rows.append(live)
+    width = max(1, max(len(r) for r in rows))
+    log2phy = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
+    logcnt = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    return LayerTables(log2phy, logcnt, t.owner, t.local_slot)
+
+
+def uncovered(tables: dict[int, LayerTables], down: frozenset[int]) -> dict[int, list[int]]:
+    """Per layer, the experts whose every replica lives on a server in ``down`` (empty: none)."""
+    out = {}
+    for layer, t in tables.items():
+        lost = [e for e, c in enumerate(live_tables(t, down).logcnt.tolist()) if c == 0]
+        if lost:
+            out[layer] = lost
+    return out

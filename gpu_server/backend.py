@@ -6,6 +6,7 @@ import torch
 
 from expertmesh.experts import ExpertBackend, TorchExpertBackend
 from gpu_server.kernels import ConfigTable, fused_moe, table_for_gpu
+from gpu_server.kernels.moe_lora import fused_moe_lora
 
 
 class TritonExpertBackend(ExpertBackend):
@@ -20,8 +21,10 @@ class TritonExpertBackend(ExpertBackend):
     def for_device(cls, device: str | torch.device) -> TritonExpertBackend:
         return cls(table_for_gpu(torch.cuda.get_device_name(torch.device(device))))
 
-    def forward(self, x, w13, w2, slot_ids, weights):
+    def forward(self, x, w13, w2, slot_ids, weights, lora=None):
         cfg = self.table.lookup(x.shape[1], w2.shape[2], x.shape[0], slot_ids.shape[1], w13.shape[0])
+        if lora is not None:  # MoE LoRA: gpu_server/kernels/moe_lora.py
+            return fused_moe_lora(x, w13, w2, slot_ids, weights, lora.weights, lora.token_adapter, config=cfg)
         return fused_moe(x, w13, w2, slot_ids, weights, config=cfg)
 
 

@@ -39,6 +39,7 @@ _HTTP_STATUS = {
 class Job:
     prompt_ids: list[int]
     params: SamplingParams
+    lora: str | None = None  # the LoRA adapter the request's ``model`` selected; None = base
 
 
 async def make_job(
@@ -75,12 +76,14 @@ async def make_job(
         req.seed = seed
     try:
         # NOTE: off the event loop for a long prompt (issue 15: one prompt must not stall all)
-        ids, params = await parse_request_async(req, coord.request_limits, coord.tokenizer)
+        ids, params = await parse_request_async(
+            req, coord.request_limits, coord.tokenizer, usable_adapters(coord)
+        )
     except InvalidRequest as e:
         coord.metrics.invalid()
         # the gRPC field names in the shared messages, in OpenAI's words
         raise APIError(400, str(e).replace("max_new_tokens", "max_tokens")) from None
-    return Job(ids, dataclasses.replace(params, top_logprobs=top_logprobs))
+    return Job(ids, dataclasses.replace(params, top_logprobs=top_logprobs), lora or None)
 
 
 async def chat_prompt_ids(coord: Any, text: str) -> list[int]:
@@ -118,7 +121,7 @@ async def run_jobs(coord: Any, jobs: list[Job]) -> AsyncGenerator[tuple[int, Out
     rids: dict[int, int] = {}
     try:
         for i, job in enumerate(jobs):
-            rids[i] = coord.scheduler.submit(job.prompt_ids, job.params, sink_for(i))
+            rids[i] = coord.scheduler.submit(job.prompt_ids, job.params, sink_for(i), lora=job.lora)
         while rids:
             i, out = await outputs.get()
             if out.finish_reason is not None:
@@ -139,3 +142,9 @@ def _api_error(exc: BaseException) -> APIError:
     code, msg = error_status(exc)
     status = _HTTP_STATUS.get(code, 500)
     return APIError(status, msg, "service_unavailable_error" if status == 503 else "server_error")
+
+
+def usable_adapters(coord: Any) -> list[str]:
+    """LoRA adapters a request may name: loaded and acknowledged by every expert server."""
+    lora = getattr(coord, "lora", None)
+    return sorted(lora.usable) if lora is not None else []

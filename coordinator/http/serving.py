@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.chat import ChatTemplateError
-from coordinator.http.generate import Job, chat_prompt_ids, make_job, run_jobs
+from coordinator.http.generate import Job, chat_prompt_ids, make_job, run_jobs, usable_adapters
 from coordinator.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from coordinator.scheduler import Output
 
@@ -267,10 +267,8 @@ def _flat(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def adapter_names(coord: Any) -> list[str]:
-    """LoRA adapters ``model`` may name. Hook for the LoRA manager (issue 12): a coordinator
-    attribute ``lora`` with ``names() -> list[str]``; none today."""
-    lora = getattr(coord, "lora", None)
-    return list(lora.names()) if lora is not None else []
+    """LoRA adapters ``model`` may name (coordinator/lora: loaded on every expert server)."""
+    return usable_adapters(coord)
 
 
 async def _errors_as_events(events: AsyncGenerator[str, None]) -> AsyncIterator[str]:

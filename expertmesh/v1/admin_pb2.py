@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65xpertmesh/v1/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12ListServersRequest\"\xe9\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rslot_capacity\x18\x06 \x01(\x05\x12\x12\n\nslots_used\x18\x07 \x01(\x05\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x1a\n\x11layer_round_trips\x18\x8c\x01 \x01(\x04\x12!\n\x18layer_round_trip_seconds\x18\x8d\x01 \x01(\x01\"x\n\x13ListServersResponse\x12*\n\x07servers\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.ServerInfo\x12\x35\n\x0b\x63oordinator\x18\x8c\x01 \x01(\x0b\x32\x1f.expertmesh.v1.CoordinatorStats\"\xb2\x02\n\x10\x43oordinatorStats\x12\x18\n\x10requests_running\x18\x01 \x01(\x05\x12\x18\n\x10requests_waiting\x18\x02 \x01(\x05\x12\x15\n\rkv_pages_used\x18\x03 \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x05\x12\x14\n\x0ckv_page_size\x18\x05 \x01(\x05\x12\x19\n\x11requests_finished\x18\x06 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x04\x12\x19\n\x11generation_tokens\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x0b \x01(\x01\x12\x1c\n\x14placement_generation\x18\x0c \x01(\x04\"\x15\n\x13GetPlacementRequest\"S\n\x0eLayerPlacement\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07phy2log\x18\x02 \x03(\x05\x12\r\n\x05owner\x18\x03 \x03(\x05\x12\x12\n\nlocal_slot\x18\x04 \x03(\x05\"c\n\rPlacementInfo\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07servers\x18\x02 \x03(\t\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.expertmesh.v1.LayerPlacement\"\x16\n\x14GetExpertLoadRequest\"*\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\"6\n\nExpertLoad\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.expertmesh.v1.LayerLoad2\x80\x02\n\x05\x41\x64min\x12T\n\x0bListServers\x12!.expertmesh.v1.ListServersRequest\x1a\".expertmesh.v1.ListServersResponse\x12P\n\x0cGetPlacement\x12\".expertmesh.v1.GetPlacementRequest\x1a\x1c.expertmesh.v1.PlacementInfo\x12O\n\rGetExpertLoad\x12#.expertmesh.v1.GetExpertLoadRequest\x1a\x19.expertmesh.v1.ExpertLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65xpertmesh/v1/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12ListServersRequest\"\xe9\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rslot_capacity\x18\x06 \x01(\x05\x12\x12\n\nslots_used\x18\x07 \x01(\x05\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x1a\n\x11layer_round_trips\x18\x8c\x01 \x01(\x04\x12!\n\x18layer_round_trip_seconds\x18\x8d\x01 \x01(\x01\"x\n\x13ListServersResponse\x12*\n\x07servers\x18\x01 \x03(\x0b\x32\x19.expertmesh.v1.ServerInfo\x12\x35\n\x0b\x63oordinator\x18\x8c\x01 \x01(\x0b\x32\x1f.expertmesh.v1.CoordinatorStats\"\xb2\x02\n\x10\x43oordinatorStats\x12\x18\n\x10requests_running\x18\x01 \x01(\x05\x12\x18\n\x10requests_waiting\x18\x02 \x01(\x05\x12\x15\n\rkv_pages_used\x18\x03 \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x05\x12\x14\n\x0ckv_page_size\x18\x05 \x01(\x05\x12\x19\n\x11requests_finished\x18\x06 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x04\x12\x19\n\x11generation_tokens\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x0b \x01(\x01\x12\x1c\n\x14placement_generation\x18\x0c \x01(\x04\"\x15\n\x13GetPlacementRequest\"S\n\x0eLayerPlacement\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07phy2log\x18\x02 \x03(\x05\x12\r\n\x05owner\x18\x03 \x03(\x05\x12\x12\n\nlocal_slot\x18\x04 \x03(\x05\"c\n\rPlacementInfo\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07servers\x18\x02 \x03(\t\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.expertmesh.v1.LayerPlacement\"\x16\n\x14GetExpertLoadRequest\"A\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12\x15\n\rwindow_tokens\x18\x64 \x03(\x03\"\x87\x01\n\nExpertLoad\x12(\n\x06layers\x18\x01 \x03(\x0b\x32\x18.expertmesh.v1.LayerLoad\x12\x14\n\x0cwindow_steps\x18\x64 \x01(\x05\x12\r\n\x05steps\x18\x65 \x01(\x04\x12*\n\x07servers\x18\x66 \x03(\x0b\x32\x19.expertmesh.v1.ServerLoad\"^\n\nServerLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rwindow_tokens\x18\x02 \x03(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\x01\"#\n\x10RebalanceRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"\xa3\x03\n\x10RebalanceOutcome\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x0f\n\x07trigger\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x1c\n\x14token_balance_before\x18\x06 \x01(\x01\x12\x1b\n\x13token_balance_after\x18\x07 \x01(\x01\x12\x13\n\x0btime_before\x18\x08 \x01(\x01\x12\x12\n\ntime_after\x18\t \x01(\x01\x12\x15\n\rweights_moved\x18\n \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x0b \x01(\x03\x12\x12\n\ncompute_ms\x18\x0c \x01(\x01\x12\x12\n\nprepare_ms\x18\r \x01(\x01\x12\x11\n\tcommit_ms\x18\x0e \x01(\x01\x12\x13\n\x0blayers_kept\x18\x0f \x01(\x05\x12\x17\n\x0flayers_searched\x18\x10 \x01(\x05\x12\x16\n\x0elayers_scratch\x18\x11 \x01(\x05\x12\x16\n\x0eplacement_json\x18\x12 \x01(\t\x12\x11\n\tunix_time\x18\x13 \x01(\x01\"E\n\x11RebalanceResponse\x12\x30\n\x07outcome\x18\x01 \x01(\x0b\x32\x1f.expertmesh.v1.RebalanceOutcome\"-\n\x13SetPlacementRequest\x12\x16\n\x0eplacement_json\x18\x01 \x01(\t\"A\n\x14SetPlacementResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x15\n\rweights_moved\x18\x02 \x01(\x03\"\x16\n\x14GetEplbStatusRequest\"\xe4\x01\n\nEplbStatus\x12\x16\n\x0einterval_steps\x18\x01 \x01(\x05\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x17\n\x0fredundant_slots\x18\x03 \x01(\x05\x12\x16\n\x0ereplica_policy\x18\x04 \x01(\t\x12\x12\n\nrebalanced\x18\x05 \x01(\x04\x12\x0f\n\x07skipped\x18\x06 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x04\x12\x10\n\x08\x64ry_runs\x18\x08 \x01(\x04\x12\x30\n\x07history\x18\t \x03(\x0b\x32\x1f.expertmesh.v1.RebalanceOutcome\"-\n\x0fLoadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"v\n\x08LoRAInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_slot\x18\x03 \x01(\x05\x12\x10\n\x08max_rank\x18\x04 \x01(\x05\x12\x15\n\rexpert_layers\x18\x05 \x03(\x05\x12\x0f\n\x07modules\x18\x06 \x03(\t\"!\n\x11UnloadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x12UnloadLoRAResponse\"\x11\n\x0fListLoRARequest\"P\n\x10ListLoRAResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.expertmesh.v1.LoRAInfo\x12\x11\n\tmax_loras\x18\x02 \x01(\x05\x32\xdf\x05\n\x05\x41\x64min\x12T\n\x0bListServers\x12!.expertmesh.v1.ListServersRequest\x1a\".expertmesh.v1.ListServersResponse\x12P\n\x0cGetPlacement\x12\".expertmesh.v1.GetPlacementRequest\x1a\x1c.expertmesh.v1.PlacementInfo\x12O\n\rGetExpertLoad\x12#.expertmesh.v1.GetExpertLoadRequest\x1a\x19.expertmesh.v1.ExpertLoad\x12N\n\tRebalance\x12\x1f.expertmesh.v1.RebalanceRequest\x1a .expertmesh.v1.RebalanceResponse\x12W\n\x0cSetPlacement\x12\".expertmesh.v1.SetPlacementRequest\x1a#.expertmesh.v1.SetPlacementResponse\x12O\n\rGetEplbStatus\x12#.expertmesh.v1.GetEplbStatusRequest\x1a\x19.expertmesh.v1.EplbStatus\x12\x43\n\x08LoadLoRA\x12\x1e.expertmesh.v1.LoadLoRARequest\x1a\x17.expertmesh.v1.LoRAInfo\x12Q\n\nUnloadLoRA\x12 .expertmesh.v1.UnloadLoRARequest\x1a!.expertmesh.v1.UnloadLoRAResponse\x12K\n\x08ListLoRA\x12\x1e.expertmesh.v1.ListLoRARequest\x1a\x1f.expertmesh.v1.ListLoRAResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,9 +48,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETEXPERTLOADREQUEST']._serialized_start=942
   _globals['_GETEXPERTLOADREQUEST']._serialized_end=964
   _globals['_LAYERLOAD']._serialized_start=966
-  _globals['_LAYERLOAD']._serialized_end=1008
-  _globals['_EXPERTLOAD']._serialized_start=1010
-  _globals['_EXPERTLOAD']._serialized_end=1064
-  _globals['_ADMIN']._serialized_start=1067
-  _globals['_ADMIN']._serialized_end=1323
+  _globals['_LAYERLOAD']._serialized_end=1031
+  _globals['_EXPERTLOAD']._serialized_start=1034
+  _globals['_EXPERTLOAD']._serialized_end=1169
+  _globals['_SERVERLOAD']._serialized_start=1171
+  _globals['_SERVERLOAD']._serialized_end=1265
+  _globals['_REBALANCEREQUEST']._serialized_start=1267
+  _globals['_REBALANCEREQUEST']._serialized_end=1302
+  _globals['_REBALANCEOUTCOME']._serialized_start=1305
+  _globals['_REBALANCEOUTCOME']._serialized_end=1724
+  _globals['_REBALANCERESPONSE']._serialized_start=1726
+  _globals['_REBALANCERESPONSE']._serialized_end=1795
+  _globals['_SETPLACEMENTREQUEST']._serialized_start=1797
+  _globals['_SETPLACEMENTREQUEST']._serialized_end=1842
+  _globals['_SETPLACEMENTRESPONSE']._serialized_start=1844
+  _globals['_SETPLACEMENTRESPONSE']._serialized_end=1909
+  _globals['_GETEPLBSTATUSREQUEST']._serialized_start=1911
+  _globals['_GETEPLBSTATUSREQUEST']._serialized_end=1933
+  _globals['_EPLBSTATUS']._serialized_start=1936
+  _globals['_EPLBSTATUS']._serialized_end=2164
+  _globals['_LOADLORAREQUEST']._serialized_start=2166
+  _globals['_LOADLORAREQUEST']._serialized_end=2211
+  _globals['_LORAINFO']._serialized_start=2213
+  _globals['_LORAINFO']._serialized_end=2331
+  _globals['_UNLOADLORAREQUEST']._serialized_start=2333
+  _globals['_UNLOADLORAREQUEST']._serialized_end=2366
+  _globals['_UNLOADLORARESPONSE']._serialized_start=2368
+  _globals['_UNLOADLORARESPONSE']._serialized_end=2388
+  _globals['_LISTLORAREQUEST']._serialized_start=2390
+  _globals['_LISTLORAREQUEST']._serialized_end=2407
+  _globals['_LISTLORARESPONSE']._serialized_start=2409
+  _globals['_LISTLORARESPONSE']._serialized_end=2489
+  _globals['_ADMIN']._serialized_start=2492
+  _globals['_ADMIN']._serialized_end=3227
 # @@protoc_insertion_point(module_scope)

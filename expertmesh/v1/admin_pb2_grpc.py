@@ -50,6 +50,36 @@ class AdminStub:
                 request_serializer=expertmesh_dot_v1_dot_admin__pb2.GetExpertLoadRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_v1_dot_admin__pb2.ExpertLoad.FromString,
                 _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/expertmesh.v1.Admin/Rebalance',
+                request_serializer=expertmesh_dot_v1_dot_admin__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_admin__pb2.RebalanceResponse.FromString,
+                _registered_method=True)
+        self.SetPlacement = channel.unary_unary(
+                '/expertmesh.v1.Admin/SetPlacement',
+                request_serializer=expertmesh_dot_v1_dot_admin__pb2.SetPlacementRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_admin__pb2.SetPlacementResponse.FromString,
+                _registered_method=True)
+        self.GetEplbStatus = channel.unary_unary(
+                '/expertmesh.v1.Admin/GetEplbStatus',
+                request_serializer=expertmesh_dot_v1_dot_admin__pb2.GetEplbStatusRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_admin__pb2.EplbStatus.FromString,
+                _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/expertmesh.v1.Admin/LoadLoRA',
+                request_serializer=expertmesh_dot_v1_dot_admin__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_admin__pb2.LoRAInfo.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/expertmesh.v1.Admin/UnloadLoRA',
+                request_serializer=expertmesh_dot_v1_dot_admin__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_admin__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
+        self.ListLoRA = channel.unary_unary(
+                '/expertmesh.v1.Admin/ListLoRA',
+                request_serializer=expertmesh_dot_v1_dot_admin__pb2.ListLoRARequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_admin__pb2.ListLoRAResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -74,6 +104,49 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rebalance(self, request, context):
+        """EPLB: plan a placement from the load window and push it now (or only plan: dry_run).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPlacement(self, request, context):
+        """Push a placement given as a placement file's JSON (two phases, like a rebalance).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEplbStatus(self, request, context):
+        """EPLB settings, counters and the last outcomes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoRA(self, request, context):
+        """MoE LoRA: validate the adapter at `path` (under a --lora-dir root, else PERMISSION_DENIED),
+        push it to every expert server, and make it usable once all have acknowledged (a failed
+        push rolls back everywhere; the status names the server).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +164,36 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetExpertLoad,
                     request_deserializer=expertmesh_dot_v1_dot_admin__pb2.GetExpertLoadRequest.FromString,
                     response_serializer=expertmesh_dot_v1_dot_admin__pb2.ExpertLoad.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=expertmesh_dot_v1_dot_admin__pb2.RebalanceRequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_admin__pb2.RebalanceResponse.SerializeToString,
+            ),
+            'SetPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPlacement,
+                    request_deserializer=expertmesh_dot_v1_dot_admin__pb2.SetPlacementRequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_admin__pb2.SetPlacementResponse.SerializeToString,
+            ),
+            'GetEplbStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEplbStatus,
+                    request_deserializer=expertmesh_dot_v1_dot_admin__pb2.GetEplbStatusRequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_admin__pb2.EplbStatus.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=expertmesh_dot_v1_dot_admin__pb2.LoadLoRARequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_admin__pb2.LoRAInfo.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=expertmesh_dot_v1_dot_admin__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_admin__pb2.UnloadLoRAResponse.SerializeToString,
+            ),
+            'ListLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRA,
+                    request_deserializer=expertmesh_dot_v1_dot_admin__pb2.ListLoRARequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_admin__pb2.ListLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +278,168 @@ class Admin:
             '/expertmesh.v1.Admin/GetExpertLoad',
             expertmesh_dot_v1_dot_admin__pb2.GetExpertLoadRequest.SerializeToString,
             expertmesh_dot_v1_dot_admin__pb2.ExpertLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/Rebalance',
+            expertmesh_dot_v1_dot_admin__pb2.RebalanceRequest.SerializeToString,
+            expertmesh_dot_v1_dot_admin__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/SetPlacement',
+            expertmesh_dot_v1_dot_admin__pb2.SetPlacementRequest.SerializeToString,
+            expertmesh_dot_v1_dot_admin__pb2.SetPlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEplbStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/GetEplbStatus',
+            expertmesh_dot_v1_dot_admin__pb2.GetEplbStatusRequest.SerializeToString,
+            expertmesh_dot_v1_dot_admin__pb2.EplbStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/LoadLoRA',
+            expertmesh_dot_v1_dot_admin__pb2.LoadLoRARequest.SerializeToString,
+            expertmesh_dot_v1_dot_admin__pb2.LoRAInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/UnloadLoRA',
+            expertmesh_dot_v1_dot_admin__pb2.UnloadLoRARequest.SerializeToString,
+            expertmesh_dot_v1_dot_admin__pb2.UnloadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/ListLoRA',
+            expertmesh_dot_v1_dot_admin__pb2.ListLoRARequest.SerializeToString,
+            expertmesh_dot_v1_dot_admin__pb2.ListLoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,11 +5,12 @@ entry points only add their own flags and defaults)."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from expertmesh import cores, wire
+from expertmesh import auth, cores, wire
 from expertmesh.transport import segment
 
 KINDS = ("gpu", "cpu")
@@ -32,6 +33,10 @@ class WorkerConfig:
     shm_spin_us: float = field(default_factory=cores.default_spin_us)
     metrics_port: int | None = None  # issue 16: Prometheus /metrics here (0 = a free one); None = off
 
+    max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
+    # control RPCs (ApplyPlacement, LoadAdapter, UnloadAdapter) need it when set (expertmesh/auth.py)
+    cluster_token: str | None = field(default=None, repr=False)
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"expert server kind {self.kind!r}: expected one of {KINDS}")
@@ -43,6 +48,8 @@ class WorkerConfig:
             raise ValueError(f"--metrics-port {self.metrics_port} outside 0..65535")
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"--capacity must be positive, got {self.capacity}")
+        if self.max_loras <= 0:
+            raise ValueError(f"--max-loras must be positive, got {self.max_loras}")
         if self.max_message_mb <= 0:
             raise ValueError(f"--max-message-mb must be positive, got {self.max_message_mb}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -66,15 +73,20 @@ class WorkerConfig:
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
+        """The flags of this config (called by the expert servers' entry points only)."""
         p.add_argument("--model", required=True, help="HF checkpoint directory (shared with the coordinator)")
-        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--host", default=WorkerConfig.host)
         p.add_argument("--port", type=int, default=default_port, help="0 = a free port (printed)")
-        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-        p.add_argument("--experts", default="all", help="experts to preload per layer: all | none | 0-15,32")
+        p.add_argument("--dtype", default=WorkerConfig.dtype, choices=list(DTYPES))
+        p.add_argument(
+            "--experts",
+            default=WorkerConfig.experts,
+            help="experts to preload per layer: all | none | 0-15,32",
+        )
         p.add_argument(
             "--capacity", type=int, default=None, help="local slots per layer (default: expert count)"
         )
-        p.add_argument("--max-message-mb", type=int, default=256)
+        p.add_argument("--max-message-mb", type=int, default=WorkerConfig.max_message_mb)
         p.add_argument(
             "--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0 = a free port)"
         )
@@ -89,6 +101,17 @@ class WorkerConfig:
             default=cores.default_spin_us(),
             help="fast paths: poll this long for the next request before sleeping (0 = always sleep; "
             "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
+        )
+        p.add_argument(
+            "--max-loras",
+            type=int,
+            default=4,
+            help="MoE LoRA adapters resident at once (least recently used evicted, reloaded on demand)",
+        )
+        p.add_argument(
+            "--cluster-token",
+            default=None,
+            help=f"secret the coordinator must send with placement/adapter pushes (or env {auth.CLUSTER_TOKEN_ENV})",
         )
 
     @classmethod
@@ -107,4 +130,6 @@ class WorkerConfig:
             shm=not args.no_shm,
             shm_spin_us=args.shm_spin_us,
             metrics_port=args.metrics_port,
+            max_loras=args.max_loras,
+            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
         )

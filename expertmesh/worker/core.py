@@ -21,6 +21,8 @@ import torch
 from expertmesh import wire
 from expertmesh.errors import ExpertMeshError, InvalidRequest, StaleGeneration
 from expertmesh.experts import ExpertBackend
+from expertmesh.lora import LoRABatch
+from expertmesh.lora.store import AdapterStore, AdapterStoreError, LayerAdapter
 from expertmesh.metrics import WorkerMetrics
 from expertmesh.worker.slots import SlotTable
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
@@ -47,14 +49,17 @@ class WorkerStats:
 
 
 class ExpertWorker:
-    def __init__(self, slots: SlotTable, backend: ExpertBackend, identity: WorkerIdentity) -> None:
+    def __init__(
+        self, slots: SlotTable, backend: ExpertBackend, identity: WorkerIdentity, max_loras: int = 4
+    ) -> None:
         self.slots, self.backend, self.identity = slots, backend, identity
         self.cfg = slots.reader.config
         self.stats = WorkerStats()
         self.metrics = WorkerMetrics(self)  # issue 16: Prometheus /metrics (--metrics-port)
         self.tokens_per_slot: dict[int, np.ndarray] = {}  # layer -> [S] tokens routed to each slot
-        # MoE-LoRA adapter slots resident here (issue 12 fills it); -1 in a request = no adapter
+        # MoE-LoRA adapter slots pushed here (LoadAdapter); -1 in a request = no adapter
         self.adapter_slots: frozenset[int] = frozenset()
+        self.lora = AdapterStore(max_loras, slots.dtype, slots.device)
         # NOTE: compute and commit hold this lock: requests come from the gRPC compute thread,
         # the event loop (small ones) and fast-path channel threads.
         self._serial = threading.Lock()
@@ -171,13 +176,13 @@ class ExpertWorker:
         layer = live.layers[req.layer]
         t0 = time.perf_counter()
         dev = self.slots.device
-        # NOTE: adapter_slots is checked but not computed with yet (MoE LoRA, issue 12)
         out = self.backend.forward(
             req.hidden.to(dev, non_blocking=True),
             layer.w13,
             layer.w2,
             req.slot_ids.to(dev, non_blocking=True),
             req.weights.to(dev, non_blocking=True),
+            self._lora(req, layer.experts),
         )
         if to_host:
             out = out.cpu()
@@ -195,6 +200,45 @@ class ExpertWorker:
         else:
             prev += counts
         return out
+
+    def _lora(self, req: ExpertRequest, experts: tuple[int, ...]) -> LoRABatch | None:
+        """The request's MoE-LoRA inputs: resident buffers of its layer (LRU-loaded) and each
+        token's buffer index; None when no token names an adapter."""
+        a = req.adapter_slots
+        if a is None or not bool((a >= 0).any()):
+            return None
+        # slots check() accepted but with no weights in the store adapt nothing on this server
+        known = torch.tensor(sorted(self.lora.adapters), dtype=a.dtype)
+        a = torch.where(torch.isin(a, known), a, -1)
+        if not bool((a >= 0).any()):
+            return None
+        try:
+            index = self.lora.buffer_index(a.long())  # [T]
+        except AdapterStoreError as e:
+            raise InvalidRequest(str(e)) from e
+        weights = self.lora.weights(req.layer, experts)
+        if weights is None:  # no adapter touches this layer's experts
+            return None
+        return LoRABatch(weights, index.to(self.slots.device))
+
+    # ------------------------------------------------------------ MoE LoRA adapters
+
+    def load_adapter(self, adapter_slot: int, name: str, layers: dict[int, LayerAdapter]) -> None:
+        """Keeps ``layers`` (this server's experts of each MoE layer) as adapter ``adapter_slot``."""
+        if adapter_slot < 0:
+            raise InvalidRequest(f"adapter_slot must be >= 0, got {adapter_slot}")
+        with self._serial:
+            self.lora.add(adapter_slot, name, layers)
+            self.adapter_slots = frozenset(self.lora.adapters)
+
+    def unload_adapter(self, name: str) -> bool:
+        """Drops every adapter slot holding ``name``; False if there was none."""
+        with self._serial:
+            ids = [i for i, n in self.lora.names().items() if n == name]
+            for i in ids:
+                self.lora.remove(i)
+            self.adapter_slots = frozenset(self.lora.adapters)
+        return bool(ids)
 
     # ------------------------------------------------------------ placement (two phases)
 

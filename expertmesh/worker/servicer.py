@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from expertmesh import status, wire
-from expertmesh.errors import ExpertMeshError, InvalidRequest, Unimplemented
+from expertmesh import auth, status, wire
+from expertmesh.errors import ExpertMeshError, InvalidRequest
 from expertmesh.experts import ExpertBackend
+from expertmesh.lora.wire import decode_adapter
 from expertmesh.transport.handshake import Ack, HandshakeError, Hello
 from expertmesh.transport.server import ShmServer
 from expertmesh.v1 import expert_worker_pb2 as pb
@@ -41,10 +42,17 @@ async def _abort(context: grpc.aio.ServicerContext, err: ExpertMeshError) -> Non
 
 class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
     def __init__(
-        self, slots: SlotTable, backend: ExpertBackend, identity: WorkerIdentity, shm_spin_us: float = 300.0
+        self,
+        slots: SlotTable,
+        backend: ExpertBackend,
+        identity: WorkerIdentity,
+        shm_spin_us: float = 300.0,
+        max_loras: int = 4,
+        cluster_token: str | None = None,
     ) -> None:
-        self.worker = ExpertWorker(slots, backend, identity)
+        self.worker = ExpertWorker(slots, backend, identity, max_loras)
         self.shm_spin_us = shm_spin_us
+        self.cluster_token = cluster_token  # None: control RPCs are open (a warning at start)
         # NOTE: one compute thread for gRPC requests and commits (the core's lock orders them
         # with the fast-path channel threads); one loader thread for placement prepares.
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
@@ -113,6 +121,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         loop = asyncio.get_running_loop()
         phase, gen = request.phase, request.generation
         try:
+            auth.check_token(self.cluster_token, context.invocation_metadata(), "ApplyPlacement")
             if phase == pb.ApplyPlacementRequest.PREPARE:
                 table = {ls.layer: list(ls.experts) for ls in request.layers}
                 read = await loop.run_in_executor(self._loader, self.worker.prepare, gen, table)
@@ -128,10 +137,35 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         return pb.ApplyPlacementResponse(generation=self.worker.generation)
 
     async def LoadAdapter(self, request, context):
-        await _abort(context, Unimplemented("MoE LoRA adapters are not implemented yet"))
+        await self._control(context, "LoadAdapter")
+        w = self.worker
+        cfg = w.cfg
+        try:
+            layers = decode_adapter(
+                request.tensors, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                w.slots.moe_layers, w.slots.dtype,
+            )  # fmt: skip
+            if request.scaling not in (0.0, 1.0):
+                raise ValueError(f"scaling {request.scaling}: B must come with the scaling folded in (1)")
+            w.load_adapter(request.adapter_slot, request.name, layers)
+        except ValueError as e:
+            await _abort(context, InvalidRequest(f"adapter {request.name!r}: {e}"))
+        except InvalidRequest as e:
+            await _abort(context, e)
+        return pb.LoadAdapterResponse()
 
     async def UnloadAdapter(self, request, context):
-        await _abort(context, Unimplemented("MoE LoRA adapters are not implemented yet"))
+        await self._control(context, "UnloadAdapter")
+        # NOTE: idempotent (unknown names are a no-op), so a rollback may unload everywhere
+        self.worker.unload_adapter(request.name)
+        return pb.UnloadAdapterResponse()
+
+    async def _control(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        """Aborts a control RPC that lacks the cluster token (when this server has one)."""
+        try:
+            auth.check_token(self.cluster_token, context.invocation_metadata(), what)
+        except ExpertMeshError as e:
+            await _abort(context, e)
 
     async def Stats(self, request, context):
         w = self.worker

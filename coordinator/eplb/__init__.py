@@ -1,0 +1,30 @@
+"""EPLB: expert-parallel load balancing as pure tensor functions (no gRPC, no state).
+
+- :func:`rebalance_experts`: DeepSeek's interface and policies (hierarchical, global) for
+  equal devices; greedy packing plus a local search that never balances worse.
+- :func:`rebalance_heterogeneous`: servers with their own slot capacity and measured speed;
+  the objective is the slowest server's time per layer.
+- :func:`rebalance_few_moves`: start from the live placement; move weights only where that
+  beats keeping them by more than a threshold; reports weights moved.
+"""
+
+from coordinator.eplb.hetero import rebalance_heterogeneous, server_times
+from coordinator.eplb.moves import MovePlan, rebalance_few_moves, weights_moved
+from coordinator.eplb.packing import greedy_pack, refine
+from coordinator.eplb.policy import balanced_packing, rebalance_experts, rebalance_hierarchical
+from coordinator.eplb.replicate import replica_counts, replicate_experts
+
+__all__ = [
+    "MovePlan",
+    "balanced_packing",
+    "greedy_pack",
+    "rebalance_experts",
+    "rebalance_few_moves",
+    "rebalance_heterogeneous",
+    "rebalance_hierarchical",
+    "refine",
+    "replica_counts",
+    "replicate_experts",
+    "server_times",
+    "weights_moved",
+]

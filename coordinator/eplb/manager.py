@@ -1,0 +1,246 @@
+"""The EPLB manager: periodic and on-demand rebalancing, off the serving thread.
+
+After each forward step the serving thread calls :meth:`EplbManager.on_step` (a counter). Every
+``interval_steps`` steps it starts a rebalance on the manager's own thread:
+
+1. snapshot the load window (the recorder's one host sync) and plan (:func:`plan_rebalance`);
+   skip when the cluster is already balanced;
+2. push it (the target's two-phase broadcast): PREPARE on every server (they stage the weights
+   beside the live set while serving goes on); on any failure ABORT everywhere and the old
+   placement stays live; else COMMIT and switch the coordinator's placement *between two
+   steps* (``between_steps``), so no step mixes generations.
+
+Every outcome (rebalanced, skipped, failed) is logged and counted; :meth:`status` reports the
+counters and the last outcomes for ``Admin``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from coordinator.eplb.plan import EplbConfig, RebalancePlan, plan_rebalance
+from coordinator.load_recorder import LoadRecorder
+from expertmesh import placement as pl
+
+log = logging.getLogger("expertmesh.eplb")
+
+
+class PlacementTarget(Protocol):
+    """What the manager pushes placements through (the coordinator's expert cluster)."""
+
+    # the failures prepare/commit/abort raise (typed by the cluster); anything else is a bug
+    errors: tuple[type[Exception], ...]
+
+    def live_placement(self) -> pl.Placement: ...
+
+    def slot_capacity(self) -> torch.Tensor: ...  # [S] slots per layer each server accepts
+
+    def default_speed(self) -> torch.Tensor: ...  # [S] tokens per unit time before measurements
+
+    def push(
+        self, placement: pl.Placement, between_steps: Callable[[Callable[[], object]], Future]
+    ) -> list[str]:
+        """Prepare on all servers (raise, after aborting, on any failure), then commit and
+        switch through ``between_steps``; returns the servers whose commit failed (they get
+        the new placement when they reconnect)."""
+        ...
+
+
+class RebalanceError(RuntimeError):
+    pass
+
+
+@dataclass
+class Outcome:
+    kind: str  # "rebalanced" | "skipped" | "failed" | "dry-run" | "placement-set"
+    at: float  # time.time()
+    trigger: str  # "periodic" | "admin" | "set-placement"
+    plan: RebalancePlan | None
+    generation: int  # live generation afterwards
+    prepare_ms: float = 0.0
+    commit_ms: float = 0.0
+    error: str = ""
+
+    def line(self) -> str:
+        parts = [f"{self.kind} ({self.trigger}), live generation {self.generation}"]
+        if self.plan is not None:
+            parts.append(self.plan.summary())
+        if self.kind in ("rebalanced", "placement-set"):
+            parts.append(f"prepare {self.prepare_ms:.0f} ms, commit {self.commit_ms:.1f} ms")
+        if self.error:
+            parts.append(f"error: {self.error}")
+        return "; ".join(parts)
+
+
+@dataclass
+class Counters:
+    rebalanced: int = 0
+    skipped: int = 0
+    failed: int = 0
+    dry_runs: int = 0
+    placements_set: int = 0
+    history: deque[Outcome] = field(default_factory=lambda: deque(maxlen=16))
+
+
+class EplbManager:
+    def __init__(
+        self,
+        cfg: EplbConfig,
+        recorder: LoadRecorder,
+        target: PlacementTarget,
+        expert_bytes: int,
+        between_steps: Callable[[Callable[[], object]], Future],
+        commit_timeout_s: float = 60.0,
+    ) -> None:
+        self.cfg, self.recorder, self.target = cfg, recorder, target
+        self.expert_bytes, self.between_steps = expert_bytes, between_steps
+        self.commit_timeout_s = commit_timeout_s
+        self.counters = Counters()
+        self._steps = 0
+        self._busy = threading.Lock()  # one rebalance at a time
+        # why placement changes must wait now (e.g. MoE LoRA adapters were pushed for the live
+        # placement only); None = nothing blocks them
+        self.blocked: Callable[[], str | None] | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ triggers
+
+    def on_step(self) -> None:
+        """Serving thread, after each forward step: starts a periodic rebalance when due."""
+        self._steps += 1
+        n = self.cfg.interval_steps
+        if not n or self._steps % n:
+            return
+        if not self._busy.acquire(blocking=False):
+            return  # the previous one is still running; the next interval tries again
+        self._thread = threading.Thread(target=self._periodic, name="eplb-rebalance", daemon=True)
+        self._thread.start()
+
+    def _periodic(self) -> None:
+        try:
+            self._run("periodic", dry_run=False, force=False)
+        finally:
+            self._busy.release()
+
+    def rebalance(self, dry_run: bool = False, timeout_s: float = 120.0) -> Outcome:
+        """One rebalance now (Admin); waits for a running one to finish first. A dry run only
+        plans. An explicit request is never skipped for being balanced already."""
+        if not self._busy.acquire(timeout=timeout_s):
+            raise RebalanceError(f"another rebalance is still running after {timeout_s:g}s")
+        try:
+            return self._run("admin", dry_run=dry_run, force=True)
+        finally:
+            self._busy.release()
+
+    def wait_idle(self, timeout_s: float = 120.0) -> None:
+        t = self._thread
+        if t is not None:
+            t.join(timeout_s)
+
+    # ------------------------------------------------------------ one rebalance
+
+    def plan(self, force: bool) -> RebalancePlan:
+        snap = self.recorder.snapshot()
+        live = self.target.live_placement()
+        speed = snap.server_speed()
+        if speed is None:
+            speed = self.target.default_speed()
+        return plan_rebalance(
+            snap.window.double(),
+            live,
+            list(snap.moe_layers),
+            self.target.slot_capacity(),
+            speed,
+            self.cfg,
+            self.expert_bytes,
+            force=force,
+        )
+
+    def _run(self, trigger: str, dry_run: bool, force: bool) -> Outcome:
+        live_gen = self.target.live_placement().generation
+        try:
+            plan = self.plan(force)
+        except (ValueError, RuntimeError) as e:
+            return self._record(Outcome("failed", time.time(), trigger, None, live_gen, error=f"plan: {e}"))
+        if dry_run:
+            return self._record(Outcome("dry-run", time.time(), trigger, plan, live_gen))
+        if plan.skipped or plan.placement is None:
+            return self._record(Outcome("skipped", time.time(), trigger, plan, live_gen))
+        why = self.blocked() if self.blocked is not None else None
+        if why:
+            return self._record(Outcome("skipped", time.time(), trigger, plan, live_gen, error=why))
+        return self._push(plan.placement, trigger, plan)
+
+    def set_placement(self, new: pl.Placement, timeout_s: float = 120.0) -> Outcome:
+        """Pushes an operator's placement (Admin/SetPlacement) as the next generation."""
+        if not self._busy.acquire(timeout=timeout_s):
+            raise RebalanceError(f"a rebalance is still running after {timeout_s:g}s")
+        try:
+            live = self.target.live_placement()
+            why = self.blocked() if self.blocked is not None else None
+            if why:
+                return self._record(
+                    Outcome("failed", time.time(), "set-placement", None, live.generation, error=why)
+                )
+            return self._push(new.with_generation(live.generation + 1), "set-placement", None)
+        finally:
+            self._busy.release()
+
+    def _push(self, new: pl.Placement, trigger: str, plan: RebalancePlan | None) -> Outcome:
+        errors: tuple[type[Exception], ...] = (*self.target.errors, TimeoutError)
+        t0 = time.perf_counter()
+        marks: dict[str, float] = {}
+
+        def timed_between_steps(fn: Callable[[], object]) -> Future:
+            marks["prepared"] = time.perf_counter()
+
+            def switch() -> object:
+                t = time.perf_counter()
+                try:
+                    return fn()
+                finally:
+                    marks["commit_ms"] = (time.perf_counter() - t) * 1e3
+
+            return self.between_steps(switch)
+
+        try:
+            late = self.target.push(new, timed_between_steps)
+        except errors as e:
+            gen = self.target.live_placement().generation
+            stage = "commit" if "prepared" in marks else "prepare"
+            return self._record(Outcome("failed", time.time(), trigger, plan, gen, error=f"{stage}: {e}"))
+        prepare_ms = (marks.get("prepared", time.perf_counter()) - t0) * 1e3
+        kind = "rebalanced" if plan is not None else "placement-set"
+        out = Outcome(
+            kind, time.time(), trigger, plan, new.generation, prepare_ms, marks.get("commit_ms", 0.0)
+        )
+        if late:
+            out.error = (
+                f"commit failed on {', '.join(late)}; they get generation {new.generation} on reconnect"
+            )
+        return self._record(out)
+
+    def _record(self, out: Outcome) -> Outcome:
+        c = self.counters
+        if out.kind == "rebalanced":
+            c.rebalanced += 1
+        elif out.kind == "skipped":
+            c.skipped += 1
+        elif out.kind == "failed":
+            c.failed += 1
+        elif out.kind == "placement-set":
+            c.placements_set += 1
+        else:
+            c.dry_runs += 1
+        c.history.append(out)
+        (log.warning if out.kind == "failed" else log.info)("EPLB %s", out.line())
+        return out

@@ -1,0 +1,128 @@
+"""Few moves: rebalance starting from the live placement, moving weights only where it pays.
+
+Per layer, with the new load: if the live placement's slowest-server time is within
+``threshold`` of a from-scratch plan's, the layer stays as it is (no weights move). Otherwise
+a local search (:func:`refine`) starts from the live layer and moves or swaps experts off the
+slowest server until it is within ``threshold`` of the from-scratch time; a layer the search
+cannot bring there takes the from-scratch plan, with its servers renamed among interchangeable
+servers (same capacity and speed) to keep as many experts in place as possible.
+
+Weights moved = (server, expert) pairs present in the new layer and absent from the old one: a
+server reuses weights it already holds (the worker's prepare reads only new experts).
+
+Shapes: L layers, E logical experts, P physical slots, S servers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from coordinator.eplb.hetero import rebalance_heterogeneous, server_times, slot_shares
+from coordinator.eplb.packing import refine
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    phy2log: torch.Tensor  # [L, P]
+    owner: torch.Tensor  # [L, P]
+    how: torch.Tensor  # [L] int8: 0 kept as is, 1 local search from live, 2 from scratch
+    moved: torch.Tensor  # [L] expert weights each layer must load
+    time_live: torch.Tensor  # [L] slowest-server time of the live placement, new load
+    time_scratch: torch.Tensor  # [L] slowest-server time of the from-scratch plan
+    time_new: torch.Tensor  # [L] slowest-server time of this plan
+
+
+def presence(phy2log: torch.Tensor, owner: torch.Tensor, num_servers: int, num_experts: int) -> torch.Tensor:
+    """``[L, S, E]`` copies of expert e on server s."""
+    layers = phy2log.shape[0]
+    out = torch.zeros(layers, num_servers * num_experts, dtype=torch.long)
+    return out.scatter_add_(1, owner * num_experts + phy2log, torch.ones_like(phy2log)).view(
+        layers, num_servers, num_experts
+    )
+
+
+def weights_moved(
+    old_phy2log: torch.Tensor,
+    old_owner: torch.Tensor,
+    phy2log: torch.Tensor,
+    owner: torch.Tensor,
+    num_servers: int,
+    num_experts: int,
+) -> torch.Tensor:  # [L] expert weights to load per layer
+    old = presence(old_phy2log, old_owner, num_servers, num_experts) > 0
+    new = presence(phy2log, owner, num_servers, num_experts) > 0
+    return (new & ~old).flatten(1).sum(1)
+
+
+def align_servers(
+    old_phy2log: torch.Tensor,
+    old_owner: torch.Tensor,
+    phy2log: torch.Tensor,
+    owner: torch.Tensor,
+    server_class: torch.Tensor,  # [S] servers with equal class are interchangeable
+    num_experts: int,
+) -> torch.Tensor:  # [L, P] owner renamed to keep experts in place
+    """Greedy matching of new servers to old ones by shared experts, per layer, within a class."""
+    layers, s = owner.shape[0], server_class.numel()
+    old = (presence(old_phy2log, old_owner, s, num_experts) > 0).double()
+    new = (presence(phy2log, owner, s, num_experts) > 0).double()
+    overlap = (new @ old.transpose(1, 2)).numpy()  # [L, S_new, S_old]
+    cls = server_class.numpy()
+    overlap[:, cls[:, None] != cls[None, :]] = -1.0
+    rename = np.full((layers, s), -1, dtype=np.int64)  # new server -> old server
+    rows = np.arange(layers)
+    flat = overlap.reshape(layers, -1)
+    for _ in range(s):
+        k = flat.argmax(axis=1)
+        live = flat[rows, k] >= 0
+        if not live.any():
+            break
+        r, i, j = rows[live], k[live] // s, k[live] % s
+        rename[r, i] = j
+        overlap[r, i, :] = -2.0
+        overlap[r, :, j] = -2.0
+    assert (rename >= 0).all(), "every class maps onto itself, so the matching is complete"
+    return torch.from_numpy(np.take_along_axis(rename, owner.numpy(), axis=1))
+
+
+def rebalance_few_moves(
+    weight: torch.Tensor,  # [L, E] new load
+    old_phy2log: torch.Tensor,  # [L, P] live placement
+    old_owner: torch.Tensor,  # [L, P]
+    capacity: torch.Tensor,  # [S]
+    speed: torch.Tensor,  # [S]
+    threshold: float = 0.05,
+    refine_rounds: int = 32,
+) -> MovePlan:
+    layers, e = weight.shape
+    p = old_phy2log.shape[1]
+    weight = weight.double().cpu()
+    phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, p, refine_rounds)
+    t_live = server_times(weight, old_phy2log, old_owner, speed).max(1).values
+    t_scratch = server_times(weight, phy2log, owner, speed).max(1).values
+    goal = t_scratch * (1.0 + threshold)
+    keep = t_live <= goal
+    # local search from the live layer, replicas unchanged, until within the goal
+    searched, _ = refine(
+        slot_shares(weight, old_phy2log),
+        old_owner,
+        capacity,
+        speed,
+        max_rounds=4 * refine_rounds,
+        target=goal,
+        group=old_phy2log,
+    )
+    t_search = server_times(weight, old_phy2log, searched, speed).max(1).values
+    use_search = ~keep & (t_search <= goal)
+    scratch = ~keep & ~use_search
+    classes = torch.unique(torch.stack([capacity.double(), speed.double()], 1), dim=0, return_inverse=True)[1]
+    aligned = align_servers(old_phy2log, old_owner, phy2log, owner, classes, e)
+    out_phy2log = torch.where(scratch[:, None], phy2log, old_phy2log)
+    out_owner = torch.where(scratch[:, None], aligned, torch.where(use_search[:, None], searched, old_owner))
+    how = torch.where(keep, 0, torch.where(use_search, 1, 2)).to(torch.int8)
+    moved = weights_moved(old_phy2log, old_owner, out_phy2log, out_owner, capacity.numel(), e)
+    t_new = server_times(weight, out_phy2log, out_owner, speed).max(1).values
+    return MovePlan(out_phy2log, out_owner, how, moved, t_live, t_scratch, t_new)

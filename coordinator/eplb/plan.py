@@ -1,0 +1,209 @@
+"""From measured load and the live placement to the next placement, with its predicted effect.
+
+Pure functions (no gRPC, no threads): the EPLB manager calls :func:`plan_rebalance` off the
+serving thread and pushes the result. A plan is *skipped* when the live placement is already
+within ``skip_threshold`` of the plan's predicted slowest-server time (summed over layers).
+
+Shapes: L MoE layers, E logical experts, P physical slots, S servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from coordinator.eplb.hetero import rebalance_heterogeneous, server_times, slot_shares
+from coordinator.eplb.moves import align_servers, rebalance_few_moves, weights_moved
+from expertmesh import placement as pl
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    interval_steps: int = 0  # 0 = no periodic rebalance
+    window_steps: int = 256  # load window the plan balances
+    redundant_slots: int = 0  # extra slots per server for replicas
+    skip_threshold: float = 0.05  # skip unless the slowest server gets this much faster
+    move_threshold: float = 0.05  # keep an expert in place unless that costs more than this
+
+    def __post_init__(self) -> None:
+        if self.interval_steps < 0:
+            raise ValueError(f"--eplb-interval-steps must be >= 0, got {self.interval_steps}")
+        if self.window_steps < 1:
+            raise ValueError(f"--eplb-window-steps must be >= 1, got {self.window_steps}")
+        if self.redundant_slots < 0:
+            raise ValueError(f"--eplb-redundant-slots must be >= 0, got {self.redundant_slots}")
+        for name in ("skip_threshold", "move_threshold"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("EPLB (periodic expert re-placement)")
+        g.add_argument("--eplb-interval-steps", type=int, default=0, help="rebalance every N steps (0 = off)")
+        g.add_argument(
+            "--eplb-window-steps", type=int, default=256, help="balance the load of the last W steps"
+        )
+        g.add_argument(
+            "--eplb-redundant-slots", type=int, default=0, help="extra slots per server for replicas"
+        )
+        g.add_argument(
+            "--eplb-skip-threshold",
+            type=float,
+            default=0.05,
+            help="skip a rebalance unless it makes the slowest server this much faster (fraction)",
+        )
+        g.add_argument(
+            "--eplb-move-threshold",
+            type=float,
+            default=0.05,
+            help="keep a layer's experts in place unless moving them gains more than this (fraction)",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EplbConfig:
+        return cls(
+            interval_steps=args.eplb_interval_steps,
+            window_steps=args.eplb_window_steps,
+            redundant_slots=args.eplb_redundant_slots,
+            skip_threshold=args.eplb_skip_threshold,
+            move_threshold=args.eplb_move_threshold,
+        )
+
+
+@dataclass(frozen=True)
+class RebalancePlan:
+    placement: pl.Placement | None  # None when skipped
+    skipped: bool
+    reason: str
+    token_balance_before: float  # mean over layers of max/mean tokens per server
+    token_balance_after: float
+    time_before: float  # slowest-server time summed over layers (relative units)
+    time_after: float
+    weights_moved: int
+    bytes_moved: int
+    compute_ms: float
+    layers_kept: int
+    layers_searched: int
+    layers_scratch: int
+
+    def summary(self) -> str:
+        head = "skip" if self.skipped else "plan"
+        return (
+            f"{head}: {self.reason}; token max/mean {self.token_balance_before:.3f} -> "
+            f"{self.token_balance_after:.3f}, slowest-server time {self.time_before:.4g} -> "
+            f"{self.time_after:.4g}, {self.weights_moved} expert weights ({self.bytes_moved / 2**20:.1f} MiB) "
+            f"to load, layers kept/searched/scratch {self.layers_kept}/{self.layers_searched}/"
+            f"{self.layers_scratch}, computed in {self.compute_ms:.1f} ms"
+        )
+
+
+def placement_tensors(p: pl.Placement, moe_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``phy2log [L, P]`` and ``owner [L, P]``; None when layers have different slot counts."""
+    sizes = {len(p.layers[layer].phy2log) for layer in moe_layers}
+    if len(sizes) != 1:
+        return None
+    phy2log = torch.tensor([p.layers[layer].phy2log for layer in moe_layers], dtype=torch.long)
+    owner = torch.tensor([p.layers[layer].owner for layer in moe_layers], dtype=torch.long)
+    return phy2log, owner
+
+
+def to_placement(
+    generation: int,
+    servers: tuple[str, ...],
+    num_experts: int,
+    moe_layers: list[int],
+    phy2log: torch.Tensor,  # [L, P]
+    owner: torch.Tensor,  # [L, P]
+) -> pl.Placement:
+    per_layer: dict[int, dict[str, list[int]]] = {}
+    for row, layer in enumerate(moe_layers):
+        lists: dict[str, list[int]] = {name: [] for name in servers}
+        for e, s in zip(phy2log[row].tolist(), owner[row].tolist()):
+            lists[servers[s]].append(e)
+        per_layer[layer] = {name: sorted(v) for name, v in lists.items()}
+    return pl.from_server_lists(generation, servers, num_experts, per_layer)
+
+
+def _layer_metrics(
+    weight: torch.Tensor, p: pl.Placement, moe_layers: list[int], speed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # token max/mean [L], slowest time [L]
+    bal, slow = [], []
+    for row, layer in enumerate(moe_layers):
+        lp = p.layers[layer]
+        phy2log = torch.tensor([lp.phy2log])
+        owner = torch.tensor([lp.owner])
+        tokens = torch.zeros(1, speed.numel(), dtype=torch.float64).scatter_add_(
+            1, owner, slot_shares(weight[row : row + 1], phy2log)
+        )
+        bal.append(float(tokens.max() / tokens.mean().clamp(min=1e-12)))
+        slow.append(float(server_times(weight[row : row + 1], phy2log, owner, speed).max()))
+    return torch.tensor(bal), torch.tensor(slow)
+
+
+def plan_rebalance(
+    weight: torch.Tensor,  # [L, E] tokens per logical expert in the window
+    live: pl.Placement,
+    moe_layers: list[int],
+    capacity: torch.Tensor,  # [S] slots per layer each server accepts
+    speed: torch.Tensor,  # [S] tokens per unit time
+    cfg: EplbConfig,
+    expert_bytes: int,
+    force: bool = False,  # plan even when the live placement is balanced enough
+) -> RebalancePlan:
+    t0 = time.perf_counter()
+    servers, e = live.servers, live.num_experts
+    s = len(servers)
+    num_replicas = min(e + cfg.redundant_slots * s, int(capacity.sum()))
+    if num_replicas < e:
+        raise ValueError(
+            f"the servers hold {int(capacity.sum())} slots per layer in all, fewer than {e} experts"
+        )
+    weight = weight.double().cpu()
+    tensors = placement_tensors(live, moe_layers)
+    if tensors is not None and tensors[0].shape[1] == num_replicas:
+        mp = rebalance_few_moves(weight, *tensors, capacity, speed, threshold=cfg.move_threshold)
+        phy2log, owner, how = mp.phy2log, mp.owner, mp.how
+    else:  # the slot count changes (e.g. the first plan adds replicas): from scratch, aligned
+        phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, num_replicas)
+        how = torch.full((len(moe_layers),), 2, dtype=torch.int8)
+        if tensors is not None:
+            classes = torch.unique(
+                torch.stack([capacity.double(), speed.double()], 1), dim=0, return_inverse=True
+            )[1]
+            owner = align_servers(tensors[0], tensors[1], phy2log, owner, classes, e)
+    moved_layers = (
+        weights_moved(tensors[0], tensors[1], phy2log, owner, s, e)
+        if tensors is not None
+        else torch.full((len(moe_layers),), num_replicas)
+    )
+    new = to_placement(live.generation + 1, servers, e, moe_layers, phy2log, owner)
+    bal_before, t_before = _layer_metrics(weight, live, moe_layers, speed)
+    bal_after, t_after = _layer_metrics(weight, new, moe_layers, speed)
+    gain = 1.0 - float(t_after.sum()) / max(float(t_before.sum()), 1e-12)
+    moved = int(moved_layers.sum())
+    skipped = not force and (gain < cfg.skip_threshold or moved == 0)
+    if moved == 0:
+        reason = "no expert would move"
+    elif skipped:
+        reason = f"balanced: predicted gain {gain:.1%} < {cfg.skip_threshold:.1%}"
+    else:
+        reason = f"predicted gain {gain:.1%}"
+    hows = torch.bincount(how.long(), minlength=3).tolist()
+    return RebalancePlan(
+        placement=None if skipped else new,
+        skipped=skipped,
+        reason=reason,
+        token_balance_before=float(bal_before.mean()),
+        token_balance_after=float(bal_after.mean()),
+        time_before=float(t_before.sum()),
+        time_after=float(t_after.sum()),
+        weights_moved=moved,
+        bytes_moved=moved * expert_bytes,
+        compute_ms=(time.perf_counter() - t0) * 1e3,
+        layers_kept=hows[0],
+        layers_searched=hows[1],
+        layers_scratch=hows[2],
+    )

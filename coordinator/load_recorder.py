@@ -1,0 +1,107 @@
+"""Expert load recorder: per (MoE layer, logical expert) token counts over the last W forward
+steps and since start, plus per-server compute time per layer from the servers' replies.
+
+Counts stay on the model's device in a ring buffer ``[W, L, E]``; recording a layer is one
+``index_add_`` (no host sync: ``bincount`` would sync on CUDA to size its output). A new step
+begins when the first MoE layer is recorded: every forward step runs the MoE layers in order.
+The host reads the counts only when asked (:meth:`snapshot`).
+
+Shapes: W window steps, L MoE layers, E logical experts, S servers.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    moe_layers: tuple[int, ...]
+    window_steps: int  # steps covered by ``window`` (<= W)
+    steps: int  # steps recorded since start
+    window: torch.Tensor  # [L, E] int64 tokens in the last ``window_steps`` steps
+    totals: torch.Tensor  # [L, E] int64 tokens since start
+    server_ms: torch.Tensor  # [S, L] float64 compute ms per layer over the window
+    server_tokens: torch.Tensor  # [S, L] float64 tokens they computed over the window
+
+    def server_speed(self) -> torch.Tensor | None:  # [S] tokens per ms, None without data
+        ms, tok = self.server_ms.sum(1), self.server_tokens.sum(1)
+        if bool((ms <= 0).any()) or bool((tok <= 0).any()):
+            return None
+        return tok / ms
+
+
+class LoadRecorder:
+    def __init__(
+        self,
+        moe_layers: list[int],
+        num_experts: int,
+        window_steps: int,
+        num_servers: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        assert window_steps >= 1, f"{window_steps=}"
+        self.moe_layers = tuple(moe_layers)
+        self.row = {layer: i for i, layer in enumerate(moe_layers)}
+        self.num_experts, self.window_steps = num_experts, window_steps
+        self.device = torch.device(device)
+        shape = (window_steps, len(moe_layers), num_experts)
+        self.ring = torch.zeros(shape, dtype=torch.long, device=self.device)  # [W, L, E]
+        self.retired = torch.zeros(shape[1:], dtype=torch.long, device=self.device)  # [L, E]
+        self._ones = torch.ones(1, dtype=torch.long, device=self.device)
+        self.server_ms = torch.zeros(window_steps, num_servers, len(moe_layers), dtype=torch.float64)
+        self.server_tokens = torch.zeros_like(self.server_ms)  # [W, S, L]
+        self.steps = 0
+        self.cursor = 0
+        # NOTE: record() runs on the serving thread only; the lock orders a step change
+        # against readers (snapshot) and reply threads (record_server_time).
+        self._lock = threading.Lock()
+
+    def _advance(self) -> None:
+        with self._lock:
+            self.steps += 1
+            self.cursor = (self.steps - 1) % self.window_steps
+            if self.steps > self.window_steps:  # the slot's old step leaves the window
+                self.retired += self.ring[self.cursor]
+                self.ring[self.cursor].zero_()
+                self.server_ms[self.cursor].zero_()
+                self.server_tokens[self.cursor].zero_()
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:  # topk_ids [T, K]
+        """The load hook of :class:`MoEBlock`: adds this layer's routed tokens."""
+        row = self.row[layer]
+        if row == 0:
+            self._advance()
+        ids = topk_ids.reshape(-1).to(device=self.device, dtype=torch.long)
+        if self._ones.numel() < ids.numel():
+            self._ones = torch.ones(
+                max(ids.numel(), 2 * self._ones.numel()), dtype=torch.long, device=self.device
+            )
+        self.ring[self.cursor, row].index_add_(0, ids, self._ones[: ids.numel()])
+
+    def record_server_time(self, server: int, layer: int, compute_ms: float, tokens: int) -> None:
+        """A server's reply for one layer: its compute time and the tokens it computed."""
+        row = self.row.get(layer)
+        if row is None or not 0 <= server < self.server_ms.shape[1]:
+            return
+        with self._lock:
+            self.server_ms[self.cursor, server, row] += compute_ms
+            self.server_tokens[self.cursor, server, row] += tokens
+
+    def snapshot(self) -> LoadSnapshot:
+        """Copies the counts to the host (the one sync point)."""
+        with self._lock:
+            window = self.ring.sum(0)
+            totals = (self.retired + window).cpu()
+            return LoadSnapshot(
+                self.moe_layers,
+                min(self.steps, self.window_steps),
+                self.steps,
+                window.cpu(),
+                totals,
+                self.server_ms.sum(0),
+                self.server_tokens.sum(0),
+            )

@@ -1,0 +1,157 @@
+"""Hot-loading MoE LoRA adapters on a running coordinator (what ``Admin.LoadLoRA`` /
+``UnloadLoRA`` / ``ListLoRA`` do), free of gRPC: typed errors the servicer maps to codes.
+
+Load: the path must lie under a ``--lora-dir`` root (:class:`LoRAPermissionError`); the adapter
+is read and validated against the model (:class:`AdapterError`); each expert server is sent the
+LoRA of the experts its placement gives it (two phases through the cluster: every push first,
+a failed one unloads it from the servers already pushed to and raises
+:class:`LoRAPushError` naming the server); then, between two scheduler steps, the coordinator
+installs it and only from then on can requests use it.
+
+Unload: the name stops being usable at once (new requests naming it are refused), the call
+waits for the running requests that use it to finish (``unload_timeout_s``), then removes it
+from the coordinator (between steps) and from every server.
+
+Placement changes and returning servers: the cluster calls :meth:`LoRAService.on_prepare` after
+each server's PREPARE, which pushes every loaded adapter for the experts of the new slot table
+and of the live one (both generations stay covered until the commit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+from coordinator.lora.adapter import LoRAAdapter, load_adapter
+from coordinator.lora.config import AdapterError
+from coordinator.lora.manager import LoRAManager
+from expertmesh.lora.store import LayerAdapter
+from expertmesh.lora.wire import encode_adapter
+
+BetweenSteps = Callable[[Callable[[], object]], Future]
+
+
+class LoRAPermissionError(PermissionError):
+    pass
+
+
+class LoRANotFound(KeyError):
+    pass
+
+
+class LoRAPushError(RuntimeError):
+    pass
+
+
+class LoRAService:
+    def __init__(
+        self,
+        manager: LoRAManager,
+        lora_dirs: tuple[str, ...],
+        between_steps: BetweenSteps,
+        in_use: Callable[[str], int],
+        cluster=None,  # coordinator.cluster.ExpertCluster | None (None: experts in process)
+        timeout_s: float = 60.0,
+        unload_timeout_s: float = 300.0,
+    ) -> None:
+        self.manager, self.between_steps, self.in_use, self.cluster = manager, between_steps, in_use, cluster
+        self.roots = tuple(Path(d).resolve() for d in lora_dirs)
+        self.timeout_s, self.unload_timeout_s = timeout_s, unload_timeout_s
+        self.usable: set[str] = set()  # names requests may use (all servers acknowledged)
+        self._lock = threading.Lock()  # one load/unload at a time
+        if cluster is not None:
+            cluster.prepare_hooks.append(self.on_prepare)
+
+    # ---------------------------------------------------------------- load
+
+    def check_path(self, path: str) -> Path:
+        p = Path(path).resolve()
+        if not any(p == r or r in p.parents for r in self.roots):
+            roots = ", ".join(str(r) for r in self.roots) or "none given (--lora-dir)"
+            raise LoRAPermissionError(f"adapter path {path!r} is not under a --lora-dir root ({roots})")
+        return p
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        if not name or "/" in name:
+            raise AdapterError(f"adapter name {name!r}: give a non-empty name without '/'")
+        p = self.check_path(path)
+        with self._lock:
+            if name in self.manager.adapters:
+                raise AdapterError(f"adapter {name!r} is already loaded (unload it first)")
+            used = set(self.manager.slot_of.values())
+            free = [s for s in range(self.manager.max_loras) if s not in used]
+            if not free:
+                raise AdapterError(f"all {self.manager.max_loras} adapter slots are in use (--max-loras)")
+            adapter = load_adapter(name, p, self.manager.model_cfg, self.manager.table)
+            slot = free[0]
+            if self.cluster is not None:
+                self._push(adapter, slot)
+            self.between_steps(lambda: self.manager.install(adapter, slot)).result()
+            self.usable.add(name)
+            return adapter
+
+    def on_prepare(self, server: int, table: dict[int, list[int]], timeout: float) -> None:
+        """A placement PREPARE (or a returning server): push every loaded adapter's LoRA of the
+        experts in ``table`` and in the live table (ExpertServerError propagates: the PREPARE fails)."""
+        adapters = {n: (a, self.manager.slot_of[n]) for n, a in list(self.manager.adapters.items())}
+        conn = self.cluster.conns[server]  # type: ignore[union-attr]
+        for name, (adapter, slot) in adapters.items():
+            conn.load_adapter(slot, name, self._payload(adapter, server, table), timeout)
+
+    def _payload(self, adapter: LoRAAdapter, server: int, extra: dict[int, list[int]] | None = None) -> dict:
+        assert self.cluster is not None
+        table = self.cluster.tables.slots[server]  # layer -> logical expert per local slot
+        layers = {}
+        for layer, lora in adapter.experts.items():
+            held = sorted((set(table.get(layer, ())) | set((extra or {}).get(layer, ()))) - {-1})
+            if held:
+                layers[layer] = LayerAdapter(tuple(held), lora.select(held))
+        return encode_adapter(layers, self.manager.dtype)
+
+    def _push(self, adapter: LoRAAdapter, slot: int) -> None:
+        cluster = self.cluster
+        assert cluster is not None
+        from coordinator.expert_conn import ExpertServerError
+
+        payloads = {i: self._payload(adapter, i) for i in range(len(cluster.members))}
+        try:
+            cluster.two_phase(
+                prepare=lambda i: cluster.conns[i].load_adapter(
+                    slot, adapter.name, payloads[i], self.timeout_s
+                ),
+                commit=lambda i: None,
+                abort=lambda i: cluster.conns[i].unload_adapter(adapter.name, self.timeout_s),
+            )
+        except ExpertServerError as e:
+            raise LoRAPushError(f"adapter {adapter.name!r} was not loaded: {e}") from e
+
+    # ---------------------------------------------------------------- unload / list
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            if name not in self.manager.adapters:
+                raise LoRANotFound(f"no adapter named {name!r} is loaded")
+            self.usable.discard(name)  # new requests naming it are refused from now on
+            deadline = time.monotonic() + self.unload_timeout_s
+            while self.in_use(name):
+                if time.monotonic() > deadline:
+                    self.usable.add(name)
+                    raise TimeoutError(
+                        f"adapter {name!r}: requests still use it after {self.unload_timeout_s:.0f} s; not unloaded"
+                    )
+                time.sleep(0.05)
+            self.between_steps(lambda: self.manager.unload(name)).result()
+            if self.cluster is not None:
+                from coordinator.expert_conn import ExpertServerError
+
+                for conn in self.cluster.conns:
+                    # NOTE: a server that is down now has nothing to unload we could reach
+                    with contextlib.suppress(ExpertServerError):
+                        conn.unload_adapter(name, self.timeout_s)
+
+    def list(self) -> list[LoRAAdapter]:
+        return [a for n, a in sorted(self.manager.adapters.items()) if n in self.usable]

@@ -1,0 +1,54 @@
+"""Load recorder: windowed and total counts against plain Python counting."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from coordinator.load_recorder import LoadRecorder
+
+
+def test_window_and_totals_match_python_counts():
+    rng = random.Random(0)
+    layers, experts, window = [1, 3, 4], 6, 3
+    rec = LoadRecorder(layers, experts, window, num_servers=2)
+    history = []  # per step: {layer: [ids]}
+    for _ in range(7):
+        step = {}
+        for layer in layers:  # every step runs the MoE layers in order
+            t = rng.randint(1, 5)
+            ids = torch.tensor([rng.sample(range(experts), 2) for _ in range(t)])  # [T, K]
+            rec.record(layer, ids)
+            step[layer] = ids.flatten().tolist()
+        history.append(step)
+        snap = rec.snapshot()
+        recent = history[-window:]
+        for row, layer in enumerate(layers):
+            want_w = [sum(s[layer].count(e) for s in recent) for e in range(experts)]
+            want_t = [sum(s[layer].count(e) for s in history) for e in range(experts)]
+            assert snap.window[row].tolist() == want_w
+            assert snap.totals[row].tolist() == want_t
+        assert snap.steps == len(history) and snap.window_steps == min(len(history), window)
+
+
+def test_server_time_window_and_speed():
+    rec = LoadRecorder([0, 1], 4, window_steps=2, num_servers=2)
+    assert rec.snapshot().server_speed() is None
+    for step in range(3):
+        for layer in (0, 1):
+            rec.record(layer, torch.tensor([[0, 1]]))
+            rec.record_server_time(0, layer, compute_ms=1.0 + step, tokens=10)
+            rec.record_server_time(1, layer, compute_ms=4.0, tokens=10)
+    rec.record_server_time(0, 7, 1.0, 1)  # not an MoE layer: ignored
+    snap = rec.snapshot()
+    # window = steps 1 and 2: server 0 took 2 + 3 ms per layer for 20 tokens
+    assert snap.server_ms[0].tolist() == [5.0, 5.0] and snap.server_tokens[0].tolist() == [20.0, 20.0]
+    speed = snap.server_speed()
+    assert speed is not None and torch.allclose(speed, torch.tensor([40 / 10, 40 / 16], dtype=torch.float64))
+
+
+def test_ids_on_another_dtype_are_counted():
+    rec = LoadRecorder([0], 3, window_steps=1)
+    rec.record(0, torch.tensor([[2, 2], [1, 0]], dtype=torch.int32))
+    assert rec.snapshot().window.tolist() == [[1, 1, 2]]
