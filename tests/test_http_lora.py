@@ -54,3 +54,22 @@ def test_model_selects_the_adapter(served):
     assert ref.logprobs != pytest.approx(base.logprobs, abs=1e-3)  # the adapter changes the model
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=2)
+
+
+def test_load_and_unload_over_http(served, tmp_path):
+    import httpx
+
+    s, oai = served
+    base = str(oai.base_url).rstrip("/")
+    adapters = s.config.lora_dirs[0]
+    r = httpx.post(f"{base}/load_lora_adapter", json={"lora_name": "again", "lora_path": f"{adapters}/a"})
+    assert r.status_code == 200, r.text
+    assert "again" in [m.id for m in oai.models.list().data]
+    assert oai.completions.create(model="again", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+    r = httpx.post(f"{base}/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+    assert r.status_code == 403 and r.json()["error"]["message"]  # outside --lora-dir
+    r = httpx.post(f"{base}/unload_lora_adapter", json={"lora_name": "again"})
+    assert r.status_code == 200, r.text
+    assert "again" not in [m.id for m in oai.models.list().data]
+    r = httpx.post(f"{base}/unload_lora_adapter", json={"lora_name": "again"})
+    assert r.status_code == 404
