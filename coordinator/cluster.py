@@ -128,6 +128,9 @@ class ExpertCluster:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._connect_timeout_s = 10.0
+        # run after each member's PREPARE with (member, its new slot table, timeout): state that
+        # must travel with a placement (MoE LoRA adapters of the experts it will hold) goes here
+        self.prepare_hooks: list[Callable[[int, dict[int, list[int]], float], None]] = []
 
     # ------------------------------------------------------------ reading
 
@@ -332,7 +335,12 @@ class ExpertCluster:
             )
         left = max(1.0, deadline - time.monotonic())
         self._guard(i, lambda c: c.prepare(tables.generation, tables.slots[i], left))
+        self._guard(i, lambda c: self._after_prepare(i, tables.slots[i], left))
         return True
+
+    def _after_prepare(self, i: int, table: dict[int, list[int]], timeout: float) -> None:
+        for hook in self.prepare_hooks:
+            hook(i, table, timeout)
 
     def _bring_back(self, i: int, deadline: float) -> None:
         """Reconnects one server: the live placement prepared and committed if it lacks it."""
@@ -485,8 +493,12 @@ class ExpertCluster:
             with self._cond:
                 self.tables = tables
 
+        def prepare(i: int) -> None:
+            self.conns[i].prepare(gen, tables.slots[i], timeout_s)
+            self._after_prepare(i, tables.slots[i], timeout_s)  # e.g. LoRA of moved experts
+
         return self.two_phase(
-            prepare=lambda i: self.conns[i].prepare(gen, tables.slots[i], timeout_s),
+            prepare=prepare,
             commit=lambda i: self.conns[i].commit(gen, timeout_s),
             abort=lambda i: self.conns[i].abort(gen, timeout_s),
             members=[i for i, m in enumerate(self.members) if m.state is ServerState.READY],

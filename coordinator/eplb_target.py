@@ -11,13 +11,15 @@ import torch
 
 from coordinator.cluster import ExpertCluster
 from coordinator.expert_conn import ExpertServerError
+from coordinator.scheduler import SchedulerStopped
 from expertmesh import errors
 from expertmesh import placement as pl
 
 
 class ClusterTarget:
-    # what a push can raise: a server failed (typed), or the placement does not fit
-    errors: tuple[type[Exception], ...] = (ExpertServerError, pl.PlacementError, ValueError)
+    # what a push can raise: a server failed (typed), the placement does not fit, or the
+    # coordinator is shutting down before the switch
+    errors: tuple[type[Exception], ...] = (ExpertServerError, pl.PlacementError, ValueError, SchedulerStopped)
 
     def __init__(self, cluster: ExpertCluster, timeout_s: float) -> None:
         self.cluster, self.timeout_s = cluster, timeout_s

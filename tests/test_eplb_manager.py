@@ -120,3 +120,66 @@ def test_set_placement_pushes_the_next_generation():
     assert out.kind == "placement-set" and m.counters.placements_set == 1
     assert target.live.generation == 2  # numbered after the live one, not the file's
     assert target.live.layers[0].server_experts(1) == [1, 3, 5, 7, 0]
+
+
+# ------------------------------------------------------------ through the real ExpertCluster
+
+
+def cluster_manager():
+    from coordinator.eplb_target import ClusterTarget
+    from tests.test_cluster_state import FakeServer, make
+
+    gpu, cpu = FakeServer(capacity=4), FakeServer(capacity=4)
+    cluster, conns = make(gpu, cpu)
+    cluster.connect(5)
+    rec = LoadRecorder([0, 1], 4, window_steps=4, num_servers=2)
+    for _ in range(4):
+        for layer in (0, 1):  # expert 0 (on gpu0) takes most tokens
+            rec.record(layer, torch.tensor([[0, 1], [0, 2], [0, 3], [0, 1]]))
+    cfg = EplbConfig(interval_steps=0, redundant_slots=1)
+    m = EplbManager(cfg, rec, ClusterTarget(cluster, 2.0), expert_bytes=10, between_steps=now)
+    return m, cluster, gpu, cpu, conns
+
+
+def test_cluster_target_pushes_through_the_expert_cluster():
+    m, cluster, gpu, cpu, _ = cluster_manager()
+    try:
+        out = m.rebalance()
+        assert out.kind == "rebalanced", out.line()
+        assert cluster.placement.generation == 2 and gpu.generation == cpu.generation == 2
+        assert gpu.calls[-2:] == [("prepare", 2), ("commit", 2)]
+        # expert 0 is replicated on both servers
+        assert 0 in gpu.table[0] and 0 in cpu.table[0]
+    finally:
+        cluster.close()
+
+
+def test_cluster_target_needs_every_server_and_aborts_on_a_failed_prepare():
+    m, cluster, gpu, cpu, conns = cluster_manager()
+    try:
+        conns[1].die()  # down before the rebalance: nobody is asked to prepare
+        out = m.rebalance()
+        assert out.kind == "failed" and "not every expert server is ready" in out.error
+        assert ("prepare", 2) not in gpu.calls and cluster.placement.generation == 1
+        cpu.up = True
+        cluster.ensure_ready(5.0)
+        cpu.fail.add("prepare")  # up, but cannot load: the prepared gpu0 is aborted
+        out = m.rebalance()
+        assert out.kind == "failed" and "cannot load" in out.error
+        assert gpu.calls[-2:] == [("prepare", 2), ("abort", 2)] and gpu.generation == 1
+        assert cluster.placement.generation == 1 and m.counters.failed == 2
+    finally:
+        cluster.close()
+
+
+def test_a_blocked_cluster_keeps_its_placement():
+    target = FakeTarget()
+    m, rec = manager(target, interval=0)
+    m.blocked = lambda: "MoE LoRA adapters ['a'] are loaded"
+    skewed_steps(rec, 4)
+    out = m.rebalance()
+    assert out.kind == "skipped" and "LoRA" in out.error and target.calls == []
+    assert m.rebalance(dry_run=True).kind == "dry-run"  # planning is still allowed
+    assert m.set_placement(target.live).kind == "failed" and target.live.generation == 1
+    m.blocked = None
+    assert m.rebalance().kind == "rebalanced"

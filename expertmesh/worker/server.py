@@ -59,7 +59,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     reader = CheckpointReader(config.model_dir)
     cfg = reader.config
     capacity = config.capacity or cfg.num_experts
-    slots = SlotTable(reader, config.torch_dtype, torch.device(config.device), capacity)
+    slots = SlotTable(reader, config.torch_dtype, torch.device(config.device), capacity, backend.pack_weights)
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
         kind=config.kind,
