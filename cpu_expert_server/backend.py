@@ -20,8 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from cpu_expert_server import kernels
-from cpu_expert_server.packing import WEIGHT_DTYPES, PackedFormat, dequantize_rows, pack, split_gate_up
+from cpu_expert_server.packing import (
+    WEIGHT_DTYPES,
+    PackedFormat,
+    dequantize_rows,
+    pack,
+    split_gate_up,
+    unpack,
+)
 from expertmesh.experts import ExpertBackend
+from expertmesh.lora.moe import moe_lora_reference
 
 log = logging.getLogger("expertmesh.cpu_backend")
 
@@ -69,11 +77,16 @@ class CpuExpertBackend(ExpertBackend):
         self.fmt = fmt
         return pack(w13.contiguous(), w2.contiguous(), fmt)
 
-    def forward(self, x, w13, w2, slot_ids, weights):
+    def forward(self, x, w13, w2, slot_ids, weights, lora=None):
         t, h = x.shape
         if t == 0 or w13.shape[0] == 0 or self.fmt is None:
             return torch.zeros_like(x)
         fmt = self.fmt
+        if lora is not None:
+            # NOTE: MoE LoRA runs the torch reference on the unpacked (dequantised) layer: correct,
+            # not fast; a fused LoRA path in the kernel is future work
+            base13, base2 = unpack(w13, w2, fmt, x.dtype)
+            return moe_lora_reference(x, base13, base2, slot_ids, weights, lora.weights, lora.token_adapter)
         assert h == fmt.hidden, f"{h=} {fmt=}"
         wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
         pairs = slot_ids.numel()

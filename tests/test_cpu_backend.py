@@ -16,8 +16,9 @@ import torch
 
 from cpu_expert_server import kernels
 from cpu_expert_server.backend import CpuExpertBackend, make_backend
-from cpu_expert_server.packing import QMAX, PackedFormat, dequantize_rows, interleave, quantize_rows
+from cpu_expert_server.packing import QMAX, PackedFormat, dequantize_rows, interleave, quantize_rows, unpack
 from expertmesh.experts import torch_moe
+from expertmesh.lora.moe import LoRABatch, MoELoRAWeights, moe_lora_reference
 
 S, H, I, K = 6, 96, 64, 3  # noqa: E741 (the shape legend of expertmesh.experts)
 
@@ -134,3 +135,23 @@ def test_missing_compiler_falls_back_with_a_logged_reason(monkeypatch, tmp_path,
         )
         < 1e-5
     )
+
+
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
+def test_moe_lora_matches_reference_on_dequantised_weights(wdtype):
+    x, w13, w2, slot_ids, weights = inputs(5, torch.float32, seed=11)
+    g = torch.Generator().manual_seed(12)
+    lora = MoELoRAWeights(
+        torch.randn(2, S, 4, H, generator=g) / 8,  # a13 [L, S, R13, H]
+        torch.randn(2, S, 2 * I, 4, generator=g) / 8,  # b13 [L, S, 2I, R13]
+        torch.randn(2, S, 4, I, generator=g) / 8,  # a2 [L, S, R2, I]
+        torch.randn(2, S, H, 4, generator=g) / 8,  # b2 [L, S, H, R2]
+    )
+    token_adapter = torch.tensor([0, -1, 1, 1, 0])  # [T]
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=32)
+    p13, p2 = b.pack_weights(w13, w2)
+    out = b.forward(x, p13, p2, slot_ids, weights, LoRABatch(lora, token_adapter))
+    base13, base2 = unpack(p13, p2, b.fmt, torch.float32) if b.fmt is not None else (w13, w2)
+    ref = moe_lora_reference(x, base13, base2, slot_ids, weights, lora, token_adapter)
+    assert rel(out, ref) < 1e-5, rel(out, ref)
+    assert rel(out, b.forward(x, p13, p2, slot_ids, weights)) > 1e-3  # the adapters did something
