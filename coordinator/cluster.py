@@ -43,6 +43,7 @@ from expertmesh.worker_api import WorkerInfo
 log = logging.getLogger("expertmesh.cluster")
 
 RECONNECT_WAIT_S = 5.0  # at most this long (or the expert timeout) a step waits for a reconnect
+BETWEEN_STEPS_WAIT_S = 60.0  # a commit phase waits this long for the scheduler to reach a gap
 POLL_S = 0.5  # the maintenance thread looks at every server this often
 
 
@@ -117,12 +118,19 @@ class ExpertCluster:
             full = next(i for i, s in enumerate(config.servers) if s.kind == "gpu")
         self._full_server = full
         self.tables = pl.server_tables(initial_placement(model_config, config), full)
-        self._placed = False  # the first placement is committed on every server
+        self._placed = False  # our placement generation is committed on every server
+        self._serving = False  # a placement was committed once: steps may run from now on
+        # how the commit phase of a broadcast reaches a point between two steps once serving
+        # (coordinator/server.py sets Scheduler.call_between_steps); None: commit at once
+        self.between_steps: Callable[[Callable[[], None]], Future] | None = None
         self._cond = threading.Condition()
         self._kicked = False
         self._stop = False
         self._thread: threading.Thread | None = None
         self._connect_timeout_s = 10.0
+        # run after each member's PREPARE with (member, its new slot table, timeout): state that
+        # must travel with a placement (MoE LoRA adapters of the experts it will hold) goes here
+        self.prepare_hooks: list[Callable[[int, dict[int, list[int]], float], None]] = []
 
     # ------------------------------------------------------------ reading
 
@@ -197,32 +205,52 @@ class ExpertCluster:
             self._kicked = True
             self._cond.notify_all()
 
-    def ensure_ready(self, wait_s: float) -> None:
-        """Before a step: returns once every server is READY with a live stream, waiting at
-        most ``wait_s`` for the maintenance thread; else raises (UNAVAILABLE, or the
-        incompatibility that keeps a server out)."""
+    def down(self) -> frozenset[int]:
+        """Servers a step cannot use now (not READY, or their stream died)."""
+        return frozenset(i for i, m in enumerate(self.members) if not self._usable(m))
+
+    def covered(self) -> bool:
+        """Whether every expert of every layer has a replica on a usable server."""
+        down = self.down()
+        return not down or not pl.uncovered(self.tables.placement.tables, down)
+
+    def ensure_ready(self, wait_s: float) -> frozenset[int]:
+        """Before a step: returns the servers the step must route around (empty when all are
+        up). A down server whose experts all have live replicas elsewhere is routed around at
+        once; otherwise this waits at most ``wait_s`` for the maintenance thread, then raises
+        (UNAVAILABLE naming the experts without a live server, or the incompatibility that
+        keeps a server out)."""
         if all(self._usable(m) for m in self.members):  # the common case: no lock
-            return
+            return frozenset()
         self.start()
         deadline = time.monotonic() + wait_s
         with self._cond:
             self._kicked = True
             self._cond.notify_all()
             while True:
-                bad = [m for m in self.members if not self._usable(m)]
-                if not bad:
-                    return
+                down = self.down()
+                lost = pl.uncovered(self.tables.placement.tables, down) if down else {}
+                if not lost:
+                    return down
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 # NOTE: a dead stream is not signalled through the condition: poll it too
                 self._cond.wait(min(left, 0.05))
+        bad = [self.members[i] for i in sorted(down)]
+        for m in bad:
+            if m.error is not None and isinstance(m.error.error, errors.Incompatible):
+                raise m.error
         m = bad[0]
-        if m.error is not None and isinstance(m.error.error, errors.Incompatible):
-            raise m.error
         name = f"expert server {m.conn.spec.name} ({m.conn.spec.address})"
         why = m.last_error or ("connecting" if m.state is ServerState.CONNECTING else "stream closed")
-        raise ExpertServerError.of(errors.Unavailable(f"{name} is not ready: {why}"))
+        layer, experts = next(iter(sorted(lost.items())))
+        more = f" (and {len(lost) - 1} more layers)" if len(lost) > 1 else ""
+        raise ExpertServerError.of(
+            errors.Unavailable(
+                f"{name} is not ready: {why}; no live server holds layer {layer} experts {experts}{more}"
+            )
+        )
 
     # ------------------------------------------------------------ bring-up
 
@@ -245,30 +273,45 @@ class ExpertCluster:
         self._thread.start()
 
     def _connect_all(self, deadline: float) -> None:
+        """Numbers a placement above every server's and pushes it to all (two phases): the
+        first bring-up, and the renumbering after a server was found holding a newer one."""
         infos = [self._guard(i, lambda c: _describe_until(c, deadline)) for i, c in enumerate(self.conns)]
+        for i, info in enumerate(infos):
+            if info.generation >= pl.MAX_GENERATION:
+                err = ExpertServerError.of(
+                    errors.Incompatible(
+                        f"{self.conns[i].spec.name} holds placement generation {info.generation}, at or above "
+                        f"the largest allowed ({pl.MAX_GENERATION}): it was pushed a bogus placement; restart it"
+                    )
+                )
+                self._set(i, ServerState.UNAVAILABLE, err)
+                raise err
         # NOTE: a new coordinator's placement must be newer than whatever the servers hold
         # (they may have served an earlier coordinator), so numbering continues from theirs.
         gen = max([self.placement.generation - 1, *(i.generation for i in infos)]) + 1
-        with self._cond:
-            self.tables = pl.server_tables(self.placement.with_generation(gen), self._full_server)
-        tables = self.tables
+        tables = pl.server_tables(self.placement.with_generation(gen), self._full_server)
 
         def left() -> float:
             return max(1.0, deadline - time.monotonic())
+
+        def swap() -> None:
+            with self._cond:
+                self.tables = tables
 
         failed = self.two_phase(
             prepare=lambda i: self._prepare_member(i, tables, deadline),
             commit=lambda i: self._guard(i, lambda c: c.commit(gen, left())),
             abort=lambda i: self.conns[i].abort(gen, left()),
+            swap=swap,
         )
         if failed:
-            err = self.members[failed[0]].error
-            assert err is not None
-            raise err
+            first = self.members[failed[0]].error
+            assert first is not None
+            raise first
         for i in range(len(self.members)):
             self._guard(i, lambda c: c.open_stream())
             self._set(i, ServerState.READY)
-        self._placed = True
+        self._placed = self._serving = True
 
     def _prepare_member(self, i: int, tables: pl.ServerTables, deadline: float) -> bool:
         """Describe, check, choose the data path, wait for health, and prepare the placement
@@ -279,9 +322,25 @@ class ExpertCluster:
         self._guard(i, lambda c: c.wait_serving(deadline))
         if info.generation == tables.generation:
             return False
+        if info.generation > tables.generation and self._placed:
+            # NOTE: someone else (another coordinator, a third party) committed a newer
+            # generation there: ours can no longer be pushed, so all servers are renumbered
+            self._placed = False
+            self._kick()
+            raise ExpertServerError.of(
+                errors.StaleGeneration(
+                    f"{self.conns[i].spec.name} holds placement generation {info.generation}, newer than "
+                    f"ours ({tables.generation}): renumbering the placement on every server"
+                )
+            )
         left = max(1.0, deadline - time.monotonic())
         self._guard(i, lambda c: c.prepare(tables.generation, tables.slots[i], left))
+        self._guard(i, lambda c: self._after_prepare(i, tables.slots[i], left))
         return True
+
+    def _after_prepare(self, i: int, table: dict[int, list[int]], timeout: float) -> None:
+        for hook in self.prepare_hooks:
+            hook(i, table, timeout)
 
     def _bring_back(self, i: int, deadline: float) -> None:
         """Reconnects one server: the live placement prepared and committed if it lacks it."""
@@ -339,6 +398,14 @@ class ExpertCluster:
                     log.warning("expert servers not ready: %s", e)
                 last = str(e)
                 time.sleep(0.2)  # a server that refuses at once is not hammered
+            except Exception as e:  # noqa: BLE001 - the thread's boundary: it must outlive any bug
+                log.exception("expert-cluster maintenance round failed")
+                last = f"{type(e).__name__}: {e}"
+                with self._cond:
+                    for m in self.members:
+                        if m.state is not ServerState.READY:
+                            m.last_error = f"internal error while reconnecting: {last}"
+                time.sleep(0.5)
 
     def _reconnect_s(self) -> float:
         return min(RECONNECT_WAIT_S, self.config.timeout_s)
@@ -351,10 +418,14 @@ class ExpertCluster:
         commit: Callable[[int], object],
         abort: Callable[[int], object],
         members: Sequence[int] | None = None,
+        swap: Callable[[], object] | None = None,
+        between_steps: Callable[[Callable[[], None]], Future] | None = None,
     ) -> list[int]:
         """Prepare on every member (all or nothing: a failure aborts the prepared ones and
-        raises), then commit on every member. A member whose commit fails is marked down (its
-        reconnection re-pushes what is live) and returned; the others are committed."""
+        raises), then ``swap`` (what the coordinator itself switches to) and commit on every
+        member, between two steps once the cluster serves (:attr:`between_steps`). A member
+        whose commit fails is marked down (its reconnection re-pushes what is live) and
+        returned; the others are committed."""
         idx = list(range(len(self.members)) if members is None else members)
         prepared: list[int] = []
         try:
@@ -366,64 +437,74 @@ class ExpertCluster:
                 with contextlib.suppress(ExpertServerError):
                     abort(i)
             raise
-        failed = []
-        for i in idx:
-            try:
-                commit(i)
-            except ExpertServerError as e:
-                self.mark_down(i, e)
-                failed.append(i)
+        failed: list[int] = []
+
+        def commit_all() -> None:
+            if swap is not None:
+                swap()
+            for i in idx:
+                try:
+                    commit(i)
+                except ExpertServerError as e:
+                    self.mark_down(i, e)
+                    failed.append(i)
+
+        self._run_between_steps(commit_all, between_steps)
         return failed
+
+    def _run_between_steps(
+        self, fn: Callable[[], None], hook: Callable[[Callable[[], None]], Future] | None = None
+    ) -> None:
+        """Runs ``fn`` between two steps through ``hook`` (default :attr:`between_steps`), or at
+        once before the first placement is live (no step runs yet) or without a hook."""
+        if hook is None:
+            hook = self.between_steps if self._serving else None
+        if hook is None:
+            fn()
+            return
+        hook(fn).result(timeout=BETWEEN_STEPS_WAIT_S)
 
     def update_placement(
         self,
         new: pl.Placement,
         timeout_s: float,
-        between_steps: Callable[[Callable[[], object]], Future] | None = None,
+        between_steps: Callable[[Callable[[], None]], Future] | None = None,
     ) -> list[int]:
-        """Pushes ``new`` (a newer generation, same servers) to every server: prepare on all
-        here (loads weights; serving goes on), then the commit phase and the swap of
-        :attr:`tables` run through ``between_steps`` (e.g. ``Scheduler.call_between_steps``)
-        so that no step sees two generations. Returns the servers whose commit failed."""
+        """Pushes ``new`` (a newer generation, same servers) to every ready server: prepare on
+        all on the caller's thread (loads weights; serving goes on), then the swap of
+        :attr:`tables` and the commits together, between two steps (:attr:`between_steps`) so
+        that no step sees two generations (``between_steps`` overrides the cluster's hook). Call
+        it off the scheduler thread. Returns the
+        servers whose commit failed; a server that was down gets the new generation when it
+        comes back."""
         if new.generation <= self.placement.generation or new.servers != self.placement.servers:
             raise ValueError(
                 f"placement generation {new.generation} over servers {new.servers} cannot replace "
                 f"generation {self.placement.generation} over {self.placement.servers}"
             )
         new.validate()
-        tables = pl.server_tables(new, self._full_server)
+        tables = pl.server_tables(new.with_generation(new.generation), self._full_server)
         gen = tables.generation
         for i, c in enumerate(self.conns):
-            info = c.info
-            if info is not None:
-                self._check(c, info, tables.slots_needed(i))
-        failed: list[int] = []
-        ready = [i for i, m in enumerate(self.members) if m.state is ServerState.READY]
+            if c.info is not None:
+                self._check(c, c.info, tables.slots_needed(i))
 
-        def commit_all() -> None:
+        def swap() -> None:
             with self._cond:
                 self.tables = tables
-            failed.extend(
-                self.two_phase(
-                    prepare=lambda i: None,  # already prepared
-                    commit=lambda i: self.conns[i].commit(gen, timeout_s),
-                    abort=lambda i: None,
-                    members=ready,
-                )
-            )
 
-        self.two_phase(
-            prepare=lambda i: self.conns[i].prepare(gen, tables.slots[i], timeout_s),
-            commit=lambda i: None,
+        def prepare(i: int) -> None:
+            self.conns[i].prepare(gen, tables.slots[i], timeout_s)
+            self._after_prepare(i, tables.slots[i], timeout_s)  # e.g. LoRA of moved experts
+
+        return self.two_phase(
+            prepare=prepare,
+            commit=lambda i: self.conns[i].commit(gen, timeout_s),
             abort=lambda i: self.conns[i].abort(gen, timeout_s),
-            members=ready,
+            members=[i for i, m in enumerate(self.members) if m.state is ServerState.READY],
+            swap=swap,
+            between_steps=between_steps,
         )
-        if between_steps is None:
-            commit_all()
-        else:
-            between_steps(commit_all).result()
-        # NOTE: a server that was down meanwhile gets the new generation when it comes back
-        return failed
 
     def close(self) -> None:
         with self._cond:

@@ -4,8 +4,10 @@ frozen ``ClusterConfig`` (and its command-line flags)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
+from expertmesh import auth
 from expertmesh.transport import negotiate
 
 REPLICA_POLICIES = ("static", "round_robin", "load_aware")
@@ -34,6 +36,7 @@ class ClusterConfig:
     max_message_mb: int = 256
     shm_ring_mb: float = 64  # per server stream; a payload that does not fit goes over gRPC
     shm_spin_us: float = 300.0  # poll for a fast-path answer this long before sleeping
+    cluster_token: str | None = field(default=None, repr=False)  # sent with placement pushes
 
     def __post_init__(self) -> None:
         if self.replica_policy not in REPLICA_POLICIES:
@@ -79,25 +82,25 @@ class ClusterConfig:
         )
         g.add_argument(
             "--replica-policy",
-            default="static",
+            default=ClusterConfig.replica_policy,
             choices=list(REPLICA_POLICIES),
             help="which replica of an expert gets a token: the first, in turn, or the least loaded server's",
         )
         g.add_argument(
             "--gpu-prefill-token-threshold",
             type=int,
-            default=0,
+            default=ClusterConfig.gpu_prefill_token_threshold,
             help="steps with >= T tokens run all experts on the GPU server",
         )
         g.add_argument(
             "--expert-timeout",
             type=float,
-            default=30.0,
+            default=ClusterConfig.timeout_s,
             help="seconds before an expert server is declared failed",
         )
         g.add_argument(
             "--transport",
-            default="auto",
+            default=ClusterConfig.transport,
             choices=list(negotiate.CHOICES),
             help="data path to the expert servers: auto = the fastest both sides offer; shm / cuda_ipc = "
             "require shared memory / CUDA IPC (same host / same GPU); grpc = plain gRPC",
@@ -105,7 +108,7 @@ class ClusterConfig:
         g.add_argument(
             "--shm-ring-mb",
             type=float,
-            default=64,
+            default=ClusterConfig.shm_ring_mb,
             help="shared-memory ring per expert server; larger payloads go over gRPC",
         )
         g.add_argument(
@@ -113,6 +116,11 @@ class ClusterConfig:
             type=float,
             default=300.0,
             help="fast paths: poll this long for an answer before sleeping (0 = always sleep)",
+        )
+        g.add_argument(
+            "--cluster-token",
+            default=None,
+            help=f"secret the expert servers require for placement pushes (or env {auth.CLUSTER_TOKEN_ENV})",
         )
 
     @classmethod
@@ -129,4 +137,5 @@ class ClusterConfig:
             transport=args.transport,
             shm_ring_mb=args.shm_ring_mb,
             shm_spin_us=args.shm_spin_us,
+            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
         )

@@ -5,7 +5,7 @@ asserts). The command line becomes one in coordinator/main.py only; the expert t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,8 @@ class CoordinatorConfig:
 
     lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these
     max_loras: int = 4  # MoE LoRA adapters loaded at once
+    # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -28,7 +28,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.cluster_config import ClusterConfig, ServerSpec
-from expertmesh import errors, status, wire
+from expertmesh import auth, errors, status, wire
 from expertmesh.net import grpc_options
 from expertmesh.transport import negotiate
 from expertmesh.transport.client import Reply, ShmClient
@@ -68,7 +68,9 @@ class _Stream:
     fast: ShmClient | None = None  # the stream's shared-memory channel, if it has one
 
 
-class _GrpcReply:
+class GrpcReply:
+    """An answer due on the gRPC stream."""
+
     def __init__(self, fut: Future) -> None:
         self.fut = fut
         self.compute_ms: float | None = None  # the server's own compute time (EPLB speeds)
@@ -85,7 +87,9 @@ class _GrpcReply:
         pass
 
 
-class _FastReply:
+class FastReply:
+    """An answer due on the stream's fast path (its output is a view into the ring)."""
+
     def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply) -> None:
         self.conn, self.st, self.reply = conn, st, reply
 
@@ -109,7 +113,7 @@ class _FastReply:
         self.reply.abandon()
 
 
-Reply_ = _GrpcReply | _FastReply  # what submit() returns: result(timeout) -> [T_s, H]
+ExpertReply = GrpcReply | FastReply  # what submit() returns: result(timeout) -> [T_s, H]
 
 
 class ServerConnection:
@@ -199,20 +203,24 @@ class ServerConnection:
         """MoE LoRA: the server keeps adapter ``name`` (its experts' part) as ``adapter_slot``."""
         req = pb.LoadAdapterRequest(name=name, adapter_slot=adapter_slot, tensors=tensors, scaling=1.0)
         try:
-            self.stub.LoadAdapter(req, timeout=timeout)
+            self.stub.LoadAdapter(req, timeout=timeout, metadata=auth.metadata(self.cluster.cluster_token))
         except grpc.RpcError as e:
             raise _status_error(self.spec, e) from None
 
     def unload_adapter(self, name: str, timeout: float) -> None:
         try:
-            self.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout)
+            self.stub.UnloadAdapter(
+                pb.UnloadAdapterRequest(name=name),
+                timeout=timeout,
+                metadata=auth.metadata(self.cluster.cluster_token),
+            )
         except grpc.RpcError as e:
             raise _status_error(self.spec, e) from None
 
     def _apply(self, phase: int, generation: int, timeout: float, layers: list | None = None) -> None:
         req = pb.ApplyPlacementRequest(phase=phase, generation=generation, layers=layers or [])  # type: ignore[arg-type]
         try:
-            self.stub.ApplyPlacement(req, timeout=timeout)
+            self.stub.ApplyPlacement(req, timeout=timeout, metadata=auth.metadata(self.cluster.cluster_token))
         except grpc.RpcError as e:
             raise _status_error(self.spec, e) from None
 
@@ -301,6 +309,9 @@ class ServerConnection:
             if first:  # NOTE: the first error says why; the cancellation that follows does not
                 st.dead = err
             pending, st.pending = st.pending, {}
+        # NOTE: ends the request iterator: gRPC's thread that consumes it would otherwise wait
+        # on this dead stream's queue forever (one leaked thread per lost server)
+        st.requests.put(None)
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(st.dead)
@@ -352,7 +363,7 @@ class ServerConnection:
         """The sequence number for the next request to this server (seq 0 is the handshake)."""
         return next(self._seq)
 
-    def submit(self, req: ExpertRequest) -> Reply_:
+    def submit(self, req: ExpertRequest) -> ExpertReply:
         """Sends one layer's request over the live stream (fast path if it has room); the
         reply's ``result`` is ``[T_s, H]``. No stream: the reply fails at once (the cluster
         reconnects; the step path never does)."""
@@ -362,14 +373,14 @@ class ServerConnection:
             fut.set_exception(
                 ExpertServerError.of(errors.Unavailable(f"{self.describe_self()}: no open stream"))
             )
-            return _GrpcReply(fut)
+            return GrpcReply(fut)
         dtype = self.dtype or req.hidden.dtype
         if st.fast is not None and st.dead is None:
             r = st.fast.send(req, dtype)
             if r is not None:
-                return _FastReply(self, st, r)
+                return FastReply(self, st, r)
             self.fast_fallbacks += 1
-        return _GrpcReply(self._send(st, wire.encode_request(req, dtype)))
+        return GrpcReply(self._send(st, wire.encode_request(req, dtype)))
 
     def _send(self, st: _Stream, msg: pb.ForwardRequest) -> Future:
         fut: Future = Future()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -18,15 +19,17 @@ from collections.abc import Coroutine
 import torch
 
 from coordinator.cluster_config import ClusterConfig
-from coordinator.coordinator_config import CoordinatorConfig, parse_size
+from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
 from coordinator.eplb.plan import EplbConfig
+from expertmesh import auth
 
-DEFAULT_PORT = 50051
+C = CoordinatorConfig  # NOTE: the defaults live in the config dataclass, read here once
+DEFAULT_PORT = C.port
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    p.add_argument("--host", default=C.host, help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = a free port (printed)")
     p.add_argument(
         "--http-port",
@@ -34,21 +37,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve the OpenAI-compatible HTTP API, /health and /metrics on this port (0 = a free one)",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="device of attention, router and KV cache (cpu, cuda)")
+    p.add_argument("--dtype", default=C.dtype, choices=list(DTYPES))
+    p.add_argument("--device", default=C.device, help="device of attention, router and KV cache (cpu, cuda)")
     g = p.add_argument_group("scheduling and KV cache")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
-    g.add_argument("--kv-memory", default="256MiB", help="KV cache budget, e.g. 512MiB, 4GiB")
-    g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per forward step")
-    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--page-size", type=int, default=C.page_size, help="tokens per KV cache page")
     g.add_argument(
-        "--max-context", type=int, default=None, help="default: the model's, capped by the KV cache"
+        "--kv-memory", default=f"{C.kv_memory_bytes >> 20}MiB", help="KV cache budget, e.g. 512MiB, 4GiB"
     )
-    g.add_argument("--default-max-new-tokens", type=int, default=64)
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--max-message-mb", type=int, default=64)
+    g.add_argument("--max-batch-tokens", type=int, default=C.max_batch_tokens, help="tokens per forward step")
+    g.add_argument("--max-running-requests", type=int, default=C.max_running)
     g.add_argument(
-        "--connect-timeout", type=float, default=10.0, help="seconds per expert-server connect attempt"
+        "--max-context", type=int, default=C.max_context, help="default: the model's, capped by the KV cache"
+    )
+    g.add_argument("--default-max-new-tokens", type=int, default=C.default_max_new_tokens)
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--max-message-mb", type=int, default=C.max_message_mb)
+    g.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=C.connect_timeout_s,
+        help="seconds per expert-server connect attempt",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"secret every Admin call must carry (or env {auth.ADMIN_TOKEN_ENV}); "
+        "without one, Admin answers loopback peers only",
     )
     ClusterConfig.add_arguments(p)
     EplbConfig.add_arguments(p)
@@ -80,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         eplb=EplbConfig.from_args(args),
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras,
+        admin_token=args.admin_token or os.environ.get(auth.ADMIN_TOKEN_ENV) or None,
     )
 
 
@@ -96,6 +111,13 @@ async def serve(config: CoordinatorConfig) -> int:
     if server.http is not None:
         print(
             f"OpenAI-compatible HTTP API and /metrics on http://{config.host}:{server.http.port}", flush=True
+        )
+    if not config.admin_token and auth.binds_beyond_loopback(config.host):
+        logging.getLogger("expertmesh.coordinator").warning(
+            "listening on %s without an admin token: Admin answers loopback peers only "
+            "(set --admin-token or %s to manage it remotely)",
+            config.host,
+            auth.ADMIN_TOKEN_ENV,
         )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -25,13 +25,15 @@ import torch
 from coordinator.cluster import RECONNECT_WAIT_S, ExpertCluster
 from coordinator.cluster_config import ClusterConfig, ServerSpec
 from coordinator.dispatch import Dispatcher, Pending
-from coordinator.expert_conn import ExpertServerError, Reply_, ServerConnection
+from coordinator.expert_conn import ExpertReply, ExpertServerError, FastReply, ServerConnection
 from expertmesh import errors
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
 from expertmesh.worker_api import ExpertRequest
 
 __all__ = ["ClusterConfig", "ExpertServerError", "RemoteDispatcher", "ServerConnection", "ServerSpec"]
+
+_FastReply = FastReply  # the name tests/test_transport_gpu.py patches (same class object)
 
 
 class RemoteDispatcher(Dispatcher):
@@ -48,6 +50,8 @@ class RemoteDispatcher(Dispatcher):
         self.cfg, self.cluster, self.dtype, self.device = model_config, cluster, dtype, torch.device(device)
         self.expert_cluster = expert_cluster or ExpertCluster(model_config, cluster, self.device)
         self._step: pl.ServerTables | None = None  # the placement this step routes with
+        self._live: dict[int, pl.LayerTables] = {}  # layer -> tables without the down servers
+        self._live_key: tuple[int, frozenset[int]] | None = None
         self._rr_offset = 0
         self._all_on_gpu = False
         self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
@@ -81,32 +85,34 @@ class RemoteDispatcher(Dispatcher):
     # ------------------------------------------------------------ hot path
 
     def begin_step(self, num_tokens: int) -> None:
-        t = self.cluster.gpu_prefill_token_threshold
-        self._all_on_gpu = bool(t) and num_tokens >= t
-        self.expert_cluster.ensure_ready(min(RECONNECT_WAIT_S, self.cluster.timeout_s))
+        down = self.expert_cluster.ensure_ready(min(RECONNECT_WAIT_S, self.cluster.timeout_s))
         # NOTE: a step never mixes placement generations: it keeps the tables it starts with
-        self._step = self.expert_cluster.tables
+        tables = self._step = self.expert_cluster.tables
+        if (tables.generation, down) != self._live_key:  # servers to route around changed
+            self._live_key = (tables.generation, down)
+            self._live = {layer: pl.live_tables(lt, down) for layer, lt in tables.placement.tables.items()}
+        t = self.cluster.gpu_prefill_token_threshold
+        self._all_on_gpu = bool(t) and num_tokens >= t and tables.full_server not in down
 
-    def _batches(
+    def _route(
         self, tables: pl.ServerTables, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> list[pl.ServerBatch]:
+    ) -> tuple[list[pl.ServerBatch], torch.Tensor | None]:
+        """The per-server batches, and the physical slot of each (token, k) ``[T, K]`` (None on
+        the full-server path: every pair went there)."""
         if self._all_on_gpu:
-            return [pl.all_on_server(tables, layer, topk_ids, topk_weights)]
-        lt = tables.placement.tables[layer]
+            return [pl.all_on_server(tables, layer, topk_ids, topk_weights)], None
+        # the layer's replicas on live servers (all of them unless a server is routed around)
+        lt = self._live.get(layer) if tables is self._step else None
+        lt = lt if lt is not None else tables.placement.tables[layer]
         phys = pl.choose_replicas(topk_ids, lt, self.cluster.replica_policy, self._rr_offset)  # [T, K]
         self._rr_offset += topk_ids.numel()
-        return pl.split_by_server(phys, topk_weights, lt, len(tables.slots))
+        return pl.split_by_server(phys, topk_weights, lt, len(tables.slots)), phys
 
-    def submit(self, layer, x, topk_ids, topk_weights, adapter_slots: torch.Tensor | None = None):
-        """``adapter_slots [T]`` int32 (MoE LoRA, -1 = none) travels with each server's rows."""
-        tables = self._step or self.expert_cluster.tables
-        batches = self._batches(tables, layer, topk_ids.cpu(), topk_weights.cpu())
-        # NOTE: CPU servers first: they are the slowest, so their work starts earliest.
+    def _send(
+        self, tables: pl.ServerTables, layer: int, x: torch.Tensor, batches: list[pl.ServerBatch], adapters
+    ) -> list[tuple[pl.ServerBatch, ExpertReply]]:
         conns = self.conns
-        batches.sort(key=lambda b: conns[b.server].spec.kind != "cpu")
-        t0 = time.perf_counter()
-        adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
-        sent: list[tuple[pl.ServerBatch, Reply_]] = []
+        sent = []
         for b in batches:
             conn = conns[b.server]
             a = None if adapters is None else adapters[b.rows]  # [T_s]
@@ -114,17 +120,43 @@ class RemoteDispatcher(Dispatcher):
                 conn.next_seq(), tables.generation, layer, x, b.slot_ids, b.weights, a, b.rows
             )
             sent.append((b, conn.submit(req)))
+        return sent
+
+    def submit(self, layer, x, topk_ids, topk_weights, adapter_slots: torch.Tensor | None = None):
+        """``adapter_slots [T]`` int32 (MoE LoRA, -1 = none) travels with each server's rows."""
+        tables = self._step or self.expert_cluster.tables
+        ids, w = topk_ids.cpu(), topk_weights.cpu()
+        batches, phys = self._route(tables, layer, ids, w)
+        # NOTE: CPU servers first: they are the slowest, so their work starts earliest.
+        conns = self.conns
+        batches.sort(key=lambda b: conns[b.server].spec.kind != "cpu")
+        adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
+        t0 = time.perf_counter()
+        sent = self._send(tables, layer, x, batches, adapters)
 
         def wait() -> torch.Tensor:
             out = torch.zeros_like(x)  # [T, H]
-            deadline = time.monotonic() + self.cluster.timeout_s
-            done = 0
+            first = time.monotonic() + self.cluster.timeout_s
+            todo = [(b, reply, first) for b, reply in sent]
+            i = 0
             try:
-                for b, reply in sent:
-                    part = self._collect(b, reply, layer, x.shape[1], deadline)  # [T_s, H]
+                while i < len(todo):
+                    b, reply, deadline = todo[i]
+                    i += 1
+                    try:
+                        part = self._collect(b, reply, layer, x.shape[1], deadline)  # [T_s, H]
+                    except ExpertServerError as e:
+                        reply.abandon()
+                        if not isinstance(e.error, (errors.Unavailable, errors.DeadlineExceeded)):
+                            raise  # a refused request is not a server failure
+                        # NOTE: the lost server's share of this layer goes to live replicas;
+                        # nothing it computed is summed (it answered nothing)
+                        again = time.monotonic() + self.cluster.timeout_s
+                        resent = self._resend(tables, layer, x, ids, w, phys, b.server, e, adapters)
+                        todo += [(b2, r2, again) for b2, r2 in resent]
+                        continue
                     if self.on_round_trip is not None:
                         self.on_round_trip(conns[b.server].spec.name, time.perf_counter() - t0)
-
                     ms = getattr(reply, "compute_ms", None)
                     if ms is not None and self.server_time_hook is not None:
                         self.server_time_hook(b.server, layer, ms, int((b.slot_ids >= 0).sum()))
@@ -134,18 +166,48 @@ class RemoteDispatcher(Dispatcher):
                     else:
                         out.index_add_(0, b.rows.to(x.device), part)
                     reply.release()
-                    done += 1
             finally:
                 # NOTE: answers still due are freed when they arrive, never before: the server
                 # may be writing them into the ring right now.
-                for _, reply in sent[done:]:
+                for _, reply, _ in todo[i:]:
                     reply.abandon()
             return out
 
         return Pending(wait)
 
+    def _resend(
+        self,
+        tables: pl.ServerTables,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,  # [T, K] logical
+        w: torch.Tensor,  # [T, K]
+        phys: torch.Tensor | None,  # [T, K] physical slots of the first send (None: full server)
+        lost: int,
+        err: ExpertServerError,
+        adapters: torch.Tensor | None,
+    ) -> list[tuple[pl.ServerBatch, ExpertReply]]:
+        """Re-sends the (token, k) pairs that went to server ``lost`` to live replicas of the
+        same experts; raises (naming the experts and the server) when some have none."""
+        lt = tables.placement.tables[layer]
+        down = self.expert_cluster.down() | {lost}
+        live = pl.live_tables(lt, down)
+        pairs = torch.ones_like(ids, dtype=torch.bool) if phys is None else lt.owner[phys] == lost  # [T, K]
+        need = ids[pairs].unique().tolist()
+        missing = [e for e in need if int(live.logcnt[e]) == 0]
+        if missing:
+            raise ExpertServerError.of(
+                type(err.error)(f"{err}; layer {layer} experts {missing} have no live replica")
+            ) from None
+        ids2 = torch.where(pairs, ids, need[0])  # [T, K] other pairs: any live expert (masked below)
+        phys2 = pl.choose_replicas(ids2, live, self.cluster.replica_policy, self._rr_offset)  # [T, K]
+        self._rr_offset += ids.numel()
+        return self._send(
+            tables, layer, x, pl.split_by_server(phys2, w, live, len(tables.slots), pairs), adapters
+        )
+
     def _collect(
-        self, b: pl.ServerBatch, reply: Reply_, layer: int, hidden: int, deadline: float
+        self, b: pl.ServerBatch, reply: ExpertReply, layer: int, hidden: int, deadline: float
     ) -> torch.Tensor:
         conn = self.conns[b.server]
         try:

@@ -43,8 +43,10 @@ from coordinator.requests import InvalidRequest, RequestLimits, parse_request
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
 from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
+from expertmesh import auth, status
 from expertmesh import placement as pl
 from expertmesh.checkpoint import CheckpointReader
+from expertmesh.errors import ExpertMeshError
 from expertmesh.net import grpc_options
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -123,10 +125,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """Admin: with an admin token every call must carry it; without one, loopback peers only."""
+
     def __init__(self, coord: CoordinatorServer) -> None:
         self.coord = coord
 
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        token = self.coord.config.admin_token
+        try:
+            if token:
+                auth.check_token(token, context.invocation_metadata(), "Admin")
+            else:
+                auth.check_local(context.peer(), "Admin")
+        except ExpertMeshError as e:
+            await context.abort(status.grpc_code(e), e.message)
+
     async def ListServers(self, request, context) -> admin_pb2.ListServersResponse:
+        await self._authorize(context)
         cluster = self.coord.cluster
         infos = cluster.server_infos() if cluster is not None else []
         fields = set(admin_pb2.ServerInfo.DESCRIPTOR.fields_by_name)
@@ -137,6 +152,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return resp
 
     async def GetPlacement(self, request, context) -> admin_pb2.PlacementInfo:
+        await self._authorize(context)
         cluster = self.coord.cluster
         if cluster is None:
             return admin_pb2.PlacementInfo()
@@ -153,6 +169,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )
 
     async def GetExpertLoad(self, request, context) -> admin_pb2.ExpertLoad:
+        await self._authorize(context)
         snap = await asyncio.to_thread(self.coord.load.snapshot)
         cluster = self.coord.cluster
         return eplb_admin.load_pb(snap, cluster.placement if cluster is not None else None)
@@ -168,6 +185,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return m
 
     async def Rebalance(self, request, context) -> admin_pb2.RebalanceResponse:
+        await self._authorize(context)
         try:
             out = await asyncio.to_thread(self._eplb().rebalance, request.dry_run)
         except (_AdminError, RebalanceError) as e:
@@ -175,6 +193,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.RebalanceResponse(outcome=eplb_admin.outcome_pb(out))
 
     async def SetPlacement(self, request, context) -> admin_pb2.SetPlacementResponse:
+        await self._authorize(context)
         try:
             m = self._eplb()
             live = m.target.live_placement()
@@ -192,6 +211,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.SetPlacementResponse(generation=out.generation)
 
     async def GetEplbStatus(self, request, context) -> admin_pb2.EplbStatus:
+        await self._authorize(context)
         try:
             m = self._eplb()
         except _AdminError as e:
@@ -202,6 +222,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     # ------------------------------------------------------------------ MoE LoRA
 
     async def LoadLoRA(self, request, context) -> admin_pb2.LoRAInfo:
+        await self._authorize(context)
         service = self.coord.lora
         try:
             adapter = await asyncio.to_thread(service.load, request.name, request.path)
@@ -210,6 +231,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return _lora_info(adapter, service.manager.slot_of[adapter.name])
 
     async def UnloadLoRA(self, request, context) -> admin_pb2.UnloadLoRAResponse:
+        await self._authorize(context)
         try:
             await asyncio.to_thread(self.coord.lora.unload, request.name)
         except _LORA_ERRORS as e:
@@ -217,6 +239,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.UnloadLoRAResponse()
 
     async def ListLoRA(self, request, context) -> admin_pb2.ListLoRAResponse:
+        await self._authorize(context)
         service = self.coord.lora
         return admin_pb2.ListLoRAResponse(
             adapters=[_lora_info(a, service.manager.slot_of[a.name]) for a in service.list()],
@@ -336,7 +359,8 @@ class CoordinatorServer(grpc.aio.Server):
         reconnects them)."""
         cluster.start(self.config.connect_timeout_s)
         while True:
-            ready = cluster.ready()
+            # NOTE: serving while every expert has a live server (a down replica is routed around)
+            ready = cluster.covered()
             if ready != self.experts_ready:
                 log.info("expert servers %s", "ready" if ready else f"not ready: {self.expert_state()}")
             self.experts_ready = ready
@@ -375,7 +399,7 @@ class CoordinatorServer(grpc.aio.Server):
             await self.http.stop()
         await self.server.stop(grace)
         await asyncio.to_thread(self.scheduler.stop)
-        self.dispatcher.close()
+        await asyncio.to_thread(self.dispatcher.close)  # joins the cluster's thread
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
         return await self.server.wait_for_termination(timeout)
@@ -420,6 +444,8 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         engine.after_step = eplb.on_step
         assert isinstance(dispatcher, RemoteDispatcher)
         dispatcher.server_time_hook = load.record_server_time
+    if cluster is not None:  # placement commits (and renumbering) land between two steps
+        cluster.between_steps = scheduler.call_between_steps
     log.info(
         "KV cache: %d pages of %d tokens (%d tokens), max context %d, tokenizer %s",
         spec.num_pages,

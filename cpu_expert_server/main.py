@@ -1,4 +1,4 @@
-"""``expertmesh cpu-server``: experts in host memory, computed with torch on the CPU."""
+"""``expertmesh cpu-server``: experts in host memory, computed by the CPU backend (backend.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 
 import torch
 
-from expertmesh.experts import TorchExpertBackend
+from cpu_expert_server.backend import make_backend
+from cpu_expert_server.packing import WEIGHT_DTYPES
 from expertmesh.worker.server import WorkerConfig, serve
 
 DEFAULT_PORT = 50061
@@ -15,6 +16,13 @@ DEFAULT_PORT = 50061
 def add_arguments(p: argparse.ArgumentParser) -> None:
     WorkerConfig.add_arguments(p, DEFAULT_PORT)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--weight-dtype",
+        choices=WEIGHT_DTYPES,
+        default="bfloat16",
+        help="expert weights in memory: bfloat16 = unquantised (kept at --dtype); int8/int4 = "
+        "quantised at load with group-wise scales (fewer bytes per token, changes results slightly)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -24,4 +32,4 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    return serve(config_from_args(args), TorchExpertBackend())
+    return serve(config_from_args(args), make_backend(args.threads, args.weight_dtype))

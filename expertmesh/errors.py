@@ -13,7 +13,8 @@ from typing import ClassVar
 
 # google.rpc.Code numbers (the same values grpc.StatusCode carries)
 OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED = 0, 1, 2, 3, 4
-FAILED_PRECONDITION, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 9, 12, 13, 14
+PERMISSION_DENIED, FAILED_PRECONDITION, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 7, 9, 12, 13, 14
+UNAUTHENTICATED = 16
 
 
 class ExpertMeshError(Exception):
@@ -64,6 +65,18 @@ class Unimplemented(ExpertMeshError):
     status = UNIMPLEMENTED
 
 
+class Unauthenticated(ExpertMeshError):
+    """A control call without the right token."""
+
+    status = UNAUTHENTICATED
+
+
+class PermissionDenied(ExpertMeshError):
+    """A caller this service does not answer (e.g. Admin from a non-loopback peer, no token set)."""
+
+    status = PERMISSION_DENIED
+
+
 class Internal(ExpertMeshError):
     """A bug or a corrupted answer: never the caller's fault."""
 
@@ -78,6 +91,8 @@ _BY_STATUS: dict[int, type[ExpertMeshError]] = {
     Cancelled.status: Cancelled,
     Unimplemented.status: Unimplemented,
     Internal.status: Internal,
+    Unauthenticated.status: Unauthenticated,
+    PermissionDenied.status: PermissionDenied,
 }
 
 

@@ -25,6 +25,14 @@ class ExpertBackend(ABC):
 
     name: str = "abstract"
 
+    def pack_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[S, 2I, H], [S, H, I] -> what ``forward`` takes as w13, w2 (called at load, not per step).
+
+        A backend with its own layout (interleaved, quantised) packs here; its packed tensors keep
+        the slot as dim 0 so a slot table can index and stack them. Default: unchanged.
+        """
+        return w13, w2
+
     @abstractmethod
     def forward(
         self,

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
-_HTTP = re.compile(r"HTTP API and /metrics on http://\S+:(\d+)")  # the coordinator's (issue 16)
+# issue 16: the coordinator's HTTP port and the expert servers' metrics ports
+_HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on http://\S+:(\d+)")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -58,7 +59,7 @@ class Child:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     port: int | None = None
     listening: threading.Event = field(default_factory=threading.Event)
-    http_port: int | None = None
+    http_port: int | None = None  # the coordinator's HTTP API; an expert server's /metrics
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -124,7 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--http-port",
         type=int,
         default=0,
-        help="coordinator's OpenAI-compatible HTTP API and /metrics (default 0: a free port, printed; -1: off)",
+        help="coordinator's OpenAI-compatible HTTP API and /metrics (default 0: a free port, printed; -1: "
+        "off); the expert servers then serve /metrics on free ports too",
     )
     p.add_argument(
         "--transport", default="auto", help="coordinator <-> expert server data path (auto, grpc, shm, ...)"
@@ -160,6 +162,8 @@ def resolve_model(args: argparse.Namespace) -> Path:
 def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> tuple[Child, Child, list[str]]:
     cli = [sys.executable, "-m", "expertmesh.cli"]
     common = ["--model", str(model), "--dtype", args.dtype, "--port", "0"]
+    if args.http_port >= 0:  # with the coordinator's HTTP on, the servers' metrics too (free ports)
+        common += ["--metrics-port", "0"]
     gpu_cmd = [*cli, "gpu-server", *common] + (["--device", args.device] if args.device else [])
     cpu_cmd = [*cli, "cpu-server", *common] + (["--threads", str(args.threads)] if args.threads else [])
     n = num_experts // 2 if args.num_gpu_experts is None else args.num_gpu_experts
@@ -254,6 +258,9 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
             file=sys.stderr,
             flush=True,
         )
+        servers = ", ".join(f"http://127.0.0.1:{c.http_port}/metrics" for c in (gpu, cpu) if c.http_port)
+        if servers:
+            print(f"  expert servers' Prometheus metrics {servers}", file=sys.stderr, flush=True)
     if args.prompt is not None:
         return _complete(addr, args.prompt, args.max_new_tokens)
     while not stop.wait(0.5):

@@ -28,6 +28,10 @@ import torch
 
 from expertmesh.replica import choose_load_aware
 
+# NOTE: generations travel as uint64 but are counted in Python ints, SQL, JSON...: both sides
+# refuse anything above this, so "newest + 1" never overflows and a bogus push cannot wedge a cluster.
+MAX_GENERATION = 2**53 - 1
+
 
 class PlacementError(ValueError):
     pass
@@ -89,6 +93,8 @@ class Placement:
         return {layer: lp.server_experts(server) for layer, lp in self.layers.items()}
 
     def with_generation(self, generation: int) -> Placement:
+        if not 0 < generation <= MAX_GENERATION:
+            raise PlacementError(f"placement generation {generation} outside [1, {MAX_GENERATION}]")
         return Placement(generation, self.servers, self.num_experts, self.layers)
 
     @cached_property
@@ -253,6 +259,7 @@ def split_by_server(
     weights: torch.Tensor,  # [T, K]
     tables: LayerTables,
     num_servers: int,
+    pairs: torch.Tensor | None = None,  # [T, K] bool: only these (token, k) pairs (a re-send)
 ) -> list[ServerBatch]:
     """Per server: the rows with at least one slot on it, other slots masked as -1."""
     owner = tables.owner[phys]  # [T, K]
@@ -260,6 +267,8 @@ def split_by_server(
     out = []
     for s in range(num_servers):
         mine = owner == s  # [T, K]
+        if pairs is not None:
+            mine &= pairs
         rows = mine.any(dim=1).nonzero().flatten()
         if rows.numel() == 0:
             continue
@@ -316,3 +325,31 @@ def all_on_server(
     rows = torch.arange(topk_ids.shape[0])  # [T]
     slots = tables.full_slots[layer][topk_ids].to(torch.int32)  # [T, K]
     return ServerBatch(tables.full_server, rows, slots, topk_weights.float())
+
+
+# ---------------------------------------------------------------- routing around down servers
+
+
+def live_tables(t: LayerTables, down: frozenset[int]) -> LayerTables:
+    """``t`` without the slots of the servers in ``down``: each expert's live replicas first in
+    ``log2phy [E, R]`` (-1 padded), ``logcnt [E]`` counts only them (0 = no live replica)."""
+    if not down:
+        return t
+    rows = []
+    for phys in t.log2phy.tolist():  # [E][R]
+        live = [p for p in phys if p >= 0 and int(t.owner[p]) not in down]
+        rows.append(live)
+    width = max(1, max(len(r) for r in rows))
+    log2phy = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
+    logcnt = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    return LayerTables(log2phy, logcnt, t.owner, t.local_slot)
+
+
+def uncovered(tables: dict[int, LayerTables], down: frozenset[int]) -> dict[int, list[int]]:
+    """Per layer, the experts whose every replica lives on a server in ``down`` (empty: none)."""
+    out = {}
+    for layer, t in tables.items():
+        lost = [e for e, c in enumerate(live_tables(t, down).logcnt.tolist()) if c == 0]
+        if lost:
+            out[layer] = lost
+    return out

@@ -251,10 +251,89 @@ def test_update_placement_prepares_off_step_and_swaps_between_steps():
             f.set_result(fn())
             return f
 
-        assert c.update_placement(new, 1.0, between_steps) == []
+        c.between_steps = between_steps
+        assert c.update_placement(new, 1.0) == []
         assert swaps == [old.generation] and c.tables.generation == new.generation
         assert gpu.table[0] == [3, 0] and cpu.table[0] == [1, 2] and gpu.generation == new.generation
         with pytest.raises(ValueError, match="cannot replace"):
             c.update_placement(new, 1.0)  # not newer
+    finally:
+        c.close()
+
+
+def test_a_bogus_server_generation_is_refused_not_overflowed():
+    # anyone who reaches a server could once commit generation 2**64 - 1 there; "newest + 1"
+    # then overflowed uint64 and killed the reconnecting thread for good
+    c, _ = make(FakeServer(), FakeServer(generation=2**64 - 1))
+    try:
+        with pytest.raises(ExpertServerError) as ei:
+            c.connect(5)
+        assert isinstance(ei.value.error, errors.Incompatible) and "bogus placement" in str(ei.value)
+        c.start(connect_timeout_s=0.2)  # the thread keeps trying (and logging), it does not die
+        time.sleep(0.5)
+        assert c._thread is not None and c._thread.is_alive() and not c.ready()
+    finally:
+        c.close()
+    with pytest.raises(pl.PlacementError, match="outside"):
+        c.placement.with_generation(2**64)
+
+
+def test_a_newer_generation_committed_by_someone_else_is_renumbered_over():
+    gpu, cpu = FakeServer(), FakeServer()
+    c, conns = make(gpu, cpu)
+    try:
+        c.connect(5)
+        live = c.placement.generation
+        # a third party commits generation live + 1 with another table on cpu0; our next
+        # request there is refused as stale and ends the stream
+        cpu.generation, cpu.table = live + 1, {0: [0], 1: [0]}
+        conns[1].stream = False
+        c.ensure_ready(5)
+        assert c.placement.generation == live + 2 and gpu.generation == cpu.generation == live + 2
+        assert cpu.table == {0: [2, 3], 1: [2, 3]} and c.ready()
+    finally:
+        c.close()
+
+
+def test_the_maintenance_thread_survives_a_bug_in_a_round():
+    gpu, cpu = FakeServer(), FakeServer()
+    c, conns = make(gpu, cpu)
+    boom = {"left": 2}
+    describe = conns[1].describe
+
+    def flaky(timeout: float) -> WorkerInfo:
+        if boom["left"]:
+            boom["left"] -= 1
+            raise RuntimeError("a bug")
+        return describe(timeout)
+
+    try:
+        c.connect(5)
+        conns[1].describe = flaky  # type: ignore[method-assign]
+        conns[1].die()
+        cpu.up = True
+        c.ensure_ready(5)
+        assert boom["left"] == 0 and c.ready()
+    finally:
+        c.close()
+
+
+def test_a_down_server_whose_experts_have_live_replicas_is_routed_around_at_once():
+    gpu, cpu = FakeServer(), FakeServer()
+    file_placement = {0: {"gpu0": [0, 1, 2, 3], "cpu0": [2, 3]}, 1: {"gpu0": [0, 1, 2, 3], "cpu0": [2, 3]}}
+    c, conns = make(gpu, cpu)
+    c.tables = pl.server_tables(pl.from_server_lists(1, ("gpu0", "cpu0"), 4, file_placement))
+    try:
+        c.connect(5)
+        conns[1].die()  # cpu0's experts 2, 3 are on gpu0 too
+        t0 = time.monotonic()
+        assert c.ensure_ready(5) == frozenset({1}) and time.monotonic() - t0 < 0.5
+        assert c.covered() and not c.ready()
+        conns[0].die()  # now nothing holds anything
+        cpu.up = False
+        with pytest.raises(ExpertServerError) as ei:
+            c.ensure_ready(0.2)
+        assert "no live server holds layer 0 experts [0, 1, 2, 3] (and 1 more layers)" in str(ei.value)
+        assert not c.covered()
     finally:
         c.close()

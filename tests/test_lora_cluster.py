@@ -10,6 +10,7 @@ that server."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 
 import grpc
@@ -101,7 +102,42 @@ def test_hot_loaded_adapter_matches_peft_beside_base(lora_cluster, capsys):
     for i in range(len(PROMPTS)):
         _check(results[2 * i], base_refs[i])
         _check(results[2 * i + 1], lora_refs[i])
+    ids = ",".join(map(str, PROMPTS[2]))
+    argv = [
+        "generate",
+        "--addr",
+        s.addr,
+        "--input-ids",
+        ids,
+        "--max-new-tokens",
+        "4",
+        "--json",
+        "--ignore-eos",
+        "--lora",
+        "a",
+    ]
+    assert cli(argv) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == lora_refs[2][0][:4]
     assert base_refs[0][0] != lora_refs[0][0] or base_refs[2][0] != lora_refs[2][0]
+
+
+def test_adapter_follows_a_placement_change(lora_cluster):
+    """Experts moved and replicated across servers by a new placement keep the adapter's LoRA:
+    each server gets the LoRA of its new experts in the same PREPARE."""
+    from expertmesh import placement as pl
+
+    _, s, base_refs, lora_refs, _ = lora_cluster
+    cluster = s.server.cluster
+    old = cluster.placement
+    # the GPU server takes 4..7 and a replica of 0; the CPU server 0..3 (it had 3..7)
+    lists = {"gpu0": [4, 5, 6, 7, 0], "cpu0": [0, 1, 2, 3]}
+    new = pl.from_server_lists(old.generation + 1, old.servers, 8, {layer: lists for layer in (0, 1, 2)})
+    assert cluster.update_placement(new, 10.0, s.scheduler.call_between_steps) == []
+    with Client(s.addr) as c:
+        kw = dict(max_new_tokens=STEPS, logprobs=True, ignore_eos=True)
+        for i, p in enumerate(PROMPTS):
+            _check(c.generate(input_ids=p, lora="a", **kw), lora_refs[i])
+            _check(c.generate(input_ids=p, **kw), base_refs[i])
 
 
 def test_bad_loads_get_clear_statuses(lora_cluster, tmp_path):

@@ -134,3 +134,25 @@ def test_placement_file_default_override_and_round_trip(tmp_path):
         pl.load_file(f, [1], 8, ("gpu0", "cpu0"))
     with pytest.raises(pl.PlacementError, match="differ from the configured"):
         pl.load_file(f, [1, 5], 8, ("gpu0", "cpu1"))
+
+
+def test_live_tables_route_around_down_servers():
+    t = replicated().tables[0]  # experts 0, 1 on both servers; 2, 3 only on cpu0
+    live = pl.live_tables(t, frozenset({1}))  # cpu0 down
+    assert live.log2phy.tolist() == [[0], [1], [-1], [-1]] and live.logcnt.tolist() == [1, 1, 0, 0]
+    live = pl.live_tables(t, frozenset({0}))  # gpu0 down: the CPU replicas move first
+    assert live.log2phy.tolist() == [[2], [5], [3], [4]] and live.logcnt.tolist() == [1, 1, 1, 1]
+    ids = torch.tensor([[0, 1], [1, 3]])
+    for policy in ("static", "round_robin"):
+        assert pl.choose_replicas(ids, live, policy, 3).tolist() == [[2, 5], [5, 4]]
+    assert pl.live_tables(t, frozenset()) is t
+    assert pl.uncovered({0: t}, frozenset({0})) == {}
+    assert pl.uncovered({0: t, 3: t}, frozenset({1})) == {0: [2, 3], 3: [2, 3]}
+
+
+def test_split_by_server_only_the_given_pairs():
+    t = replicated().tables[0]
+    w = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+    pairs = torch.tensor([[False, True], [False, False]])  # re-send only (token 0, k 1)
+    (b,) = pl.split_by_server(torch.tensor([[0, 4], [1, 3]]), w, t, 2, pairs)
+    assert (b.server, b.rows.tolist(), b.slot_ids.tolist()) == (1, [0], [[-1, 2]])

@@ -89,6 +89,9 @@ def test_capacity_and_unknown_layers_are_invalid():
     with pytest.raises(SlotError, match=r"layers \[1\] are not MoE layers"):
         t.prepare(1, {1: [0]})
     assert issubclass(SlotError, errors.InvalidRequest) and issubclass(SlotError, ValueError)
+    # a bogus generation is refused before it can become live (the coordinator adds 1 to it)
+    with pytest.raises(SlotError, match="above the largest allowed"):
+        t.prepare(2**64 - 1, {0: [0]})
     assert t.live.generation == 0
 
 

@@ -12,8 +12,9 @@ Unload: the name stops being usable at once (new requests naming it are refused)
 waits for the running requests that use it to finish (``unload_timeout_s``), then removes it
 from the coordinator (between steps) and from every server.
 
-NOTE: an expert server that reconnects or an expert moved by a later placement change does not
-get the adapter re-pushed yet: the push covers the placement live at load time.
+Placement changes and returning servers: the cluster calls :meth:`LoRAService.on_prepare` after
+each server's PREPARE, which pushes every loaded adapter for the experts of the new slot table
+and of the live one (both generations stay covered until the commit).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class LoRAService:
         self.timeout_s, self.unload_timeout_s = timeout_s, unload_timeout_s
         self.usable: set[str] = set()  # names requests may use (all servers acknowledged)
         self._lock = threading.Lock()  # one load/unload at a time
+        if cluster is not None:
+            cluster.prepare_hooks.append(self.on_prepare)
 
     # ---------------------------------------------------------------- load
 
@@ -91,12 +94,20 @@ class LoRAService:
             self.usable.add(name)
             return adapter
 
-    def _payload(self, adapter: LoRAAdapter, server: int) -> dict:
+    def on_prepare(self, server: int, table: dict[int, list[int]], timeout: float) -> None:
+        """A placement PREPARE (or a returning server): push every loaded adapter's LoRA of the
+        experts in ``table`` and in the live table (ExpertServerError propagates: the PREPARE fails)."""
+        adapters = {n: (a, self.manager.slot_of[n]) for n, a in list(self.manager.adapters.items())}
+        conn = self.cluster.conns[server]  # type: ignore[union-attr]
+        for name, (adapter, slot) in adapters.items():
+            conn.load_adapter(slot, name, self._payload(adapter, server, table), timeout)
+
+    def _payload(self, adapter: LoRAAdapter, server: int, extra: dict[int, list[int]] | None = None) -> dict:
         assert self.cluster is not None
         table = self.cluster.tables.slots[server]  # layer -> logical expert per local slot
         layers = {}
         for layer, lora in adapter.experts.items():
-            held = sorted(set(table.get(layer, ())) - {-1})
+            held = sorted((set(table.get(layer, ())) | set((extra or {}).get(layer, ()))) - {-1})
             if held:
                 layers[layer] = LayerAdapter(tuple(held), lora.select(held))
         return encode_adapter(layers, self.manager.dtype)

@@ -5,11 +5,12 @@ entry points only add their own flags and defaults)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
-from expertmesh import wire
+from expertmesh import auth, wire
 from expertmesh.transport import segment
 
 KINDS = ("gpu", "cpu")
@@ -32,6 +33,8 @@ class WorkerConfig:
     metrics_port: int | None = None  # issue 16: Prometheus /metrics here (0 = a free one); None = off
 
     max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
+    # control RPCs (ApplyPlacement, LoadAdapter, UnloadAdapter) need it when set (expertmesh/auth.py)
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -69,15 +72,20 @@ class WorkerConfig:
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
+        """The flags of this config (called by the expert servers' entry points only)."""
         p.add_argument("--model", required=True, help="HF checkpoint directory (shared with the coordinator)")
-        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--host", default=WorkerConfig.host)
         p.add_argument("--port", type=int, default=default_port, help="0 = a free port (printed)")
-        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-        p.add_argument("--experts", default="all", help="experts to preload per layer: all | none | 0-15,32")
+        p.add_argument("--dtype", default=WorkerConfig.dtype, choices=list(DTYPES))
+        p.add_argument(
+            "--experts",
+            default=WorkerConfig.experts,
+            help="experts to preload per layer: all | none | 0-15,32",
+        )
         p.add_argument(
             "--capacity", type=int, default=None, help="local slots per layer (default: expert count)"
         )
-        p.add_argument("--max-message-mb", type=int, default=256)
+        p.add_argument("--max-message-mb", type=int, default=WorkerConfig.max_message_mb)
         p.add_argument(
             "--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0 = a free port)"
         )
@@ -98,6 +106,11 @@ class WorkerConfig:
             default=4,
             help="MoE LoRA adapters resident at once (least recently used evicted, reloaded on demand)",
         )
+        p.add_argument(
+            "--cluster-token",
+            default=None,
+            help=f"secret the coordinator must send with placement/adapter pushes (or env {auth.CLUSTER_TOKEN_ENV})",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, kind: str, device: str) -> WorkerConfig:
@@ -116,4 +129,5 @@ class WorkerConfig:
             shm_spin_us=args.shm_spin_us,
             metrics_port=args.metrics_port,
             max_loras=args.max_loras,
+            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
         )

@@ -59,7 +59,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     reader = CheckpointReader(config.model_dir)
     cfg = reader.config
     capacity = config.capacity or cfg.num_experts
-    slots = SlotTable(reader, config.torch_dtype, torch.device(config.device), capacity)
+    slots = SlotTable(reader, config.torch_dtype, torch.device(config.device), capacity, backend.pack_weights)
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
         kind=config.kind,
@@ -72,7 +72,16 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     if config.fast_paths:
         for name in segment.sweep():
             log.info("removed %s from %s (its creator is gone)", name, segment.SHM_DIR)
-    servicer = ExpertWorkerServicer(slots, backend, identity, config.shm_spin_us, config.max_loras)
+    servicer = ExpertWorkerServicer(
+        slots, backend, identity, config.shm_spin_us, config.max_loras, config.cluster_token
+    )
+    if not config.cluster_token:
+        log.warning(
+            "no cluster token: any client that reaches %s:%d can push this server a placement "
+            "(start it with --cluster-token or EXPERTMESH_CLUSTER_TOKEN, the coordinator too)",
+            config.host,
+            config.port,
+        )
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
     expert_worker_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

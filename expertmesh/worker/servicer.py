@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from expertmesh import status, wire
+from expertmesh import auth, status, wire
 from expertmesh.errors import ExpertMeshError, InvalidRequest
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora.wire import decode_adapter
@@ -48,9 +48,11 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         identity: WorkerIdentity,
         shm_spin_us: float = 300.0,
         max_loras: int = 4,
+        cluster_token: str | None = None,
     ) -> None:
         self.worker = ExpertWorker(slots, backend, identity, max_loras)
         self.shm_spin_us = shm_spin_us
+        self.cluster_token = cluster_token  # None: control RPCs are open (a warning at start)
         # NOTE: one compute thread for gRPC requests and commits (the core's lock orders them
         # with the fast-path channel threads); one loader thread for placement prepares.
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
@@ -119,6 +121,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         loop = asyncio.get_running_loop()
         phase, gen = request.phase, request.generation
         try:
+            auth.check_token(self.cluster_token, context.invocation_metadata(), "ApplyPlacement")
             if phase == pb.ApplyPlacementRequest.PREPARE:
                 table = {ls.layer: list(ls.experts) for ls in request.layers}
                 read = await loop.run_in_executor(self._loader, self.worker.prepare, gen, table)
@@ -134,6 +137,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         return pb.ApplyPlacementResponse(generation=self.worker.generation)
 
     async def LoadAdapter(self, request, context):
+        await self._control(context, "LoadAdapter")
         w = self.worker
         cfg = w.cfg
         try:
@@ -151,9 +155,17 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         return pb.LoadAdapterResponse()
 
     async def UnloadAdapter(self, request, context):
+        await self._control(context, "UnloadAdapter")
         # NOTE: idempotent (unknown names are a no-op), so a rollback may unload everywhere
         self.worker.unload_adapter(request.name)
         return pb.UnloadAdapterResponse()
+
+    async def _control(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        """Aborts a control RPC that lacks the cluster token (when this server has one)."""
+        try:
+            auth.check_token(self.cluster_token, context.invocation_metadata(), what)
+        except ExpertMeshError as e:
+            await _abort(context, e)
 
     async def Stats(self, request, context):
         w = self.worker

@@ -13,12 +13,14 @@ Shapes: S local slots of a layer, H hidden, I expert intermediate size.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.errors import InvalidRequest, StaleGeneration
+from expertmesh.placement import MAX_GENERATION
 
 
 class SlotError(InvalidRequest, ValueError):
@@ -28,8 +30,8 @@ class SlotError(InvalidRequest, ValueError):
 @dataclass(frozen=True)
 class LayerSlots:
     experts: tuple[int, ...]  # [S] logical expert of each local slot
-    w13: torch.Tensor  # [S, 2I, H]
-    w2: torch.Tensor  # [S, H, I]
+    w13: torch.Tensor  # [S, 2I, H], or the backend's packed layout (slot still dim 0)
+    w2: torch.Tensor  # [S, H, I], or packed
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,17 @@ def parse_expert_spec(spec: str, num_experts: int) -> list[int]:
 
 class SlotTable:
     def __init__(
-        self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device, capacity: int
+        self,
+        reader: CheckpointReader,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int,
+        pack: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.reader, self.dtype, self.device, self.capacity = reader, dtype, device, capacity
+        # ExpertBackend.pack_weights: applied once per expert as it is read, so reuse and stacking
+        # work on packed tensors
+        self.pack = pack or (lambda w13, w2: (w13, w2))
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
         self._staged: SlotSet | None = None
@@ -70,7 +80,10 @@ class SlotTable:
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         dt, dev = self.dtype, self.device
         return LayerSlots(
-            (), torch.empty(0, 2 * i, h, dtype=dt, device=dev), torch.empty(0, h, i, dtype=dt, device=dev)
+            (),
+            *self.pack(
+                torch.empty(0, 2 * i, h, dtype=dt, device=dev), torch.empty(0, h, i, dtype=dt, device=dev)
+            ),
         )
 
     def _build(self, layer: int, experts: list[int], reuse: LayerSlots | None) -> tuple[LayerSlots, int]:
@@ -87,8 +100,11 @@ class SlotTable:
                 w2.append(reuse.w2[have[e]])  # type: ignore[union-attr]
                 continue
             w = self.reader.expert_weights(layer, e)
-            w13.append(w.w13.to(self.device, self.dtype))
-            w2.append(w.w2.to(self.device, self.dtype))
+            p13, p2 = self.pack(
+                w.w13.to(self.device, self.dtype)[None], w.w2.to(self.device, self.dtype)[None]
+            )
+            w13.append(p13[0])
+            w2.append(p2[0])
             read += 1
         if not experts:
             return self._empty(), 0
@@ -104,6 +120,10 @@ class SlotTable:
         return read
 
     def prepare(self, generation: int, table: dict[int, list[int]]) -> int:
+        if generation > MAX_GENERATION:
+            raise SlotError(
+                f"placement generation {generation} is above the largest allowed, {MAX_GENERATION}"
+            )
         if generation <= self.live.generation:
             raise StaleGeneration(
                 f"generation {generation} is not newer than the live {self.live.generation}"

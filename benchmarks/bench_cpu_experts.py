@@ -1,0 +1,188 @@
+"""Per-layer routed-expert time on the CPU: the CPU backend (bf16/int8/int4) vs the torch reference.
+
+One MoE layer with every expert resident (so the weights dwarf the L3), fresh random top-k
+routing per repetition (so the active experts are not cache-warm), real model widths, random
+weights. Alongside: the host's measured DRAM bandwidth (threaded torch copy and read of 1 GiB)
+and GEMM peak (a large torch matmul), torch's own decode-shaped GEMV per expert in bf16 and
+fp32, and the CPU's ISA flags.
+
+    python benchmarks/bench_cpu_experts.py --threads 16 --out results.json
+
+Columns: ms = per-layer expert time; GB/s = bytes of the active experts' weights (in the format
+used) per second; %BW = that over the measured read bandwidth; TFLOP/s = 2*T*K*3*H*I / time;
+tok/s = T / time; "/kernel" and "/gemm" rows force one of the backend's two paths; rel err = ||out - ref|| / ||ref|| against the torch
+reference on the bf16 weights (for int8/int4 this is the quantisation error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cpu_expert_server.backend import GEMV_MAX_TOKENS, CpuExpertBackend
+from expertmesh.experts import TorchExpertBackend
+
+MODELS = {  # name: (H, I, experts, top-k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v2-lite": (2048, 1408, 64, 6),
+}
+
+
+def timeit(fn: Callable[[int], object], reps: int, budget_s: float = 2.0) -> float:
+    """Median seconds of ``fn(rep)`` over up to ``reps`` calls (fewer when past ``budget_s``)."""
+    fn(0)
+    times: list[float] = []
+    start = time.perf_counter()
+    for r in range(reps):
+        t0 = time.perf_counter()
+        fn(r + 1)
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s and len(times) >= 3:
+            break
+    return sorted(times)[len(times) // 2]
+
+
+def host_info() -> dict:
+    flags: set[str] = set()
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+        if line.startswith("model name") and not model:
+            model = line.split(":", 1)[1].strip()
+    isa = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "avx_vnni"))
+    return {"cpu": model, "threads": torch.get_num_threads(), "isa": isa, "torch": torch.__version__}
+
+
+def dram_bandwidth() -> dict:
+    a = torch.ones(2**28)  # 1 GiB of fp32: far past any L3
+    b = torch.empty_like(a)
+    copy = timeit(lambda _: b.copy_(a), 10)
+    read = timeit(lambda _: a.sum(), 10)
+    nbytes = a.numel() * 4
+    return {"copy_GBps": 2 * nbytes / copy / 1e9, "read_GBps": nbytes / read / 1e9}
+
+
+def gemm_peak() -> dict:
+    out = {}
+    for dt in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(2048, 2048).to(dt), torch.randn(2048, 2048).to(dt)
+        s = timeit(lambda _, a=a, b=b: a @ b, 5)
+        out[f"peak_{str(dt)[6:]}_TFLOPs"] = 2 * 2048**3 / s / 1e12
+    return out
+
+
+def torch_gemv(h: int, i: int, e: int, k: int) -> dict:
+    """torch's own per-expert decode GEMV [2I, H] @ x over K distinct experts, in GB/s."""
+    out = {}
+    for dt in (torch.bfloat16, torch.float32):
+        w = torch.randn(e, 2 * i, h).to(dt)
+        x = torch.randn(1, h).to(dt)
+        picks = [torch.randperm(e)[:k].tolist() for _ in range(64)]
+        s = timeit(lambda r, x=x, w=w, p=picks: [F.linear(x, w[j]) for j in p[r % 64]], 30)
+        out[f"gemv_{str(dt)[6:]}_GBps"] = k * w[0].numel() * w.element_size() / s / 1e9
+    return out
+
+
+def bench_model(
+    name: str, tokens: list[int], dtypes: list[str], threads: int, bw: float, reps: int
+) -> list[dict]:
+    h, i, e, k = MODELS[name]
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()  # [E, 2I, H]
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()  # [E, H, I]
+    backends = {"torch-ref": (TorchExpertBackend(), w13, w2)}
+    for wd in dtypes:
+        b = CpuExpertBackend(threads, wd)
+        backends[wd] = (b, *b.pack_weights(w13, w2))
+    rows = []
+    for t in tokens:
+        routes = [
+            (
+                torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]),
+                torch.rand(t, k, generator=g),
+            )
+            for _ in range(16)
+        ]
+        x = torch.randn(t, h, generator=g).bfloat16()
+        n_active = sum(len(torch.unique(r[0])) for r in routes) / len(routes)
+        ref = TorchExpertBackend().forward(x, w13, w2, *routes[0]).float()  # [T, H]
+        for label, (backend, a, b) in backends.items():
+            per_expert = (a[0].numel() * a.element_size() + b[0].numel() * b.element_size()) if len(a) else 0
+            # past decode sizes also time the two paths the backend chooses between
+            modes = [("", None)]
+            if t >= 64 and isinstance(backend, CpuExpertBackend):
+                modes += [("/kernel", 10**9), ("/gemm", 0)]
+            for suffix, limit in modes:
+                if isinstance(backend, CpuExpertBackend):
+                    backend.gemv_max_tokens = GEMV_MAX_TOKENS if limit is None else limit
+                err = ((backend.forward(x, a, b, *routes[0]).float() - ref).norm() / ref.norm()).item()
+                s = timeit(
+                    lambda r, f=backend.forward, a=a, b=b, x=x, rs=routes: f(x, a, b, *rs[r % 16]), reps
+                )
+                gbps = n_active * per_expert / s / 1e9
+                rows.append(
+                    {
+                        "model": name,
+                        "T": t,
+                        "weights": label + suffix,
+                        "ms": s * 1e3,
+                        "GBps": gbps,
+                        "pct_bw": 100 * gbps / bw,
+                        "TFLOPs": 2 * t * k * 3 * h * i / s / 1e12,
+                        "tok_s": t / s,
+                        "rel_err": err,
+                    }  # fmt: skip
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | T | weights | ms/layer | GB/s | %BW | TFLOP/s | tok/s | vs torch-ref | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ref = {(r["model"], r["T"]): r["ms"] for r in rows if r["weights"] == "torch-ref"}
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['T']} | {r['weights']} | {r['ms']:.2f} | {r['GBps']:.1f} | {r['pct_bw']:.0f}% "
+            f"| {r['TFLOPs']:.2f} | {r['tok_s']:.0f} | {ref[(r['model'], r['T'])] / r['ms']:.1f}x | {r['rel_err']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--tokens", default="1,4,16,64,512")
+    p.add_argument("--dtypes", default="bfloat16,int8,int4")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None, help="write all measurements as JSON here")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    info = host_info() | dram_bandwidth() | gemm_peak()
+    print(json.dumps(info), flush=True)
+    models = args.models.split(",")
+    info |= torch_gemv(*MODELS[models[0]])
+    print(json.dumps(info), flush=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = []
+    for m in models:
+        rows += bench_model(m, tokens, args.dtypes.split(","), threads, info["read_GBps"], args.reps)
+    print(table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"host": info, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

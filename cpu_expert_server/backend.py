@@ -1,0 +1,187 @@
+"""The CPU expert backend: packed (optionally int8/int4) experts, a C GEMV kernel for decode,
+torch GEMMs for prefill.
+
+Shapes: T tokens, K top-k, S local slots, H hidden, I intermediate.
+
+Decode is bandwidth-bound: one C call per layer streams each active expert's rows once
+(kernels/moe_gemv.c), so the bytes read per token shrink with int8/int4. The C path serves every
+call whose experts average at most ``gemv_max_tokens`` tokens each (T=64 over 128 experts is 4).
+Prefill is compute-bound: per active expert the rows are dequantised and multiplied with torch's
+GEMM (oneDNN/AMX in bf16 where the CPU has bf16 instructions, fp32 MKL elsewhere, because
+torch's bf16 GEMM without them is several times slower than converting first).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cpu_expert_server import kernels
+from cpu_expert_server.packing import WEIGHT_DTYPES, PackedFormat, dequantize_rows, pack, split_gate_up
+from expertmesh.experts import ExpertBackend
+from expertmesh.lora.moe import LoRABatch, MoELoRAWeights, moe_lora_reference
+
+log = logging.getLogger("expertmesh.cpu_backend")
+
+# mean tokens per active expert above which a blocked GEMM beats the kernel's per-row dots
+# (bench_cpu_experts.py measures both)
+GEMV_MAX_TOKENS = 16
+KERNEL_DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 3}
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """True when the CPU has bf16 dot-product instructions (oneDNN then beats fp32 GEMM)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+class CpuExpertBackend(ExpertBackend):
+    """Experts packed at load by :meth:`pack_weights`; ``forward`` takes only packed weights."""
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        threads: int | None = None,
+        weight_dtype: str = "bfloat16",
+        group: int | None = None,
+        gemv_max_tokens: int = GEMV_MAX_TOKENS,
+        use_kernel: bool = True,
+    ) -> None:
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        self.threads = threads or torch.get_num_threads()
+        self.weight_dtype, self.group, self.gemv_max_tokens = weight_dtype, group, gemv_max_tokens
+        self.lib = kernels.load() if use_kernel else None
+        self.gemm_dtype = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
+        self.fmt: PackedFormat | None = None  # fixed by the first pack: one model per server
+
+    def pack_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[S, 2I, H], [S, H, I] -> packed [S, 2I, row13], [S, H, row2] (see packing.py)."""
+        fmt = PackedFormat.for_shape(self.weight_dtype, w13.shape[2], w2.shape[2], self.group)
+        if self.fmt is not None and fmt != self.fmt:
+            raise ValueError(f"packed format changed from {self.fmt} to {fmt}")
+        self.fmt = fmt
+        return pack(w13.contiguous(), w2.contiguous(), fmt)
+
+    def forward(self, x, w13, w2, slot_ids, weights, lora=None):
+        t, h = x.shape
+        if t == 0 or w13.shape[0] == 0 or self.fmt is None:
+            return torch.zeros_like(x)
+        if lora is not None:
+            return self._with_lora(x, w13, w2, slot_ids, weights, lora)
+        fmt = self.fmt
+        assert h == fmt.hidden, f"{h=} {fmt=}"
+        wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
+        pairs = slot_ids.numel()
+        per_expert = pairs / max(1, min(w13.shape[0], pairs))  # a lower bound on the mean
+        if self.lib is not None and wcode is not None and per_expert <= self.gemv_max_tokens:
+            return self._decode(x, w13, w2, slot_ids, weights, wcode)
+        return self._by_expert(x, w13, w2, slot_ids, weights)
+
+    def _decode(self, x, w13, w2, slot_ids, weights, wcode: int) -> torch.Tensor:
+        fmt = self.fmt
+        assert fmt is not None and self.lib is not None
+        t, k = slot_ids.shape
+        x32 = x.to(torch.float32).contiguous()  # [T, H]
+        sid = slot_ids.to(torch.int64).contiguous()  # [T, K]
+        wts = weights.to(torch.float32).contiguous()  # [T, K]
+        act = torch.empty(t * k, fmt.inter)  # [T*K, I] scratch
+        out = torch.empty(t, fmt.hidden)  # [T, H] fp32
+        rc = self.lib.moe_decode(
+            x32.data_ptr(), sid.data_ptr(), wts.data_ptr(), t, k, w13.shape[0],
+            w13.data_ptr(), w13.stride(1) * w13.element_size(),
+            w2.data_ptr(), w2.stride(1) * w2.element_size(),
+            fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2,
+            act.data_ptr(), out.data_ptr(), self.threads,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
+        return out.to(x.dtype)
+
+    def _dense(self, rows: torch.Tensor, c: int, g: int, cd: torch.dtype) -> torch.Tensor:
+        """One expert's packed rows [R, row] -> [R, C] in the GEMM dtype ``cd``."""
+        fmt = self.fmt
+        assert fmt is not None
+        if not fmt.quantised:
+            return rows.to(cd)
+        if self.lib is None:
+            return dequantize_rows(rows, fmt.wdtype, c, g).to(cd)
+        out = torch.empty(rows.shape[0], c)
+        code = kernels.WDTYPE_CODE[fmt.wdtype]
+        self.lib.dequant_rows(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], c, code, g, out.data_ptr(), self.threads
+        )
+        return out.to(cd)
+
+    def _by_expert(self, x, w13, w2, slot_ids, weights) -> torch.Tensor:
+        """A GEMM pair per active expert (prefill; and decode where the kernel is unavailable)."""
+        fmt = self.fmt
+        assert fmt is not None
+        if ((slot_ids < -1) | (slot_ids >= w13.shape[0])).any():
+            raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
+        # an fp32 server stays fp32 end to end; bf16/fp16 ones run the GEMM in the fast dtype
+        cd = torch.float32 if x.dtype == torch.float32 else self.gemm_dtype
+        # one sort for the whole call: (token, k) pairs grouped by slot, k-major like the reference
+        flat = slot_ids.t().reshape(-1)  # [K*T]
+        order = torch.argsort(flat, stable=True)  # [K*T]
+        counts = torch.bincount(flat[order] + 1, minlength=w13.shape[0] + 1).tolist()  # slot -1 first
+        tok = order % x.shape[0]  # [K*T]
+        xs = x.to(cd)[tok]  # [K*T, H] rows grouped by slot
+        ys = torch.empty(xs.shape[0], fmt.hidden, dtype=cd)  # [K*T, H]
+        lo = counts[0]  # skip the pairs whose expert is elsewhere
+        for s, n in enumerate(counts[1:]):
+            if n == 0:
+                continue
+            gu = F.linear(
+                xs[lo : lo + n], self._dense(w13[s], fmt.hidden, fmt.g13, cd)
+            )  # [n, 2I] interleaved
+            gate, up = split_gate_up(gu, fmt.rb)
+            ys[lo : lo + n] = F.linear(F.silu(gate) * up, self._dense(w2[s], fmt.inter, fmt.g2, cd))
+            lo += n
+        w = weights.t().reshape(-1)[order[counts[0] :]].float()  # [pairs here]
+        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+        out.index_add_(0, tok[counts[0] :], ys[counts[0] :].float() * w[:, None])
+        return out.to(x.dtype)
+
+    def _with_lora(self, x, w13, w2, slot_ids, weights, lora: LoRABatch) -> torch.Tensor:
+        """MoE LoRA: the delta goes inside each expert (before the activation), which the packed
+        kernels do not do, so the active slots are unpacked and the batched reference runs on
+        them (and on the matching slices of the LoRA buffers)."""
+        fmt = self.fmt
+        assert fmt is not None
+        if ((slot_ids < -1) | (slot_ids >= w13.shape[0])).any():
+            raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
+        active = torch.unique(slot_ids[slot_ids >= 0])  # [A] sorted local slots
+        remap = torch.full((w13.shape[0],), -1, dtype=torch.long)
+        remap[active] = torch.arange(active.numel())
+        local = torch.where(slot_ids >= 0, remap[slot_ids.clamp_min(0).long()], -1)  # [T, K]
+        dense13, dense2 = [], []
+        for s in active.tolist():
+            gate_up = self._dense(w13[s], fmt.hidden, fmt.g13, x.dtype)  # [2I, H] interleaved rows
+            gate, up = split_gate_up(gate_up.t(), fmt.rb)  # [H, I] each
+            dense13.append(torch.cat([gate, up], dim=1).t())  # [2I, H] gate rows, then up rows
+            dense2.append(self._dense(w2[s], fmt.inter, fmt.g2, x.dtype))  # [H, I]
+        if not dense13:
+            return torch.zeros_like(x)
+        lw = lora.weights
+        sub = MoELoRAWeights(*(w[:, active] for w in (lw.a13, lw.b13, lw.a2, lw.b2)))  # [L, A, ...]
+        return moe_lora_reference(
+            x, torch.stack(dense13), torch.stack(dense2), local, weights, sub, lora.token_adapter
+        )
+
+
+def make_backend(threads: int | None = None, weight_dtype: str = "bfloat16") -> ExpertBackend:
+    """The CPU expert backend with ``threads`` compute threads (default: torch's)."""
+    backend = CpuExpertBackend(threads, weight_dtype)
+    log.info(
+        "CPU experts: weights %s, %d threads, decode kernel %s, prefill GEMM in %s",
+        weight_dtype, backend.threads, "C" if backend.lib is not None else "torch (fallback)", backend.gemm_dtype,
+    )  # fmt: skip
+    return backend

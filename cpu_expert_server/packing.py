@@ -1,0 +1,120 @@
+"""Weight layouts of the CPU expert backend: gate/up interleaving and group-wise quantisation.
+
+Shapes: S slots, I intermediate, H hidden, C a row's input features, G quantisation group,
+RB interleave block. All functions are pure torch; the C kernel (kernels/moe_gemv.c) reads the
+same layouts.
+
+Row formats (one row = one output feature):
+  unquantised  C values in the server's dtype
+  int8         C int8, then C/G float32 scales                              w = q * s
+  int4         C/2 bytes, then C/G float32 scales; in each group the low nibble of byte j holds
+               element j and the high nibble element j + G/2                 w = (nibble - 8) * s
+Scales follow their row so one row is one contiguous read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QUANT_DTYPES = ("int8", "int4")
+WEIGHT_DTYPES = ("bfloat16", *QUANT_DTYPES)
+# int8 needs fewer scales for the same error; int4 needs small groups (llama.cpp's Q4_0 uses 32)
+DEFAULT_GROUP = {"int8": 128, "int4": 64}
+QMAX = {"int8": 127, "int4": 7}
+
+
+def pick_group(c: int, group: int, wdtype: str) -> int:
+    """The largest group <= ``group`` that divides ``c`` (even for int4, whose halves pair up)."""
+    step = 2 if wdtype == "int4" else 1
+    for g in range(min(group, c), 0, -1):
+        if c % g == 0 and g % step == 0:
+            return g
+    raise ValueError(f"no {wdtype} group divides {c=}")
+
+
+def pick_block(inter: int) -> int:
+    return next(rb for rb in (16, 8, 4, 2, 1) if inter % rb == 0)
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    wdtype: str  # "bfloat16" (kept at the server's dtype) | "int8" | "int4"
+    hidden: int  # H
+    inter: int  # I
+    rb: int  # gate/up interleave block
+    g13: int  # group along H (w13 rows)
+    g2: int  # group along I (w2 rows)
+
+    def __post_init__(self) -> None:
+        assert self.wdtype in WEIGHT_DTYPES, f"{self.wdtype=}"
+        assert self.inter % self.rb == 0, f"{self.inter=} {self.rb=}"
+        assert self.hidden % self.g13 == 0 and self.inter % self.g2 == 0, f"{self}"
+
+    @classmethod
+    def for_shape(cls, wdtype: str, hidden: int, inter: int, group: int | None = None) -> PackedFormat:
+        if wdtype not in QUANT_DTYPES:
+            return cls(wdtype, hidden, inter, pick_block(inter), 1, 1)
+        g = group or DEFAULT_GROUP[wdtype]
+        return cls(
+            wdtype,
+            hidden,
+            inter,
+            pick_block(inter),
+            pick_group(hidden, g, wdtype),
+            pick_group(inter, g, wdtype),
+        )
+
+    @property
+    def quantised(self) -> bool:
+        return self.wdtype in QUANT_DTYPES
+
+
+def interleave(w13: torch.Tensor, rb: int) -> torch.Tensor:
+    """[S, 2I, H] gate rows then up rows -> [S, 2I, H] in blocks of RB gate rows + RB up rows."""
+    s, two_i, h = w13.shape
+    return w13.view(s, 2, two_i // 2 // rb, rb, h).transpose(1, 2).reshape(s, two_i, h)
+
+
+def split_gate_up(gu: torch.Tensor, rb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, 2I] computed with interleaved rows -> gate [n, I], up [n, I]."""
+    n, two_i = gu.shape
+    v = gu.view(n, two_i // 2 // rb, 2, rb)
+    return v[:, :, 0].reshape(n, -1), v[:, :, 1].reshape(n, -1)
+
+
+def quantize_rows(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
+    """[..., C] float -> [..., row bytes] uint8 in the row format above."""
+    *lead, c = w.shape
+    wg = w.float().reshape(*lead, c // g, g)  # [..., C/G, G]
+    scale = (wg.abs().amax(-1) / QMAX[wdtype]).clamp_min(1e-12)  # [..., C/G]
+    q = torch.round(wg / scale[..., None]).clamp_(-QMAX[wdtype] - (wdtype == "int4"), QMAX[wdtype])
+    if wdtype == "int8":
+        body = q.to(torch.int8).reshape(*lead, c).view(torch.uint8)
+    else:
+        nib = (q + 8).to(torch.uint8)  # [..., C/G, G] in [0, 15]
+        body = (nib[..., : g // 2] | (nib[..., g // 2 :] << 4)).reshape(*lead, c // 2)
+    return torch.cat([body, scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, wdtype: str, c: int, g: int) -> torch.Tensor:
+    """[..., row bytes] uint8 -> [..., C] float32 (the torch fallback and the tests use this)."""
+    *lead, nbytes = rows.shape
+    body_len = c if wdtype == "int8" else c // 2
+    scale = rows[..., body_len:].contiguous().view(torch.float32)  # [..., C/G]
+    body = rows[..., :body_len]
+    if wdtype == "int8":
+        q = body.contiguous().view(torch.int8).float().reshape(*lead, c // g, g)
+    else:
+        b = body.reshape(*lead, c // g, g // 2)
+        q = torch.cat([(b & 15), (b >> 4)], dim=-1).float() - 8  # [..., C/G, G]
+    return (q * scale[..., None]).reshape(*lead, c)
+
+
+def pack(w13: torch.Tensor, w2: torch.Tensor, fmt: PackedFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, 2I, H], [S, H, I] -> the backend's layout: interleaved w13, rows quantised if asked."""
+    w13 = interleave(w13, fmt.rb)
+    if not fmt.quantised:
+        return w13.contiguous(), w2.contiguous()
+    return quantize_rows(w13, fmt.wdtype, fmt.g13), quantize_rows(w2, fmt.wdtype, fmt.g2)

@@ -1,0 +1,164 @@
+"""The CPU expert backend against the plain torch reference (expertmesh.experts.torch_moe).
+
+Bounds: float32 weights match to float32 rounding (rel 1e-5); bf16 within bf16 rounding of the
+reference (rel 1e-2, the reference itself rounds at every step); int8/int4 match the reference
+run on the *dequantised* weights to float32 rounding, and each dequantised weight is within half
+a quantisation step (group amax / qmax / 2) of the original. Both the C kernel and the torch
+fallback, both the decode (GEMV) and the prefill (GEMM) path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cpu_expert_server import kernels
+from cpu_expert_server.backend import CpuExpertBackend, make_backend
+from cpu_expert_server.packing import QMAX, PackedFormat, dequantize_rows, interleave, quantize_rows
+from expertmesh.experts import torch_moe
+
+S, H, I, K = 6, 96, 64, 3  # noqa: E741 (the shape legend of expertmesh.experts)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def inputs(t: int, dtype: torch.dtype, seed: int, h: int = H, i: int = I):  # noqa: E741
+    """Fresh random problem; widths divisible by 32 take the kernel's vector path, others not."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(S, 2 * i, h, generator=g) / h**0.5).to(dtype)  # [S, 2I, H]
+    w2 = (torch.randn(S, h, i, generator=g) / i**0.5).to(dtype)  # [S, H, I]
+    x = torch.randn(t, h, generator=g).to(dtype)  # [T, H]
+    slot_ids = torch.randint(-1, S, (t, K), generator=g)  # [T, K], -1 = expert elsewhere
+    weights = torch.rand(t, K, generator=g)  # [T, K]
+    return x, w13, w2, slot_ids, weights
+
+
+def unpack_reference(
+    fmt: PackedFormat, p13: torch.Tensor, p2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed quantised weights -> plain [S, 2I, H], [S, H, I] float32 in the reference's order."""
+    w13 = dequantize_rows(p13, fmt.wdtype, fmt.hidden, fmt.g13)  # [S, 2I, H] interleaved
+    s = w13.shape[0]
+    w13 = w13.view(s, fmt.inter // fmt.rb, 2, fmt.rb, fmt.hidden).transpose(1, 2).reshape(s, -1, fmt.hidden)
+    return w13, dequantize_rows(p2, fmt.wdtype, fmt.inter, fmt.g2)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["kernel", "torch-fallback"])
+def use_kernel(request) -> bool:
+    if request.param and kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    return request.param
+
+
+@pytest.mark.parametrize("t", [1, 11, 120])  # 120 tokens over 6 slots: the GEMM path
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("h,i", [(H, I), (72, 40)])
+def test_unquantised_matches_reference(use_kernel, t, dtype, tol, h, i):
+    x, w13, w2, slot_ids, weights = inputs(t, dtype, seed=t, h=h, i=i)
+    b = CpuExpertBackend(threads=2, use_kernel=use_kernel)
+    out = b.forward(x, *b.pack_weights(w13, w2), slot_ids, weights)
+    ref = torch_moe(x.double(), w13.double(), w2.double(), slot_ids, weights.double())
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert rel(out, ref) < tol, rel(out, ref)
+
+
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("t", [1, 11, 120])
+@pytest.mark.parametrize("group", [16, 32])  # 16: the kernel's scalar path, 32: its vector path
+def test_quantised_matches_dequantised_reference(use_kernel, wdtype, t, group):
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=100 + t)
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=group, use_kernel=use_kernel)
+    p13, p2 = b.pack_weights(w13, w2)
+    assert b.fmt is not None and p13.dtype == torch.uint8
+    out = b.forward(x, p13, p2, slot_ids, weights)
+    ref = torch_moe(
+        x.double(), *(w.double() for w in unpack_reference(b.fmt, p13, p2)), slot_ids, weights.double()
+    )
+    assert rel(out, ref) < 1e-5, rel(out, ref)
+    # and the quantisation itself is no worse than a rounding step
+    assert rel(out, torch_moe(x, w13, w2, slot_ids, weights)) < (0.02 if wdtype == "int8" else 0.2)
+
+
+@pytest.mark.parametrize("wdtype,g", [("int8", 16), ("int4", 16), ("int4", 48)])
+def test_quantisation_error_is_half_a_step(wdtype, g):
+    w = torch.randn(5, 96) * torch.logspace(-3, 1, 96)  # mixed magnitudes across groups
+    deq = dequantize_rows(quantize_rows(w, wdtype, g), wdtype, 96, g)
+    step = w.view(5, -1, g).abs().amax(-1, keepdim=True) / QMAX[wdtype]  # [5, 96/G, 1]
+    assert ((deq - w).view(5, -1, g).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+def test_bytes_per_weight_shrink():
+    w13, w2 = torch.randn(1, 2 * 768, 2048).bfloat16(), torch.randn(1, 2048, 768).bfloat16()
+    size = {}
+    for wd in ("bfloat16", "int8", "int4"):
+        p13, p2 = CpuExpertBackend(weight_dtype=wd, use_kernel=False).pack_weights(w13, w2)
+        size[wd] = p13.numel() * p13.element_size() + p2.numel() * p2.element_size()
+    assert size["bfloat16"] / size["int8"] > 1.9 and size["bfloat16"] / size["int4"] > 3.5, size
+
+
+def test_interleave_keeps_gate_and_up_pairs():
+    w13 = torch.arange(2 * 2 * 32, dtype=torch.float32).view(2, 32, 2)  # [S=2, 2I=32, H=2]
+    rb = PackedFormat.for_shape("bfloat16", 2, 16).rb
+    out = interleave(w13, rb)
+    assert torch.equal(out[:, :rb], w13[:, :rb]) and torch.equal(out[:, rb : 2 * rb], w13[:, 16 : 16 + rb])
+
+
+def test_empty_and_bad_inputs(use_kernel):
+    b = CpuExpertBackend(threads=2, weight_dtype="int8", use_kernel=use_kernel)
+    x, w13, w2, slot_ids, weights = inputs(3, torch.float32, seed=7)
+    p13, p2 = b.pack_weights(w13, w2)
+    e13, e2 = b.pack_weights(w13[:0], w2[:0])  # a server holding no experts of a layer
+    assert torch.equal(b.forward(x, e13, e2, slot_ids.clamp(max=-1), weights), torch.zeros_like(x))
+    assert b.forward(x[:0], p13, p2, slot_ids[:0], weights[:0]).shape == (0, H)
+    with pytest.raises(ValueError, match="slot ids"):
+        b.forward(x, p13, p2, slot_ids.clamp(min=0) + S, weights)
+    with pytest.raises(ValueError, match="weight_dtype"):
+        make_backend(weight_dtype="int3")
+
+
+def test_missing_compiler_falls_back_with_a_logged_reason(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("EXPERTMESH_CACHE", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="expertmesh.cpu_kernels"):
+        b = CpuExpertBackend(threads=1)
+    assert b.lib is None and "torch fallback" in caplog.text and "no-such-cc" in caplog.text
+    x, w13, w2, slot_ids, weights = inputs(2, torch.float32, seed=3)
+    assert (
+        rel(
+            b.forward(x, *b.pack_weights(w13, w2), slot_ids, weights),
+            torch_moe(x, w13, w2, slot_ids, weights),
+        )
+        < 1e-5
+    )
+
+
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
+def test_lora_matches_the_batched_reference_on_the_unpacked_weights(wdtype):
+    """MoE LoRA on the packed CPU backend = expertmesh.lora's batched reference on the same
+    (dequantised) weights: base tokens and two adapters mixed in one call."""
+    from expertmesh.lora.moe import LoRABatch, MoELoRAWeights, moe_lora_reference
+
+    x, w13, w2, slot_ids, weights = inputs(9, torch.float32, seed=7)
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=16 if wdtype == "int8" else None)
+    p13, p2 = b.pack_weights(w13, w2)
+    assert b.fmt is not None
+    if b.fmt.quantised:
+        w13, w2 = unpack_reference(b.fmt, p13, p2)
+    g = torch.Generator().manual_seed(3)
+    lw = MoELoRAWeights(
+        torch.randn(2, S, 4, H, generator=g) / H**0.5,  # a13 [L, S, R, H]
+        torch.randn(2, S, 2 * I, 4, generator=g),  # b13 [L, S, 2I, R]
+        torch.randn(2, S, 4, I, generator=g) / I**0.5,  # a2 [L, S, R, I]
+        torch.randn(2, S, H, 4, generator=g),  # b2 [L, S, H, R]
+    )
+    token_adapter = torch.tensor([-1, 0, 1, 1, 0, -1, 1, 0, -1])  # [T]
+    out = b.forward(x, p13, p2, slot_ids, weights, LoRABatch(lw, token_adapter))
+    ref = moe_lora_reference(x, w13.float(), w2.float(), slot_ids, weights, lw, token_adapter)
+    base = moe_lora_reference(x, w13.float(), w2.float(), slot_ids, weights)
+    tol = 1e-5 if wdtype == "int8" else 1e-2  # bf16: the packed weights are bf16-rounded
+    assert rel(out, ref) < tol, rel(out, ref)
+    assert rel(out, base) > 10 * tol  # the adapters changed the answer
