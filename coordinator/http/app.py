@@ -20,9 +20,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from coordinator.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from coordinator.http.serving import Serving, adapter_names
+from coordinator.lora import AdapterError
+from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError
 
 
 def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
@@ -66,6 +69,18 @@ def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
         loras = [{**base, "id": a, "root": a, "parent": name} for a in adapter_names(coord)]
         return {"object": "list", "data": [base, *loras]}
 
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(body: LoRALoad, request: Request) -> Response:
+        _admin_only(request)
+        await _lora_call(coord.lora.load, body.lora_name, body.lora_path)
+        return Response(f"adapter {body.lora_name!r} loaded", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(body: LoRAUnload, request: Request) -> Response:
+        _admin_only(request)
+        await _lora_call(coord.lora.unload, body.lora_name)
+        return Response(f"adapter {body.lora_name!r} unloaded", media_type="text/plain")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await _respond(serving.completions(body), request)
@@ -95,6 +110,38 @@ async def _respond(work: Awaitable[dict[str, Any] | AsyncIterator[str]], request
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class LoRALoad(BaseModel):  # vLLM's body for the same endpoint
+    lora_name: str
+    lora_path: str
+
+
+class LoRAUnload(BaseModel):
+    lora_name: str
+
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _admin_only(request: Request) -> None:
+    """Adapter loading is the admin plane: like the Admin API without a token, loopback peers
+    only (paths are further confined to --lora-dir by the LoRA service)."""
+    host = request.client.host if request.client is not None else ""
+    if host not in _LOOPBACK:
+        raise APIError(403, f"adapter loading is allowed from loopback only, not {host}", "permission_error")
+
+
+_LORA_HTTP = ((LoRAPermissionError, 403), (LoRANotFound, 404), (AdapterError, 400), (LoRAPushError, 503),
+              (TimeoutError, 504))  # fmt: skip
+
+
+async def _lora_call(fn: Any, *args: str) -> None:
+    try:
+        await asyncio.to_thread(fn, *args)
+    except tuple(kind for kind, _ in _LORA_HTTP) as e:
+        status = next(code for kind, code in _LORA_HTTP if isinstance(e, kind))
+        raise APIError(status, e.args[0] if e.args else str(e), param="lora_name") from None
 
 
 async def _disconnected(request: Request) -> None:

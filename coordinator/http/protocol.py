@@ -60,7 +60,13 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True  # extension (transformers' apply_chat_template flag)
 
 
-ErrorType = Literal["invalid_request_error", "not_found_error", "server_error", "service_unavailable_error"]
+ErrorType = Literal[
+    "invalid_request_error",
+    "not_found_error",
+    "server_error",
+    "service_unavailable_error",
+    "permission_error",
+]
 
 
 class APIError(Exception):
