@@ -318,10 +318,6 @@ class CoordinatorServer(grpc.aio.Server):
             cluster,
             timeout_s=config.cluster.timeout_s if config.cluster is not None else 60.0,
         )
-        if eplb is not None:
-            # NOTE: adapters are pushed for the placement live at load time (coordinator/lora/
-            # service.py): moving an expert would leave its new server without its LoRA
-            eplb.blocked = self._placement_blocked
         self._watch: asyncio.Task | None = None
         # issue 16: Prometheus metrics, chat template and the HTTP server (coordinator/http)
         self.metrics = CoordinatorMetrics(self)
@@ -337,12 +333,6 @@ class CoordinatorServer(grpc.aio.Server):
         reflection.enable_server_reflection(
             (GENERATION, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-
-    def _placement_blocked(self) -> str | None:
-        names = sorted(self.lora.manager.adapters)
-        if names:
-            return f"MoE LoRA adapters {names} are loaded for the live placement; unload them to re-place experts"
-        return None
 
     def expert_state(self) -> str:
         return "in process" if self.cluster is None else self.cluster.describe_state()

@@ -170,16 +170,3 @@ def test_cluster_target_needs_every_server_and_aborts_on_a_failed_prepare():
         assert cluster.placement.generation == 1 and m.counters.failed == 2
     finally:
         cluster.close()
-
-
-def test_a_blocked_cluster_keeps_its_placement():
-    target = FakeTarget()
-    m, rec = manager(target, interval=0)
-    m.blocked = lambda: "MoE LoRA adapters ['a'] are loaded"
-    skewed_steps(rec, 4)
-    out = m.rebalance()
-    assert out.kind == "skipped" and "LoRA" in out.error and target.calls == []
-    assert m.rebalance(dry_run=True).kind == "dry-run"  # planning is still allowed
-    assert m.set_placement(target.live).kind == "failed" and target.live.generation == 1
-    m.blocked = None
-    assert m.rebalance().kind == "rebalanced"

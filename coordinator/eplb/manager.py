@@ -107,9 +107,6 @@ class EplbManager:
         self.counters = Counters()
         self._steps = 0
         self._busy = threading.Lock()  # one rebalance at a time
-        # why placement changes must wait now (e.g. MoE LoRA adapters were pushed for the live
-        # placement only); None = nothing blocks them
-        self.blocked: Callable[[], str | None] | None = None
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ triggers
@@ -175,9 +172,6 @@ class EplbManager:
             return self._record(Outcome("dry-run", time.time(), trigger, plan, live_gen))
         if plan.skipped or plan.placement is None:
             return self._record(Outcome("skipped", time.time(), trigger, plan, live_gen))
-        why = self.blocked() if self.blocked is not None else None
-        if why:
-            return self._record(Outcome("skipped", time.time(), trigger, plan, live_gen, error=why))
         return self._push(plan.placement, trigger, plan)
 
     def set_placement(self, new: pl.Placement, timeout_s: float = 120.0) -> Outcome:
@@ -186,11 +180,6 @@ class EplbManager:
             raise RebalanceError(f"a rebalance is still running after {timeout_s:g}s")
         try:
             live = self.target.live_placement()
-            why = self.blocked() if self.blocked is not None else None
-            if why:
-                return self._record(
-                    Outcome("failed", time.time(), "set-placement", None, live.generation, error=why)
-                )
             return self._push(new.with_generation(live.generation + 1), "set-placement", None)
         finally:
             self._busy.release()
