@@ -166,11 +166,16 @@ def main() -> None:
     p.add_argument("--dtypes", default="bfloat16,int8,int4")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None, help="write all measurements as JSON here")
+    p.add_argument(
+        "--skip-peak",
+        action="store_true",
+        help="no GEMM peak (minutes in bf16 on CPUs without bf16 instructions)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    info = host_info() | dram_bandwidth() | gemm_peak()
+    info = host_info() | dram_bandwidth() | ({} if args.skip_peak else gemm_peak())
     print(json.dumps(info), flush=True)
     models = args.models.split(",")
     info |= torch_gemv(*MODELS[models[0]])
