@@ -4,6 +4,7 @@
     python benchmarks/bench_transport.py layer  --device cuda --dtype bfloat16 --tokens 1,8,64,512 \\
                                                 --transports grpc,shm,cuda_ipc
     python benchmarks/bench_transport.py decode [--transports grpc,shm] [--new-tokens 64]
+    python benchmarks/bench_transport.py decode --variants 'up;up --transport grpc;up --threads 1'
 
 ``layer``: one MoE layer (H=2048, small experts so that transport dominates) on one expert
 server process: a CPU server, or with ``--device cuda`` a GPU server with the coordinator's
@@ -21,6 +22,9 @@ median of the round medians (the machine may be shared: look at the spread colum
 
 ``decode``: ``expertmesh up`` (coordinator + GPU server + CPU server, demo model) per path,
 one greedy request at a time; decode tokens/s = (tokens - 1) / (last token - first token).
+With ``--variants``, each variant is an ``expertmesh up`` command line run with its defaults
+(no ``OMP_NUM_THREADS``), launched in rotating order each round, and compared with the best
+variant of the same round.
 """
 
 from __future__ import annotations
@@ -395,10 +399,19 @@ def _print_layer_table(args, tokens, transports, rows, row_bytes) -> None:
 # ---------------------------------------------------------------------- decode
 
 
-def _launch(model: Path, transport: str, device: str, threads: int) -> tuple[subprocess.Popen, str]:
-    """``expertmesh up`` over ``transport``, or (``in-process``) a coordinator with every expert."""
+def _launch(model: Path, transport: str, device: str, threads: int | None) -> tuple[subprocess.Popen, str]:
+    """``expertmesh up`` over ``transport``, or (``in-process``) a coordinator with every expert.
+
+    ``transport`` may instead be ``up`` followed by ``up``'s own flags (``up``, ``up --threads 1``,
+    ``up --transport grpc``): then nothing else is added, ``OMP_NUM_THREADS`` is unset, and
+    ``up`` runs with its defaults except for those flags (``--variants``)."""
     cli = [sys.executable, "-m", "expertmesh.cli"]
-    if transport == "in-process":
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if transport.split()[0] == "up":
+        cmd = [*cli, "up", "--model", str(model), *transport.split()[1:]]
+        env.pop("OMP_NUM_THREADS", None)
+        env.pop("MKL_NUM_THREADS", None)
+    elif transport == "in-process":
         cmd = [*cli, "coordinator", "--model", str(model), "--port", "0", "--threads", str(threads)]
         cmd += ["--device", device]
     else:
@@ -406,7 +419,8 @@ def _launch(model: Path, transport: str, device: str, threads: int) -> tuple[sub
         cmd += ["--device", device, "--threads", str(threads)]
         if device.startswith("cuda"):
             cmd += ["--coordinator-device", device]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    if threads is not None and transport.split()[0] != "up":
+        env["OMP_NUM_THREADS"] = str(threads)
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert p.stdout is not None
     out = []
@@ -440,22 +454,46 @@ async def _decode_rate(addr: str, new_tokens: int, requests: int) -> list[float]
 def decode(args: argparse.Namespace) -> None:
     from benchmarks.bench_serving import prepare_model
 
+    names = args.variants.split(";") if args.variants else args.transports.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         model, what = prepare_model(args.model, Path(tmp))
-        rates: dict[str, list[float]] = {t: [] for t in args.transports.split(",")}
-        for _ in range(args.repeat):
-            for tr in rates:
+        rates: dict[str, list[float]] = {t: [] for t in names}
+        rounds: dict[str, list[float]] = {t: [] for t in names}  # one median per launch
+        for i in range(args.repeat):
+            # NOTE: the order rotates each round so that no variant always follows the same one
+            for tr in names[i % len(names) :] + names[: i % len(names)]:
                 proc, addr = _launch(model, tr, args.device, args.threads)
                 try:
-                    rates[tr] += asyncio.run(_decode_rate(addr, args.new_tokens, args.requests))
+                    got = asyncio.run(_decode_rate(addr, args.new_tokens, args.requests))
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(60)
+                rates[tr] += got
+                rounds[tr].append(statistics.median(got))
+                print(f"round {i + 1}: {tr}: {statistics.median(got):.1f} tok/s", file=sys.stderr, flush=True)
+    if args.variants:
+        _print_variants(args, what, names, rates, rounds)
+        return
     print(f"\n# decode, {what}, `expertmesh up --device {args.device} --threads {args.threads}`, batch 1")
     print("| transport | decode tok/s (median) | min-max | requests |")
     print("|---|---|---|---|")
     for tr, r in rates.items():
         print(f"| {tr} | {statistics.median(r):.1f} | {min(r):.1f}-{max(r):.1f} | {len(r)} |")
+
+
+def _print_variants(args, what: str, names: list[str], rates: dict, rounds: dict) -> None:
+    """Per variant: the median over all requests, the spread of the per-launch medians, and the
+    median over rounds of (this variant / the best variant of that round): on a shared machine
+    the ratio within a round is steadier than any absolute number."""
+    n = len(rounds[names[0]])
+    best = [max(rounds[v][i] for v in names) for i in range(n)]
+    print(f"\n# decode, {what}, `expertmesh up VARIANT`, batch 1, {args.repeat} interleaved rounds")
+    print("| variant | decode tok/s (median) | launch medians min-max | vs best of its round (median) |")
+    print("|---|---|---|---|")
+    for v in names:
+        rel = statistics.median(rounds[v][i] / best[i] for i in range(n))
+        r = rounds[v]
+        print(f"| `{v}` | {statistics.median(rates[v]):.1f} | {min(r):.1f}-{max(r):.1f} | {rel:.2f} |")
 
 
 def _layer_arguments(a: argparse.ArgumentParser) -> None:
@@ -485,6 +523,12 @@ def main() -> None:
     b.add_argument("--transports", default="grpc,shm")
     b.add_argument("--device", default="cpu", help="GPU expert server's device (and the coordinator's)")
     b.add_argument("--threads", type=int, default=1)
+    b.add_argument(
+        "--variants",
+        default=None,
+        help="instead of --transports: ';'-separated `up` command lines, e.g. "
+        "'up;up --transport grpc;up --threads 1' (each with up's defaults otherwise)",
+    )
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--requests", type=int, default=3)
     b.add_argument("--repeat", type=int, default=2)

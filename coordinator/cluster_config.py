@@ -7,7 +7,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from expertmesh import auth
+from expertmesh import auth, cores
 from expertmesh.transport import negotiate
 
 REPLICA_POLICIES = ("static", "round_robin", "load_aware")
@@ -35,7 +35,8 @@ class ClusterConfig:
     transport: str = "auto"  # auto | grpc | shm | cuda_ipc (expertmesh/transport/negotiate.py)
     max_message_mb: int = 256
     shm_ring_mb: float = 64  # per server stream; a payload that does not fit goes over gRPC
-    shm_spin_us: float = 300.0  # poll for a fast-path answer this long before sleeping
+    # poll for a fast-path answer this long before sleeping (0 where cores are scarce)
+    shm_spin_us: float = field(default_factory=cores.default_spin_us)
     cluster_token: str | None = field(default=None, repr=False)  # sent with placement pushes
 
     def __post_init__(self) -> None:
@@ -114,8 +115,9 @@ class ClusterConfig:
         g.add_argument(
             "--shm-spin-us",
             type=float,
-            default=300.0,
-            help="fast paths: poll this long for an answer before sleeping (0 = always sleep)",
+            default=cores.default_spin_us(),
+            help="fast paths: poll this long for an answer before sleeping (0 = always sleep; "
+            "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
         )
         g.add_argument(
             "--cluster-token",

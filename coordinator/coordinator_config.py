@@ -11,6 +11,7 @@ import torch
 
 from coordinator.cluster_config import ClusterConfig
 from coordinator.eplb.plan import EplbConfig
+from coordinator.requests import InputLimits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -42,6 +43,7 @@ class CoordinatorConfig:
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
     http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
+    input_limits: InputLimits = InputLimits()  # per-request caps (coordinator/requests.py)
     eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
 
     lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these

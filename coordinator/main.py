@@ -16,12 +16,11 @@ import signal
 import sys
 from collections.abc import Coroutine
 
-import torch
-
 from coordinator.cluster_config import ClusterConfig
 from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
 from coordinator.eplb.plan import EplbConfig
-from expertmesh import auth
+from coordinator.requests import InputLimits
+from expertmesh import auth, cores
 
 C = CoordinatorConfig  # NOTE: the defaults live in the config dataclass, read here once
 DEFAULT_PORT = C.port
@@ -65,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "without one, Admin answers loopback peers only",
     )
     ClusterConfig.add_arguments(p)
+    InputLimits.add_arguments(p)
     EplbConfig.add_arguments(p)
 
     lo = p.add_argument_group("MoE LoRA")
@@ -95,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras,
         admin_token=args.admin_token or os.environ.get(auth.ADMIN_TOKEN_ENV) or None,
+        input_limits=InputLimits.from_args(args),
     )
 
 
@@ -140,7 +141,7 @@ def _run_loop(main: Coroutine[object, object, int]) -> int:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
-        torch.set_num_threads(args.threads)
+        cores.set_torch_threads(args.threads)  # intra- and inter-op pools
     try:
         return _run_loop(serve(config_from_args(args)))
     except ValueError as e:  # bad flags, checkpoint or config: ConfigError, CheckpointError, ...

@@ -39,7 +39,7 @@ from coordinator.lora import AdapterError, LoRAAdapter, enable_lora
 from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError, LoRAService
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.remote import RemoteDispatcher
-from coordinator.requests import InvalidRequest, RequestLimits, parse_request
+from coordinator.requests import InvalidRequest, RequestLimits, add_generation_servicer, parse_request_async
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
 from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
@@ -83,7 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         c = self.coord
         try:
-            ids, params = parse_request(request, c.request_limits, c.tokenizer, c.lora.usable)
+            ids, params = await parse_request_async(request, c.request_limits, c.tokenizer, c.lora.usable)
         except InvalidRequest as e:
             c.metrics.invalid()  # issue 16: expertmesh_requests_total{status="invalid"}
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -329,9 +329,9 @@ class CoordinatorServer(grpc.aio.Server):
         self.http: HttpServer | None = None
         cfg = scheduler.engine.config
         self.request_limits = RequestLimits(
-            cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens
+            cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens, config.input_limits
         )
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self), server)
+        add_generation_servicer(GenerationServicer(self), server)  # INVALID_ARGUMENT for non-UTF-8
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -15,6 +15,16 @@ TOKENIZER_FILE = "tokenizer.json"
 # prompt tokens given to the detokenizer as left context, so that the first generated token
 # decodes with the spacing it has after the prompt
 _CONTEXT_TOKENS = 4
+# generated tokens held back while their text ends in an incomplete character: a UTF-8
+# character is at most 4 bytes (4 byte tokens); a model that emits bytes that never complete
+# one must not grow the decode window (quadratic work) for the rest of the request
+_MAX_HELD_TOKENS = 8
+
+
+class PromptTooLong(ValueError):
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"prompt of {tokens} tokens exceeds {limit}")
+        self.tokens = tokens
 
 
 class TextTokenizer:
@@ -26,9 +36,17 @@ class TextTokenizer:
         f = Path(path) / TOKENIZER_FILE
         return cls(Tokenizer.from_file(str(f))) if f.is_file() else None
 
-    def encode(self, text: str) -> list[int]:
-        """With the tokenizer's own special tokens (e.g. a BOS its post-processor adds)."""
-        return self.tok.encode(text).ids
+    def encode(self, text: str, max_tokens: int | None = None, add_special_tokens: bool = True) -> list[int]:
+        """With the tokenizer's own special tokens (e.g. a BOS its post-processor adds), unless
+        ``add_special_tokens`` is False (a chat template writes them itself).
+
+        Releases the GIL while it tokenizes (``encode_batch`` does; ``encode`` does not), so it
+        can run in a worker thread without stalling the event loop. Raises PromptTooLong for
+        more than ``max_tokens`` tokens, before building the Python list of ids."""
+        enc = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if max_tokens is not None and len(enc) > max_tokens:
+            raise PromptTooLong(len(enc), max_tokens)
+        return enc.ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -66,7 +84,7 @@ class IncrementalDetokenizer:
             return ""
         before = self.tok.decode(self.ids[self.start : self.emitted])
         after = self.tok.decode(self.ids[self.start :])
-        if after.endswith("\ufffd") and not final:
+        if after.endswith("\ufffd") and not final and len(self.ids) - self.emitted < _MAX_HELD_TOKENS:
             return ""
         self.start, self.emitted = self.emitted, len(self.ids)
         return after[len(before) :]
@@ -100,11 +118,18 @@ class StopMatcher:
         return out
 
     def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string.
+
+        Only the places where a stop string's first character occurs in the tail can start
+        such a suffix (``str.find`` jumps between them), so the work per piece is about the
+        tail's length per stop string, not its square."""
         best = 0
         for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
+            start = max(0, len(buf) - len(s) + 1)  # a proper prefix is shorter than s
+            i = buf.find(s[0], start)
+            while i >= 0 and len(buf) - i > best:
+                if s.startswith(buf[i:]):
+                    best = len(buf) - i
                     break
+                i = buf.find(s[0], i + 1)
         return best

@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from cpu_expert_server import kernels
-from cpu_expert_server.packing import WEIGHT_DTYPES, PackedFormat, dequantize_rows, pack, split_gate_up
+from cpu_expert_server.packing import (
+    WEIGHT_DTYPES,
+    PackedFormat,
+    dequantize_rows,
+    pack,
+    split_gate_up,
+)
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora.moe import LoRABatch, MoELoRAWeights, moe_lora_reference
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from cpu_expert_server.backend import make_backend
 from cpu_expert_server.packing import WEIGHT_DTYPES
+from expertmesh import cores
 from expertmesh.worker.server import WorkerConfig, serve
 
 DEFAULT_PORT = 50061
@@ -31,5 +30,5 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 def run(args: argparse.Namespace) -> int:
     if args.threads:
-        torch.set_num_threads(args.threads)
+        cores.set_torch_threads(args.threads)  # intra- and inter-op pools
     return serve(config_from_args(args), make_backend(args.threads, args.weight_dtype))

@@ -118,3 +118,17 @@ def pack(w13: torch.Tensor, w2: torch.Tensor, fmt: PackedFormat) -> tuple[torch.
     if not fmt.quantised:
         return w13.contiguous(), w2.contiguous()
     return quantize_rows(w13, fmt.wdtype, fmt.g13), quantize_rows(w2, fmt.wdtype, fmt.g2)
+
+
+def unpack(
+    w13: torch.Tensor, w2: torch.Tensor, fmt: PackedFormat, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack` (up to quantisation): plain [S, 2I, H], [S, H, I] in ``dtype``."""
+    if fmt.quantised:
+        w13 = dequantize_rows(w13, fmt.wdtype, fmt.hidden, fmt.g13)
+        w2 = dequantize_rows(w2, fmt.wdtype, fmt.inter, fmt.g2)
+    s = w13.shape[0]
+    w13 = (
+        w13.reshape(s, fmt.inter // fmt.rb, 2, fmt.rb, fmt.hidden).transpose(1, 2).reshape(s, -1, fmt.hidden)
+    )
+    return w13.to(dtype), w2.to(dtype)

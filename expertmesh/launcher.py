@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from expertmesh import cores
+
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 # issue 16: the coordinator's HTTP port and the expert servers' metrics ports
 _HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on http://\S+:(\d+)")
@@ -133,7 +135,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-memory", default=None, help="coordinator KV cache budget, e.g. 512MiB")
     p.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads of the coordinator and CPU server"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of each process (default: a share of this process's cores each, "
+        "see expertmesh/cores.py)",
+    )
+    p.add_argument(
+        "--shm-spin-us",
+        type=float,
+        default=None,
+        help="fast paths: poll this long before sleeping, every process (default: "
+        f"{cores.default_spin_us():g} here; 0 unless there are more cores than the 3 processes)",
     )
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait until serving")
     p.add_argument("--verbose", action="store_true", help="echo the children's output to stderr")
@@ -159,24 +172,48 @@ def resolve_model(args: argparse.Namespace) -> Path:
     return write_demo_model(demo_dir())
 
 
+def core_plan(args: argparse.Namespace) -> tuple[dict[str, int], float]:
+    """torch threads per child and the fast paths' spin budget, from the flags or, by default,
+    from the cores this process may use (``expertmesh.cores``)."""
+    n = cores.available()
+    if args.threads:
+        threads = dict.fromkeys(("coordinator", "gpu-server", "cpu-server"), args.threads)
+    else:
+        on_cuda = args.device.startswith("cuda") if args.device else _nvidia_gpu_visible()
+        threads = cores.shares(n, on_cuda)
+    spin = cores.default_spin_us(n) if args.shm_spin_us is None else args.shm_spin_us
+    return threads, spin
+
+
+def _nvidia_gpu_visible() -> bool:
+    """Whether the GPU server will default to CUDA, without importing torch into this process
+    (it would only cost start-up time and memory here): an NVIDIA driver with a GPU, not hidden
+    by ``CUDA_VISIBLE_DEVICES``. Only the thread shares depend on it."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
 def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> tuple[Child, Child, list[str]]:
     cli = [sys.executable, "-m", "expertmesh.cli"]
-    common = ["--model", str(model), "--dtype", args.dtype, "--port", "0"]
+    threads, spin = core_plan(args)
+    common = ["--model", str(model), "--dtype", args.dtype, "--port", "0", "--shm-spin-us", f"{spin:g}"]
     if args.http_port >= 0:  # with the coordinator's HTTP on, the servers' metrics too (free ports)
         common += ["--metrics-port", "0"]
-    gpu_cmd = [*cli, "gpu-server", *common] + (["--device", args.device] if args.device else [])
-    cpu_cmd = [*cli, "cpu-server", *common] + (["--threads", str(args.threads)] if args.threads else [])
+    gpu_cmd = [*cli, "gpu-server", *common, "--threads", str(threads["gpu-server"])]
+    gpu_cmd += ["--device", args.device] if args.device else []
+    cpu_cmd = [*cli, "cpu-server", *common, "--threads", str(threads["cpu-server"])]
     n = num_experts // 2 if args.num_gpu_experts is None else args.num_gpu_experts
     coord_tail = [
         "--host", args.host, "--port", str(args.port), "--device", args.coordinator_device,
         "--num-gpu-experts", str(n), "--transport", args.transport,
+        "--threads", str(threads["coordinator"]), "--shm-spin-us", f"{spin:g}",
     ]  # fmt: skip
     if args.kv_memory:
         coord_tail += ["--kv-memory", args.kv_memory]
     if args.http_port >= 0:
         coord_tail += ["--http-port", str(args.http_port)]
-    if args.threads:
-        coord_tail += ["--threads", str(args.threads)]
     coord_cmd = [*cli, "coordinator", "--model", str(model), "--dtype", args.dtype, *coord_tail]
     return Child("gpu-server", gpu_cmd, args.verbose), Child("cpu-server", cpu_cmd, args.verbose), coord_cmd
 
@@ -261,6 +298,13 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
         servers = ", ".join(f"http://127.0.0.1:{c.http_port}/metrics" for c in (gpu, cpu) if c.http_port)
         if servers:
             print(f"  expert servers' Prometheus metrics {servers}", file=sys.stderr, flush=True)
+    threads, spin = core_plan(args)
+    print(
+        f"  torch threads: coordinator {threads['coordinator']}, gpu server {threads['gpu-server']}, "
+        f"cpu server {threads['cpu-server']} ({cores.available()} cores); fast-path spin {spin:g} us",
+        file=sys.stderr,
+        flush=True,
+    )
     if args.prompt is not None:
         return _complete(addr, args.prompt, args.max_new_tokens)
     while not stop.wait(0.5):

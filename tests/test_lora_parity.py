@@ -18,43 +18,26 @@ from tests import lora_utils
 from tests.hf_models import ARCHS
 from tests.test_parity import hf_greedy, rel_err
 
-DECODE_STEPS = 5
+DECODE_STEPS = 3
 
 
-def _adapter(arch, form, tmp_path, rslora=False, seed=1):
-    """(peft model, adapter dir) for ``form`` in ("fused", "per_expert")."""
-    hf = lora_utils.make_model(arch, tmp_path / "model")
-    pm = lora_utils.wrap(hf, rslora=rslora, seed=seed)
-    cfg = hf.config
+def _sizes(cfg) -> tuple[int, int]:
+    """(experts, expert intermediate size) of an HF config."""
     e_num = (
         getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or cfg.n_routed_experts
     )
-    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-    if arch in ("mixtral", "olmoe"):
-        inter = cfg.intermediate_size
-    path = lora_utils.save(pm, tmp_path / "adapter")
-    if form == "per_expert":
-        lora_utils.split_gate_up(pm, e_num, inter)
-        path = lora_utils.save(pm, tmp_path / "adapter_split")
-        path = lora_utils.to_per_expert(
-            path, tmp_path / "adapter_per_expert", e_num, cfg.hidden_size, inter, mixtral=arch == "mixtral"
-        )
-    return hf, pm, path
+    if cfg.model_type in ("mixtral", "olmoe"):
+        return e_num, cfg.intermediate_size
+    return e_num, cfg.moe_intermediate_size
 
 
-@pytest.mark.parametrize("form", ["fused", "per_expert"])
-# deepseek_v2_grouped differs from deepseek_v2 only in routing, which LoRA does not touch
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "deepseek_v2_grouped"])
-def test_lora_parity_with_peft(arch, form, tmp_path):
-    rslora = arch in ("olmoe", "deepseek_v3")  # the others exercise rank/alpha patterns
-    hf, pm, path = _adapter(arch, form, tmp_path, rslora=rslora)
-    eng = Engine.from_checkpoint(str(tmp_path / "model"), dtype=torch.float32, page_size=4)
-    mgr = enable_lora(eng, max_loras=2)
-    mgr.load("a", str(path))
-    prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(3))
+def _check_against_peft(pm, eng, name: str) -> None:
+    """Engine with adapter ``name`` vs the PEFT model: prefill logits (adapter and base rows in one
+    batch) and greedy decode."""
+    prompt = torch.randint(0, 96, (7,), generator=torch.Generator().manual_seed(3))
     base_seq, seq = eng.new_seq(), eng.new_seq()
     full_base, full = eng.step(
-        [(base_seq, prompt.tolist()), (seq, prompt.tolist())], all_logits=True, adapters=[None, "a"]
+        [(base_seq, prompt.tolist()), (seq, prompt.tolist())], all_logits=True, adapters=[None, name]
     )
     with torch.no_grad():
         ref = pm(prompt[None]).logits[0]
@@ -68,11 +51,35 @@ def test_lora_parity_with_peft(arch, form, tmp_path):
         ref_toks, ref_logits = hf_greedy(pm, prompt, DECODE_STEPS)
     toks, logits = [int(full[-1].argmax())], [full[-1]]
     for _ in range(DECODE_STEPS - 1):
-        (o,) = eng.step([(seq, [toks[-1]])], adapters=["a"])
+        (o,) = eng.step([(seq, [toks[-1]])], adapters=[name])
         logits.append(o)
         toks.append(int(o.argmax()))
     assert toks == ref_toks
     assert rel_err(torch.stack(logits), ref_logits) < 1e-4
+    eng.free(base_seq)
+    eng.free(seq)
+
+
+# deepseek_v2_grouped differs from deepseek_v2 only in routing, which LoRA does not touch
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "deepseek_v2_grouped"])
+def test_lora_parity_with_peft(arch, tmp_path):
+    """Both expert forms on one model: the fused target_parameters adapter first, then (gate_up B
+    made block-diagonal in the PEFT model) the same adapter as per-expert linears."""
+    rslora = arch in ("olmoe", "deepseek_v3")  # the others exercise rank/alpha patterns
+    hf = lora_utils.make_model(arch, tmp_path / "model")
+    pm = lora_utils.wrap(hf, rslora=rslora, seed=1)
+    eng = Engine.from_checkpoint(str(tmp_path / "model"), dtype=torch.float32, page_size=4)
+    mgr = enable_lora(eng, max_loras=2)
+    mgr.load("fused", str(lora_utils.save(pm, tmp_path / "fused")))
+    _check_against_peft(pm, eng, "fused")
+    e_num, inter = _sizes(hf.config)
+    lora_utils.split_gate_up(pm, e_num, inter)
+    split = lora_utils.save(pm, tmp_path / "split")
+    per_expert = lora_utils.to_per_expert(
+        split, tmp_path / "per_expert", e_num, hf.config.hidden_size, inter, mixtral=arch == "mixtral"
+    )
+    mgr.load("per_expert", str(per_expert))
+    _check_against_peft(pm, eng, "per_expert")
 
 
 def _variant(src, dst, seed: int):
@@ -112,7 +119,7 @@ def test_mixed_batch_equals_alone(tmp_path):
         outs = eng.step([(seqs[i], prompts[i]) for i in group], adapters=[names[i] for i in group])
         toks = {i: [int(o.argmax())] for i, o in zip(group, outs)}
         logits = {i: [o] for i, o in zip(group, outs)}
-        for _ in range(5):
+        for _ in range(3):
             outs = eng.step([(seqs[i], [toks[i][-1]]) for i in group], adapters=[names[i] for i in group])
             for i, o in zip(group, outs):
                 toks[i].append(int(o.argmax()))

@@ -18,9 +18,10 @@ from typing import Any
 import grpc
 
 from coordinator.http.protocol import APIError
-from coordinator.requests import InvalidRequest, parse_request
+from coordinator.requests import InvalidRequest, check_prompt_bytes, parse_request_async
 from coordinator.sampler import SamplingParams
 from coordinator.scheduler import Output, SchedulerStopped
+from coordinator.tokenizer import PromptTooLong
 from expertmesh.v1 import generation_pb2
 
 # gRPC status of a failed step -> HTTP status
@@ -41,7 +42,7 @@ class Job:
     lora: str | None = None  # the LoRA adapter the request's ``model`` selected; None = base
 
 
-def make_job(
+async def make_job(
     coord: Any,
     *,
     prompt: str | None = None,
@@ -74,12 +75,31 @@ def make_job(
     if seed is not None:
         req.seed = seed
     try:
-        ids, params = parse_request(req, coord.request_limits, coord.tokenizer, usable_adapters(coord))
+        # NOTE: off the event loop for a long prompt (issue 15: one prompt must not stall all)
+        ids, params = await parse_request_async(
+            req, coord.request_limits, coord.tokenizer, usable_adapters(coord)
+        )
     except InvalidRequest as e:
         coord.metrics.invalid()
         # the gRPC field names in the shared messages, in OpenAI's words
         raise APIError(400, str(e).replace("max_new_tokens", "max_tokens")) from None
     return Job(ids, dataclasses.replace(params, top_logprobs=top_logprobs), lora or None)
+
+
+async def chat_prompt_ids(coord: Any, text: str) -> list[int]:
+    """A rendered chat's ids, under the same byte and context limits as a prompt, tokenized
+    off the event loop (the template writes the special tokens itself)."""
+    limits = coord.request_limits
+    try:
+        check_prompt_bytes(text, limits.input)
+        return await asyncio.to_thread(
+            coord.tokenizer.encode, text, max_tokens=limits.max_context - 1, add_special_tokens=False
+        )
+    except InvalidRequest as e:
+        raise APIError(400, str(e), param="messages") from None
+    except PromptTooLong as e:
+        msg = f"prompt of {e.tokens} tokens does not fit the max context of {limits.max_context} tokens"
+        raise APIError(400, msg, param="messages") from None
 
 
 async def run_jobs(coord: Any, jobs: list[Job]) -> AsyncGenerator[tuple[int, Output], None]:

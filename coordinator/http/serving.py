@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.chat import ChatTemplateError
-from coordinator.http.generate import Job, make_job, run_jobs, usable_adapters
+from coordinator.http.generate import Job, chat_prompt_ids, make_job, run_jobs, usable_adapters
 from coordinator.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from coordinator.scheduler import Output
 
@@ -65,12 +65,14 @@ class Serving:
         raise APIError(404, f"the model {req.model!r} does not exist; served: {known}", "not_found_error",
                        param="model", code="model_not_found")  # fmt: skip
 
-    def _jobs(self, prompts: list[dict[str, Any]], req: Any, lora: str, top_logprobs: int, logprobs: bool):
+    async def _jobs(
+        self, prompts: list[dict[str, Any]], req: Any, lora: str, top_logprobs: int, logprobs: bool
+    ):
         jobs: list[Job] = []
         for p in prompts:
             for j in range(req.n):
                 jobs.append(
-                    make_job(
+                    await make_job(
                         self.coord,
                         **p,
                         max_tokens=getattr(req, "max_completion_tokens", None) or req.max_tokens,
@@ -104,7 +106,7 @@ class Serving:
             raise APIError(400, "echo is not supported", param="echo")
         prompts = _completion_prompts(req.prompt)
         n_top = req.logprobs or 0
-        jobs = self._jobs(prompts, req, lora, n_top, req.logprobs is not None)
+        jobs = await self._jobs(prompts, req, lora, n_top, req.logprobs is not None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
@@ -175,11 +177,11 @@ class Serving:
         except ChatTemplateError as e:
             raise APIError(400, f"chat template: {e}", param="messages") from None
         # NOTE: the template writes the special tokens (BOS, ...) itself, as in transformers
-        ids = self.coord.tokenizer.tok.encode(text, add_special_tokens=False).ids
+        ids = await chat_prompt_ids(self.coord, text)
         n_top = req.top_logprobs or 0
         if n_top and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        jobs = self._jobs([{"input_ids": ids}], req, lora, n_top, req.logprobs)
+        jobs = await self._jobs([{"input_ids": ids}], req, lora, n_top, req.logprobs)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from expertmesh import auth, wire
+from expertmesh import auth, cores, wire
 from expertmesh.transport import segment
 
 KINDS = ("gpu", "cpu")
@@ -29,7 +29,8 @@ class WorkerConfig:
     capacity: int | None = None  # local slots per layer; default: the model's expert count
     max_message_mb: int = 256
     shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
-    shm_spin_us: float = 300.0  # fast paths: poll this long for the next request before sleeping
+    # fast paths: poll this long for the next request before sleeping (0 where cores are scarce)
+    shm_spin_us: float = field(default_factory=cores.default_spin_us)
     metrics_port: int | None = None  # issue 16: Prometheus /metrics here (0 = a free one); None = off
 
     max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
@@ -97,8 +98,9 @@ class WorkerConfig:
         p.add_argument(
             "--shm-spin-us",
             type=float,
-            default=300.0,
-            help="fast paths: poll this long for the next request before sleeping (0 = always sleep)",
+            default=cores.default_spin_us(),
+            help="fast paths: poll this long for the next request before sleeping (0 = always sleep; "
+            "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
         )
         p.add_argument(
             "--max-loras",
