@@ -147,7 +147,7 @@ def test_expert_failure_is_unavailable_through_the_api(ckpt):
     with ServerThread(CoordinatorConfig(model_dir=str(ckpt), port=0, page_size=4)) as s:
         eng = s.scheduler.engine
         flaky = Flaky(eng.dispatcher)
-        s.scheduler.call_between_steps(lambda: eng.model.attach(flaky, s.server.load)).result(10)
+        s.scheduler.call_between_steps(lambda: eng.model.attach(flaky, s.server.load.record)).result(10)
         with Client(s.addr) as c:
             flaky.failing = True
             with pytest.raises(grpc.RpcError) as e:
