@@ -102,9 +102,10 @@ def test_grpc_codec_carries_every_field(adapters):
     assert torch.equal(back.hidden, full.hidden[rows])
 
 
-@pytest.mark.skipif(not segment.available(), reason="no /dev/shm here")
 @pytest.mark.parametrize("adapters", [None, torch.tensor([3, -1, 3], dtype=torch.int32)])
 def test_shm_codec_carries_every_field_to_the_core(worker, adapters):
+    # NOTE: not skipped without /dev/shm: the project targets Linux hosts, where the fast path must work
+    assert segment.available(), "no writable /dev/shm: the shared-memory fast path cannot be tested"
     worker.adapter_slots = frozenset({3})
     seen: list[ExpertRequest] = []
 
