@@ -43,7 +43,7 @@ from coordinator.requests import InvalidRequest, RequestLimits, add_generation_s
 from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
 from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
-from expertmesh import auth, status
+from expertmesh import auth, cores, status
 from expertmesh import placement as pl
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.errors import ExpertMeshError
@@ -402,6 +402,7 @@ def _report_crash(task: asyncio.Task) -> None:
 
 def create_server(config: CoordinatorConfig) -> CoordinatorServer:
     """Loads the model and builds the server (call inside the event loop that will run it)."""
+    cores.cap_default_executor()  # issue 10r: asyncio.to_thread's pool, sized from this process's cores
     reader = CheckpointReader(config.model_dir)
     cfg, dtype, device = reader.config, config.torch_dtype, torch.device(config.device)
     spec = KVCacheSpec.from_budget(cfg, config.kv_memory_bytes, config.page_size, dtype)

@@ -17,15 +17,125 @@ import os
 # computing while both servers wait for the next layer)
 LOCAL_PROCESSES = 3
 SPIN_US = 300.0  # fast paths' poll before sleeping, when cores allow it
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/self/cgroup"
 
 
-def available() -> int:
-    """Cores this process may run on (its affinity mask: what taskset, cgroups' cpusets and
-    container runtimes restrict; ``os.cpu_count()`` would count the whole host)."""
+def available(cgroup_root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int:
+    """Cores this process may use: its affinity mask (what taskset and cpusets restrict;
+    ``os.cpu_count()`` would count the whole host), lowered to its cgroup's CPU quota (what
+    ``docker --cpus`` and Kubernetes CPU limits set while leaving every core in the mask), at
+    least 1."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        mask = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        mask = os.cpu_count() or 1
+    quota = cgroup_quota(cgroup_root, proc_cgroup)
+    if quota is not None:
+        # NOTE: rounded down: a 1.5-core quota throttles a second busy thread half of the time
+        mask = min(mask, int(quota))
+    return max(1, mask)
+
+
+def cgroup_quota(cgroup_root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> float | None:
+    """The CPU quota of this process's cgroup in cores (quota / period; the tightest of its
+    ancestors), None when there is none or it cannot be read. cgroup v2: ``cpu.max``
+    ("max 100000" or "200000 100000"); v1: ``cpu.cfs_quota_us`` (-1 = none) over
+    ``cpu.cfs_period_us`` in the ``cpu`` controller's hierarchy."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best: float | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2 unified hierarchy
+            dirs = [cgroup_root]
+            read = _v2_quota
+        elif "cpu" in controllers.split(","):
+            dirs = [os.path.join(cgroup_root, d) for d in (controllers, "cpu", "cpu,cpuacct")]
+            read = _v1_quota
+        else:
+            continue
+        for base in dirs:
+            if not os.path.isdir(base):
+                continue
+            for d in _ancestors(base, path):
+                q = read(d)
+                if q is not None and (best is None or q < best):
+                    best = q
+            break
+    return best
+
+
+def _ancestors(base: str, path: str) -> list[str]:
+    """``base/path`` and each of its parents up to ``base`` (a container's namespaced view
+    shows "/" here, its own limit then sits at ``base``)."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    return [os.path.join(base, *parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _v2_quota(d: str) -> float | None:
+    raw = _read(os.path.join(d, "cpu.max"))
+    if raw is None:
+        return None
+    fields = raw.split()
+    if len(fields) != 2 or fields[0] == "max":
+        return None
+    try:
+        quota, period = int(fields[0]), int(fields[1])
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _v1_quota(d: str) -> float | None:
+    q, p = _read(os.path.join(d, "cpu.cfs_quota_us")), _read(os.path.join(d, "cpu.cfs_period_us"))
+    if q is None or p is None:
+        return None
+    try:
+        quota, period = int(q), int(p)
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def io_threads(cores: int | None = None) -> int:
+    """Threads for a server's blocking helpers (asyncio's default executor: tokenizing, file
+    reads, admin work): asyncio would start up to ``os.cpu_count() + 4`` (the whole host's
+    count, 36+ on a big machine) next to the process's compute threads."""
+    cores = available() if cores is None else cores
+    return max(2, min(8, cores))
+
+
+def cap_default_executor(threads: int | None = None) -> None:
+    """Gives the running event loop a bounded default executor (call inside the loop, before
+    the first ``asyncio.to_thread``). gRPC's C-core keeps its own pool, which Python cannot size."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop here: the caller's asyncio.run makes its own
+        return
+    if getattr(loop, "_expertmesh_io_capped", False):  # several servers in one loop (tests)
+        return
+    n = io_threads() if threads is None else threads
+    loop.set_default_executor(ThreadPoolExecutor(n, thread_name_prefix="io"))
+    with contextlib.suppress(AttributeError):  # a loop class without __dict__: capped again next time
+        loop._expertmesh_io_capped = True  # type: ignore[attr-defined]
 
 
 def default_spin_us(cores: int | None = None, busy: int = LOCAL_PROCESSES) -> float:

@@ -70,3 +70,75 @@ def test_up_passes_each_child_its_share(monkeypatch, cores_here, argv, threads, 
     for name, cmd in _children(argv).items():
         assert _flag(cmd, "--threads") == str(threads[name]), (name, cmd)
         assert _flag(cmd, "--shm-spin-us") == spin, (name, cmd)
+
+
+# ---------------------------------------------------------------- cgroup CPU quotas (issue 10r)
+
+
+def _tree(base, proc: str, files: dict[str, str]) -> tuple[str, str]:
+    """A fake /proc/self/cgroup and /sys/fs/cgroup tree under ``base`` (made here)."""
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "proc_cgroup").write_text(proc)
+    root = base / "cg"
+    root.mkdir()
+    for rel, text in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return str(root), str(base / "proc_cgroup")
+
+
+@pytest.mark.parametrize(
+    "proc, files, quota",
+    [
+        ("0::/\n", {"cpu.max": "max 100000\n"}, None),  # v2, no limit
+        ("0::/\n", {"cpu.max": "150000 100000\n"}, 1.5),  # v2 in a container's namespace
+        # v2 from the host's view: the tightest of the process's cgroup and its parents
+        ("0::/a/b\n", {"a/cpu.max": "200000 100000", "a/b/cpu.max": "max 100000"}, 2.0),
+        ("0::/a/b\n", {"a/cpu.max": "400000 100000", "a/b/cpu.max": "300000 100000"}, 3.0),
+        ("0::/\n", {}, None),  # no cpu controller file at all
+        ("0::/\n", {"cpu.max": "garbage"}, None),
+        # v1 (cpu,cpuacct hierarchy), -1 = none
+        (
+            "4:cpu,cpuacct:/docker/x\n1:memory:/\n",
+            {
+                "cpu,cpuacct/docker/x/cpu.cfs_quota_us": "-1",
+                "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000",
+            },
+            None,
+        ),  # fmt: skip
+        (
+            "4:cpu,cpuacct:/docker/x\n",
+            {
+                "cpu,cpuacct/docker/x/cpu.cfs_quota_us": "50000",
+                "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000",
+            },
+            0.5,
+        ),  # fmt: skip
+        # v1 seen from inside the container: the path names the host's cgroup, the mount is ours
+        (
+            "4:cpu:/kubepods/pod1\n",
+            {"cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"},
+            3.0,
+        ),
+    ],
+)
+def test_cgroup_quota(tmp_path, proc, files, quota):
+    root, proc_file = _tree(tmp_path, proc, files)
+    assert cores.cgroup_quota(root, proc_file) == quota
+
+
+def test_available_takes_the_quota_and_the_mask(tmp_path, monkeypatch):
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(16)))
+    tree = _tree(tmp_path / "a", "0::/\n", {"cpu.max": "250000 100000"})
+    assert cores.available(*tree) == 2  # 2.5 cores of quota: two busy threads fit
+    tree = _tree(tmp_path / "b", "0::/\n", {"cpu.max": "50000 100000"})
+    assert cores.available(*tree) == 1  # half a core: still one thread
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1})
+    tree = _tree(tmp_path / "c", "0::/\n", {"cpu.max": "800000 100000"})
+    assert cores.available(*tree) == 2  # the mask is tighter
+    assert cores.available(str(tmp_path / "none"), str(tmp_path / "no_proc")) == 2  # nothing readable
+
+
+def test_io_threads_are_bounded():
+    assert [cores.io_threads(n) for n in (1, 2, 4, 64)] == [2, 2, 4, 8]

@@ -20,6 +20,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expertmesh import cores
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
 from expertmesh.metrics import serve_metrics
@@ -57,6 +58,7 @@ class RunningWorker:
 
 
 async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> RunningWorker:
+    cores.cap_default_executor()  # issue 10r: asyncio's helper pool, sized from this process's cores
     reader = CheckpointReader(config.model_dir)
     cfg = reader.config
     capacity = config.capacity or cfg.num_experts
