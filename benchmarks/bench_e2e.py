@@ -1,4 +1,5 @@
-"""End-to-end decode speed at real model widths: expertmesh in process vs HF transformers.
+"""End-to-end decode speed at real model widths: expertmesh in process, with a GPU expert
+server (same GPU over each transport, and a second GPU when there is one), vs HF transformers.
 
 Writes random-weight checkpoints of Qwen3-30B-A3B widths (bf16; H 2048, 32 query / 4 KV heads
 of 128, 128 experts, top-8, expert I 768, vocab 151936) at two depths with transformers itself,
@@ -11,6 +12,12 @@ The HBM floor per layer is the bytes a decode step must read from device memory 
 router weights, the distinct experts the batch touches -- expected value under uniform routing
 --, the KV history) over the copy bandwidth measured in the same run.
 
+Remote modes (``--remote``): ``expertmesh gpu-server --device cuda:G`` in its own process per
+depth, the coordinator's engine in this process with a :class:`RemoteDispatcher` per transport
+(piecewise decode graphs, coordinator/remote_graphs.py). Their floor is the two-process floor:
+the in-process layer plus one same-GPU context-switch round trip
+(benchmarks/bench_gpu_context_switch.py, measured in the same run).
+
     python benchmarks/bench_e2e.py --out DIR            # on a CUDA machine
     python benchmarks/bench_e2e.py --tiny --device cpu  # smoke test of the script itself
 
@@ -22,7 +29,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import re
+import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.engine import Engine  # noqa: E402
+from coordinator.kv_cache import KVCacheSpec  # noqa: E402
 
 # real_depth: decoder layers of the real model; kv_per_token: elements per token per layer a
 # decode step must read from the KV history (MLA: the compressed latent, what the model needs)
@@ -132,23 +145,36 @@ def hf_decode_ms(model, batch: int, prompt: int, new: int, device: str) -> float
     return (min(run(new) for _ in range(2)) - min(run(1) for _ in range(2))) / (new - 1) * 1e3
 
 
-def em_decode_ms(eng: Engine, batch: int, prompt: int, new: int, vocab: int) -> tuple[float, list[int]]:
-    """Milliseconds per decode step of expertmesh greedy decode (argmax, one host read a step)."""
+def em_decode_ms(
+    eng: Engine, batch: int, prompt: int, new: int, vocab: int
+) -> tuple[float, list[int], list[float] | None]:
+    """Milliseconds per decode step of expertmesh greedy decode (argmax, one host read a step),
+    the first sequence's greedy tokens, and for the remote graphs the median microseconds per
+    layer of (segment replay + routing on the host, route + send, wait + copy-in)."""
     g = torch.Generator().manual_seed(batch)
     seqs = [eng.new_seq() for _ in range(batch)]
     logits = eng.step([(s, torch.randint(0, vocab, (prompt,), generator=g).tolist()) for s in seqs])
     toks = torch.stack(logits).argmax(-1).tolist()
-    first = list(toks)
+    first = [toks[0]]
     for _ in range(2):  # warm-up: kernels compile for the decode shapes outside the graphs
         toks = torch.stack(eng.step([(s, [t]) for s, t in zip(seqs, toks)])).argmax(-1).tolist()
+        first.append(toks[0])
     sync(str(eng.device))
+    graphs = getattr(eng, "graphs", None)
+    timings = getattr(graphs, "timings", None)
+    if timings is not None:
+        timings.clear()
     t0 = time.perf_counter()
     for _ in range(new):
         toks = torch.stack(eng.step([(s, [t]) for s, t in zip(seqs, toks)])).argmax(-1).tolist()
+        first.append(toks[0])
     sync(str(eng.device))
     dt = (time.perf_counter() - t0) / new * 1e3
-    graphs = getattr(eng, "graphs", None)
-    if graphs is not None:  # the graph alone, no host work: what the GPU spends per step
+    pieces = None
+    if timings:  # host timers around the remote path's per-layer pieces (remote_graphs.py)
+        pieces = [statistics.median(c) * 1e6 for c in zip(*timings)]
+    if graphs is not None and hasattr(graphs, "graphs") and graphs.graphs:
+        # the graph alone, no host work: what the GPU spends per step
         graph = graphs.graphs[graphs.bucket(batch)]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -159,7 +185,7 @@ def em_decode_ms(eng: Engine, batch: int, prompt: int, new: int, vocab: int) -> 
         REPLAY_MS[(eng.config.num_layers, batch)] = start.elapsed_time(end) / 20
     for s in seqs:
         eng.free(s)
-    return dt, first
+    return dt, first, pieces
 
 
 REPLAY_MS: dict[tuple[int, int], float] = {}  # (layers, batch) -> ms per graph replay
@@ -211,6 +237,59 @@ def profile(eng: Engine, batch: int, prompt: int, vocab: int, out: Path, tag: st
         eng.free(s)
 
 
+_LISTEN = re.compile(r"listening on (\S+):(\d+)")
+
+
+def start_gpu_server(ck: Path, gpu: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """``expertmesh gpu-server`` on ``cuda:gpu`` in its own process; returns it and its address."""
+    cmd = [sys.executable, "-m", "expertmesh.cli", "gpu-server", "--model", str(ck), "--port", "0",
+           "--device", f"cuda:{gpu}", "--dtype", "bfloat16", "--threads", "2"]  # fmt: skip
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root
+    )
+    assert proc.stdout is not None
+    f = open(log, "a")  # noqa: SIM115 (kept open by the drain thread)
+    for line in proc.stdout:
+        f.write(line)
+        m = _LISTEN.search(line)
+        if m:
+            threading.Thread(target=lambda: [f.write(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            return proc, f"127.0.0.1:{m.group(2)}"
+    raise RuntimeError(f"gpu-server on cuda:{gpu} did not start (log: {log})")
+
+
+def remote_engine(ck: Path, address: str, transport: str, dtype: torch.dtype, pages: int, graphs: bool):
+    """A CUDA coordinator engine whose experts all live on the server at ``address``."""
+    from coordinator.loader import load_model
+    from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+    from expertmesh.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(str(ck))
+    cluster = ClusterConfig((ServerSpec("gpu0", address, "gpu"),), transport=transport, timeout_s=120)
+    d = RemoteDispatcher(reader.config, cluster, dtype, "cuda")
+    d.connect(300)
+    dev = torch.device("cuda")
+    model = load_model(reader, dtype, dev)
+    eng = Engine(model, d, KVCacheSpec(pages, 16), dtype, dev, cuda_graphs=graphs)
+    if eng.graphs is not None and hasattr(eng.graphs, "timings"):
+        eng.graphs.timings = []  # per-layer host timers (remote_graphs.py)
+    return eng, d
+
+
+def remote_modes(args) -> list[tuple[str, int, str, bool]]:
+    """(name, server GPU, transport, graphs) of each remote mode asked for."""
+    out = [(f"gpu-server same GPU {t}", 0, t, True) for t in args.remote]
+    if args.remote_eager and args.remote:
+        out.append((f"gpu-server same GPU {args.remote[-1]} (no graphs)", 0, args.remote[-1], False))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        out += [(f"gpu-server second GPU {t}", 1, t, True) for t in args.second_gpu]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -224,6 +303,16 @@ def main() -> None:
     ap.add_argument("--no-graphs-too", action="store_true", help="also time expertmesh without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of a few decode steps")
     ap.add_argument("--old-engine", action="store_true", help="time an Engine without cuda_graphs (before)")
+    ap.add_argument("--remote", nargs="*", default=[], metavar="TRANSPORT",
+                    help="GPU expert server on this GPU over each transport (grpc shm cuda_ipc auto)")  # fmt: skip
+    ap.add_argument("--second-gpu", nargs="*", default=["auto", "grpc"], metavar="TRANSPORT",
+                    help="transports to a GPU expert server on a second GPU (when there is one)")  # fmt: skip
+    ap.add_argument(
+        "--remote-eager", action="store_true", help="also the last --remote transport without graphs"
+    )
+    ap.add_argument(
+        "--switch-rounds", type=int, default=400, help="rounds of the context-switch floor (0 = skip)"
+    )
     ap.add_argument("--tiny", action="store_true", help="small widths (smoke test)")
     ap.add_argument("--work", default="/tmp/bench_e2e")
     ap.add_argument("--out", default=".")
@@ -233,22 +322,30 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = widths["vocab_size"]
-    pages = max(args.batches) * -(-(args.prompt + args.new + 1) // 16) + 8
+    pages = max(args.batches) * -(-(args.prompt + args.new + 3 + 1) // 16) + 8
     res: dict[str, dict[int, dict[int, float]]] = {}  # mode -> depth -> batch -> ms per step
+    remotes = remote_modes(args) if args.device.startswith("cuda") else []
     modes = (
         ["expertmesh"]
         + (["expertmesh_nograph"] if args.no_graphs_too else [])
+        + [r[0] for r in remotes]
         + ([] if args.no_hf else ["hf"])
     )
     for m in modes:
         res[m] = {}
     first_tokens: dict[str, list[int]] = {}
+    pieces: dict[str, dict[int, dict[int, list[float]]]] = {}  # remote mode -> depth -> batch -> us
+    transports: dict[str, str] = {}
     for depth in args.depths:
         ck = Path(args.work) / f"{widths['model_type']}_L{depth}"
         t0 = time.perf_counter()
         hf = write_checkpoint(ck, widths, depth, dtype, args.device)
         sizes = layer_bytes(hf)
         print(f"checkpoint L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
+        servers = {
+            g: start_gpu_server(ck, g, out / f"gpu_server{g}_L{depth}.log")
+            for g in sorted({r[1] for r in remotes})
+        }  # fmt: skip  (they load while we time)
         if not args.no_hf:
             res["hf"][depth] = {
                 b: hf_decode_ms(hf, b, args.prompt, args.hf_new, args.device) for b in args.batches
@@ -265,8 +362,8 @@ def main() -> None:
             print(f"engine {m} L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
             res[m][depth] = {}
             for b in args.batches:
-                res[m][depth][b], first = em_decode_ms(eng, b, args.prompt, args.new, vocab)
-                first_tokens[f"{m}_L{depth}_b{b}"] = first[:4]
+                res[m][depth][b], first, _ = em_decode_ms(eng, b, args.prompt, args.new, vocab)
+                first_tokens[f"{m}_L{depth}_b{b}"] = first
             print(m, depth, res[m][depth], flush=True)
             if args.profile and (m == "expertmesh" or args.old_engine):
                 for b in (1, max(args.batches)):
@@ -275,7 +372,41 @@ def main() -> None:
             gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+        try:
+            for name, gpu, transport, graphs in remotes:
+                t0 = time.perf_counter()
+                eng, d = remote_engine(ck, servers[gpu][1], transport, dtype, pages, graphs)
+                transports[name] = d.server_infos()[0]["transport"]
+                print(
+                    f"engine {name} L={depth} ({transports[name]}): {time.perf_counter() - t0:.1f}s",
+                    flush=True,
+                )
+                try:
+                    res[name][depth], pieces.setdefault(name, {})[depth] = {}, {}
+                    for b in args.batches:
+                        res[name][depth][b], first, us = em_decode_ms(eng, b, args.prompt, args.new, vocab)
+                        first_tokens[f"{name}_L{depth}_b{b}"] = first
+                        if us is not None:
+                            pieces[name][depth][b] = us
+                    print(name, depth, res[name][depth], pieces[name][depth], flush=True)
+                    if args.profile and graphs and gpu == 0 and transport == args.remote[-1]:
+                        profile(eng, 1, args.prompt, vocab, out, f"{name}_L{depth}_b1")
+                finally:
+                    d.close()
+                    del eng, d
+                    gc.collect()
+                    torch.cuda.empty_cache()
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(30)
     bw = copy_bandwidth(args.device)
+    switch = {}
+    if args.device.startswith("cuda") and args.switch_rounds:
+        from bench_gpu_context_switch import measure  # beside this script (sys.path[0])
+
+        switch = measure(args.switch_rounds, ("none", "kernel"))
+        print(f"same-GPU context switch round trip: {switch}", flush=True)
     l1, l2 = args.depths
     real = widths["real_depth"]
     rows = []
@@ -288,22 +419,41 @@ def main() -> None:
                 r1, r2 = REPLAY_MS[(l1, b)], REPLAY_MS[(l2, b)]
                 print(f"graph replay alone, batch {b}: {r1:.3f} / {r2:.3f} ms at {l1} / {l2} layers: "
                       f"{(r2 - r1) / (l2 - l1):.3f} ms per layer")  # fmt: skip
+            ref = first_tokens.get(f"expertmesh_L{l2}_b{b}")
+            mine = first_tokens.get(f"{m}_L{l2}_b{b}")
+            same = (
+                None
+                if ref is None or mine is None or m == "hf"
+                else sum(x == y for x, y in zip(ref, mine)) / len(ref)
+            )
             rows.append(dict(mode=m, batch=b, per_layer_ms=per_layer, fixed_ms=fixed, tok_s=tok_s,
+                             transport=transports.get(m, ""), same_tokens=same,
+                             pieces_us=pieces.get(m, {}).get(l2, {}).get(b),
                              step_ms={str(d): res[m][d][b] for d in args.depths}))  # fmt: skip
     ctx = args.prompt + args.new // 2
     floors = {b: floor_bytes(sizes, widths, b, ctx) / bw * 1e3 for b in args.batches}
+    inproc = {r["batch"]: r["per_layer_ms"] for r in rows if r["mode"] == "expertmesh"}
+    rt_ms = (switch.get("kernel", float("nan")) - switch.get("none", 0.0)) * 1e-3 if switch else float("nan")
+    two_proc = {b: inproc[b] + rt_ms for b in args.batches}
     report = dict(model=args.model, layer_bytes=sizes, device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                  gpus=torch.cuda.device_count() if args.device.startswith("cuda") else 0,
                   torch=torch.__version__, args=vars(args), copy_bw_GBs=bw / 1e9, rows=rows,
-                  floor_ms_per_layer=floors, first_tokens=first_tokens)  # fmt: skip
+                  floor_ms_per_layer=floors, context_switch_us=switch, two_process_floor_ms=two_proc,
+                  first_tokens=first_tokens)  # fmt: skip
     (out / "bench_e2e.json").write_text(json.dumps(report, indent=1))
     print(
-        f"\n{args.model}: {report['device']}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s"
+        f"\n{args.model}: {report['device']} x{report['gpus']}, torch {torch.__version__}, copy bandwidth "
+        f"{bw / 1e9:.0f} GB/s, same-GPU context switch {rt_ms * 1e3:.0f} us per round trip"
     )
-    print(f"| mode | batch | per-layer ms | fixed ms | tok/s at {real} layers | HBM floor per layer ms |")
-    print("|---|---|---|---|---|---|")
+    print(f"| mode | transport | batch | per-layer ms | fixed ms | tok/s at {real} layers | HBM floor per layer ms "
+          "| two-process floor ms | greedy tokens = in process | per-layer pieces us (replay+sync / send / wait) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['batch']} | {r['per_layer_ms']:.3f} | {r['fixed_ms']:.2f} | "
-              f"{r['tok_s']:.0f} | {floors[r['batch']]:.3f} |")  # fmt: skip
+        tp = f"{two_proc[r['batch']]:.3f}" if r["mode"].startswith("gpu-server same") else ""
+        same = "" if r["same_tokens"] is None else f"{r['same_tokens']:.2f}"
+        pc = "" if not r["pieces_us"] else " / ".join(f"{x:.0f}" for x in r["pieces_us"])
+        print(f"| {r['mode']} | {r['transport']} | {r['batch']} | {r['per_layer_ms']:.3f} | {r['fixed_ms']:.2f} | "
+              f"{r['tok_s']:.0f} | {floors[r['batch']]:.3f} | {tp} | {same} | {pc} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ handing the GPU from one process to the other costs, a floor under any same-GPU 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -45,23 +46,25 @@ def child(op: str) -> None:
         sys.stdout.flush()
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["_child"]:
-        return child(sys.argv[2])
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=400)
-    args = ap.parse_args()
+def measure(rounds: int = 400, ops: tuple[str, ...] = OPS, device: int = 0) -> dict[str, float]:
+    """Median microseconds per round for each ``op`` (the child runs on the same GPU)."""
+    torch.cuda.set_device(device)
     a = torch.ones(1024, device="cuda")
     b = torch.empty_like(a)
-    print("| each turn (both processes) | us per round (median) |\n|---|---|")
-    for op in OPS:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device)) if device else None
+    out = {}
+    for op in ops:
         p = subprocess.Popen(
-            [sys.executable, __file__, "_child", op], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+            [sys.executable, __file__, "_child", op],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            env=env,
         )
         assert p.stdin is not None and p.stdout is not None
         p.stdout.read(1)
         ts = []
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             t0 = time.perf_counter()
             turn(op, a, b)
             p.stdin.write(b"x")
@@ -69,7 +72,19 @@ def main() -> None:
             ts.append(time.perf_counter() - t0)
         p.stdin.close()
         p.wait()
-        print(f"| {op} + synchronize | {statistics.median(ts[args.rounds // 8 :]) * 1e6:.1f} |", flush=True)
+        out[op] = statistics.median(ts[rounds // 8 :]) * 1e6
+    return out
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["_child"]:
+        return child(sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=400)
+    args = ap.parse_args()
+    print("| each turn (both processes) | us per round (median) |\n|---|---|")
+    for op, us in measure(args.rounds).items():
+        print(f"| {op} + synchronize | {us:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,14 @@ class DecodeGraphs:
         b = len(seqs)
         bucket = self.bucket(b)
         assert bucket is not None, f"{b=} > largest bucket {self.buckets[-1]}"
+        self._fill(seqs, bucket)
+        self._replay(bucket, b)
+        # NOTE: a copy, since the next replay overwrites the graph's output
+        return self.logits[bucket][:b].clone()
+
+    def _fill(self, seqs: list[tuple[int, int, list[int]]], bucket: int) -> None:
+        """The step's metadata into the static buffers: one host-to-device copy per buffer."""
+        b = len(seqs)
         p = self.cache.page_size
         need = [-(-(past + 1) // p) for _, past, _ in seqs]
         w = max(need)
@@ -119,9 +127,9 @@ class DecodeGraphs:
             table[i, : need[i]] = torch.tensor(pages[: need[i]], dtype=torch.int32)
         self.meta[:, :bucket].copy_(host)
         self.table[:b, :w].copy_(table)
+
+    def _replay(self, bucket: int, b: int) -> None:
         self.graphs[bucket].replay()
         if self.load_hook is not None:
             for layer, ids in self.routed[bucket].items():
                 self.load_hook(layer, ids[:b])
-        # NOTE: a copy, since the next replay overwrites the graph's output
-        return self.logits[bucket][:b].clone()

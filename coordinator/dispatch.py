@@ -36,6 +36,10 @@ class Pending:
 
 
 class Dispatcher(ABC):
+    # how a CUDA engine may graph the decode step around this dispatcher (coordinator/engine.py):
+    # "whole" (every expert in process), "piecewise" (cut at each MoE dispatch), "none"
+    graph_mode = "none"
+
     @abstractmethod
     def submit(
         self,
@@ -74,6 +78,8 @@ def default_backend(device: torch.device) -> ExpertBackend:
 
 class LocalDispatcher(Dispatcher):
     """All routed experts in this process: the in-process engine path and the reference."""
+
+    graph_mode = "whole"
 
     def __init__(
         self,

@@ -55,9 +55,15 @@ class Engine:
         self.seqs: dict[int, SeqState] = {}
         self._next_id = 0
         self.graphs: DecodeGraphs | None = None
-        # NOTE: remote dispatch waits on the network inside the layer loop: not capturable
-        if cuda_graphs and device.type == "cuda" and isinstance(dispatcher, LocalDispatcher):
+        mode = dispatcher.graph_mode if cuda_graphs and device.type == "cuda" else "none"
+        if mode == "whole":
             self.graphs = DecodeGraphs(model, self.cache, spec.num_pages, load_hook)
+        elif mode == "piecewise":
+            # NOTE: remote dispatch waits on another process inside the layer loop: the step is
+            # captured in pieces between the dispatches (coordinator/remote_graphs.py)
+            from coordinator.remote_graphs import RemoteDecodeGraphs
+
+            self.graphs = RemoteDecodeGraphs(model, self.cache, spec.num_pages, load_hook, dispatcher)  # type: ignore[arg-type]
 
         # called after every forward step on the step's thread (the EPLB manager's counter)
         self.after_step: Callable[[], None] | None = None

@@ -37,6 +37,8 @@ _FastReply = FastReply  # the name tests/test_transport_gpu.py patches (same cla
 
 
 class RemoteDispatcher(Dispatcher):
+    graph_mode = "piecewise"  # coordinator/remote_graphs.py
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -54,6 +56,10 @@ class RemoteDispatcher(Dispatcher):
         self._live_key: tuple[int, frozenset[int]] | None = None
         self._rr_offset = 0
         self._all_on_gpu = False
+        # layer -> (server, [E] int32 local slot of each logical expert) for the layers whose
+        # live experts all sit once on one server (rebuilt with _live): routing is one gather
+        self._single: dict[int, tuple[int, torch.Tensor]] = {}
+        self._rows = torch.arange(0)  # [T] every row of the step, in order
         self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
 
         # (server, layer, compute ms, (token, k) pairs) per answer that reports its compute
@@ -91,6 +97,16 @@ class RemoteDispatcher(Dispatcher):
         if (tables.generation, down) != self._live_key:  # servers to route around changed
             self._live_key = (tables.generation, down)
             self._live = {layer: pl.live_tables(lt, down) for layer, lt in tables.placement.tables.items()}
+            self._single = {}
+            for layer, lt in self._live.items():
+                owners = lt.owner[
+                    lt.log2phy[:, 0]
+                ]  # [E] (every expert has a replica: checked by the cluster)
+                if bool((lt.logcnt == 1).all()) and bool((owners == owners[0]).all()):
+                    local = lt.local_slot[lt.log2phy[:, 0]].to(torch.int32)  # [E]
+                    self._single[layer] = (int(owners[0]), local)
+        if self._rows.numel() < num_tokens:
+            self._rows = torch.arange(num_tokens)
         t = self.cluster.gpu_prefill_token_threshold
         self._all_on_gpu = bool(t) and num_tokens >= t and tables.full_server not in down
 
@@ -104,6 +120,13 @@ class RemoteDispatcher(Dispatcher):
         # the layer's replicas on live servers (all of them unless a server is routed around)
         lt = self._live.get(layer) if tables is self._step else None
         lt = lt if lt is not None else tables.placement.tables[layer]
+        single = self._single.get(layer) if tables is self._step else None
+        if single is not None:  # NOTE: every replica policy picks the only replica
+            server, local = single
+            t = topk_ids.shape[0]
+            rows = self._rows[:t] if self._rows.numel() >= t else torch.arange(t)
+            batch = pl.ServerBatch(server, rows, local[topk_ids], topk_weights.float())
+            return [batch], None  # None: a lost server had every pair, as on the full-server path
         phys = pl.choose_replicas(topk_ids, lt, self.cluster.replica_policy, self._rr_offset)  # [T, K]
         self._rr_offset += topk_ids.numel()
         return pl.split_by_server(phys, topk_weights, lt, len(tables.slots)), phys
@@ -122,8 +145,19 @@ class RemoteDispatcher(Dispatcher):
             sent.append((b, conn.submit(req)))
         return sent
 
-    def submit(self, layer, x, topk_ids, topk_weights, adapter_slots: torch.Tensor | None = None):
-        """``adapter_slots [T]`` int32 (MoE LoRA, -1 = none) travels with each server's rows."""
+    def submit(
+        self,
+        layer,
+        x,
+        topk_ids,
+        topk_weights,
+        adapter_slots: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ):
+        """``adapter_slots [T]`` int32 (MoE LoRA, -1 = none) travels with each server's rows.
+        ``out [T, H]``: where ``wait()`` writes the sum (a static buffer of the piecewise graphs,
+        coordinator/remote_graphs.py); a fresh tensor when None. ``topk_ids``/``topk_weights``
+        may already be on the host (pinned): then nothing is copied here."""
         tables = self._step or self.expert_cluster.tables
         ids, w = topk_ids.cpu(), topk_weights.cpu()
         batches, phys = self._route(tables, layer, ids, w)
@@ -135,7 +169,11 @@ class RemoteDispatcher(Dispatcher):
         sent = self._send(tables, layer, x, batches, adapters)
 
         def wait() -> torch.Tensor:
-            out = torch.zeros_like(x)  # [T, H]
+            dst = torch.empty_like(x) if out is None else out  # [T, H]
+            whole = len(sent) == 1 and sent[0][0].rows.numel() == x.shape[0]
+            zeroed = not whole
+            if zeroed:  # several servers (or some rows on none): a sum from zero
+                dst.zero_()
             first = time.monotonic() + self.cluster.timeout_s
             todo = [(b, reply, first) for b, reply in sent]
             i = 0
@@ -154,24 +192,30 @@ class RemoteDispatcher(Dispatcher):
                         again = time.monotonic() + self.cluster.timeout_s
                         resent = self._resend(tables, layer, x, ids, w, phys, b.server, e, adapters)
                         todo += [(b2, r2, again) for b2, r2 in resent]
+                        if not zeroed:  # the re-sent shares are summed
+                            dst.zero_()
+                            zeroed = True
                         continue
                     if self.on_round_trip is not None:
                         self.on_round_trip(conns[b.server].spec.name, time.perf_counter() - t0)
                     ms = getattr(reply, "compute_ms", None)
                     if ms is not None and self.server_time_hook is not None:
                         self.server_time_hook(b.server, layer, ms, int((b.slot_ids >= 0).sum()))
-                    part = part.to(device=x.device, dtype=x.dtype)
-                    if b.rows.numel() == x.shape[0]:  # every row, in order: no index to upload
-                        out.add_(part)
+                    if not zeroed:  # the one answer is the sum: one copy, any device
+                        dst.copy_(part)
                     else:
-                        out.index_add_(0, b.rows.to(x.device), part)
+                        part = part.to(device=x.device, dtype=x.dtype)
+                        if b.rows.numel() == x.shape[0]:  # every row, in order: no index to upload
+                            dst.add_(part)
+                        else:
+                            dst.index_add_(0, b.rows.to(x.device), part)
                     reply.release()
             finally:
                 # NOTE: answers still due are freed when they arrive, never before: the server
                 # may be writing them into the ring right now.
                 for _, reply, _ in todo[i:]:
                     reply.abandon()
-            return out
+            return dst
 
         return Pending(wait)
 

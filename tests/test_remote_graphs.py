@@ -1,0 +1,61 @@
+"""Piecewise decode graphs of a CUDA coordinator with its experts on a GPU expert server
+(coordinator/remote_graphs.py): the graphed steps give the logits of the eager steps and of the
+in-process engine, at batch sizes that fill a bucket and that pad one, over each data path; the
+load hook sees every layer's routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.engine import Engine
+from coordinator.remote import ClusterConfig, ServerSpec
+from coordinator.remote_graphs import RemoteDecodeGraphs
+from tests.cluster_utils import start_server
+from tests.hf_models import make_checkpoint
+from tests.test_cluster import engine_for
+from tests.test_parity import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def decode(eng: Engine, batch: int, steps: int) -> torch.Tensor:  # [steps, batch, V]
+    g = torch.Generator().manual_seed(batch)
+    seqs = [eng.new_seq() for _ in range(batch)]
+    prompts = [torch.randint(0, 96, (3 + i,), generator=g).tolist() for i in range(batch)]
+    out = [torch.stack(eng.step(list(zip(seqs, prompts))))]
+    for _ in range(steps - 1):
+        toks = out[-1].argmax(-1).tolist()
+        out.append(torch.stack(eng.step([(s, [t]) for s, t in zip(seqs, toks)])))
+    for s in seqs:
+        eng.free(s)
+    return torch.stack(out).cpu()
+
+
+def test_piecewise_graphs_match_eager_and_in_process(tmp_path):
+    make_checkpoint("qwen3_moe", tmp_path)
+    srv = start_server("gpu", tmp_path, 0, "--device", "cuda", timeout=300)
+    servers = (ServerSpec("gpu0", srv.address, "gpu"),)
+    ref = Engine.from_checkpoint(str(tmp_path), device="cuda", num_pages=64, page_size=4)
+    seen: list[tuple[int, int]] = []  # (layer, rows) per load-hook call
+    try:
+        for transport in ["grpc", "auto"]:
+            eng, d = engine_for(tmp_path, ClusterConfig(servers, transport=transport, timeout_s=120), "cuda")
+            assert isinstance(eng.graphs, RemoteDecodeGraphs)
+            seen.clear()
+            eng.graphs.load_hook = lambda layer, ids: seen.append((layer, ids.shape[0]))
+            try:
+                for batch in (1, 3):  # 3 pads the bucket of 4
+                    graphed = decode(eng, batch, 5)
+                    layers = [blk.layer for blk in eng.model.moe_blocks()]
+                    assert sorted(seen) == sorted((layer, batch) for layer in layers for _ in range(4)), seen
+                    seen.clear()
+                    eng.graphs, graphs = None, eng.graphs
+                    eager = decode(eng, batch, 5)
+                    eng.graphs = graphs
+                    assert rel_err(graphed, eager) < 1e-5, (transport, batch)
+                    assert rel_err(graphed, decode(ref, batch, 5)) < 1e-4, (transport, batch)
+            finally:
+                d.close()
+    finally:
+        srv.stop()
