@@ -240,10 +240,12 @@ def profile(eng: Engine, batch: int, prompt: int, vocab: int, out: Path, tag: st
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 
 
-def start_gpu_server(ck: Path, gpu: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_gpu_server(ck: Path, gpu: int, graphs: bool, log: Path) -> tuple[subprocess.Popen, str]:
     """``expertmesh gpu-server`` on ``cuda:gpu`` in its own process; returns it and its address."""
     cmd = [sys.executable, "-m", "expertmesh.cli", "gpu-server", "--model", str(ck), "--port", "0",
            "--device", f"cuda:{gpu}", "--dtype", "bfloat16", "--threads", "2"]  # fmt: skip
+    if not graphs:
+        cmd.append("--no-cuda-graphs")
     root = str(Path(__file__).resolve().parents[1])
     env = dict(
         os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
@@ -280,13 +282,15 @@ def remote_engine(ck: Path, address: str, transport: str, dtype: torch.dtype, pa
     return eng, d
 
 
-def remote_modes(args) -> list[tuple[str, int, str, bool]]:
-    """(name, server GPU, transport, graphs) of each remote mode asked for."""
-    out = [(f"gpu-server same GPU {t}", 0, t, True) for t in args.remote]
+def remote_modes(args) -> list[tuple[str, tuple[int, bool], str, bool]]:
+    """(name, (server GPU, server graphs), transport, coordinator graphs) of each remote mode."""
+    out = [(f"gpu-server same GPU {t}", (0, True), t, True) for t in args.remote]
     if args.remote_eager and args.remote:
-        out.append((f"gpu-server same GPU {args.remote[-1]} (no graphs)", 0, args.remote[-1], False))
+        t = args.remote[-1]
+        out.append((f"gpu-server same GPU {t} (coordinator without graphs)", (0, True), t, False))
+        out.append((f"gpu-server same GPU {t} (server without graphs)", (0, False), t, True))
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        out += [(f"gpu-server second GPU {t}", 1, t, True) for t in args.second_gpu]
+        out += [(f"gpu-server second GPU {t}", (1, True), t, True) for t in args.second_gpu]
     return out
 
 
@@ -336,16 +340,19 @@ def main() -> None:
     first_tokens: dict[str, list[int]] = {}
     pieces: dict[str, dict[int, dict[int, list[float]]]] = {}  # remote mode -> depth -> batch -> us
     transports: dict[str, str] = {}
+    failed: dict[str, str] = {}
     for depth in args.depths:
         ck = Path(args.work) / f"{widths['model_type']}_L{depth}"
         t0 = time.perf_counter()
         hf = write_checkpoint(ck, widths, depth, dtype, args.device)
         sizes = layer_bytes(hf)
         print(f"checkpoint L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
-        servers = {
-            g: start_gpu_server(ck, g, out / f"gpu_server{g}_L{depth}.log")
-            for g in sorted({r[1] for r in remotes})
-        }  # fmt: skip  (they load while we time)
+        servers = {  # they load while the in-process modes are timed
+            key: start_gpu_server(
+                ck, key[0], key[1], out / f"gpu_server{key[0]}{'' if key[1] else '_eager'}_L{depth}.log"
+            )
+            for key in sorted({r[1] for r in remotes})
+        }
         if not args.no_hf:
             res["hf"][depth] = {
                 b: hf_decode_ms(hf, b, args.prompt, args.hf_new, args.device) for b in args.batches
@@ -373,9 +380,14 @@ def main() -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         try:
-            for name, gpu, transport, graphs in remotes:
+            for name, key, transport, graphs in remotes:
                 t0 = time.perf_counter()
-                eng, d = remote_engine(ck, servers[gpu][1], transport, dtype, pages, graphs)
+                try:
+                    eng, d = remote_engine(ck, servers[key][1], transport, dtype, pages, graphs)
+                except Exception as e:  # noqa: BLE001  # NOTE: a mode that cannot start is reported, the others run
+                    print(f"MODE FAILED {name} L={depth}: {type(e).__name__}: {e}", flush=True)
+                    failed[name] = f"{type(e).__name__}: {e}"
+                    continue
                 transports[name] = d.server_infos()[0]["transport"]
                 print(
                     f"engine {name} L={depth} ({transports[name]}): {time.perf_counter() - t0:.1f}s",
@@ -389,8 +401,12 @@ def main() -> None:
                         if us is not None:
                             pieces[name][depth][b] = us
                     print(name, depth, res[name][depth], pieces[name][depth], flush=True)
-                    if args.profile and graphs and gpu == 0 and transport == args.remote[-1]:
+                    if args.profile and graphs and key == (0, True) and transport == args.remote[-1]:
                         profile(eng, 1, args.prompt, vocab, out, f"{name}_L{depth}_b1")
+                except Exception as e:  # noqa: BLE001  # NOTE: reported; the other modes still run
+                    print(f"MODE FAILED {name} L={depth}: {type(e).__name__}: {e}", flush=True)
+                    failed[name] = f"{type(e).__name__}: {e}"
+                    res[name].pop(depth, None)
                 finally:
                     d.close()
                     del eng, d
@@ -411,6 +427,9 @@ def main() -> None:
     real = widths["real_depth"]
     rows = []
     for m in modes:
+        if any(d not in res[m] for d in args.depths):
+            print(f"no rows for {m}: {failed.get(m, 'not run at both depths')}")
+            continue
         for b in args.batches:
             per_layer = (res[m][l2][b] - res[m][l1][b]) / (l2 - l1)
             fixed = res[m][l1][b] - l1 * per_layer
@@ -439,7 +458,7 @@ def main() -> None:
                   gpus=torch.cuda.device_count() if args.device.startswith("cuda") else 0,
                   torch=torch.__version__, args=vars(args), copy_bw_GBs=bw / 1e9, rows=rows,
                   floor_ms_per_layer=floors, context_switch_us=switch, two_process_floor_ms=two_proc,
-                  first_tokens=first_tokens)  # fmt: skip
+                  first_tokens=first_tokens, failed=failed)  # fmt: skip
     (out / "bench_e2e.json").write_text(json.dumps(report, indent=1))
     print(
         f"\n{args.model}: {report['device']} x{report['gpus']}, torch {torch.__version__}, copy bandwidth "

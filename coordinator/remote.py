@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import numpy as np
 import torch
 
 from coordinator.cluster import RECONNECT_WAIT_S, ExpertCluster
@@ -58,7 +59,7 @@ class RemoteDispatcher(Dispatcher):
         self._all_on_gpu = False
         # layer -> (server, [E] int32 local slot of each logical expert) for the layers whose
         # live experts all sit once on one server (rebuilt with _live): routing is one gather
-        self._single: dict[int, tuple[int, torch.Tensor]] = {}
+        self._single: dict[int, tuple[int, np.ndarray]] = {}
         self._rows = torch.arange(0)  # [T] every row of the step, in order
         self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
 
@@ -103,9 +104,9 @@ class RemoteDispatcher(Dispatcher):
                     lt.log2phy[:, 0]
                 ]  # [E] (every expert has a replica: checked by the cluster)
                 if bool((lt.logcnt == 1).all()) and bool((owners == owners[0]).all()):
-                    local = lt.local_slot[lt.log2phy[:, 0]].to(torch.int32)  # [E]
+                    local = lt.local_slot[lt.log2phy[:, 0]].to(torch.int32).numpy()  # [E]
                     self._single[layer] = (int(owners[0]), local)
-        if self._rows.numel() < num_tokens:
+        if self._rows.numel() != num_tokens:  # NOTE: once per step: every layer's batch reuses it
             self._rows = torch.arange(num_tokens)
         t = self.cluster.gpu_prefill_token_threshold
         self._all_on_gpu = bool(t) and num_tokens >= t and tables.full_server not in down
@@ -124,8 +125,10 @@ class RemoteDispatcher(Dispatcher):
         if single is not None:  # NOTE: every replica policy picks the only replica
             server, local = single
             t = topk_ids.shape[0]
-            rows = self._rows[:t] if self._rows.numel() >= t else torch.arange(t)
-            batch = pl.ServerBatch(server, rows, local[topk_ids], topk_weights.float())
+            rows = self._rows if self._rows.numel() == t else torch.arange(t)
+            # numpy: on a few dozen ids its gather costs a fraction of torch's per-op overhead
+            slots = torch.from_numpy(local[topk_ids.numpy()])  # [T, K] int32
+            batch = pl.ServerBatch(server, rows, slots, topk_weights.float())
             return [batch], None  # None: a lost server had every pair, as on the full-server path
         phys = pl.choose_replicas(topk_ids, lt, self.cluster.replica_policy, self._rr_offset)  # [T, K]
         self._rr_offset += topk_ids.numel()
@@ -159,11 +162,13 @@ class RemoteDispatcher(Dispatcher):
         coordinator/remote_graphs.py); a fresh tensor when None. ``topk_ids``/``topk_weights``
         may already be on the host (pinned): then nothing is copied here."""
         tables = self._step or self.expert_cluster.tables
-        ids, w = topk_ids.cpu(), topk_weights.cpu()
+        ids = topk_ids if topk_ids.device.type == "cpu" else topk_ids.cpu()  # [T, K]
+        w = topk_weights if topk_weights.device.type == "cpu" else topk_weights.cpu()  # [T, K]
         batches, phys = self._route(tables, layer, ids, w)
         # NOTE: CPU servers first: they are the slowest, so their work starts earliest.
         conns = self.conns
-        batches.sort(key=lambda b: conns[b.server].spec.kind != "cpu")
+        if len(batches) > 1:
+            batches.sort(key=lambda b: conns[b.server].spec.kind != "cpu")
         adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
         t0 = time.perf_counter()
         sent = self._send(tables, layer, x, batches, adapters)

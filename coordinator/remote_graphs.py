@@ -108,6 +108,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
             for blk in model.moe_blocks()
         }
         self.chains: dict[int, tuple[list[torch.cuda.CUDAGraph], list[Cut]]] = {}
+        self._views: dict[tuple[int, int], list[tuple]] = {}  # (bucket, b) -> per cut: its [:b] views
         self.pool = torch.cuda.graph_pool_handle()
         self.ready = torch.cuda.Event()
         # set to a list to get, per replayed layer, host seconds of (segment replay + routing
@@ -143,18 +144,22 @@ class RemoteDecodeGraphs(DecodeGraphs):
 
     def _replay(self, bucket: int, b: int) -> None:
         segments, cuts = self.chains[bucket]
-        clock, timings = time.perf_counter, self.timings
-        for seg, cut in zip(segments, cuts):
+        views = self._views.get((bucket, b))
+        if views is None:  # NOTE: the slices of a step's batch size, made once, not per layer
+            views = self._views[(bucket, b)] = [
+                (c.layer, c.x[:b], c.ids[:b], c.ids_host[:b], c.weights_host[:b], c.routed[:b]) for c in cuts
+            ]
+        clock, timings, hook, ready = time.perf_counter, self.timings, self.load_hook, self.ready
+        submit = self.dispatcher.submit
+        for seg, (layer, x, ids, ids_host, weights_host, routed) in zip(segments, views):
             t0 = clock()
             seg.replay()
-            self.ready.record()
-            if self.load_hook is not None:
-                self.load_hook(cut.layer, cut.ids[:b])
-            self.ready.synchronize()  # the routing is on the host now
+            ready.record()
+            if hook is not None:
+                hook(layer, ids)
+            ready.synchronize()  # the routing is on the host now
             t1 = clock()
-            pending = self.dispatcher.submit(
-                cut.layer, cut.x[:b], cut.ids_host[:b], cut.weights_host[:b], out=cut.routed[:b]
-            )
+            pending = submit(layer, x, ids_host, weights_host, out=routed)
             t2 = clock()
             pending.wait()
             if timings is not None:

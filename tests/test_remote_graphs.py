@@ -59,3 +59,31 @@ def test_piecewise_graphs_match_eager_and_in_process(tmp_path):
                 d.close()
     finally:
         srv.stop()
+
+
+def test_server_graphs_match_the_kernels_and_plain_torch():
+    from expertmesh.experts import torch_moe
+    from gpu_server.backend import make_backend
+    from gpu_server.graphs import GraphedBackend
+
+    inner = make_backend("cuda")
+    graphed = GraphedBackend(inner, buckets=(1, 4, 8))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s, h, i, k = 6, 64, 32, 2
+    w13 = torch.randn(s, 2 * i, h, device="cuda", generator=g) / h**0.5
+    w2 = torch.randn(s, h, i, device="cuda", generator=g) / i**0.5
+    for t in (3, 1, 8, 2, 9, 3):  # a smaller request after a larger one in the same bucket: re-padded
+        x = torch.randn(t, h, device="cuda", generator=g)
+        ids = torch.randint(-1, s, (t, k), device="cuda", generator=g, dtype=torch.int32)
+        w = torch.rand(t, k, device="cuda", generator=g)
+        got = graphed.forward(x, w13, w2, ids, w)
+        assert got.shape == (t, h)
+        # the same kernels at the bucket's size (padding rows: slot -1) compute the same rows
+        b = next((b for b in (1, 4, 8) if b >= t), t)
+        pad = b - t
+        xp = torch.cat([x, torch.randn(pad, h, device="cuda", generator=g)])
+        idp = torch.cat([ids, torch.full((pad, k), -1, dtype=torch.int32, device="cuda")])
+        wp = torch.cat([w, torch.rand(pad, k, device="cuda", generator=g)])
+        assert rel_err(got, inner.forward(xp, w13, w2, idp, wp)[:t]) < 1e-6, t
+        assert rel_err(got, torch_moe(x, w13, w2, ids, w)) < 2e-3, t
+    assert len(graphed._graphs) == 3  # buckets 1, 4, 8 (9 tokens ran eagerly)
