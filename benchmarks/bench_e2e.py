@@ -150,7 +150,8 @@ def em_decode_ms(
 ) -> tuple[float, list[int], list[float] | None]:
     """Milliseconds per decode step of expertmesh greedy decode (argmax, one host read a step),
     the first sequence's greedy tokens, and for the remote graphs the median microseconds per
-    layer of (segment replay + routing on the host, route + send, wait + copy-in)."""
+    layer of (segment replay + routing on the host, route + send, wait + copy-in, route, send,
+    the server's own time)."""
     g = torch.Generator().manual_seed(batch)
     seqs = [eng.new_seq() for _ in range(batch)]
     logits = eng.step([(s, torch.randint(0, vocab, (prompt,), generator=g).tolist()) for s in seqs])
@@ -162,8 +163,11 @@ def em_decode_ms(
     sync(str(eng.device))
     graphs = getattr(eng, "graphs", None)
     timings = getattr(graphs, "timings", None)
+    probe = getattr(eng.dispatcher, "probe", None)
     if timings is not None:
         timings.clear()
+    if probe is not None:
+        probe.clear()
     t0 = time.perf_counter()
     for _ in range(new):
         toks = torch.stack(eng.step([(s, [t]) for s, t in zip(seqs, toks)])).argmax(-1).tolist()
@@ -173,6 +177,8 @@ def em_decode_ms(
     pieces = None
     if timings:  # host timers around the remote path's per-layer pieces (remote_graphs.py)
         pieces = [statistics.median(c) * 1e6 for c in zip(*timings)]
+        if probe:  # route / send / the server's own time, inside the dispatcher
+            pieces += [statistics.median(c) * 1e6 for c in zip(*probe)]
     if graphs is not None and hasattr(graphs, "graphs") and graphs.graphs:
         # the graph alone, no host work: what the GPU spends per step
         graph = graphs.graphs[graphs.bucket(batch)]
@@ -240,12 +246,18 @@ def profile(eng: Engine, batch: int, prompt: int, vocab: int, out: Path, tag: st
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 
 
-def start_gpu_server(ck: Path, gpu: int, graphs: bool, log: Path) -> tuple[subprocess.Popen, str]:
-    """``expertmesh gpu-server`` on ``cuda:gpu`` in its own process; returns it and its address."""
+def start_gpu_server(
+    ck: Path, key: tuple[int, bool, float | None], log: Path
+) -> tuple[subprocess.Popen, str]:
+    """``expertmesh gpu-server`` on ``cuda:gpu`` in its own process (key: GPU, CUDA graphs,
+    fast-path spin in us or None for the default); returns it and its address."""
+    gpu, graphs, spin = key
     cmd = [sys.executable, "-m", "expertmesh.cli", "gpu-server", "--model", str(ck), "--port", "0",
            "--device", f"cuda:{gpu}", "--dtype", "bfloat16", "--threads", "2"]  # fmt: skip
     if not graphs:
         cmd.append("--no-cuda-graphs")
+    if spin is not None:
+        cmd += ["--shm-spin-us", str(spin)]
     root = str(Path(__file__).resolve().parents[1])
     env = dict(
         os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
@@ -264,14 +276,17 @@ def start_gpu_server(ck: Path, gpu: int, graphs: bool, log: Path) -> tuple[subpr
     raise RuntimeError(f"gpu-server on cuda:{gpu} did not start (log: {log})")
 
 
-def remote_engine(ck: Path, address: str, transport: str, dtype: torch.dtype, pages: int, graphs: bool):
+def remote_engine(
+    ck: Path, address: str, transport: str, dtype: torch.dtype, pages: int, graphs: bool, spin: float | None
+):
     """A CUDA coordinator engine whose experts all live on the server at ``address``."""
     from coordinator.loader import load_model
     from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
     from expertmesh.checkpoint import CheckpointReader
 
     reader = CheckpointReader(str(ck))
-    cluster = ClusterConfig((ServerSpec("gpu0", address, "gpu"),), transport=transport, timeout_s=120)
+    kw = {} if spin is None else {"shm_spin_us": spin}
+    cluster = ClusterConfig((ServerSpec("gpu0", address, "gpu"),), transport=transport, timeout_s=120, **kw)
     d = RemoteDispatcher(reader.config, cluster, dtype, "cuda")
     d.connect(300)
     dev = torch.device("cuda")
@@ -279,18 +294,29 @@ def remote_engine(ck: Path, address: str, transport: str, dtype: torch.dtype, pa
     eng = Engine(model, d, KVCacheSpec(pages, 16), dtype, dev, cuda_graphs=graphs)
     if eng.graphs is not None and hasattr(eng.graphs, "timings"):
         eng.graphs.timings = []  # per-layer host timers (remote_graphs.py)
+        d.probe = []  # and inside the dispatcher (route / send / the server's own time)
     return eng, d
 
 
-def remote_modes(args) -> list[tuple[str, tuple[int, bool], str, bool]]:
-    """(name, (server GPU, server graphs), transport, coordinator graphs) of each remote mode."""
-    out = [(f"gpu-server same GPU {t}", (0, True), t, True) for t in args.remote]
+def remote_modes(args) -> list[tuple[str, tuple[int, bool, float | None], str, bool]]:
+    """(name, (server GPU, server graphs, spin us), transport, coordinator graphs) of each
+    remote mode; spin None = the defaults of both sides."""
+    out = [(f"gpu-server same GPU {t}", (0, True, None), t, True) for t in args.remote]
     if args.remote_eager and args.remote:
         t = args.remote[-1]
-        out.append((f"gpu-server same GPU {t} (coordinator without graphs)", (0, True), t, False))
-        out.append((f"gpu-server same GPU {t} (server without graphs)", (0, False), t, True))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        out += [(f"gpu-server second GPU {t}", (1, True), t, True) for t in args.second_gpu]
+        out.append((f"gpu-server same GPU {t} (coordinator without graphs)", (0, True, None), t, False))
+        out.append((f"gpu-server same GPU {t} (server without graphs)", (0, False, None), t, True))
+    two = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    if two:
+        out += [(f"gpu-server second GPU {t}", (1, True, None), t, True) for t in args.second_gpu]
+    if args.spin_us_too and args.remote:  # both sides polling longer than a same-GPU layer takes
+        u = args.spin_us_too
+        out.append(
+            (f"gpu-server same GPU {args.remote[-1]} (spin {u:g} us)", (0, True, u), args.remote[-1], True)
+        )
+        if two and args.second_gpu:
+            t = args.second_gpu[0]
+            out.append((f"gpu-server second GPU {t} (spin {u:g} us)", (1, True, u), t, True))
     return out
 
 
@@ -314,6 +340,8 @@ def main() -> None:
     ap.add_argument(
         "--remote-eager", action="store_true", help="also the last --remote transport without graphs"
     )
+    ap.add_argument("--spin-us-too", type=float, default=0.0, metavar="U",
+                    help="also the last --remote / first --second-gpu transport with both sides spinning U us")  # fmt: skip
     ap.add_argument(
         "--switch-rounds", type=int, default=400, help="rounds of the context-switch floor (0 = skip)"
     )
@@ -348,10 +376,8 @@ def main() -> None:
         sizes = layer_bytes(hf)
         print(f"checkpoint L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
         servers = {  # they load while the in-process modes are timed
-            key: start_gpu_server(
-                ck, key[0], key[1], out / f"gpu_server{key[0]}{'' if key[1] else '_eager'}_L{depth}.log"
-            )
-            for key in sorted({r[1] for r in remotes})
+            key: start_gpu_server(ck, key, out / f"gpu_server{key[0]}_{key[1]}_{key[2]}_L{depth}.log")
+            for key in sorted({r[1] for r in remotes}, key=str)
         }
         if not args.no_hf:
             res["hf"][depth] = {
@@ -383,7 +409,7 @@ def main() -> None:
             for name, key, transport, graphs in remotes:
                 t0 = time.perf_counter()
                 try:
-                    eng, d = remote_engine(ck, servers[key][1], transport, dtype, pages, graphs)
+                    eng, d = remote_engine(ck, servers[key][1], transport, dtype, pages, graphs, key[2])
                 except Exception as e:  # noqa: BLE001  # NOTE: a mode that cannot start is reported, the others run
                     print(f"MODE FAILED {name} L={depth}: {type(e).__name__}: {e}", flush=True)
                     failed[name] = f"{type(e).__name__}: {e}"
@@ -401,7 +427,7 @@ def main() -> None:
                         if us is not None:
                             pieces[name][depth][b] = us
                     print(name, depth, res[name][depth], pieces[name][depth], flush=True)
-                    if args.profile and graphs and key == (0, True) and transport == args.remote[-1]:
+                    if args.profile and graphs and key == (0, True, None) and transport == args.remote[-1]:
                         profile(eng, 1, args.prompt, vocab, out, f"{name}_L{depth}_b1")
                 except Exception as e:  # noqa: BLE001  # NOTE: reported; the other modes still run
                     print(f"MODE FAILED {name} L={depth}: {type(e).__name__}: {e}", flush=True)
@@ -465,7 +491,7 @@ def main() -> None:
         f"{bw / 1e9:.0f} GB/s, same-GPU context switch {rt_ms * 1e3:.0f} us per round trip"
     )
     print(f"| mode | transport | batch | per-layer ms | fixed ms | tok/s at {real} layers | HBM floor per layer ms "
-          "| two-process floor ms | greedy tokens = in process | per-layer pieces us (replay+sync / send / wait) |")  # fmt: skip
+          "| two-process floor ms | greedy tokens = in process | per-layer pieces us (replay+sync / route+send / wait; route / send / server) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         tp = f"{two_proc[r['batch']]:.3f}" if r["mode"].startswith("gpu-server same") else ""

@@ -66,6 +66,9 @@ class RemoteDispatcher(Dispatcher):
         # (server, layer, compute ms, (token, k) pairs) per answer that reports its compute
         # time (gRPC answers do; fast-path answers do not): the EPLB load recorder's speeds
         self.server_time_hook: Callable[[int, int, float, int], None] | None = None
+        # set to a list to get, per layer, seconds of (route, send, the first server's own time):
+        # benchmarks/bench_e2e.py's profile of the remote decode step
+        self.probe: list[tuple[float, float, float]] | None = None
 
     # ------------------------------------------------------------ the cluster, for callers
 
@@ -161,6 +164,7 @@ class RemoteDispatcher(Dispatcher):
         ``out [T, H]``: where ``wait()`` writes the sum (a static buffer of the piecewise graphs,
         coordinator/remote_graphs.py); a fresh tensor when None. ``topk_ids``/``topk_weights``
         may already be on the host (pinned): then nothing is copied here."""
+        t_start = time.perf_counter()
         tables = self._step or self.expert_cluster.tables
         ids = topk_ids if topk_ids.device.type == "cpu" else topk_ids.cpu()  # [T, K]
         w = topk_weights if topk_weights.device.type == "cpu" else topk_weights.cpu()  # [T, K]
@@ -172,6 +176,7 @@ class RemoteDispatcher(Dispatcher):
         adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
         t0 = time.perf_counter()
         sent = self._send(tables, layer, x, batches, adapters)
+        t_sent = time.perf_counter()
 
         def wait() -> torch.Tensor:
             dst = torch.empty_like(x) if out is None else out  # [T, H]
@@ -220,6 +225,10 @@ class RemoteDispatcher(Dispatcher):
                 # may be writing them into the ring right now.
                 for _, reply, _ in todo[i:]:
                     reply.abandon()
+            if self.probe is not None:  # the server's own time: the fast path's descriptor, gRPC's field
+                fast = getattr(sent[0][1], "reply", None)
+                ms = fast.server_ms if fast is not None else getattr(sent[0][1], "compute_ms", None)
+                self.probe.append((t0 - t_start, t_sent - t0, (ms or 0.0) * 1e-3))
             return dst
 
         return Pending(wait)
