@@ -31,12 +31,14 @@ import gc
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -246,13 +248,11 @@ def profile(eng: Engine, batch: int, prompt: int, vocab: int, out: Path, tag: st
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 
 
-def start_gpu_server(
-    ck: Path, key: tuple[int, bool, float | None], log: Path
-) -> tuple[subprocess.Popen, str]:
+def start_gpu_server(ck: Path, key: ServerKey, log: Path) -> tuple[subprocess.Popen, str]:
     """``expertmesh gpu-server`` on ``cuda:gpu`` in its own process (key: GPU, CUDA graphs,
     fast-path spin in us or None for the default); returns it and its address."""
-    gpu, graphs, spin = key
-    cmd = [sys.executable, "-m", "expertmesh.cli", "gpu-server", "--model", str(ck), "--port", "0",
+    gpu, graphs, spin, pin = key
+    cmd = (["taskset", "-c", _cpus(SERVER_HALF)] if pin else []) + [sys.executable, "-m", "expertmesh.cli", "gpu-server", "--model", str(ck), "--port", "0",
            "--device", f"cuda:{gpu}", "--dtype", "bfloat16", "--threads", "2"]  # fmt: skip
     if not graphs:
         cmd.append("--no-cuda-graphs")
@@ -298,25 +298,70 @@ def remote_engine(
     return eng, d
 
 
-def remote_modes(args) -> list[tuple[str, tuple[int, bool, float | None], str, bool]]:
+class ServerKey(NamedTuple):
+    gpu: int
+    graphs: bool  # the server's CUDA graphs
+    spin: float | None  # both sides' fast-path spin in us (None: their defaults)
+    pin: bool  # server and coordinator on disjoint halves of the cores
+
+
+def _halves() -> tuple[list[int], list[int]]:
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
+
+
+COORD_HALF, SERVER_HALF = _halves() if hasattr(os, "sched_getaffinity") else ([], [])
+
+
+def _cpus(cpus: list[int]) -> str:
+    return ",".join(map(str, cpus))
+
+
+def remote_modes(args) -> list[tuple[str, ServerKey, str, bool]]:
     """(name, (server GPU, server graphs, spin us), transport, coordinator graphs) of each
     remote mode; spin None = the defaults of both sides."""
-    out = [(f"gpu-server same GPU {t}", (0, True, None), t, True) for t in args.remote]
+    out = [(f"gpu-server same GPU {t}", ServerKey(0, True, None, False), t, True) for t in args.remote]
     if args.remote_eager and args.remote:
         t = args.remote[-1]
-        out.append((f"gpu-server same GPU {t} (coordinator without graphs)", (0, True, None), t, False))
-        out.append((f"gpu-server same GPU {t} (server without graphs)", (0, False, None), t, True))
+        out.append(
+            (
+                f"gpu-server same GPU {t} (coordinator without graphs)",
+                ServerKey(0, True, None, False),
+                t,
+                False,
+            )
+        )
+        out.append(
+            (f"gpu-server same GPU {t} (server without graphs)", ServerKey(0, False, None, False), t, True)
+        )
     two = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     if two:
-        out += [(f"gpu-server second GPU {t}", (1, True, None), t, True) for t in args.second_gpu]
+        out += [
+            (f"gpu-server second GPU {t}", ServerKey(1, True, None, False), t, True) for t in args.second_gpu
+        ]
     if args.spin_us_too and args.remote:  # both sides polling longer than a same-GPU layer takes
         u = args.spin_us_too
         out.append(
-            (f"gpu-server same GPU {args.remote[-1]} (spin {u:g} us)", (0, True, u), args.remote[-1], True)
+            (
+                f"gpu-server same GPU {args.remote[-1]} (spin {u:g} us)",
+                ServerKey(0, True, u, False),
+                args.remote[-1],
+                True,
+            )
         )
         if two and args.second_gpu:
             t = args.second_gpu[0]
-            out.append((f"gpu-server second GPU {t} (spin {u:g} us)", (1, True, u), t, True))
+            out.append((f"gpu-server second GPU {t} (spin {u:g} us)", ServerKey(1, True, u, False), t, True))
+    if (
+        args.pin_too and args.remote and len(SERVER_HALF) >= 2 and shutil.which("taskset")
+    ):  # no waking the other on one's own core
+        t = args.remote[-1]
+        out.append((f"gpu-server same GPU {t} (disjoint cores)", ServerKey(0, True, None, True), t, True))
+        if two and args.second_gpu:
+            t = args.second_gpu[0]
+            out.append(
+                (f"gpu-server second GPU {t} (disjoint cores)", ServerKey(1, True, None, True), t, True)
+            )
     return out
 
 
@@ -340,6 +385,8 @@ def main() -> None:
     ap.add_argument(
         "--remote-eager", action="store_true", help="also the last --remote transport without graphs"
     )
+    ap.add_argument("--pin-too", action="store_true",
+                    help="also the last --remote / first --second-gpu transport with server and coordinator on disjoint cores")  # fmt: skip
     ap.add_argument("--spin-us-too", type=float, default=0.0, metavar="U",
                     help="also the last --remote / first --second-gpu transport with both sides spinning U us")  # fmt: skip
     ap.add_argument(
@@ -376,7 +423,7 @@ def main() -> None:
         sizes = layer_bytes(hf)
         print(f"checkpoint L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
         servers = {  # they load while the in-process modes are timed
-            key: start_gpu_server(ck, key, out / f"gpu_server{key[0]}_{key[1]}_{key[2]}_L{depth}.log")
+            key: start_gpu_server(ck, key, out / f"gpu_server{'_'.join(map(str, key))}_L{depth}.log")
             for key in sorted({r[1] for r in remotes}, key=str)
         }
         if not args.no_hf:
@@ -409,7 +456,9 @@ def main() -> None:
             for name, key, transport, graphs in remotes:
                 t0 = time.perf_counter()
                 try:
-                    eng, d = remote_engine(ck, servers[key][1], transport, dtype, pages, graphs, key[2])
+                    # this thread (the one that waits) and the threads it starts
+                    os.sched_setaffinity(0, COORD_HALF if key.pin else COORD_HALF + SERVER_HALF)
+                    eng, d = remote_engine(ck, servers[key][1], transport, dtype, pages, graphs, key.spin)
                 except Exception as e:  # noqa: BLE001  # NOTE: a mode that cannot start is reported, the others run
                     print(f"MODE FAILED {name} L={depth}: {type(e).__name__}: {e}", flush=True)
                     failed[name] = f"{type(e).__name__}: {e}"
@@ -427,7 +476,12 @@ def main() -> None:
                         if us is not None:
                             pieces[name][depth][b] = us
                     print(name, depth, res[name][depth], pieces[name][depth], flush=True)
-                    if args.profile and graphs and key == (0, True, None) and transport == args.remote[-1]:
+                    if (
+                        args.profile
+                        and graphs
+                        and key == ServerKey(0, True, None, False)
+                        and transport == args.remote[-1]
+                    ):
                         profile(eng, 1, args.prompt, vocab, out, f"{name}_L{depth}_b1")
                 except Exception as e:  # noqa: BLE001  # NOTE: reported; the other modes still run
                     print(f"MODE FAILED {name} L={depth}: {type(e).__name__}: {e}", flush=True)
@@ -438,6 +492,7 @@ def main() -> None:
                     del eng, d
                     gc.collect()
                     torch.cuda.empty_cache()
+                    os.sched_setaffinity(0, COORD_HALF + SERVER_HALF)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
