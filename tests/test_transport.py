@@ -211,14 +211,6 @@ def test_required_path_that_is_impossible_says_why(requested, coord, server, wor
         negotiate.choose(requested, coord, server, "cpu0")
 
 
-def test_cuda_ipc_between_two_gpus_of_a_host_when_the_server_offers_peer_access():
-    peer = Side(HOST, "GPU-2", ("shm", "cuda_ipc", "cuda_peer"))
-    assert negotiate.choose("auto", COORD_GPU, peer).transport == "cuda_ipc"
-    assert negotiate.choose("cuda_ipc", COORD_GPU, peer).transport == "cuda_ipc"
-    assert negotiate.choose("auto", COORD_CPU, peer).transport == "shm"  # a CPU coordinator: no IPC
-    assert negotiate.choose("auto", COORD_GPU, Side("boot-b", "GPU-2", peer.fast_paths)).transport == "grpc"
-
-
 def test_auto_accepts_a_slower_answer_required_does_not():
     assert negotiate.acceptable("auto", "cuda_ipc", "grpc")
     assert negotiate.acceptable("shm", "shm", "shm")

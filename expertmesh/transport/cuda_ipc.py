@@ -121,6 +121,12 @@ class Mapped:
         ctypes.memmove(ctypes.addressof(h), raw, len(raw))
         drv.check(drv.open_handle(ctypes.byref(base), h, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         t = torch.as_tensor(_DeviceBuffer(base.value + offset, nbytes), device=device)
+        if t.data_ptr() != base.value + offset:
+            # NOTE: memory of another GPU: torch placed the view on that GPU and as_tensor made a
+            # one-time copy here, which would serve stale data forever. Refuse (callers fall back).
+            del t
+            drv.check(drv.close_handle(base.value), "cuIpcCloseMemHandle")
+            raise CudaIpcError(f"the shared memory is not on {device}: mapping it here would copy it")
         return cls(t, base.value)
 
     def close(self) -> None:

@@ -4,10 +4,8 @@
 
 - ``grpc``: tensors inside the gRPC messages, always possible.
 - ``shm``: payloads in a shared-memory ring on this host; required, an error if impossible.
-- ``cuda_ipc``: hidden states and outputs stay in GPU memory (CUDA IPC), small routing data
-  in the host ring; required. Both on one GPU, or on two GPUs of this host when the server
-  offers ``cuda_peer`` (each side maps the other's ring over peer-to-peer access; no host
-  copies and, unlike one shared GPU, no context switch between the two processes).
+- ``cuda_ipc``: hidden states and outputs stay in the GPU both use (CUDA IPC), small routing
+  data in the host ring; required.
 - ``auto``: the fastest path both sides offer.
 
 The choice here rests on what the server says in ``Describe`` (its boot id, the fast paths it
@@ -55,7 +53,7 @@ def choose(requested: str, coordinator: Side, server: Side, name: str = "the ser
             why_not_cuda = "the coordinator does not run on CUDA"
         elif "cuda_ipc" not in server.fast_paths or not server.device_uuid:
             why_not_cuda = f"{name} does not compute on CUDA or offers no CUDA IPC"
-        elif coordinator.device_uuid != server.device_uuid and "cuda_peer" not in server.fast_paths:
+        elif coordinator.device_uuid != server.device_uuid:
             why_not_cuda = f"{name} uses another GPU ({server.device_uuid}, ours {coordinator.device_uuid})"
     if not why_not_cuda and requested in ("auto", "cuda_ipc"):
         return Choice("cuda_ipc")

@@ -106,9 +106,9 @@ class ShmServer:
             if self.device.type != "cuda":
                 raise cuda_ipc.CudaIpcError("this server computes on the CPU")
             ours = device_uuid(self.device)
-            if h.cuda.device_uuid != ours:  # another GPU of this host: mapped over peer access
-                log.info(
-                    "CUDA IPC with the coordinator's GPU %s (ours %s): peer access", h.cuda.device_uuid, ours
+            if h.cuda.device_uuid != ours:
+                raise cuda_ipc.CudaIpcError(
+                    f"the coordinator's GPU {h.cuda.device_uuid} is not ours ({ours})"
                 )
             self._in_map = cuda_ipc.Mapped.open(h.cuda.in_ring, self.device)
             self._in = Views(self._in_map.tensor)

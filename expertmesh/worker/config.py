@@ -69,8 +69,7 @@ class WorkerConfig:
     def fast_paths(self) -> tuple[str, ...]:
         if not self.shm or not segment.available():
             return ()
-        # cuda_peer (issue 10r): CUDA IPC also with a coordinator on another GPU of this host
-        return ("shm", "cuda_ipc", "cuda_peer") if self.device.startswith("cuda") else ("shm",)
+        return ("shm", "cuda_ipc") if self.device.startswith("cuda") else ("shm",)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
