@@ -121,8 +121,9 @@ def io_threads(cores: int | None = None) -> int:
 
 
 def cap_default_executor(threads: int | None = None) -> None:
-    """Gives the running event loop a bounded default executor (call inside the loop, before
-    the first ``asyncio.to_thread``). gRPC's C-core keeps its own pool, which Python cannot size."""
+    """Gives the running event loop a bounded default executor sized from this process's core
+    share (call inside the loop, before the first ``asyncio.to_thread``). gRPC's C-core keeps
+    its own pool, which Python cannot size."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
@@ -132,7 +133,11 @@ def cap_default_executor(threads: int | None = None) -> None:
         return
     if getattr(loop, "_expertmesh_io_capped", False):  # several servers in one loop (tests)
         return
-    n = io_threads() if threads is None else threads
+    if threads is None:  # the process's share: its torch pool as set from --threads (set_torch_threads)
+        import torch
+
+        threads = io_threads(min(available(), torch.get_num_threads()))
+    n = threads
     loop.set_default_executor(ThreadPoolExecutor(n, thread_name_prefix="io"))
     with contextlib.suppress(AttributeError):  # a loop class without __dict__: capped again next time
         loop._expertmesh_io_capped = True  # type: ignore[attr-defined]

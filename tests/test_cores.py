@@ -142,3 +142,18 @@ def test_available_takes_the_quota_and_the_mask(tmp_path, monkeypatch):
 
 def test_io_threads_are_bounded():
     assert [cores.io_threads(n) for n in (1, 2, 4, 64)] == [2, 2, 4, 8]
+
+
+def test_the_event_loop_gets_a_bounded_executor_once():
+    import asyncio
+
+    async def threads_used() -> set[str]:
+        cores.cap_default_executor(3)
+        cores.cap_default_executor(7)  # a second server in the same loop keeps the first cap
+        names = await asyncio.gather(
+            *[asyncio.to_thread(lambda: __import__("threading").current_thread().name) for _ in range(20)]
+        )
+        return set(names)
+
+    names = asyncio.run(threads_used())
+    assert names and all(n.startswith("io") for n in names) and len(names) <= 3, names
