@@ -59,6 +59,11 @@ async def make_job(
     lora: str = "",
 ) -> Job:
     """Validates one request exactly as the gRPC API does; bad values raise a 400 APIError."""
+    # NOTE: JSON's "\ud800" is a lone surrogate that protobuf refuses to hold (UnicodeEncodeError)
+    for what, text in [("prompt", prompt or ""), *((f"stop[{i}]", t) for i, t in enumerate(stop))]:
+        if not _is_unicode(text):
+            coord.metrics.invalid()
+            raise APIError(400, f"{what} is not valid Unicode text (it holds a lone surrogate)", param=what)
     req = generation_pb2.GenerateRequest(
         prompt=prompt or "",
         input_ids=list(input_ids or ()),
@@ -158,3 +163,12 @@ def usable_adapters(coord: Any) -> list[str]:
     """LoRA adapters a request may name: loaded and acknowledged by every expert server."""
     lora = getattr(coord, "lora", None)
     return sorted(lora.usable) if lora is not None else []
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a str that UTF-8 cannot encode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
