@@ -220,7 +220,7 @@ def _refusing_malformed(fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[A
 def add_worker_servicer(servicer: ExpertWorkerServicer, server: grpc.aio.Server) -> None:
     """``add_ExpertWorkerServicer_to_server`` whose deserializers turn malformed bytes into
     INVALID_ARGUMENT (counted with the worker's errors on Forward)."""
-    unary = {
+    unary: dict[str, tuple[type[Message], type[Message]]] = {
         "Describe": (pb.DescribeRequest, pb.DescribeResponse),
         "ApplyPlacement": (pb.ApplyPlacementRequest, pb.ApplyPlacementResponse),
         "LoadAdapter": (pb.LoadAdapterRequest, pb.LoadAdapterResponse),
@@ -231,7 +231,7 @@ def add_worker_servicer(servicer: ExpertWorkerServicer, server: grpc.aio.Server)
         name: grpc.unary_unary_rpc_method_handler(
             _refusing_malformed(getattr(servicer, name)),
             request_deserializer=_parse(req),
-            response_serializer=resp.SerializeToString,
+            response_serializer=lambda m: m.SerializeToString(),
         )
         for name, (req, resp) in unary.items()
     }
