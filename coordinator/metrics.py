@@ -186,6 +186,11 @@ class _StateCollector(Collector):
         st = c.scheduler.stats()
         yield _gauge("expertmesh_requests_running", "Requests holding KV pages", st["running"])
         yield _gauge("expertmesh_requests_waiting", "Requests queued for admission", st["waiting"])
+        yield _gauge(
+            "expertmesh_requests_queued",
+            "Submitted requests not yet admitted, counted against --max-queued-requests",
+            st["queued"],
+        )
         used = st["total_pages"] - st["free_pages"]
         yield _gauge("expertmesh_kv_pages_used", "KV cache pages held by requests", used)
         yield _gauge("expertmesh_kv_pages_free", "KV cache pages free", st["free_pages"])

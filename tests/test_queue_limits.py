@@ -88,6 +88,11 @@ def _metric(s: ServerThread, status: str) -> float:
     return float(line.split()[-1])
 
 
+def _gauge(s: ServerThread, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{s.server.http.port}/metrics", timeout=10).text
+    return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[-1])
+
+
 def test_grpc_and_http_refuse_a_full_queue(coord):
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(coord.addr))
     oa = openai.OpenAI(base_url=f"http://127.0.0.1:{coord.server.http.port}/v1", api_key="x", max_retries=0)
@@ -103,6 +108,7 @@ def test_grpc_and_http_refuse_a_full_queue(coord):
             list(stub.Generate(generation_pb2.GenerateRequest(prompt="hi", max_new_tokens=3), timeout=30))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-queued-requests 1" in e.value.details()
+        assert _gauge(coord, "expertmesh_requests_queued") == 1
         with pytest.raises(openai.RateLimitError) as h:
             oa.completions.create(model=model, prompt="hi", max_tokens=3)
         err = h.value.body
