@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from expertmesh import auth, cores, wire
+from expertmesh.tls import TLSConfig
 from expertmesh.transport import segment
 
 KINDS = ("gpu", "cpu")
@@ -36,6 +37,8 @@ class WorkerConfig:
     max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
     # control RPCs (ApplyPlacement, LoadAdapter, UnloadAdapter) need it when set (expertmesh/auth.py)
     cluster_token: str | None = field(default=None, repr=False)
+    # issue 15c: TLS only with a certificate; with a CA too, client certificates are required
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -113,6 +116,7 @@ class WorkerConfig:
             default=None,
             help=f"secret the coordinator must send with placement/adapter pushes (or env {auth.CLUSTER_TOKEN_ENV})",
         )
+        TLSConfig.add_arguments(p, "expert-server")  # issue 15c
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, kind: str, device: str) -> WorkerConfig:
@@ -132,4 +136,5 @@ class WorkerConfig:
             metrics_port=args.metrics_port,
             max_loras=args.max_loras,
             cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
+            tls=TLSConfig.from_args(args),  # issue 15c
         )
