@@ -14,6 +14,7 @@ Both tokens travel as gRPC metadata ``authorization: Bearer TOKEN``.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Iterable
 
 from expertmesh.errors import PermissionDenied, Unauthenticated
@@ -52,6 +53,16 @@ def is_local_peer(peer: str) -> bool:
         host = peer[5:].rsplit(":", 1)[0].strip("[]")
         return host == "::1" or host.startswith("::ffff:127.")
     return False
+
+
+def is_loopback_host(host: str) -> bool:
+    """An HTTP peer's address (``127.0.0.1``, ``::1``, ``::ffff:127.0.0.1``); names are not."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
 def check_local(peer: str, what: str) -> None:
