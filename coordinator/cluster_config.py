@@ -4,7 +4,6 @@ frozen ``ClusterConfig`` (and its command-line flags)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
 from expertmesh import auth, cores
@@ -141,6 +140,6 @@ class ClusterConfig:
             transport=args.transport,
             shm_ring_mb=args.shm_ring_mb,
             shm_spin_us=args.shm_spin_us,
-            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
+            cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
             tls=TLSConfig.from_args(args),  # issue 15c
         )

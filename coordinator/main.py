@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -96,7 +95,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         eplb=EplbConfig.from_args(args),
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras,
-        admin_token=args.admin_token or os.environ.get(auth.ADMIN_TOKEN_ENV) or None,
+        admin_token=args.admin_token or auth.token_from_env(auth.ADMIN_TOKEN_ENV),
         input_limits=InputLimits.from_args(args),
         tls=TLSConfig.from_args(args),  # issue 15c
     )

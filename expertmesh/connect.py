@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser, admin: bool, default_addr: str = "
 
 
 def admin_token(args: argparse.Namespace) -> str | None:
-    return getattr(args, "admin_token", None) or os.environ.get(auth.ADMIN_TOKEN_ENV) or None
+    return getattr(args, "admin_token", None) or auth.token_from_env(auth.ADMIN_TOKEN_ENV)
 
 
 class _Details(NamedTuple):

@@ -124,3 +124,18 @@ def test_up_generates_a_cluster_token_and_passes_it_by_environment(tmp_path, mon
     assert launcher.child_env()[auth.CLUSTER_TOKEN_ENV] != token  # fresh each time
     monkeypatch.setenv(auth.CLUSTER_TOKEN_ENV, "mine")  # one the operator chose is kept
     assert launcher.child_env()[auth.CLUSTER_TOKEN_ENV] == "mine"
+
+
+def test_tokens_from_a_file_named_by_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(auth.CLUSTER_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(f"{auth.CLUSTER_TOKEN_ENV}_FILE", raising=False)
+    assert auth.token_from_env(auth.CLUSTER_TOKEN_ENV) is None
+    (tmp_path / "t").write_text("fr0m-file\n")
+    monkeypatch.setenv(f"{auth.CLUSTER_TOKEN_ENV}_FILE", str(tmp_path / "t"))
+    assert auth.token_from_env(auth.CLUSTER_TOKEN_ENV) == "fr0m-file"
+    monkeypatch.setenv(auth.CLUSTER_TOKEN_ENV, "direct")  # the variable itself wins
+    assert auth.token_from_env(auth.CLUSTER_TOKEN_ENV) == "direct"
+    monkeypatch.setenv(auth.CLUSTER_TOKEN_ENV, "")
+    monkeypatch.setenv(f"{auth.CLUSTER_TOKEN_ENV}_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot read the token"):
+        auth.token_from_env(auth.CLUSTER_TOKEN_ENV)

@@ -5,7 +5,6 @@ entry points only add their own flags and defaults)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +134,6 @@ class WorkerConfig:
             shm_spin_us=args.shm_spin_us,
             metrics_port=args.metrics_port,
             max_loras=args.max_loras,
-            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
+            cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
             tls=TLSConfig.from_args(args),  # issue 15c
         )
