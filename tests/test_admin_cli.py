@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+import grpc
 import httpx
 import pytest
 
@@ -15,6 +16,7 @@ from coordinator.http.app import create_app
 from coordinator.server import CoordinatorConfig
 from expertmesh import auth, launcher
 from expertmesh.cli import main as cli
+from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests.hf_models import make_checkpoint
 from tests.serving_utils import ServerThread, one_thread  # noqa: F401 (autouse fixture)
 
@@ -79,8 +81,20 @@ def test_http_admin_endpoints_need_the_token_when_set(with_token, model):
         ok = {"Authorization": f"Bearer {TOKEN}"}
         r = http.post(f"{base}/unload_lora_adapter", json={"lora_name": "x"}, headers=ok)
         assert r.status_code == 404, r.text  # authorized: the adapter is unknown
-        r = http.post(f"{base}/load_lora_adapter", json={"lora_name": "x", "lora_path": outside}, headers=ok)
-        assert r.status_code == 403 and "--lora-dir" in r.json()["error"]["message"]
+        escapes = [outside, str(model / "adapters" / ".." / "model"), str(model / "adapters" / "out")]
+        (model / "adapters" / "out").symlink_to(model / "model", target_is_directory=True)
+        for path in escapes:
+            r = http.post(f"{base}/load_lora_adapter", json={"lora_name": "x", "lora_path": path}, headers=ok)
+            assert r.status_code == 403 and "--lora-dir" in r.json()["error"]["message"], path
+        with grpc.insecure_channel(with_token.addr) as ch:  # the same over gRPC
+            for path in escapes:
+                with pytest.raises(grpc.RpcError) as ei:
+                    admin_pb2_grpc.AdminStub(ch).LoadLoRA(
+                        admin_pb2.LoadLoRARequest(name="x", path=path),
+                        metadata=auth.metadata(TOKEN),
+                        timeout=30,
+                    )
+                assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED, path
         assert http.get(f"{base}/models").status_code == 200  # the public API needs no token
 
 
