@@ -28,6 +28,10 @@ CLUSTER_TOKEN_ENV = "EXPERTMESH_CLUSTER_TOKEN"
 ADMIN_TOKEN_ENV = "EXPERTMESH_ADMIN_TOKEN"
 
 
+class TokenFileError(ValueError):
+    pass
+
+
 def token_from_env(name: str) -> str | None:
     """``$NAME``, else the first line of the file ``$NAME_FILE`` names, else None (empty = None)."""
     value = os.environ.get(name)
@@ -39,7 +43,7 @@ def token_from_env(name: str) -> str | None:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise ValueError(f"{name}_FILE={path}: cannot read the token: {e.strerror}") from None
+        raise TokenFileError(f"{name}_FILE={path}: cannot read the token: {e.strerror}") from None
     return lines[0].strip() if lines and lines[0].strip() else None
 
 

@@ -153,3 +153,18 @@ def test_tokens_from_a_file_named_by_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(f"{auth.CLUSTER_TOKEN_ENV}_FILE", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="cannot read the token"):
         auth.token_from_env(auth.CLUSTER_TOKEN_ENV)
+
+
+def test_unreadable_tls_or_token_files_are_clear_errors(tmp_path, capsys, monkeypatch):
+    missing = str(tmp_path / "missing.pem")
+    for argv in (
+        ["status", "--tls-ca", missing],
+        ["cpu-server", "--model", str(tmp_path), "--tls-cert", missing, "--tls-key", missing],
+        ["coordinator", "--model", str(tmp_path), "--tls-ca", missing],
+    ):
+        assert cli(argv) == 2, argv
+        assert f"{missing}: no such file" in capsys.readouterr().err
+    monkeypatch.delenv(auth.ADMIN_TOKEN_ENV, raising=False)
+    monkeypatch.setenv(f"{auth.ADMIN_TOKEN_ENV}_FILE", missing)
+    assert cli(["load"]) == 2
+    assert "cannot read the token" in capsys.readouterr().err
