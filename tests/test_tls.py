@@ -86,6 +86,12 @@ def test_a_tls_cluster_serves_tls_clients(tls_cluster):
     with Client(s.addr, timeout=60, tls=TLSConfig(ca=str(ca.path))) as c:
         out = c.generate(input_ids=PROMPT, max_new_tokens=STEPS, ignore_eos=True)
     assert out.token_ids == ref
+    # the shared-memory fast path was set up through the TLS stream (same host)
+    with channel(s.addr, TLSConfig(ca=str(ca.path))) as ch:
+        listed = admin_pb2_grpc.AdminStub(ch).ListServers(
+            admin_pb2.ListServersRequest(), metadata=auth.metadata("adm1n"), timeout=10
+        )
+    assert [(x.name, x.state, x.transport) for x in listed.servers] == [("cpu0", "ready", "shm")]
     # the server name checked is the one asked for (the certificate says localhost and 127.0.0.1)
     with Client(s.addr, timeout=60, tls=TLSConfig(ca=str(ca.path), server_name="localhost")) as c:
         assert c.generate(input_ids=PROMPT, max_new_tokens=STEPS, ignore_eos=True).token_ids == ref
