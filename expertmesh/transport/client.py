@@ -226,8 +226,11 @@ class ShmClient:
                     raise self._dead
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise FutureTimeout()
-                if not self._spin.until(self._answered):
+                    # NOTE: an answer that already arrived is read before giving up: with one
+                    # deadline per layer, a server collected after a hung one has answered long ago
+                    if not self._answered():
+                        raise FutureTimeout()
+                elif not self._spin.until(self._answered):
                     t0 = time.monotonic()
                     if not self._poll.poll(max(1, int(left * 1e3))):
                         continue
