@@ -136,7 +136,9 @@ def bench_model(
             modes = [""]
             if isinstance(backend, CpuExpertBackend):
                 if t >= 16:
-                    modes += ["/kernel", "/gemm"] + (["/amx"] if amx else [])
+                    modes += ["/kernel", "/gemm"]
+                if amx:
+                    modes.append("/amx")
                 if t <= 4 and backend.dot_kind() != "fp32":
                     modes.append("/fp32dot")
             for suffix in modes:

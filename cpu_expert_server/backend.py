@@ -104,15 +104,28 @@ class CpuExpertBackend(ExpertBackend):
         wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
         pairs = slot_ids.numel()
         per_expert = pairs / max(1, min(w13.shape[0], pairs))  # a lower bound on the mean
+        if self.lib is not None and wcode is not None and self._use_amx(x, wcode, per_expert):
+            return self._amx(x, w13, w2, slot_ids, weights, wcode)
         if self.lib is not None and wcode is not None and per_expert <= self.gemv_max_tokens:
             return self._decode(x, w13, w2, slot_ids, weights, wcode)
-        if self.amx and x.dtype == torch.bfloat16 and wcode in (0, 1, 2) and self._amx_shape():
-            return self._amx(x, w13, w2, slot_ids, weights, wcode)
         return self._by_expert(x, w13, w2, slot_ids, weights)
 
-    def _amx_shape(self) -> bool:
+    def _amx_int(self) -> bool:
+        """int8/int4 on AMX int8 tiles (activations quantised, as the decode kernel's int path)."""
         fmt = self.fmt
-        return fmt is not None and fmt.rb == 16 and fmt.hidden % 32 == 0 and fmt.inter % 32 == 0
+        return fmt is not None and fmt.quantised and self.qact and fmt.g13 % 64 == 0 and fmt.g2 % 64 == 0
+
+    def _use_amx(self, x: torch.Tensor, wcode: int, per_expert: float) -> bool:
+        fmt = self.fmt
+        if not self.amx or fmt is None or fmt.rb != 16 or fmt.hidden % 64 or fmt.inter % 64:
+            return False
+        # tile loads stream the rows faster than the decode kernel even at T=1 (bench_cpu_experts
+        # "/amx" vs "/kernel"), so AMX takes every call it covers without changing the numerics:
+        # bf16 servers with bf16 weights, and quantised weights with activation quantisation on
+        if self._amx_int() or (wcode == 0 and x.dtype == torch.bfloat16):
+            return True
+        # quantised weights dequantised to bf16 tiles: prefill only (a bf16 server)
+        return fmt.quantised and x.dtype == torch.bfloat16 and per_expert > self.gemv_max_tokens
 
     def dot_kind(self) -> str:
         """Which dot products the decode kernel uses for the packed format (for logs and benches)."""
@@ -144,7 +157,7 @@ class CpuExpertBackend(ExpertBackend):
         return out.to(x.dtype)
 
     def _amx(self, x, w13, w2, slot_ids, weights, wcode: int) -> torch.Tensor:
-        """Prefill on AMX bf16 tiles: every active expert's GEMMs in one C call."""
+        """AMX tiles (bf16, or int8 for quantised weights): every active expert's GEMMs in one C call."""
         fmt = self.fmt
         assert fmt is not None and self.lib is not None
         t, k = slot_ids.shape
@@ -152,12 +165,17 @@ class CpuExpertBackend(ExpertBackend):
         sid = slot_ids.to(torch.int64).contiguous()  # [T, K]
         wts = weights.to(torch.float32).contiguous()  # [T, K]
         out = torch.empty(t, fmt.hidden)  # [T, H] fp32
-        rc = self.lib.moe_amx(
+        args = (
             x32.data_ptr(), sid.data_ptr(), wts.data_ptr(), t, k, w13.shape[0],
             w13.data_ptr(), w13.stride(1) * w13.element_size(),
             w2.data_ptr(), w2.stride(1) * w2.element_size(),
-            fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2, out.data_ptr(), self.threads,
+            fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2,
         )  # fmt: skip
+        if self._amx_int():
+            act = torch.empty(t * k, fmt.inter)  # [T*K, I] scratch
+            rc = self.lib.moe_amx_q(*args, act.data_ptr(), out.data_ptr(), self.threads)
+        else:
+            rc = self.lib.moe_amx(*args, out.data_ptr(), self.threads)
         if rc == -1:
             raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
         assert rc == 0, f"moe_amx rejected {fmt}: {rc=}"
@@ -174,7 +192,15 @@ class CpuExpertBackend(ExpertBackend):
         out = torch.empty(rows.shape[0], c)
         code = kernels.WDTYPE_CODE[fmt.wdtype]
         self.lib.dequant_rows(
-            rows.data_ptr(), rows.stride(0), rows.shape[0], c, code, g, out.data_ptr(), self.threads
+            rows.data_ptr(),
+            rows.stride(0),
+            rows.shape[0],
+            c,
+            code,
+            g,
+            out.data_ptr(),
+            self.threads,
+            self.caps,
         )
         return out.to(cd)
 

@@ -32,7 +32,7 @@ CAPS = {
     "avx512": (2, ("avx512f", "avx512bw", "avx512vl")),
     "vnni": (4, ("avx512_vnni",)),
     "bf16": (8, ("avx512_bf16",)),
-    "amx": (16, ("amx_tile", "amx_bf16")),
+    "amx": (16, ("amx_tile", "amx_bf16", "amx_int8")),
 }
 DOT_KINDS = ("fp32", "int8-dot avx2", "int8-dot avx512-vnni", "bf16-dot avx512")
 
@@ -97,10 +97,12 @@ def load() -> ctypes.CDLL | None:
     lib.moe_decode.restype = i
     lib.moe_amx.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, i]
     lib.moe_amx.restype = i
+    lib.moe_amx_q.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i]
+    lib.moe_amx_q.restype = i
     lib.moe_amx_init.argtypes = []
     lib.moe_amx_init.restype = i
     lib.moe_dot_kind.argtypes = [i, i, i, i, i, i, i]
     lib.moe_dot_kind.restype = i
-    lib.dequant_rows.argtypes = [p, L, i, i, i, i, p, i]
+    lib.dequant_rows.argtypes = [p, L, i, i, i, i, p, i, i]
     lib.dequant_rows.restype = None
     return lib

@@ -13,8 +13,17 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_TARGET "amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,fma"
-#define TILE_PAIRS 16 /* input pairs (32 inputs) per k step */
+#define AMX_TARGET "amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,fma"
+/* k steps to prefetch A rows ahead: each tile row is its own stream (one 4 KiB page per row at
+ * H = 2048), 32 at once, more than the hardware prefetchers follow */
+#ifndef AMX_PREFETCH
+#define AMX_PREFETCH 8
+#endif
+
+/* a row to bf16 for B tiles (target: the conversion loop vectorises) */
+__attribute__((target(AMX_TARGET))) static void row_to_bf16_amx(const float *x, int c, uint16_t *out) {
+    row_to_bf16(x, c, out);
+}
 
 /* Linux keeps AMX state off until the process asks (arch_prctl, kernel >= 5.16). 0 = granted. */
 int moe_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) ? -1 : 0; }
@@ -40,7 +49,7 @@ __attribute__((target(AMX_TARGET))) static void amx_release(void) { _tile_releas
 #define COMPILER_FENCE() __asm__ volatile("" ::: "memory")
 
 /* rows of one format -> bf16 [r, c] (quantised rows for the tiles) */
-static void rows_to_bf16(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype, int g, float *tmp,
+__attribute__((target(AMX_TARGET))) static void rows_to_bf16(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype, int g, float *tmp,
                          uint16_t *out) {
     for (int r = 0; r < r_; r++) {
         row_to_f32(rows + (size_t)r * rowbytes, wdtype, c, g, tmp);
@@ -59,6 +68,11 @@ __attribute__((target(AMX_TARGET))) static void amx_block(const uint8_t *a0, con
     _tile_zero(3);
     COMPILER_FENCE();
     for (int ks = 0; ks < ksteps; ks++) {
+        if (ks + AMX_PREFETCH < ksteps)
+            for (int r = 0; r < 16; r++) {
+                _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + AMX_PREFETCH) * 64), _MM_HINT_T0);
+                _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + AMX_PREFETCH) * 64), _MM_HINT_T0);
+            }
         _tile_loadd(4, a0 + (size_t)ks * 64, sa);
         _tile_loadd(5, a1 + (size_t)ks * 64, sa);
         _tile_loadd(6, b0 + (size_t)ks * 256, 64);
@@ -120,7 +134,7 @@ __attribute__((target(AMX_TARGET))) int moe_amx(const float *x, const int64_t *s
             for (int j = 0; j < 16; j++) {
                 const int q = so.start[s] + (tl - tile0[a]) * 16 + j;
                 if (q >= so.start[s + 1]) break; /* padding stays zero */
-                row_to_bf16(x + (size_t)so.tok[q] * h_, h_, xr);
+                row_to_bf16_amx(x + (size_t)so.tok[q] * h_, h_, xr);
                 const uint32_t *xp = (const uint32_t *)xr;
                 uint32_t *dst = xb + (size_t)tl * kx * 256 + j;
                 for (int p = 0; p < h_ / 2; p++) dst[(size_t)(p / 16) * 256 + (p % 16) * 16] = xp[p];

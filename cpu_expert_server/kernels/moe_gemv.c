@@ -17,7 +17,8 @@
  *     (moe_qdot.c: AVX512-VNNI or AVX2); bf16 with AVX512_BF16: vdpbf16ps on bf16 activations;
  *   otherwise fp32: each weight converted in registers and FMAed (AVX-512, AVX2 or SSE2 code
  *     from the same vector-extension source, per-function target attributes).
- * Prefill-shaped calls on CPUs with AMX go to moe_amx() (moe_amx.c).
+ * On CPUs with AMX, bf16 calls go to moe_amx() (moe_amx.c) and int8/int4 ones to moe_amx_q()
+ * (moe_amx_int8.c) instead, at every T: tile loads stream the rows faster than this kernel.
  *
  * Threads: phase 1 splits (expert, row block) pairs, phase 2 splits output rows; each output
  * element is written by one thread, so there are no atomics. Built with -fopenmp and without
@@ -33,9 +34,10 @@
 #define CAP_AVX512 2 /* avx512 f/bw/vl */
 #define CAP_VNNI 4   /* avx512_vnni */
 #define CAP_BF16 8   /* avx512_bf16 */
-#define CAP_AMX 16   /* amx_tile + amx_bf16, permission granted (moe_amx_init) */
+#define CAP_AMX 16   /* amx_tile + amx_bf16 + amx_int8, permission granted (moe_amx_init) */
 
-static inline void row_to_f32(const uint8_t *row, int wdtype, int c, int g, float *restrict buf) {
+static inline __attribute__((always_inline)) void row_to_f32(const uint8_t *row, int wdtype, int c, int g,
+                                                             float *restrict buf) {
     if (wdtype == 0) {
         const uint16_t *w = (const uint16_t *)row;
         uint32_t *b = (uint32_t *)buf;
@@ -402,11 +404,32 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
     return 0;
 }
 
+/* one row's dequantisation, compiled per ISA (the conversion loops auto-vectorise) */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void row_to_f32_avx512(const uint8_t *row,
+                                                                                          int wdtype, int c, int g,
+                                                                                          float *buf) {
+    row_to_f32(row, wdtype, c, g, buf);
+}
+__attribute__((target("avx2,fma"))) static void row_to_f32_avx2(const uint8_t *row, int wdtype, int c, int g,
+                                                                 float *buf) {
+    row_to_f32(row, wdtype, c, g, buf);
+}
+
 /* Dequantise rows [R, row bytes] of one format into fp32 [R, C] (the prefill path's GEMM input). */
-void dequant_rows(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype, int g, float *out,
-                  int nthreads) {
+void dequant_rows(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype, int g, float *out, int nthreads,
+                  int caps) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int r = 0; r < r_; r++) row_to_f32(rows + (size_t)r * rowbytes, wdtype, c, g, out + (size_t)r * c);
+    for (int r = 0; r < r_; r++) {
+        const uint8_t *src = rows + (size_t)r * rowbytes;
+        float *dst = out + (size_t)r * c;
+        if (caps & CAP_AVX512)
+            row_to_f32_avx512(src, wdtype, c, g, dst);
+        else if (caps & CAP_AVX2)
+            row_to_f32_avx2(src, wdtype, c, g, dst);
+        else
+            row_to_f32(src, wdtype, c, g, dst);
+    }
 }
 
 #include "moe_amx.c"
+#include "moe_amx_int8.c"

@@ -67,13 +67,13 @@ static void quant_act(const float *x, int c, int g, int8_t *q, float *sc, float 
 }
 
 /* fp32 -> bf16, round to nearest even (inputs are finite) */
-static inline uint16_t to_bf16(float f) {
+static inline __attribute__((always_inline)) uint16_t to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static void row_to_bf16(const float *x, int c, uint16_t *out) {
+static inline __attribute__((always_inline)) void row_to_bf16(const float *x, int c, uint16_t *out) {
     for (int i = 0; i < c; i++) out[i] = to_bf16(x[i]);
 }
 

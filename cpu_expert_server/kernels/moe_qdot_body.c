@@ -19,15 +19,21 @@ static inline __attribute__((always_inline, target(QTARGET))) void QNAME(m_)(
     const float *ws = (const float *)(row + (wdtype == 1 ? c : c / 2));
     const __m256i nib = _mm256_set1_epi8(15);
     for (int gi = 0; gi < c / g; gi++) {
-        __m256i ai[QM];
-        for (int j = 0; j < m; j++) ai[j] = _mm256_setzero_si256();
+        /* two integer accumulators per token: halves the dependency chain of the dot products */
+        __m256i ai[QM], bi[QM];
+        for (int j = 0; j < m; j++) ai[j] = bi[j] = _mm256_setzero_si256();
         if (wdtype == 1) {
             const uint8_t *wg = row + (size_t)gi * g;
-            for (int i = 0; i < g; i += 32) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(wg + i));
-                W8_PREP(w);
-                for (int j = 0; j < m; j++)
-                    ai[j] = DOT_I8(ai[j], w, _mm256_loadu_si256((const __m256i *)(xq[j] + gi * g + i)));
+            for (int i = 0; i < g; i += 64) {
+                __m256i w0 = _mm256_loadu_si256((const __m256i *)(wg + i));
+                __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + i + 32));
+                W8_PREP(w0);
+                W8_PREP(w1);
+                for (int j = 0; j < m; j++) {
+                    const int8_t *xg = xq[j] + gi * g + i;
+                    ai[j] = DOT_I8(ai[j], w0, _mm256_loadu_si256((const __m256i *)xg));
+                    bi[j] = DOT_I8(bi[j], w1, _mm256_loadu_si256((const __m256i *)(xg + 32)));
+                }
             }
         } else {
             const uint8_t *wg = row + (size_t)gi * (g / 2);
@@ -37,13 +43,14 @@ static inline __attribute__((always_inline, target(QTARGET))) void QNAME(m_)(
                 for (int j = 0; j < m; j++) {
                     const int8_t *xg = xq[j] + gi * g + i;
                     ai[j] = DOT_U4(ai[j], lo, _mm256_loadu_si256((const __m256i *)xg));
-                    ai[j] = DOT_U4(ai[j], hi, _mm256_loadu_si256((const __m256i *)(xg + g / 2)));
+                    bi[j] = DOT_U4(bi[j], hi, _mm256_loadu_si256((const __m256i *)(xg + g / 2)));
                 }
             }
         }
         const float s = ws[gi];
         for (int j = 0; j < m; j++) {
-            af[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[j]), _mm256_set1_ps(s * xs[j][gi]), af[j]);
+            const __m256 d = _mm256_cvtepi32_ps(_mm256_add_epi32(ai[j], bi[j]));
+            af[j] = _mm256_fmadd_ps(d, _mm256_set1_ps(s * xs[j][gi]), af[j]);
             corr[j] += s * xc[j][gi];
         }
     }
