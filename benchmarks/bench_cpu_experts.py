@@ -135,8 +135,10 @@ def bench_model(
             # past decode sizes also time the two paths the backend chooses between
             modes = [""]
             if isinstance(backend, CpuExpertBackend):
+                if t >= 16 or amx:
+                    modes.append("/kernel")
                 if t >= 16:
-                    modes += ["/kernel", "/gemm"]
+                    modes.append("/gemm")
                 if amx:
                     modes.append("/amx")
                 if t <= 4 and backend.dot_kind() != "fp32":

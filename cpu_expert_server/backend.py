@@ -121,9 +121,13 @@ class CpuExpertBackend(ExpertBackend):
             return False
         # tile loads stream the rows faster than the decode kernel even at T=1 (bench_cpu_experts
         # "/amx" vs "/kernel"), so AMX takes every call it covers without changing the numerics:
-        # bf16 servers with bf16 weights, and quantised weights with activation quantisation on
-        if self._amx_int() or (wcode == 0 and x.dtype == torch.bfloat16):
+        # bf16 servers with bf16 weights, and int8 with activation quantisation on. int4 must
+        # unpack its nibbles for the tiles first: there the decode kernel's VNNI dots measured
+        # faster at decode sizes, AMX only for prefill
+        if (wcode == 0 and x.dtype == torch.bfloat16) or (self._amx_int() and wcode == 1):
             return True
+        if self._amx_int():
+            return per_expert > self.gemv_max_tokens
         # quantised weights dequantised to bf16 tiles: prefill only (a bf16 server)
         return fmt.quantised and x.dtype == torch.bfloat16 and per_expert > self.gemv_max_tokens
 

@@ -41,17 +41,19 @@ static void qtiles_put(const QTiles *q, int tl, int j, int c, int g, int bias, c
     }
 }
 
-/* int4 rows (packed) -> nibbles 0..15 in natural element order, [r, c] bytes */
+/* int4 rows (packed) -> nibbles 0..15 in natural element order, [r, c] bytes (g % 64 == 0) */
 __attribute__((target(AMX_TARGET))) static void unpack_nibbles(const uint8_t *rows, long rowbytes, int r_, int c,
                                                                int g, uint8_t *out) {
+    const __m256i lo4 = _mm256_set1_epi8(15);
     for (int r = 0; r < r_; r++) {
         const uint8_t *src = rows + (size_t)r * rowbytes;
         uint8_t *dst = out + (size_t)r * c;
         for (int gi = 0; gi < c / g; gi++)
-            for (int j = 0; j < g / 2; j++) {
-                const uint8_t b = src[gi * (g / 2) + j];
-                dst[gi * g + j] = b & 15;
-                dst[gi * g + g / 2 + j] = b >> 4;
+            for (int j = 0; j < g / 2; j += 32) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(src + gi * (g / 2) + j));
+                _mm256_storeu_si256((__m256i *)(dst + gi * g + j), _mm256_and_si256(b, lo4));
+                _mm256_storeu_si256((__m256i *)(dst + gi * g + g / 2 + j),
+                                    _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4));
             }
     }
 }
@@ -74,6 +76,11 @@ __attribute__((target(AMX_TARGET))) static void amx_q_block(const uint8_t *a0, c
         COMPILER_FENCE();
         for (int kk = 0; kk < kpg; kk++) {
             const size_t ks = (size_t)gi * kpg + kk;
+            if (ks + AMX_PREFETCH < (size_t)groups * kpg)
+                for (int r = 0; r < 16; r++) {
+                    _mm_prefetch((const char *)(a0 + r * sa + (ks + AMX_PREFETCH) * 64), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(a1 + r * sa + (ks + AMX_PREFETCH) * 64), _MM_HINT_T0);
+                }
             _tile_loadd(4, a0 + ks * 64, sa);
             _tile_loadd(5, a1 + ks * 64, sa);
             _tile_loadd(6, b0 + ks * 256, 64);
