@@ -268,13 +268,15 @@ def test_amx_matches_reference(wdtype, t):
     else:
         ref = torch_moe(x.double(), w13.double(), w2.double(), slot_ids, weights.double())
         assert rel(out, ref) < 1e-2, rel(out, ref)
-    # fp32 activations through the int8 tiles agree with the reference to fp32 rounding (fresh
-    # fp32 values: bf16-valued ones land on rounding ties of the activation quantisation)
+    # fp32 activations through the int8 tiles agree with the reference up to a few rounding
+    # flips of the intermediate's quantisation (the tiles sum in another order than float64;
+    # each flip moves one element by a step, ~1e-4 here; measured 5e-4 at T=120). A wrong scale,
+    # group or token is >= 1e-2. Fresh fp32 values: bf16-valued ones sit on rounding ties.
     if b.fmt.quantised:
         x32 = torch.randn(x.shape, generator=torch.Generator().manual_seed(t))
         out32 = b.forward(x32, p13, p2, slot_ids, weights)
         ref32 = qact_reference(x32, w13, w2, slot_ids, weights, b.fmt.g13, b.fmt.g2)
-        assert rel(out32, ref32) < 1e-4, rel(out32, ref32)
+        assert rel(out32, ref32) < 2e-3, rel(out32, ref32)
 
 
 def test_split_gate_up_inverts_interleave():
