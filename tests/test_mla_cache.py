@@ -114,3 +114,32 @@ def test_cuda_engine_matches_cpu_mla(arch, tmp_path):
     out = {e: e.step([(ids[e][0], toks[:2]), (ids[e][1], [toks[1]])], all_logits=True) for e in (cpu, gpu)}
     for a, b in zip(out[gpu], out[cpu]):
         assert err(a, b) < 2e-3
+
+
+@pytest.mark.gpu
+def test_cuda_engine_lora_on_kv_b_proj_gpu(tmp_path):
+    """LoRA on kv_b_proj (absorbed into q_lat and the output on CUDA, folded into the weight on
+    the CPU) and on the other MLA projections: CUDA engine vs CPU engine, adapter and base rows."""
+    from coordinator.engine import Engine
+    from coordinator.lora import enable_lora
+    from tests import lora_utils
+
+    hf = lora_utils.make_model("deepseek_v3", tmp_path / "model")
+    lora_utils.save(lora_utils.wrap(hf, seed=1), tmp_path / "ad")
+    engines = []
+    for dev in ("cpu", "cuda"):
+        eng = Engine.from_checkpoint(str(tmp_path / "model"), dtype=torch.float32, device=dev, page_size=4)
+        enable_lora(eng, max_loras=2).load("ad", str(tmp_path / "ad"))
+        engines.append(eng)
+    prompt = [(5 * j + 3) % 96 for j in range(7)]
+    outs = []
+    for eng in engines:
+        seqs = [eng.new_seq(), eng.new_seq()]
+        full = eng.step([(s, prompt) for s in seqs], all_logits=True, adapters=[None, "ad"])
+        toks = [int(full[0][-1].argmax()), int(full[1][-1].argmax())]
+        steps = [eng.step([(s, [t]) for s, t in zip(seqs, toks)], adapters=[None, "ad"]) for _ in range(1)]
+        outs.append([x.cpu() for x in full] + [x.cpu() for x in steps[0]])
+    cpu, gpu = outs
+    assert ((cpu[1] - cpu[0]).abs().max() / cpu[0].abs().max()).item() > 1e-2, "the adapter barely acts"
+    for a, b in zip(gpu, cpu):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 2e-3

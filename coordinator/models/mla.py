@@ -22,6 +22,9 @@ Dv value dim, Rq/Rkv query/KV latent ranks, R cache rows, S cached positions of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +72,9 @@ class MLAttention(nn.Module):
         self.rope_in_float32 = rope_in_float32
         # DeepSeek's YaRN correction: the softmax scale times mscale(factor, mscale_all_dim)^2
         self.scale = cfg.q_head_dim**-0.5 * rope.softmax_scale_factor(cfg.rope_scaling)
+        # LoRA on kv_b_proj, set by the LoRA manager (it cannot hook a layer that never runs as
+        # one): () -> None, or (token adapter slots [T], slot -> LoRA with a [r, Rkv], b [Hq*(Dn+Dv), r])
+        self.kv_b_lora: Callable[[], tuple[torch.Tensor, dict[int, Any]] | None] | None = None
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
@@ -87,24 +93,56 @@ class MLAttention(nn.Module):
         q_rope, k_rope = self._rotate(q_rope, k_rope[:, None, :], batch.positions)
         cache[batch.write_index] = torch.cat([c, k_rope[:, 0]], dim=-1)
         w = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.kv_rank)  # [Hq, Dn+Dv, Rkv]
+        lora = self.kv_b_lora() if self.kv_b_lora is not None else None
         if x.is_cuda:
-            from coordinator.kernels.mla_attention import mla_attention_triton
-
-            q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, : self.dn])  # [Hq, T, Rkv] = W_UK^T q_nope
-            o_lat = mla_attention_triton(
-                q_lat,
-                q_rope,
-                cache,
-                batch.page_table,
-                batch.token_seq,
-                batch.positions,
-                batch.page_size,
-                self.scale,
-            )  # [Hq, T, Rkv]
-            o = torch.bmm(o_lat, w[:, self.dn :].transpose(1, 2)).transpose(0, 1)  # [T, Hq, Dv] = W_UV o_lat
+            o = self._attend_cuda(q_nope, q_rope, cache, batch, w, lora)
         else:
-            o = self._attend_torch(q_nope, q_rope, cache, batch, w)
+            o = self._attend_torch(q_nope, q_rope, cache, batch, w, lora)
         return self.o_proj(o.reshape(t, self.h * self.dv))
+
+    def _attend_cuda(
+        self,
+        q_nope: torch.Tensor,  # [T, Hq, Dn]
+        q_rope: torch.Tensor,  # [T, Hq, Dr] rotated
+        cache: torch.Tensor,  # [R, Rkv+Dr], the step's rows written
+        batch: ForwardBatch,
+        w: torch.Tensor,  # [Hq, Dn+Dv, Rkv] kv_b_proj: W_UK then W_UV per head
+        lora: tuple[torch.Tensor, dict[int, Any]] | None,
+    ) -> torch.Tensor:  # [T, Hq, Dv]
+        """Absorbed form for every token: two batched GEMMs around the Triton kernel."""
+        from coordinator.kernels.mla_attention import mla_attention_triton
+
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, : self.dn])  # [Hq, T, Rkv] = W_UK^T q_nope
+        per_slot = self._lora_rows(lora)
+        for rows, a, b in per_slot:  # + (B_UK A)^T q_nope for each adapter's tokens
+            q_lat[:, rows] += torch.bmm(q_nope[rows].transpose(0, 1), b[:, : self.dn]) @ a
+        o_lat = mla_attention_triton(
+            q_lat,
+            q_rope,
+            cache,
+            batch.page_table,
+            batch.token_seq,
+            batch.positions,
+            batch.page_size,
+            self.scale,
+        )  # [Hq, T, Rkv]
+        o = torch.bmm(o_lat, w[:, self.dn :].transpose(1, 2))  # [Hq, T, Dv] = W_UV o_lat
+        for rows, a, b in per_slot:  # + B_UV A o_lat
+            o[:, rows] += torch.bmm(o_lat[:, rows] @ a.T, b[:, self.dn :].transpose(1, 2))
+        return o.transpose(0, 1)
+
+    def _lora_rows(
+        self, lora: tuple[torch.Tensor, dict[int, Any]] | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # (token rows, a [r, Rkv], b [Hq, Dn+Dv, r])
+        if lora is None:
+            return []
+        slots, per_slot = lora
+        out = []
+        for slot, p in per_slot.items():
+            rows = torch.where(slots == slot)[0]
+            if rows.numel():
+                out.append((rows, p.a, p.b.view(self.h, self.dn + self.dv, -1)))
+        return out
 
     def _attend_torch(
         self,
@@ -113,6 +151,7 @@ class MLAttention(nn.Module):
         cache: torch.Tensor,  # [R, Rkv+Dr], the step's rows written
         batch: ForwardBatch,
         w: torch.Tensor,  # [Hq, Dn+Dv, Rkv] kv_b_proj: W_UK then W_UV per head
+        lora: tuple[torch.Tensor, dict[int, Any]] | None,
     ) -> torch.Tensor:  # [T, Hq, Dv]
         """The plain-torch path, one sequence chunk at a time. Decode rows (one new token) attend
         in the absorbed form; prefill/extend chunks decompress their sequence's cached latents
@@ -124,26 +163,32 @@ class MLAttention(nn.Module):
             rows = ch.kv_index if ch.kv_index is not None else _cache_rows(batch, b, ch.past + ch.length)
             kv = cache[rows]  # [S, Rkv+Dr]
             span = slice(ch.start, ch.start + ch.length)
+            slot = int(lora[0][ch.start]) if lora is not None else -1
+            wc = w  # a sequence has one adapter: its kv_b_proj weight with the LoRA folded in
+            if lora is not None and slot in lora[1]:
+                p = lora[1][slot]
+                wc = w + (p.b @ p.a).view(w.shape)
             if ch.length == 1:
                 # NOTE: absorbed in float32: bf16 q_lat / o_lat would add roundings HF does not have
                 f32 = torch.float32
                 q_lat = torch.bmm(
-                    q_nope[span].transpose(0, 1).to(f32), w[:, : self.dn].to(f32)
+                    q_nope[span].transpose(0, 1).to(f32), wc[:, : self.dn].to(f32)
                 )  # [Hq, 1, Rkv]
                 o_lat = latent_attention(q_lat, q_rope[span].to(f32), kv.to(f32), ch.past, self.scale)
-                o = torch.bmm(o_lat, w[:, self.dn :].transpose(1, 2).to(f32))  # [Hq, 1, Dv]
+                o = torch.bmm(o_lat, wc[:, self.dn :].transpose(1, 2).to(f32))  # [Hq, 1, Dv]
                 out[span] = o.transpose(0, 1).to(out.dtype)
             else:
-                out[span] = self._decompressed(q_nope[span], q_rope[span], kv, ch.past)
+                out[span] = self._decompressed(q_nope[span], q_rope[span], kv, ch.past, wc)
         return out
 
     def _decompressed(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, past: int
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, past: int, w: torch.Tensor
     ) -> torch.Tensor:  # [n, Hq, Dv]
-        """q_nope [n, Hq, Dn], q_rope [n, Hq, Dr], kv [S, Rkv+Dr] the sequence's cached rows."""
+        """q_nope [n, Hq, Dn], q_rope [n, Hq, Dr], kv [S, Rkv+Dr] the sequence's cached rows,
+        w [Hq, Dn+Dv, Rkv] kv_b_proj's weight."""
         n, s = q_nope.shape[0], kv.shape[0]
         lat, k_rope = kv.split([self.kv_rank, self.dr], dim=-1)
-        kv_full = self.kv_b_proj(lat).view(s, self.h, self.dn + self.dv)
+        kv_full = F.linear(lat, w.reshape(-1, self.kv_rank)).view(s, self.h, self.dn + self.dv)
         k_nope, v = kv_full.split([self.dn, self.dv], dim=-1)  # [S, Hq, Dn], [S, Hq, Dv]
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [Hq, n, Dn+Dr]
         k = torch.cat([k_nope, k_rope[:, None, :].expand(s, self.h, self.dr)], dim=-1).transpose(0, 1)
