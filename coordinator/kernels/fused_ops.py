@@ -9,8 +9,9 @@ accumulation order.
 * :func:`rmsnorm`: ``w * bf16(x * rsqrt(mean(x^2) + eps))``, optionally after ``x += residual``
   (the residual add of the decoder layer), one program per row.
 * :func:`qk_norm_rope_store`: from the merged q/k/v projection output: per-head RMSNorm of q and
-  k (Qwen3), rotary on q and k (half-split pairs, cos/sin computed from the positions), q out,
-  k and v written straight into this layer's KV cache rows.
+  k (Qwen3), rotary on q and k (half-split pairs, cos/sin computed from the positions and the
+  scaled inverse frequencies, times YaRN's attention factor), q out, k and v written straight
+  into this layer's KV cache rows.
 * :func:`softmax_topk`: router softmax, greedy top-k, renormalisation, scaling and rounding.
 
 Shapes: T tokens, N row width, Hq/Hk query/KV heads, D head dim, E experts, K top-k.
@@ -90,6 +91,7 @@ def _qk_norm_rope_store_kernel(
     k_cache_ptr,  # [R, Hk, D]
     v_cache_ptr,  # [R, Hk, D]
     eps,
+    cs_scale,  # YaRN's attention factor: cos and sin times it in float32, before the cast (1.0: none)
     stride_t,
     stride_qo,
     stride_kr,
@@ -122,8 +124,8 @@ def _qk_norm_rope_store_kernel(
             x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + half)  # [D/2]
-        cos = tl.cos(freq).to(dtype).to(tl.float32)
-        sin = tl.sin(freq).to(dtype).to(tl.float32)
+        cos = (tl.cos(freq) * cs_scale).to(dtype).to(tl.float32)
+        sin = (tl.sin(freq) * cs_scale).to(dtype).to(tl.float32)
         # x * cos + rotate_half(x) * sin, rounded after each product and the sum as torch does
         o1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
         o2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
@@ -145,6 +147,7 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,  # [R, Hk, D]
     v_cache: torch.Tensor,  # [R, Hk, D]
     norms: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q weight [D], k weight [D], eps)
+    cs_scale: float = 1.0,  # YaRN's attention factor (Rotary.factor)
 ) -> torch.Tensor:  # q [T, Hq, D]
     t = qkv.shape[0]
     d = k_cache.shape[2]
@@ -156,7 +159,7 @@ def qk_norm_rope_store(
         return q
     qw, kw, eps = norms if norms is not None else (inv_freq, inv_freq, 0.0)
     _qk_norm_rope_store_kernel[(t, hq + 2 * hk)](
-        qkv, positions, write_index, inv_freq, qw, kw, q, k_cache, v_cache, eps,
+        qkv, positions, write_index, inv_freq, qw, kw, q, k_cache, v_cache, eps, cs_scale,
         qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0),
         HQ=hq, HK=hk, D=d, HAS_NORM=norms is not None, num_warps=1,
     )  # fmt: skip
