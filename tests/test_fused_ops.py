@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.kernels.fused_ops import qk_norm_rope_store, rmsnorm, softmax_topk
+from coordinator.kernels.fused_ops import mla_rope_store, qk_norm_rope_store, rmsnorm, softmax_topk
 from coordinator.models.layers import RMSNorm, Rotary
 from coordinator.router import RouterSpec, route
 from expertmesh.config import RopeScaling
@@ -64,6 +64,34 @@ def check_qk_rope(t, hq, hk, d, dtype, device, with_norm, tol, scaling=None):
     assert torch.equal(v_cache.cpu()[rows], v)
 
 
+def check_mla_rope(t, hq, dn, dr, rkv, dtype, device, interleave, rope_in_float32, tol, scaling=None):
+    """mla_rope_store against MLAttention's torch steps: latent norm, rotary of q and the shared
+    key part (pairs or halves, float32 or activation-dtype rounding), the cache row written."""
+    from types import SimpleNamespace
+
+    from coordinator.models.mla import MLAttention
+
+    g = torch.Generator().manual_seed(t + dr)
+    q = torch.randn(t, hq, dn + dr, generator=g).to(dtype)
+    kv_a = torch.randn(t, rkv + dr, generator=g).to(dtype)
+    pos = torch.randint(0, 4000, (t,), generator=g)
+    rows = torch.randperm(3 * t, generator=g)[:t]
+    norm = RMSNorm(rkv, 1e-6, dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    rot = Rotary(dr, 1e4, interleave=interleave, scaling=scaling)
+    me = SimpleNamespace(rotary=rot, rope_in_float32=rope_in_float32)
+    q_rope, k_rope = MLAttention._rotate(me, q[..., dn:], kv_a[:, None, rkv:], pos)  # type: ignore[arg-type]
+    ref_row = torch.cat([RMSNorm.forward(norm, kv_a[:, :rkv]), k_rope[:, 0]], dim=-1)  # [T, Rkv+Dr]
+    cache = torch.full((3 * t, rkv + dr), float("nan"), dtype=dtype, device=device)
+    got = mla_rope_store(
+        q.to(device), kv_a.to(device), pos.to(device), rows.to(device), rot.inv_freq(torch.device(device)),
+        (norm.weight.to(device), 1e-6), cache, interleave, rope_in_float32, rot.factor,
+    )  # fmt: skip
+    assert rel_err(got.cpu(), q_rope) < tol, rel_err(got.cpu(), q_rope)
+    assert rel_err(cache.cpu()[rows], ref_row) < tol, rel_err(cache.cpu()[rows], ref_row)
+
+
 def check_topk(t, e, k, dtype, device):
     spec = RouterSpec(top_k=k, norm_topk_prob=True, routed_scaling_factor=1.5, round_weights=True)
     # distinct logits, exact in bf16: ties would let either implementation pick either expert
@@ -86,6 +114,12 @@ def test_qk_norm_rope_store_cpu(with_norm, scaling):
     check_qk_rope(3, 4, 2, 16, torch.float32, "cpu", with_norm, 1e-6, scaling)
 
 
+@pytest.mark.parametrize("interleave,f32", [(True, True), (False, False)], ids=["v2", "v3-halves"])
+@pytest.mark.parametrize("scaling", [None, YARN], ids=["plain", "yarn"])
+def test_mla_rope_store_cpu(interleave, f32, scaling):
+    check_mla_rope(3, 4, 16, 8, 24, torch.float32, "cpu", interleave, f32, 1e-6, scaling)
+
+
 def test_softmax_topk_cpu():
     check_topk(5, 24, 3, torch.float32, "cpu")
 
@@ -97,6 +131,10 @@ def test_fused_ops_real_widths_gpu():
     check_qk_rope(7, 32, 4, 128, torch.float32, "cuda", True, 1e-5)
     check_qk_rope(64, 32, 4, 128, torch.bfloat16, "cuda", True, 1e-2, YARN)
     check_qk_rope(7, 32, 4, 128, torch.float32, "cuda", True, 1e-5, YARN)
+    # DeepSeek-V2-Lite / V3 widths: 16 / 128 heads, Dn 128, Dr 64, latent 512
+    check_mla_rope(64, 16, 128, 64, 512, torch.bfloat16, "cuda", True, True, 1e-2)
+    check_mla_rope(64, 128, 128, 64, 512, torch.bfloat16, "cuda", True, False, 1e-2, YARN)
+    check_mla_rope(7, 16, 128, 64, 512, torch.float32, "cuda", False, True, 1e-5, YARN)
     check_topk(64, 128, 8, torch.bfloat16, "cuda")
     check_topk(64, 60, 4, torch.float32, "cuda")
 

@@ -54,15 +54,15 @@ class MLAttention(nn.Module):
         self.kv_rank = cfg.kv_lora_rank
         hidden, q_out = cfg.hidden_size, self.h * (self.dn + self.dr)
         self.q_lora = cfg.q_lora_rank is not None
+        # the query's first projection and kv_a read the same input: one GEMM
         if cfg.q_lora_rank is not None:
-            # q_a and kv_a read the same input: one GEMM
             parts = {"q_a_proj": cfg.q_lora_rank, "kv_a_proj_with_mqa": self.kv_rank + self.dr}
             self.qkv_a_proj = MergedLinear(hidden, parts, False, dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype)
             self.q_b_proj = linear(cfg.q_lora_rank, q_out, dtype)
         else:
-            self.q_proj = linear(hidden, q_out, dtype)
-            self.kv_a_proj_with_mqa = linear(hidden, self.kv_rank + self.dr, dtype)
+            parts = {"q_proj": q_out, "kv_a_proj_with_mqa": self.kv_rank + self.dr}
+            self.q_kv_a_proj = MergedLinear(hidden, parts, False, dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = linear(self.kv_rank, self.h * (self.dn + self.dv), dtype)
         self.o_proj = linear(self.h * self.dv, hidden, dtype)
@@ -72,6 +72,7 @@ class MLAttention(nn.Module):
         self.rope_in_float32 = rope_in_float32
         # DeepSeek's YaRN correction: the softmax scale times mscale(factor, mscale_all_dim)^2
         self.scale = cfg.q_head_dim**-0.5 * rope.softmax_scale_factor(cfg.rope_scaling)
+        self._inv_freq: torch.Tensor | None = None  # the CUDA path's rotary frequencies
         # LoRA on kv_b_proj, set by the LoRA manager (it cannot hook a layer that never runs as
         # one): () -> None, or (token adapter slots [T], slot -> LoRA with a [r, Rkv], b [Hq*(Dn+Dv), r])
         self.kv_b_lora: Callable[[], tuple[torch.Tensor, dict[int, Any]] | None] | None = None
@@ -85,18 +86,27 @@ class MLAttention(nn.Module):
             q_latent, kv_a = self.qkv_a_proj(x)  # [T, Rq], [T, Rkv+Dr]
             q = self.q_b_proj(self.q_a_layernorm(q_latent))  # [T, Hq*(Dn+Dr)]
         else:
-            q = self.q_proj(x)
-            kv_a = self.kv_a_proj_with_mqa(x)  # [T, Rkv+Dr]
-        q_nope, q_rope = q.view(t, self.h, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
-        kv_latent, k_rope = kv_a.split([self.kv_rank, self.dr], dim=-1)  # [T, Rkv], [T, Dr]
-        c = self.kv_a_layernorm(kv_latent)  # [T, Rkv]
-        q_rope, k_rope = self._rotate(q_rope, k_rope[:, None, :], batch.positions)
-        cache[batch.write_index] = torch.cat([c, k_rope[:, 0]], dim=-1)
+            q, kv_a = self.q_kv_a_proj(x)  # [T, Hq*(Dn+Dr)], [T, Rkv+Dr]
+        q = q.view(t, self.h, self.dn + self.dr)
+        q_nope = q[..., : self.dn]  # [T, Hq, Dn]
         w = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.kv_rank)  # [Hq, Dn+Dv, Rkv]
         lora = self.kv_b_lora() if self.kv_b_lora is not None else None
         if x.is_cuda:
+            from coordinator.kernels.fused_ops import mla_rope_store
+
+            if self._inv_freq is None or self._inv_freq.device != x.device:
+                self._inv_freq = self.rotary.inv_freq(x.device)  # [Dr/2], once: not per layer per step
+            norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+            q_rope = mla_rope_store(
+                q, kv_a, batch.positions, batch.write_index, self._inv_freq, norm, cache,
+                self.rotary.interleave, self.rope_in_float32, self.rotary.factor,
+            )  # fmt: skip
             o = self._attend_cuda(q_nope, q_rope, cache, batch, w, lora)
         else:
+            kv_latent, k_rope = kv_a.split([self.kv_rank, self.dr], dim=-1)  # [T, Rkv], [T, Dr]
+            c = self.kv_a_layernorm(kv_latent)  # [T, Rkv]
+            q_rope, k_rope = self._rotate(q[..., self.dn :], k_rope[:, None, :], batch.positions)
+            cache[batch.write_index] = torch.cat([c, k_rope[:, 0]], dim=-1)
             o = self._attend_torch(q_nope, q_rope, cache, batch, w, lora)
         return self.o_proj(o.reshape(t, self.h * self.dv))
 
