@@ -150,7 +150,8 @@ def test_yarn_attention_takes_fused_path_gpu(monkeypatch):
     from tests.test_attention_kernels import make_step
 
     rs = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8)
-    cfg = ModelConfig.from_dict({**BASE, **CONFIGS["qwen3_moe"], "head_dim": 64, "rope_scaling": rs})
+    raw = {**BASE, **CONFIGS["qwen3_moe"], "model_type": "qwen3_moe", "head_dim": 64, "rope_scaling": rs}
+    cfg = ModelConfig.from_dict(raw)
     attn = Attention(cfg, 0, torch.float32)
     with torch.no_grad():
         for name, p in attn.named_parameters():
