@@ -1,5 +1,5 @@
 """MLA decode attention at DeepSeek-V2-Lite widths: the absorbed kernel over the latent cache
-(coordinator/kernels/mla_attention.py, a few tile configs) against the paged kernel over the
+(coordinator/kernels/mla_attention.py, a few tile configs, with and without split-KV) against the paged kernel over the
 decompressed per-head K/V that the cache held before (16 heads, K 192, V 128), same run, with
 the bytes each must read from the cache over the measured copy bandwidth.
 
@@ -55,9 +55,13 @@ def main() -> None:
             cache = torch.randn(rows, RKV + DR, device=dev, dtype=bf)
             args = (batch.page_table, batch.token_seq, batch.positions, PAGE, 0.07)
             lat_bytes = b * (s + 1) * (RKV + DR) * 2
-            for bn, nw in ((16, 4), (32, 4), (32, 8), (64, 8)):
-                us = median_us(mla_attention_triton, q_lat, q_rope, cache, *args, block_n=bn, num_warps=nw)
-                print(f"| {b} | {s} | latent, BLOCK_N {bn}, {nw} warps | {us:.1f} | {lat_bytes} | "
+            # splits None: the default (enough programs for every SM), 1: one program per token
+            for bn, nw, sp in ((64, 8, 1), (32, 4, None), (64, 4, None), (64, 8, None)):
+                us = median_us(
+                    mla_attention_triton, q_lat, q_rope, cache, *args, block_n=bn, num_warps=nw, splits=sp
+                )
+                tile = f"BLOCK_N {bn}, {nw} warps, splits {sp or 'default'}"
+                print(f"| {b} | {s} | latent, {tile} | {us:.1f} | {lat_bytes} | "
                       f"{lat_bytes / bw * 1e6:.2f} |")  # fmt: skip
             q = torch.randn(b, HQ, DN + DR, device=dev, dtype=bf)
             k = torch.randn(rows, HQ, DN + DR, device=dev, dtype=bf)

@@ -15,7 +15,7 @@ from expertmesh.config import ModelConfig
 from tests.test_attention_kernels import MIXED, make_step, rel_err
 
 
-def check_kernel(shape, hq, rkv, dr, page_size, dtype, device, seed=0, tol=1e-5) -> None:
+def check_kernel(shape, hq, rkv, dr, page_size, dtype, device, seed=0, tol=1e-5, splits=None) -> None:
     num_pages = sum(-(-(p + n) // page_size) for p, n in shape) + 3
     batch = make_step(shape, page_size, num_pages, seed, device)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -28,23 +28,28 @@ def check_kernel(shape, hq, rkv, dr, page_size, dtype, device, seed=0, tol=1e-5)
     ref = mla_attention_torch(q_lat.double(), q_rope.double(), cache.double(), batch, scale)
     out = torch.full((hq, t, rkv), float("nan"), dtype=dtype, device=device)  # poisoned
     mla_attention_triton(
-        q_lat, q_rope, cache, batch.page_table, batch.token_seq, batch.positions, page_size, scale, out=out
-    )
+        q_lat, q_rope, cache, batch.page_table, batch.token_seq, batch.positions, page_size, scale, out=out,
+        splits=splits,
+    )  # fmt: skip
     assert not out.isnan().any()
     assert rel_err(out, ref) < tol, rel_err(out, ref)
 
 
 @pytest.mark.parametrize("hq,rkv,dr", [(4, 24, 8), (20, 32, 16)])  # one head block; two, the last partial
-def test_kernel_matches_torch_cpu(hq, rkv, dr):
-    check_kernel(MIXED, hq, rkv, dr, page_size=4, dtype=torch.float32, device=torch.device("cpu"))
+@pytest.mark.parametrize("splits", [1, 4])  # 4: sequences cut in parts (some empty), then merged
+def test_kernel_matches_torch_cpu(hq, rkv, dr, splits):
+    check_kernel(
+        MIXED, hq, rkv, dr, page_size=4, dtype=torch.float32, device=torch.device("cpu"), splits=splits
+    )
 
 
-def test_padding_token_gets_zeros_cpu():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_padding_token_gets_zeros_cpu(splits):
     batch = make_step([(2, 1)], 4, 2, 0, torch.device("cpu"))
     q_lat, q_rope, cache = torch.randn(3, 2, 16), torch.randn(2, 3, 8), torch.randn(8, 24)
     out = torch.full((3, 2, 16), float("nan"))
     pos, seq = torch.tensor([2, -1]), torch.tensor([0, 0], dtype=torch.int32)
-    mla_attention_triton(q_lat, q_rope, cache, batch.page_table, seq, pos, 4, 1.0, out=out)
+    mla_attention_triton(q_lat, q_rope, cache, batch.page_table, seq, pos, 4, 1.0, out=out, splits=splits)
     assert out[:, 1].eq(0).all() and not out[:, 0].isnan().any()
 
 
@@ -78,6 +83,8 @@ def test_kernel_deepseek_widths_gpu(dtype):
     shape = [(int(s), 1) for s in torch.randint(1, 700, (16,), generator=torch.Generator().manual_seed(1))]
     shape += [(0, 77), (129, 33)]
     check_kernel(shape, 16, 512, 64, page_size=16, dtype=dtype, device=dev, tol=tol)
+    check_kernel(shape[:1], 16, 512, 64, page_size=16, dtype=dtype, device=dev, tol=tol)  # batch 1: 16 splits
+    check_kernel(shape[:4], 16, 512, 64, page_size=16, dtype=dtype, device=dev, tol=tol, splits=1)
     # DeepSeek-V3 / Kimi-K2 head counts (128 / 64 heads: several head blocks per token)
     check_kernel([(40, 1), (0, 19), (300, 1)], 128, 512, 64, page_size=16, dtype=dtype, device=dev, tol=tol)
     check_kernel([(5, 1), (200, 1)], 64, 512, 64, page_size=16, dtype=dtype, device=dev, tol=tol)

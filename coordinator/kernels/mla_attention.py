@@ -7,12 +7,15 @@ batched GEMM outside), a head's score for key j is ``q_lat . c_j + q_rope . k_ro
 value is ``c_j`` itself: multi-query attention with one KV head of width ``Rkv + Dr``, whose
 output ``sum_j p_j c_j`` is mapped back through ``W_UV`` outside.
 
-One program per (token, block of ``BLOCK_H`` heads): the heads are the rows of one tile, the
-token's sequence is walked through its page table ``BLOCK_N`` rows at a time with an online
-softmax, and each latent tile is loaded once for both the scores and the values. A token at
-position p sees rows 0..p of its sequence, so decode, prefill and extend over a cached prefix
-share one launch. Grid and loop bounds depend only on shapes and on values read on the device
-(CUDA-graph capturable); a token with position -1 (padding) gets zeros.
+One program per (token, block of ``BLOCK_H`` heads, split of the sequence): the heads are the
+rows of one tile, the token's rows are walked through its page table ``BLOCK_N`` at a time with
+an online softmax, and each latent tile is loaded once for both the scores and the values. A
+token at position p sees rows 0..p of its sequence, so decode, prefill and extend over a cached
+prefix share one launch. With few tokens (decode at small batch) the sequence is split into
+``splits`` parts whose partial results (output and log-sum-exp) a second kernel merges: one
+program per token would leave all but a few SMs idle and be bound by one SM's load latency.
+Grid and loop bounds depend only on shapes and on values read on the device (CUDA-graph
+capturable); a token with position -1 (padding) gets zeros.
 
 Shapes: T tokens in the step, B sequences, Hq heads, Rkv latent rank, Dr rotary dim, R cache
 rows, W page-table width, P page size.
@@ -25,6 +28,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
 
 
 @triton.jit
@@ -32,7 +36,8 @@ def _mla_attention_kernel(
     ql_ptr,  # [Hq, T, Rkv] queries in the latent space
     qr_ptr,  # [T, Hq, Dr] rotated query part
     c_ptr,  # [R, Rkv + Dr] latent rows
-    out_ptr,  # [Hq, T, Rkv]
+    out_ptr,  # [Hq, T, Rkv], or [T, Hq, S, Rkv] float32 partials when split
+    lse_ptr,  # [T, Hq, S] float32 base-2 log-sum-exp of each split (split only)
     table_ptr,  # [B, W] int32 page ids
     seq_ptr,  # [T] int32 sequence of each token
     pos_ptr,  # [T] int64 position of each token (-1: padding)
@@ -46,6 +51,7 @@ def _mla_attention_kernel(
     stride_oh,
     stride_ot,
     stride_tb,
+    SPLITS: tl.constexpr,
     RKV: tl.constexpr,
     DR: tl.constexpr,
     PAGE: tl.constexpr,
@@ -77,12 +83,16 @@ def _mla_attention_kernel(
         qr = qr.to(tl.float32)
     seq = tl.load(seq_ptr + t).to(tl.int64)
     n_keys = tl.load(pos_ptr + t).to(tl.int32) + 1  # causal: rows 0..pos
+    split = tl.program_id(2)
+    per_split = tl.cdiv(tl.cdiv(n_keys, BLOCK_N), SPLITS) * BLOCK_N  # whole blocks per split
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_keys)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    for start in range(0, n_keys, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         p = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        live = p < n_keys
+        live = p < hi
         page = tl.load(table_ptr + seq * stride_tb + p // PAGE, mask=live, other=0).to(tl.int64)
         rows = c_ptr + (page * PAGE + p % PAGE)[:, None] * stride_c  # [BLOCK_N, 1]
         lat = tl.load(rows + cc[None, :], mask=live[:, None] & cm[None, :], other=0.0)  # [BLOCK_N, BLOCK_C]
@@ -105,10 +115,43 @@ def _mla_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(prob.to(lat.dtype), lat)  # the latent is the value
         m = m_new
-    # NOTE: a padding token (no keys) keeps l_sum == 0: divide by 1 and write zeros
+    # NOTE: a padding token or an empty split (no keys) keeps l_sum == 0: divide by 1, zeros
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    o_ptrs = out_ptr + heads[:, None] * stride_oh + t * stride_ot + cc[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=hm[:, None] & cm[None, :])
+    if SPLITS == 1:
+        o_ptrs = out_ptr + heads[:, None] * stride_oh + t * stride_ot + cc[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=hm[:, None] & cm[None, :])
+    else:
+        part = (t * HQ + heads) * SPLITS + split  # [BLOCK_H] row of [T, Hq, S]
+        tl.store(out_ptr + part[:, None] * RKV + cc[None, :], out, mask=hm[:, None] & cm[None, :])
+        lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=hm)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr,  # [T, Hq, S, Rkv] float32 normalised partial outputs
+    lse_ptr,  # [T, Hq, S] float32
+    out_ptr,  # [Hq, T, Rkv]
+    HQ,
+    stride_oh,
+    stride_ot,
+    SPLITS: tl.constexpr,
+    RKV: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ss = tl.arange(0, SPLITS)
+    cc = tl.arange(0, BLOCK_C)
+    row = (t * HQ + h) * SPLITS
+    lse = tl.load(lse_ptr + row + ss)  # [S]
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # padding token: every weight 0, zeros out
+    w = tl.exp2(lse - top)  # [S]
+    part = tl.load(part_ptr + (row + ss)[:, None] * RKV + cc[None, :], mask=(cc < RKV)[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [BLOCK_C]
+    tl.store(out_ptr + h * stride_oh + t * stride_ot + cc, out.to(out_ptr.dtype.element_ty), mask=cc < RKV)
 
 
 def mla_attention_triton(
@@ -122,9 +165,12 @@ def mla_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,  # [Hq, T, Rkv]
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:  # [Hq, T, Rkv]
-    """Attention of each token over cache rows 0..position of its sequence (its own rows written)."""
+    """Attention of each token over cache rows 0..position of its sequence (its own rows written).
+    ``splits`` (a power of two): parts each sequence is cut into; by default enough programs to
+    cover the GPU's SMs when the step has few tokens, else 1."""
     hq, t, rkv = q_lat.shape
     dr = cache.shape[1] - rkv
     assert q_rope.shape == (t, hq, dr) and dr > 0, f"{q_lat.shape=} {q_rope.shape=} {cache.shape=}"
@@ -140,14 +186,38 @@ def mla_attention_triton(
     block_c = max(16, triton.next_power_of_2(rkv))
     interp = not q_lat.is_cuda
     if block_n is None:
-        block_n = 32 if block_c >= 256 else 64
-    _mla_attention_kernel[(t, triton.cdiv(hq, block_h))](
-        q_lat, q_rope, cache, out, page_table, token_seq, positions, scale * LOG2E, hq,
+        block_n = 64 if block_c >= 256 else 32
+    if num_warps is None:  # H100, V2-Lite widths: 64 rows x 8 warps was the fastest of four tiles
+        num_warps = 8 if block_c >= 256 else 4
+    head_blocks = triton.cdiv(hq, block_h)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 1
+        splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(sms, t * head_blocks)))
+    assert splits >= 1 and splits & (splits - 1) == 0, f"{splits=}"
+    part, lse = out, out  # unused when splits == 1
+    if splits > 1:
+        part = torch.empty(t, hq, splits, rkv, dtype=torch.float32, device=q_lat.device)
+        lse = torch.empty(t, hq, splits, dtype=torch.float32, device=q_lat.device)
+    _mla_attention_kernel[(t, head_blocks, splits)](
+        q_lat, q_rope, cache, part, lse, page_table, token_seq, positions, scale * LOG2E, hq,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
-        out.stride(0), out.stride(1), page_table.stride(0),
+        out.stride(0), out.stride(1), page_table.stride(0), SPLITS=splits,
         RKV=rkv, DR=dr, PAGE=page_size, BLOCK_H=block_h, BLOCK_C=block_c,
         BLOCK_R=max(16, triton.next_power_of_2(dr)), BLOCK_N=block_n,
         # the interpreter (CPU) gets float32 dots: its bf16 dot is wrong
         F32_DOT=interp or q_lat.dtype == torch.float32, num_warps=num_warps, num_stages=2,
     )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(t, hq)](
+            part,
+            lse,
+            out,
+            hq,
+            out.stride(0),
+            out.stride(1),
+            SPLITS=splits,
+            RKV=rkv,
+            BLOCK_C=block_c,
+            num_warps=4,
+        )
     return out
