@@ -73,6 +73,8 @@ class MLAttention(nn.Module):
         # DeepSeek's YaRN correction: the softmax scale times mscale(factor, mscale_all_dim)^2
         self.scale = cfg.q_head_dim**-0.5 * rope.softmax_scale_factor(cfg.rope_scaling)
         self._inv_freq: torch.Tensor | None = None  # the CUDA path's rotary frequencies
+        # the Triton path on any device (tests run it on the CPU under the Triton interpreter)
+        self.triton_on_cpu = False
         # LoRA on kv_b_proj, set by the LoRA manager (it cannot hook a layer that never runs as
         # one): () -> None, or (token adapter slots [T], slot -> LoRA with a [r, Rkv], b [Hq*(Dn+Dv), r])
         self.kv_b_lora: Callable[[], tuple[torch.Tensor, dict[int, Any]] | None] | None = None
@@ -91,7 +93,7 @@ class MLAttention(nn.Module):
         q_nope = q[..., : self.dn]  # [T, Hq, Dn]
         w = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.kv_rank)  # [Hq, Dn+Dv, Rkv]
         lora = self.kv_b_lora() if self.kv_b_lora is not None else None
-        if x.is_cuda:
+        if x.is_cuda or self.triton_on_cpu:
             from coordinator.kernels.fused_ops import mla_rope_store
 
             if self._inv_freq is None or self._inv_freq.device != x.device:
