@@ -46,6 +46,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-tokens", type=int, default=C.max_batch_tokens, help="tokens per forward step")
     g.add_argument("--max-running-requests", type=int, default=C.max_running)
     g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=C.max_queued_requests,
+        help="requests waiting for admission; beyond it RESOURCE_EXHAUSTED (HTTP 429)",
+    )
+    g.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=C.max_queued_tokens,
+        help="prompt tokens of the queued requests",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take (queued + generating) when the client's deadline is later or absent",
+    )
+    g.add_argument(
         "--max-context", type=int, default=C.max_context, help="default: the model's, capped by the KV cache"
     )
     g.add_argument("--default-max-new-tokens", type=int, default=C.default_max_new_tokens)
@@ -86,6 +104,9 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         kv_memory_bytes=parse_size(args.kv_memory),
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        request_timeout_s=args.request_timeout,
         max_context=args.max_context,
         default_max_new_tokens=args.default_max_new_tokens,
         max_message_mb=args.max_message_mb,

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from coordinator.http.limits import BodyLimit
 from coordinator.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from coordinator.http.serving import Serving, adapter_names
 from coordinator.lora import AdapterError
@@ -35,6 +36,10 @@ def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
     serving = Serving(coord, name)
     created = int(time.time())
     app = FastAPI(title="expertmesh", docs_url=None, redoc_url=None, openapi_url=None)
+    # issue 15: 413 beyond --max-http-body-bytes, 400 for a body that is not UTF-8
+    app.add_middleware(
+        BodyLimit, max_bytes=coord.request_limits.input.max_body_bytes, on_refused=coord.metrics.invalid
+    )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
