@@ -1,9 +1,9 @@
 """End-to-end hybrid decode: coordinator on the GPU, a GPU expert server and a CPU expert server.
 
 Random-weight Qwen3-30B-A3B widths (bf16; H 2048, 32/4 heads of 128, 128 experts, top-8, expert
-I 768, vocab 151936) at depths 1 and 2; the per-layer cost is the difference of the two step
-times and tokens/s at the real depth (48) is ``batch / (fixed + 48 * per_layer)``, as in
-benchmarks/bench_e2e.py. Every row runs in the same process against the same two servers:
+I 768, vocab 151936) at two depths (default 1 and 4); the per-layer cost is the step-time
+difference over the depth difference and tokens/s at the real depth (48) is
+``batch / (fixed + 48 * per_layer)``, as in benchmarks/bench_e2e.py. Every row runs in the same process against the same two servers:
 
 - ``gpu_all`` / ``cpu_all``: every expert on the GPU server / on the CPU server (baselines);
 - ``hybrid G%``: ``--num-gpu-experts`` = G% of the experts, the rest on the CPU server;
@@ -37,7 +37,6 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_e2e import em_decode_ms  # noqa: E402
 from coordinator.engine import Engine  # noqa: E402
 from coordinator.kv_cache import KVCacheSpec  # noqa: E402
 from coordinator.loader import load_model  # noqa: E402
@@ -135,6 +134,25 @@ class ShareDispatcher(RemoteDispatcher):
         return batches, phys
 
 
+def decode_ms(eng: Engine, batch: int, prompt: int, new: int, vocab: int) -> float:
+    """Median milliseconds of one greedy decode step (argmax read back each step) after a
+    ``prompt``-token prefill and 3 warm-up steps: a median, since a stray millisecond-scale stall
+    of one of three processes on a shared host would move a mean."""
+    g = torch.Generator().manual_seed(batch)
+    seqs = [eng.new_seq() for _ in range(batch)]
+    logits = eng.step([(s, torch.randint(0, vocab, (prompt,), generator=g).tolist()) for s in seqs])
+    toks = torch.stack(logits).argmax(-1).tolist()
+    times = []
+    for i in range(3 + new):
+        t0 = time.perf_counter()
+        toks = torch.stack(eng.step([(s, [t]) for s, t in zip(seqs, toks)])).argmax(-1).tolist()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    for s in seqs:
+        eng.free(s)
+    return statistics.median(times) * 1e3
+
+
 def configs(e: int, fractions: list[float], defers: list[int]) -> list[tuple[str, int, str, int]]:
     """(name, --num-gpu-experts, share, --cpu-defer-experts); rows of one placement together."""
     out = [("gpu_all", e, "all", 0), ("cpu_all", 0, "all", 0)]
@@ -158,7 +176,8 @@ def main() -> None:
     ap.add_argument("--defer", default="2,4", help="--cpu-defer-experts values timed per fraction")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--new", type=int, default=24)
+    ap.add_argument("--new", type=int, default=48, help="decode steps timed (median of each step)")
+    ap.add_argument("--depths", default="1,4", help="two checkpoint depths: per-layer cost = difference")
     ap.add_argument("--coordinator-threads", type=int, default=1)
     ap.add_argument(
         "--extra-cpu-threads",
@@ -173,25 +192,26 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    dirs = write_checkpoints(Path(args.work), w, (1, 2))
+    depths = tuple(int(d) for d in args.depths.split(","))
+    dirs = write_checkpoints(Path(args.work), w, depths)
     print(f"checkpoints: {time.perf_counter() - t0:.1f}s", flush=True)
     torch.set_num_threads(args.coordinator_threads)
     fractions = [float(f) for f in args.gpu_fractions.split(",")]
     rows = configs(w["experts"], fractions, [int(n) for n in args.defer.split(",") if n.strip()])
     pages = max(args.batches) * -(-(args.prompt + args.new + 8) // 16) + 8
     step_ms: dict[str, dict[int, dict[int, float]]] = {name: {} for name, *_ in rows}
-    trips: dict[str, dict[int, dict[str, float]]] = {}  # depth-2 round trips
+    trips: dict[str, dict[int, dict[str, float]]] = {}  # round trips at the deepest checkpoint
     for depth, path in dirs.items():
         ms, tr = run_rows(args, w, path, rows, args.cpu_threads, pages)
         for name in ms:
             step_ms[name][depth] = ms[name]
-        if depth == 2:
+        if depth == depths[-1]:
             trips = tr
     extra = {}
     if args.extra_cpu_threads:  # the largest GPU share again, the CPU server on fewer threads
         tag = f"{max(fractions):.0%}"
         names = [r for r in rows if r[0] in (f"hybrid {tag}", f"cpu_share {tag}", f"gpu_share {tag}")]
-        extra, _ = run_rows(args, w, dirs[2], names, args.extra_cpu_threads, pages)
+        extra, _ = run_rows(args, w, dirs[depths[-1]], names, args.extra_cpu_threads, pages)
     report(args, w, rows, step_ms, trips, fractions, out, extra)
 
 
@@ -223,7 +243,7 @@ def run_rows(args, w, path: Path, rows, cpu_threads: int, pages: int):
             for b in args.batches:
                 for v in seen.values():
                     v.clear()
-                step_ms[name][b] = em_decode_ms(eng, b, args.prompt, args.new, w["vocab"])[0]
+                step_ms[name][b] = decode_ms(eng, b, args.prompt, args.new, w["vocab"])
                 trips[name][b] = {k: statistics.median(v) for k, v in seen.items() if v}
             print(name, path.name, {b: round(v, 3) for b, v in step_ms[name].items()}, flush=True)
             d.close()
@@ -240,14 +260,16 @@ def run_rows(args, w, path: Path, rows, cpu_threads: int, pages: int):
 
 def report(args, w, rows, step_ms, trips, fractions, out: Path, extra) -> None:
     real = w["real_depth"]
+    d1, d2 = (int(d) for d in args.depths.split(","))
     res = {}
     for name, *_ in rows:
         for b in args.batches:
-            per_layer = step_ms[name][2][b] - step_ms[name][1][b]
-            fixed = step_ms[name][1][b] - per_layer
+            lo, hi = step_ms[name][d1][b], step_ms[name][d2][b]
+            per_layer = (hi - lo) / (d2 - d1)
+            fixed = lo - d1 * per_layer
             res[(name, b)] = dict(
                 per_layer_ms=per_layer, fixed_ms=fixed, tok_s=b / ((fixed + real * per_layer) * 1e-3),
-                step_ms={str(d): step_ms[name][d][b] for d in (1, 2)}, round_trip_ms_L2=trips[name].get(b, {}),
+                step_ms={str(d): step_ms[name][d][b] for d in (d1, d2)}, round_trip_ms_deepest=trips[name].get(b, {}),
             )  # fmt: skip
     for (name, b), r in res.items():
         r["vs_gpu_all"] = r["tok_s"] / res[("gpu_all", b)]["tok_s"]
@@ -260,11 +282,11 @@ def report(args, w, rows, step_ms, trips, fractions, out: Path, extra) -> None:
                 )
                 r["overlap_ratio"] = r["per_layer_ms"] / alone
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    threads = {}  # cpu threads -> batch -> depth-2 step ratio hybrid / max(shares)
+    threads = {}  # cpu threads -> batch -> deepest-checkpoint step ratio hybrid / max(shares)
     if extra:
         tag = f"{max(fractions):.0%}"
         for n, ms in (
-            (args.cpu_threads, {k: v[2] for k, v in step_ms.items()}),
+            (args.cpu_threads, {k: v[d2] for k, v in step_ms.items()}),
             (args.extra_cpu_threads, extra),
         ):
             threads[n] = {b: ms[f"hybrid {tag}"][b] / max(ms[f"cpu_share {tag}"][b], ms[f"gpu_share {tag}"][b])
@@ -274,15 +296,15 @@ def report(args, w, rows, step_ms, trips, fractions, out: Path, extra) -> None:
                         extra_threads_step_ms=extra, l2_step_ratio_by_threads=threads), indent=1)
     )  # fmt: skip
     print(f"\n# hybrid decode, {dev}, cpu-server --threads {args.cpu_threads}, {real} layers extrapolated")
-    print("| mode | batch | per-layer ms | fixed ms | tok/s | vs all-GPU | vs all-CPU | overlap ratio | round trip cpu / gpu ms (L2) |")  # fmt: skip
+    print("| mode | batch | per-layer ms | fixed ms | tok/s | vs all-GPU | vs all-CPU | overlap ratio | round trip cpu / gpu ms (deepest) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for (name, b), r in res.items():
-        rt = r["round_trip_ms_L2"]
+        rt = r["round_trip_ms_deepest"]
         ratio = f"{r['overlap_ratio']:.2f}" if "overlap_ratio" in r else ""
         print(f"| {name} | {b} | {r['per_layer_ms']:.3f} | {r['fixed_ms']:.2f} | {r['tok_s']:.1f} | {r['vs_gpu_all']:.2f} | "
               f"{r['vs_cpu_all']:.2f} | {ratio} | {rt.get('cpu0', float('nan')):.2f} / {rt.get('gpu0', float('nan')):.2f} |")  # fmt: skip
     for n, ratios in threads.items():
-        print(f"depth-2 step, hybrid / max(shares) at {max(fractions):.0%} on GPU, cpu-server --threads {n}: "
+        print(f"deepest step, hybrid / max(shares) at {max(fractions):.0%} on GPU, cpu-server --threads {n}: "
               + ", ".join(f"batch {b}: {r:.2f}" for b, r in ratios.items()))  # fmt: skip
 
 
