@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         args.threads = args.threads or len(node.cpus)
         print(f"NUMA node {node.id}: {len(node.cpus)} CPUs, {args.threads} threads", flush=True)
+    else:
+        print(f"NUMA: {numa.describe(numa.read_nodes())}", flush=True)
     # --- end issue 14h ---
     if args.threads:
         cores.set_torch_threads(args.threads)  # intra- and inter-op pools
