@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from cpu_expert_server import numa
@@ -39,6 +40,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    # NOTE: before make_backend, whose log line says which decode kernel runs (C or the torch
+    # fallback); serve() configures the same format again, a no-op then
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # --- issue 14h: NUMA binding before any thread pool starts (threads inherit the mask) ---
     if args.numa_node is not None:
         try:
