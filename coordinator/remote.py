@@ -146,7 +146,8 @@ class RemoteDispatcher(Dispatcher):
         adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
         t0 = time.perf_counter()
         sent = self._send(tables, layer, x, batches, adapters)
-        wait, _ = self._waiter(tables, layer, x, ids, w, phys, adapters, sent, t0, None)
+        now = None if held is None else ~held  # issue 14h: a re-send must not repeat held pairs
+        wait, _ = self._waiter(tables, layer, x, ids, w, phys, adapters, sent, t0, now)
         # --- issue 14h: the held-back pairs go last (a server answers in arrival order) ---
         if held is not None and self._deferred is not None:
             assert phys is not None
