@@ -346,10 +346,10 @@ EOF
 # issue 14h: the image carries a C compiler, so the CPU expert server must run its C decode
 # kernels, not the torch fallback (its start-up log says which).
 check_cpu_kernels() {
-    compose logs --no-color cpu-server 2>&1 | grep -E "CPU experts: .*decode kernel" ||
-        die "cpu-server logged no decode-kernel line"
-    compose logs --no-color cpu-server 2>&1 | grep -q "decode kernel C" ||
-        die "cpu-server runs the torch fallback, not the C kernels"
+    local logs # NOTE: not `compose logs | grep -q`: grep's early exit fails the pipe (pipefail)
+    logs=$(compose logs --no-color cpu-server 2>&1)
+    grep -E "CPU experts: .*decode kernel" <<<"$logs" || die "cpu-server logged no decode-kernel line"
+    grep -q "decode kernel C" <<<"$logs" || die "cpu-server runs the torch fallback, not the C kernels"
 }
 
 main() {
