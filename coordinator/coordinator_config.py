@@ -12,6 +12,7 @@ import torch
 from coordinator.cluster_config import ClusterConfig
 from coordinator.eplb.plan import EplbConfig
 from coordinator.requests import InputLimits
+from expertmesh.tls import TLSConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -54,6 +55,7 @@ class CoordinatorConfig:
     max_loras: int = 4  # MoE LoRA adapters loaded at once
     # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
     admin_token: str | None = field(default=None, repr=False)
+    tls: TLSConfig | None = None  # issue 15c: the public port serves TLS only with a certificate
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

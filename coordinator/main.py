@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -21,6 +20,7 @@ from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
 from coordinator.eplb.plan import EplbConfig
 from coordinator.requests import InputLimits
 from expertmesh import auth, cores
+from expertmesh.tls import TLSConfig
 
 C = CoordinatorConfig  # NOTE: the defaults live in the config dataclass, read here once
 DEFAULT_PORT = C.port
@@ -82,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "without one, Admin answers loopback peers only",
     )
     ClusterConfig.add_arguments(p)
+    TLSConfig.add_arguments(p, "coordinator")  # issue 15c
     InputLimits.add_arguments(p)
     EplbConfig.add_arguments(p)
 
@@ -115,8 +116,9 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         eplb=EplbConfig.from_args(args),
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras,
-        admin_token=args.admin_token or os.environ.get(auth.ADMIN_TOKEN_ENV) or None,
+        admin_token=args.admin_token or auth.token_from_env(auth.ADMIN_TOKEN_ENV),
         input_limits=InputLimits.from_args(args),
+        tls=TLSConfig.from_args(args),  # issue 15c
     )
 
 
@@ -124,15 +126,17 @@ async def serve(config: CoordinatorConfig) -> int:
     from coordinator.server import create_server
 
     server = create_server(config)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = server.add_port(f"{config.host}:{config.port}")  # issue 15c: TLS with --tls-cert
     if port == 0:
         print(f"error: could not bind {config.host}:{config.port}", file=sys.stderr)
         return 1
     await server.start()
     print(f"coordinator listening on {config.host}:{port}", flush=True)
     if server.http is not None:
+        scheme = "https" if config.tls is not None and config.tls.server_enabled else "http"  # issue 15c
         print(
-            f"OpenAI-compatible HTTP API and /metrics on http://{config.host}:{server.http.port}", flush=True
+            f"OpenAI-compatible HTTP API and /metrics on {scheme}://{config.host}:{server.http.port}",
+            flush=True,
         )
     if not config.admin_token and auth.binds_beyond_loopback(config.host):
         logging.getLogger("expertmesh.coordinator").warning(

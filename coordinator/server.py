@@ -51,7 +51,7 @@ from coordinator.scheduler import (
 )
 from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
-from expertmesh import auth, status
+from expertmesh import auth, status, tls
 from expertmesh import placement as pl
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.errors import ExpertMeshError
@@ -391,6 +391,10 @@ class CoordinatorServer(grpc.aio.Server):
 
     def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
         return self.server.add_secure_port(address, server_credentials)
+
+    def add_port(self, address: str) -> int:
+        """issue 15c: TLS when the config has a certificate (--tls-cert), plaintext otherwise."""
+        return tls.add_port(self.server, address, self.config.tls)
 
     async def start(self) -> None:
         await self._set_health(self.experts_ready)

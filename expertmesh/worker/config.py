@@ -5,12 +5,12 @@ entry points only add their own flags and defaults)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from expertmesh import auth, cores, wire
+from expertmesh.tls import TLSConfig
 from expertmesh.transport import segment
 
 KINDS = ("gpu", "cpu")
@@ -36,6 +36,8 @@ class WorkerConfig:
     max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
     # control RPCs (ApplyPlacement, LoadAdapter, UnloadAdapter) need it when set (expertmesh/auth.py)
     cluster_token: str | None = field(default=None, repr=False)
+    # issue 15c: TLS only with a certificate; with a CA too, client certificates are required
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -113,6 +115,7 @@ class WorkerConfig:
             default=None,
             help=f"secret the coordinator must send with placement/adapter pushes (or env {auth.CLUSTER_TOKEN_ENV})",
         )
+        TLSConfig.add_arguments(p, "expert-server")  # issue 15c
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, kind: str, device: str) -> WorkerConfig:
@@ -131,5 +134,6 @@ class WorkerConfig:
             shm_spin_us=args.shm_spin_us,
             metrics_port=args.metrics_port,
             max_loras=args.max_loras,
-            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
+            cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
+            tls=TLSConfig.from_args(args),  # issue 15c
         )

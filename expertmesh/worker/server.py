@@ -20,6 +20,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expertmesh import tls
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
 from expertmesh.metrics import serve_metrics
@@ -97,7 +98,8 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         health.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    # issue 15c: TLS (mutual with --tls-ca) when configured
+    port = tls.add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     for name in ("", SERVICE):
