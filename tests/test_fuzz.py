@@ -249,6 +249,18 @@ def test_overflowing_shape_is_invalid_argument_and_counted(cluster):
     assert stub.Stats(pb.StatsRequest(), timeout=10).errors - errors0 == 2
 
 
+@pytest.mark.parametrize("method", ["ListServers", "LoadLoRA", "SetPlacement"])
+def test_malformed_admin_bytes_are_invalid_argument(cluster, method):
+    s, _ = cluster
+    ch = grpc.insecure_channel(s.addr)
+    # truncated; field 1 a string that is not UTF-8 (ListServersRequest has no field 1: unknown, fine)
+    for raw in (b"\x0a\xff", b"\x0a\x02\xff\xfe")[: 1 if method == "ListServers" else 2]:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary(f"/expertmesh.v1.Admin/{method}")(raw, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in e.value.details()
+    assert health.check(s.addr) == "SERVING"
+
+
 def test_fuzz_forward(cluster):
     s, srv = cluster
     ch = grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", 64 << 20)])
