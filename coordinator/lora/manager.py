@@ -197,5 +197,8 @@ class LoRADispatcher(Dispatcher):
     def begin_step(self, num_tokens: int) -> None:
         self.inner.begin_step(num_tokens)
 
+    def take_deferred(self) -> Pending | None:  # issue 14h: --cpu-defer-experts
+        return self.inner.take_deferred()
+
     def close(self) -> None:
         self.inner.close()
