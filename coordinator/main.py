@@ -133,8 +133,10 @@ async def serve(config: CoordinatorConfig) -> int:
     await server.start()
     print(f"coordinator listening on {config.host}:{port}", flush=True)
     if server.http is not None:
+        scheme = "https" if config.tls is not None and config.tls.server_enabled else "http"  # issue 15c
         print(
-            f"OpenAI-compatible HTTP API and /metrics on http://{config.host}:{server.http.port}", flush=True
+            f"OpenAI-compatible HTTP API and /metrics on {scheme}://{config.host}:{server.http.port}",
+            flush=True,
         )
     if not config.admin_token and auth.binds_beyond_loopback(config.host):
         logging.getLogger("expertmesh.coordinator").warning(

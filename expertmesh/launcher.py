@@ -37,7 +37,7 @@ from expertmesh import auth, cores
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 # issue 16: the coordinator's HTTP port and the expert servers' metrics ports
-_HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on http://\S+:(\d+)")
+_HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on https?://\S+:(\d+)")
 _PR_SET_PDEATHSIG = 1
 
 

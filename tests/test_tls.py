@@ -6,9 +6,11 @@ CA, and a TLS client without one."""
 
 from __future__ import annotations
 
+import ssl
 import time
 
 import grpc
+import httpx
 import pytest
 
 from coordinator.remote import ClusterConfig, ServerSpec
@@ -55,6 +57,7 @@ def tls_cluster(tmp_path_factory):
     config = CoordinatorConfig(
         model_dir=str(root / "model"),
         port=0,
+        http_port=0,
         page_size=4,
         connect_timeout_s=5.0,
         cluster=ClusterConfig(
@@ -114,6 +117,24 @@ def test_the_admin_cli_talks_tls_with_the_token(tls_cluster, capsys, monkeypatch
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert cli(["load", "--addr", s.addr, "--admin-token", "adm1n"]) == 1  # plaintext: refused
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_the_http_api_serves_https_with_the_same_certificate(tls_cluster):
+    s, _, ca, _, _ = tls_cluster
+    port = s.server.http.port
+    trust = ssl.create_default_context(cafile=str(ca.path))
+    with httpx.Client(verify=trust, timeout=30) as http:
+        assert http.get(f"https://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == "model"
+        r = http.post(
+            f"https://127.0.0.1:{port}/v1/unload_lora_adapter",
+            json={"lora_name": "x"},
+            headers={"Authorization": "Bearer adm1n"},
+        )
+        assert r.status_code == 404, r.text  # the admin token got through; the adapter is unknown
+    with httpx.Client(timeout=10) as plain, pytest.raises(httpx.HTTPError):
+        plain.get(f"http://127.0.0.1:{port}/v1/models")  # plaintext HTTP: no answer
+    with httpx.Client(timeout=10) as untrusting, pytest.raises(httpx.ConnectError):
+        untrusting.get(f"https://127.0.0.1:{port}/v1/models")  # the system's roots do not know our CA
 
 
 def _describe(address: str, tls: TLSConfig | None) -> grpc.StatusCode:
