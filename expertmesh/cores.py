@@ -17,6 +17,7 @@ import os
 # computing while both servers wait for the next layer)
 LOCAL_PROCESSES = 3
 SPIN_US = 300.0  # fast paths' poll before sleeping, when cores allow it
+LONG_SPIN_US, LONG_SPIN_CORES = 2000.0, 16  # ... and when a core for each waiter is cheap
 CGROUP_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
 
@@ -144,10 +145,19 @@ def cap_default_executor(threads: int | None = None) -> None:
 
 
 def default_spin_us(cores: int | None = None, busy: int = LOCAL_PROCESSES) -> float:
-    """The fast paths' spin budget: ``SPIN_US`` when there are more cores than processes that
-    may be busy at once, else 0 (sleep at once). A waiter that spins on a core that another
-    process of the cluster needs delays the very answer it waits for."""
+    """The fast paths' spin budget: ``LONG_SPIN_US`` with ``LONG_SPIN_CORES`` cores or more,
+    ``SPIN_US`` when there are more cores than processes that may be busy at once, else 0
+    (sleep at once). A waiter that spins on a core that another process of the cluster needs
+    delays the very answer it waits for; one that sleeps pays a wake-up per layer on each side.
+
+    Why the long spin: a coordinator and a GPU expert server sharing one GPU take 0.5-0.7 ms
+    per layer round trip (two GPU context switches), longer than ``SPIN_US``, so both sides
+    slept every layer: 0.73 ms per layer at batch 1 with 300 us, 0.55 ms with 2000 us on the
+    lent H100's 16-core host (benchmarks/RESULTS.md, issue 10r). The budget still halves on
+    every miss, so a slow or idle peer costs no CPU for long."""
     cores = available() if cores is None else cores
+    if cores >= LONG_SPIN_CORES:
+        return LONG_SPIN_US
     return SPIN_US if cores > busy else 0.0
 
 

@@ -157,3 +157,9 @@ def test_the_event_loop_gets_a_bounded_executor_once():
 
     names = asyncio.run(threads_used())
     assert names and all(n.startswith("io") for n in names) and len(names) <= 3, names
+
+
+def test_long_spin_only_on_big_machines():
+    assert cores.default_spin_us(15) == cores.SPIN_US
+    assert cores.default_spin_us(16) == cores.LONG_SPIN_US > cores.SPIN_US
+    assert cores.default_spin_us(64) == cores.LONG_SPIN_US
