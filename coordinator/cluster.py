@@ -80,6 +80,7 @@ class Member:
     state: ServerState = ServerState.CONNECTING
     last_error: str = ""
     error: ExpertServerError | None = None
+    down_since: float | None = None  # monotonic time it was last lost (None: up)
 
 
 def initial_placement(cfg: ModelConfig, c: ClusterConfig) -> pl.Placement:
@@ -182,6 +183,10 @@ class ExpertCluster:
         with self._cond:
             m = self.members[i]
             m.state = state
+            if state is ServerState.READY:
+                m.down_since = None
+            elif m.down_since is None:
+                m.down_since = time.monotonic()
             if isinstance(error, ExpertServerError):
                 m.error, m.last_error = error, str(error)
             elif error is not None:
@@ -215,14 +220,43 @@ class ExpertCluster:
         down = self.down()
         return not down or not pl.uncovered(self.tables.placement.tables, down)
 
+    def outage_wait(self, wait_s: float) -> float:
+        """How long a step that needs a lost expert may still wait for it: ``wait_s`` from the
+        latest loss, so requests are held only at the start of an outage (a quick restart
+        rejoins in time), never ``wait_s`` per step all through it."""
+        since = [m.down_since for m in self.members if m.down_since is not None]
+        if not since:
+            return wait_s
+        return max(0.0, min(wait_s, max(since) + wait_s - time.monotonic()))
+
+    def serving_some(self) -> bool:
+        """Whether requests may be admitted: the placement was live once and some server is
+        usable (a request that needs only live servers' experts succeeds; the others fail at
+        their layer with a status naming the lost experts)."""
+        return self._serving and len(self.down()) < len(self.members)
+
     def ensure_ready(self, wait_s: float) -> frozenset[int]:
-        """Before a step: returns the servers the step must route around (empty when all are
-        up). A down server whose experts all have live replicas elsewhere is routed around at
-        once; otherwise this waits at most ``wait_s`` for the maintenance thread, then raises
-        (UNAVAILABLE naming the experts without a live server, or the incompatibility that
-        keeps a server out)."""
+        """Returns the servers to route around (empty when all are up). A down server whose
+        experts all have live replicas elsewhere is routed around at once; otherwise this waits
+        at most ``wait_s`` for the maintenance thread, then raises (UNAVAILABLE naming the
+        experts without a live server, or the incompatibility that keeps a server out). The
+        step path uses :meth:`step_down` (no wait once serving)."""
         if all(self._usable(m) for m in self.members):  # the common case: no lock
             return frozenset()
+        return self._wait_covered(wait_s, wait_lost=True)
+
+    def step_down(self, wait_s: float) -> frozenset[int]:
+        """Before a step: the servers it must route around, at once once the cluster serves:
+        a step whose tokens need an expert without a live replica fails at that layer
+        (:meth:`lost_experts`) and the others go on. Before the first placement is live this
+        is :meth:`ensure_ready` (the bounded wait for the bring-up)."""
+        if all(self._usable(m) for m in self.members):  # the common case: no lock
+            return frozenset()
+        # NOTE: once serving, a step never waits for a lost server (requests that do not need
+        # its experts go on; the others fail at once with a status naming them)
+        return self._wait_covered(wait_s, wait_lost=not self._serving)
+
+    def _wait_covered(self, wait_s: float, wait_lost: bool) -> frozenset[int]:
         self.start()
         deadline = time.monotonic() + wait_s
         with self._cond:
@@ -231,10 +265,10 @@ class ExpertCluster:
             while True:
                 down = self.down()
                 lost = pl.uncovered(self.tables.placement.tables, down) if down else {}
-                if not lost:
+                if not lost or (not wait_lost and not self._incompatible(down)):
                     return down
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or not wait_lost:
                     break
                 # NOTE: a dead stream is not signalled through the condition: poll it too
                 self._cond.wait(min(left, 0.05))
@@ -242,14 +276,31 @@ class ExpertCluster:
         for m in bad:
             if m.error is not None and isinstance(m.error.error, errors.Incompatible):
                 raise m.error
-        m = bad[0]
-        name = f"expert server {m.conn.spec.name} ({m.conn.spec.address})"
-        why = m.last_error or ("connecting" if m.state is ServerState.CONNECTING else "stream closed")
         layer, experts = next(iter(sorted(lost.items())))
         more = f" (and {len(lost) - 1} more layers)" if len(lost) > 1 else ""
-        raise ExpertServerError.of(
+        raise self.lost_experts(layer, experts, down, more)
+
+    def _incompatible(self, down: frozenset[int]) -> bool:
+        return any(
+            (e := self.members[i].error) is not None and isinstance(e.error, errors.Incompatible)
+            for i in down
+        )
+
+    def lost_experts(
+        self, layer: int, experts: list[int], down: frozenset[int], more: str = ""
+    ) -> ExpertServerError:
+        """UNAVAILABLE for a step that needs ``experts`` of ``layer`` while every replica of
+        them is on a server in ``down``: names the experts, the servers and why they are out."""
+        t = self.tables.placement.tables[layer]
+        holders = sorted({int(t.owner[p]) for e in experts for p in t.log2phy[e].tolist() if p >= 0})
+        names = []
+        for i in holders or sorted(down):
+            m = self.members[i]
+            why = m.last_error or ("connecting" if m.state is ServerState.CONNECTING else "stream closed")
+            names.append(f"expert server {m.conn.spec.name} ({m.conn.spec.address}) is not ready: {why}")
+        return ExpertServerError.of(
             errors.Unavailable(
-                f"{name} is not ready: {why}; no live server holds layer {layer} experts {experts}{more}"
+                f"{'; '.join(names)}; no live server holds layer {layer} experts {experts}{more}"
             )
         )
 

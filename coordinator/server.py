@@ -307,7 +307,9 @@ class CoordinatorServer(grpc.aio.Server):
         self.tokenizer, self.load, self.eplb = tokenizer, load, eplb
         self.cluster = cluster  # None: every expert in process
         self.health = health.aio.HealthServicer()
-        self.experts_ready = cluster is None
+        self.experts_ready = cluster is None  # requests are admitted (see _watch_experts)
+        self._covered = cluster is None
+        self.draining = False  # issue 15a: SIGTERM: admit nothing new, finish what runs
         # MoE LoRA: adapter registry + hot-load (coordinator/lora); the engine gets its hooks
         manager = enable_lora(scheduler.engine, config.max_loras)
         self.lora = LoRAService(
@@ -335,6 +337,8 @@ class CoordinatorServer(grpc.aio.Server):
         )
 
     def expert_state(self) -> str:
+        if self.draining:  # issue 15a: what refused requests read
+            return "the coordinator is draining (shutting down)"
         return "in process" if self.cluster is None else self.cluster.describe_state()
 
     async def _set_health(self, serving: bool) -> None:
@@ -349,13 +353,17 @@ class CoordinatorServer(grpc.aio.Server):
         reconnects them)."""
         cluster.start(self.config.connect_timeout_s)
         while True:
-            # NOTE: serving while every expert has a live server (a down replica is routed around)
-            ready = cluster.covered()
-            if ready != self.experts_ready:
-                log.info("expert servers %s", "ready" if ready else f"not ready: {self.expert_state()}")
-            self.experts_ready = ready
-            await self._set_health(ready)
-            await asyncio.sleep(1.0 if ready else 0.5)
+            # NOTE: health is SERVING while every expert has a live server (a down replica is
+            # routed around); requests are admitted while some server is live (issue 15a: those
+            # that need a lost expert fail at its layer, naming it; the others go on)
+            covered = cluster.covered()
+            ready = covered or cluster.serving_some()
+            if covered != self._covered:
+                log.info("expert servers %s", "ready" if covered else f"not ready: {self.expert_state()}")
+            self._covered = covered
+            self.experts_ready = ready and not self.draining
+            await self._set_health(covered and not self.draining)
+            await asyncio.sleep(1.0 if covered else 0.2)
 
     # grpc.aio.Server
 
