@@ -70,6 +70,8 @@ class Connection(Protocol):
     def unload_adapter(self, name: str, timeout: float) -> None: ...
     def open_stream(self) -> object: ...
     def stream_alive(self) -> bool: ...
+    def serving(self, timeout: float) -> bool: ...
+    def retire_stream(self, reason: str, timeout: float) -> None: ...
     def reset(self, reason: str) -> None: ...
     def close(self) -> None: ...
 
@@ -444,6 +446,7 @@ class ExpertCluster:
                     for i, m in enumerate(self.members):
                         if not self._usable(m) and not self._stop:
                             self._bring_back(i, time.monotonic() + self._reconnect_s())
+                    self._watch_draining()
                 last = ""
             except ExpertServerError as e:
                 if str(e) != last:
@@ -458,6 +461,19 @@ class ExpertCluster:
                         if m.state is not ServerState.READY:
                             m.last_error = f"internal error while reconnecting: {last}"
                 time.sleep(0.5)
+
+    def _watch_draining(self) -> None:
+        """A ready server whose health turned NOT_SERVING is draining (SIGTERM): steps route
+        around it from now on, and its stream is closed once its in-flight answers are in, so
+        that it may exit (the reconnection waits for it to serve again)."""
+        for i, m in enumerate(self.members):
+            serving = getattr(m.conn, "serving", None)  # NOTE: test fakes have no health
+            if self._stop or m.state is not ServerState.READY or serving is None:
+                continue
+            if not serving(min(1.0, self.config.timeout_s)):
+                log.info("%s reports NOT_SERVING (draining): routing around it", m.conn.spec.name)
+                self._set(i, ServerState.UNAVAILABLE, "draining (health NOT_SERVING)")
+                m.conn.retire_stream("draining", self.config.timeout_s)
 
     def _reconnect_s(self) -> float:
         return min(RECONNECT_WAIT_S, self.config.timeout_s)

@@ -341,6 +341,9 @@ class CoordinatorServer(grpc.aio.Server):
             return "the coordinator is draining (shutting down)"
         return "in process" if self.cluster is None else self.cluster.describe_state()
 
+    async def set_health(self, serving: bool) -> None:
+        await self._set_health(serving)
+
     async def _set_health(self, serving: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

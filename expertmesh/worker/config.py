@@ -36,8 +36,12 @@ class WorkerConfig:
     max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
     # control RPCs (ApplyPlacement, LoadAdapter, UnloadAdapter) need it when set (expertmesh/auth.py)
     cluster_token: str | None = field(default=None, repr=False)
+    # SIGTERM: refuse new work, wait this long for coordinators to move off, then exit (issue 15a)
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.kind not in KINDS:
             raise ValueError(f"expert server kind {self.kind!r}: expected one of {KINDS}")
         if self.dtype not in DTYPES:
@@ -114,6 +118,14 @@ class WorkerConfig:
             help=f"secret the coordinator must send with placement/adapter pushes (or env {auth.CLUSTER_TOKEN_ENV})",
         )
 
+        p.add_argument(
+            "--drain-timeout",
+            type=float,
+            default=WorkerConfig.drain_timeout_s,
+            help="on SIGTERM: health NOT_SERVING, new streams/layers refused (UNAVAILABLE), in-flight "
+            "layers finished; exit once coordinators closed their streams or after this many seconds",
+        )
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, kind: str, device: str) -> WorkerConfig:
         """The one place the command line becomes a WorkerConfig (GPU and CPU servers alike)."""
@@ -132,4 +144,5 @@ class WorkerConfig:
             metrics_port=args.metrics_port,
             max_loras=args.max_loras,
             cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
+            drain_timeout_s=args.drain_timeout,
         )
