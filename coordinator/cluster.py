@@ -134,6 +134,9 @@ class ExpertCluster:
         # run after each member's PREPARE with (member, its new slot table, timeout): state that
         # must travel with a placement (MoE LoRA adapters of the experts it will hold) goes here
         self.prepare_hooks: list[Callable[[int, dict[int, list[int]], float], None]] = []
+        # run at the end of every maintenance round, once serving, whether the round's
+        # reconnections worked or not (coordinator/degraded.py re-places experts from here)
+        self.round_hooks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ reading
 
@@ -230,6 +233,11 @@ class ExpertCluster:
         if not since:
             return wait_s
         return max(0.0, min(wait_s, max(since) + wait_s - time.monotonic()))
+
+    @property
+    def serving(self) -> bool:
+        """Whether a placement was committed on every server once (steps may run)."""
+        return self._serving
 
     def serving_some(self) -> bool:
         """Whether requests may be admitted: the placement was live once and some server is
@@ -461,6 +469,15 @@ class ExpertCluster:
                         if m.state is not ServerState.READY:
                             m.last_error = f"internal error while reconnecting: {last}"
                 time.sleep(0.5)
+            if self._serving and not self._stop:
+                self._run_round_hooks()
+
+    def _run_round_hooks(self) -> None:
+        for hook in self.round_hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - the thread's boundary: a hook's bug must not end it
+                log.exception("expert-cluster round hook %r failed", hook)
 
     def _watch_draining(self) -> None:
         """A ready server whose health turned NOT_SERVING is draining (SIGTERM): steps route

@@ -26,6 +26,7 @@ from coordinator import eplb_admin
 from coordinator.chat import ChatTemplate
 from coordinator.cluster import ExpertCluster
 from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
+from coordinator.degraded import DegradedPlacement
 from coordinator.dispatch import Dispatcher, LocalDispatcher
 from coordinator.engine import Engine
 from coordinator.eplb.manager import EplbManager, RebalanceError
@@ -447,6 +448,9 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         dispatcher.server_time_hook = load.record_server_time
     if cluster is not None:  # placement commits (and renumbering) land between two steps
         cluster.between_steps = scheduler.call_between_steps
+        if config.degraded_replace_after_s is not None:  # issue 15a: opt-in re-placement
+            assert config.cluster is not None
+            DegradedPlacement(cluster, config.degraded_replace_after_s, config.cluster.timeout_s)
     log.info(
         "KV cache: %d pages of %d tokens (%d tokens), max context %d, tokenizer %s",
         spec.num_pages,
