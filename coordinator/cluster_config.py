@@ -4,10 +4,10 @@ frozen ``ClusterConfig`` (and its command-line flags)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
 from expertmesh import auth, cores
+from expertmesh.tls import TLSConfig
 from expertmesh.transport import negotiate
 
 REPLICA_POLICIES = ("static", "round_robin", "load_aware")
@@ -38,6 +38,7 @@ class ClusterConfig:
     # poll for a fast-path answer this long before sleeping (0 where cores are scarce)
     shm_spin_us: float = field(default_factory=cores.default_spin_us)
     cluster_token: str | None = field(default=None, repr=False)  # sent with placement pushes
+    tls: TLSConfig | None = None  # issue 15c: TLS to the expert servers (the coordinator's --tls-*)
 
     def __post_init__(self) -> None:
         if self.replica_policy not in REPLICA_POLICIES:
@@ -139,5 +140,6 @@ class ClusterConfig:
             transport=args.transport,
             shm_ring_mb=args.shm_ring_mb,
             shm_spin_us=args.shm_spin_us,
-            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
+            cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
+            tls=TLSConfig.from_args(args),  # issue 15c
         )

@@ -12,6 +12,7 @@ import torch
 from coordinator.cluster_config import ClusterConfig
 from coordinator.eplb.plan import EplbConfig
 from coordinator.requests import InputLimits
+from expertmesh.tls import TLSConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -37,6 +38,10 @@ class CoordinatorConfig:
     kv_memory_bytes: int = 256 << 20  # KV cache budget; sets the number of pages
     max_batch_tokens: int = 512  # tokens per forward step (decodes + prefill chunks)
     max_running: int = 64  # requests holding KV pages at once
+    # issue 15: bounded queue (RESOURCE_EXHAUSTED / HTTP 429 beyond) and a server-side deadline
+    max_queued_requests: int = 1024  # submitted, not yet admitted
+    max_queued_tokens: int = 1 << 20  # their prompt tokens
+    request_timeout_s: float | None = None  # caps every request's deadline; None = the client's only
     max_context: int | None = None  # prompt + generated tokens; default: the model's limit
     default_max_new_tokens: int = 64
     max_message_mb: int = 64
@@ -50,6 +55,7 @@ class CoordinatorConfig:
     max_loras: int = 4  # MoE LoRA adapters loaded at once
     # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
     admin_token: str | None = field(default=None, repr=False)
+    tls: TLSConfig | None = None  # issue 15c: the public port serves TLS only with a certificate
     # issue 15a: SIGTERM: admit nothing new, finish running requests for at most this long
     drain_timeout_s: float = 30.0
     # issue 15a: re-place the experts of a server down this long over the others (None = off)
@@ -66,11 +72,14 @@ class CoordinatorConfig:
             raise ValueError(f"port {self.port} outside 0..65535")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http port {self.http_port} outside 0..65535")
-        for name in ("page_size", "kv_memory_bytes", "max_batch_tokens", "max_running", "max_message_mb"):
+        for name in ("page_size", "kv_memory_bytes", "max_batch_tokens", "max_running", "max_message_mb",
+                     "max_queued_requests", "max_queued_tokens"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
         if self.max_loras <= 0:
             raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.default_max_new_tokens <= 0:

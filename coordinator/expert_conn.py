@@ -28,7 +28,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.cluster_config import ClusterConfig, ServerSpec
-from expertmesh import auth, errors, status, wire
+from expertmesh import auth, errors, status, tls, wire
 from expertmesh.net import grpc_options
 from expertmesh.transport import negotiate
 from expertmesh.transport.client import Reply, ShmClient
@@ -122,8 +122,9 @@ class ServerConnection:
     def __init__(self, spec: ServerSpec, cluster: ClusterConfig, device: torch.device | None = None) -> None:
         self.spec, self.cluster = spec, cluster
         self.device = device or torch.device("cpu")
-        self.channel = grpc.insecure_channel(
+        self.channel = tls.channel(  # issue 15c: TLS with the coordinator's --tls-* flags
             spec.address,
+            cluster.tls,
             options=[
                 *grpc_options(cluster.max_message_mb << 20),
                 ("grpc.initial_reconnect_backoff_ms", 200),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -21,6 +20,7 @@ from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
 from coordinator.eplb.plan import EplbConfig
 from coordinator.requests import InputLimits
 from expertmesh import auth, cores
+from expertmesh.tls import TLSConfig
 
 C = CoordinatorConfig  # NOTE: the defaults live in the config dataclass, read here once
 DEFAULT_PORT = C.port
@@ -45,6 +45,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-batch-tokens", type=int, default=C.max_batch_tokens, help="tokens per forward step")
     g.add_argument("--max-running-requests", type=int, default=C.max_running)
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=C.max_queued_requests,
+        help="requests waiting for admission; beyond it RESOURCE_EXHAUSTED (HTTP 429)",
+    )
+    g.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=C.max_queued_tokens,
+        help="prompt tokens of the queued requests",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take (queued + generating) when the client's deadline is later or absent",
+    )
     g.add_argument(
         "--max-context", type=int, default=C.max_context, help="default: the model's, capped by the KV cache"
     )
@@ -80,6 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "re-place every expert over the remaining servers (EPLB) from the checkpoint (default: off)",
     )
     ClusterConfig.add_arguments(p)
+    TLSConfig.add_arguments(p, "coordinator")  # issue 15c
     InputLimits.add_arguments(p)
     EplbConfig.add_arguments(p)
 
@@ -101,6 +120,9 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         kv_memory_bytes=parse_size(args.kv_memory),
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        request_timeout_s=args.request_timeout,
         max_context=args.max_context,
         default_max_new_tokens=args.default_max_new_tokens,
         max_message_mb=args.max_message_mb,
@@ -110,8 +132,9 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         eplb=EplbConfig.from_args(args),
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras,
-        admin_token=args.admin_token or os.environ.get(auth.ADMIN_TOKEN_ENV) or None,
+        admin_token=args.admin_token or auth.token_from_env(auth.ADMIN_TOKEN_ENV),
         input_limits=InputLimits.from_args(args),
+        tls=TLSConfig.from_args(args),  # issue 15c
         drain_timeout_s=args.drain_timeout,
         degraded_replace_after_s=args.degraded_replace_after,
     )
@@ -122,15 +145,17 @@ async def serve(config: CoordinatorConfig) -> int:
     from coordinator.server import create_server
 
     server = create_server(config)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = server.add_port(f"{config.host}:{config.port}")  # issue 15c: TLS with --tls-cert
     if port == 0:
         print(f"error: could not bind {config.host}:{config.port}", file=sys.stderr)
         return 1
     await server.start()
     print(f"coordinator listening on {config.host}:{port}", flush=True)
     if server.http is not None:
+        scheme = "https" if config.tls is not None and config.tls.server_enabled else "http"  # issue 15c
         print(
-            f"OpenAI-compatible HTTP API and /metrics on http://{config.host}:{server.http.port}", flush=True
+            f"OpenAI-compatible HTTP API and /metrics on {scheme}://{config.host}:{server.http.port}",
+            flush=True,
         )
     if not config.admin_token and auth.binds_beyond_loopback(config.host):
         logging.getLogger("expertmesh.coordinator").warning(

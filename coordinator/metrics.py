@@ -38,7 +38,8 @@ _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 # request outcomes counted by expertmesh_requests_total{status}
-STATUSES = ("stop", "length", "cancelled", "error", "invalid")
+# ("deadline": its deadline passed; "rejected": refused by a full queue, never started)
+STATUSES = ("stop", "length", "cancelled", "error", "invalid", "deadline", "rejected")
 
 
 class CoordinatorMetrics:
@@ -130,7 +131,7 @@ class CoordinatorMetrics:
                     self.ttft.observe(first[0] - t0)
             if out.finish_reason is not None:
                 now = time.monotonic()
-                self.requests.labels(out.finish_reason).inc()
+                self.requests.labels(_outcome(out)).inc()
                 self.finished += 1
                 self.e2e.observe(now - t0)
                 if first and out.completion_tokens > 1:
@@ -142,6 +143,10 @@ class CoordinatorMetrics:
     def invalid(self) -> None:
         """A request refused before it reached the scheduler (bad parameters)."""
         self.requests.labels("invalid").inc()
+
+    def rejected(self) -> None:
+        """A request refused by a full admission queue (RESOURCE_EXHAUSTED / HTTP 429)."""
+        self.requests.labels("rejected").inc()
 
     def step(self, num_tokens: int) -> None:
         self.step_tokens.observe(num_tokens)
@@ -181,6 +186,11 @@ class _StateCollector(Collector):
         st = c.scheduler.stats()
         yield _gauge("expertmesh_requests_running", "Requests holding KV pages", st["running"])
         yield _gauge("expertmesh_requests_waiting", "Requests queued for admission", st["waiting"])
+        yield _gauge(
+            "expertmesh_requests_queued",
+            "Submitted requests not yet admitted, counted against --max-queued-requests",
+            st["queued"],
+        )
         used = st["total_pages"] - st["free_pages"]
         yield _gauge("expertmesh_kv_pages_used", "KV cache pages held by requests", used)
         yield _gauge("expertmesh_kv_pages_free", "KV cache pages free", st["free_pages"])
@@ -238,3 +248,9 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
+
+
+def _outcome(out: Output) -> str:
+    from coordinator.scheduler import DeadlineExceeded
+
+    return "deadline" if isinstance(out.error, DeadlineExceeded) else str(out.finish_reason)

@@ -45,6 +45,8 @@ class InputLimits:
     max_stop_bytes: int = 256  # per stop string, UTF-8
     max_stop_token_ids: int = 64
     max_request_id_bytes: int = 256  # echoed in every streamed chunk
+    # HTTP API: a whole request body (JSON escapes a prompt's non-ASCII up to 6 bytes a character)
+    max_body_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -60,6 +62,9 @@ class InputLimits:
         g.add_argument("--max-stop-bytes", type=int, default=d.max_stop_bytes, help="per stop string")
         g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids)
         g.add_argument("--max-request-id-bytes", type=int, default=d.max_request_id_bytes)
+        g.add_argument(
+            "--max-http-body-bytes", type=int, default=d.max_body_bytes, help="HTTP request body (413 beyond)"
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> InputLimits:
@@ -69,6 +74,7 @@ class InputLimits:
             max_stop_bytes=args.max_stop_bytes,
             max_stop_token_ids=args.max_stop_token_ids,
             max_request_id_bytes=args.max_request_id_bytes,
+            max_body_bytes=args.max_http_body_bytes,
         )
 
 
@@ -179,8 +185,16 @@ def check_prompt_bytes(prompt: str, lim: InputLimits) -> int:
 
 def _utf8_size(s: str, limit: int) -> int:
     """Bytes of ``s`` in UTF-8; only a lower bound, ``len(s)``, when that already exceeds
-    ``limit`` (a character is at least one byte): a huge string is never encoded."""
-    return len(s) if len(s) > limit else len(s.encode("utf-8"))
+    ``limit`` (a character is at least one byte): a huge string is never encoded.
+    InvalidRequest for a lone surrogate (JSON's ``"\\ud800"`` decodes to one; protobuf refuses it)."""
+    if len(s) > limit:
+        return len(s)
+    try:
+        return len(s.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"text {_quote(s)} is not valid Unicode: lone surrogate {s[e.start]!r} at character {e.start}"
+        ) from None
 
 
 def _quote(s: str) -> str:

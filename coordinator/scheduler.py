@@ -17,6 +17,11 @@ logits for it give the next token. One step mixes decode tokens and prefill chun
 2. waiting requests join, first come first served, while the budget, the running-request limit
    and the free pages (their whole pending prompt must fit) allow.
 
+Bounds (issue 15): :meth:`Scheduler.submit` refuses a request with :class:`QueueFull` when
+``max_queued`` requests (or ``max_queued_tokens`` prompt tokens) wait for admission already, and a
+request whose deadline passes is finished with :class:`DeadlineExceeded` between two steps,
+queued or running, its pages freed.
+
 When the pages of a step do not fit, the newest running request is preempted: its pages are
 freed and it goes back to the front of the queue, to be recomputed from its tokens later. Its
 sampled tokens and generator state are kept, so the result is the one it would have had.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -47,6 +53,14 @@ log = logging.getLogger(__name__)
 
 class SchedulerStopped(RuntimeError):
     """The scheduler shut down before the request finished."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait for admission (RESOURCE_EXHAUSTED / HTTP 429): retry later."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request's deadline passed before it finished (DEADLINE_EXCEEDED / HTTP 504)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +91,11 @@ class Request:
         device: torch.device,
         tokenizer: TextTokenizer | None,
         lora: str | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.rid, self.params, self.sink = rid, params, sink
+        self.deadline = deadline  # time.monotonic() by which it must finish; None = none
+        self.queued = True  # counted in the admission queue (until first admitted or finished)
         self.lora = lora  # MoE LoRA adapter name; None = base model
         self.num_prompt = len(prompt_ids)
         self.tokens = list(prompt_ids)
@@ -127,10 +144,14 @@ class SchedulerLimits:
     max_batch_tokens: int = 512  # tokens per step (decodes + prefill chunks)
     max_running: int = 64  # requests holding KV pages at once
     max_context: int = 4096  # prompt + generated tokens of one request
+    max_queued: int = 1024  # requests submitted but not yet admitted (QueueFull beyond)
+    # prompt tokens of those; an empty queue takes any one request (its prompt fits the context)
+    max_queued_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         assert self.max_batch_tokens > 0 and self.max_running > 0, f"{self}"
         assert self.max_context > 1, f"{self.max_context=}"
+        assert self.max_queued > 0 and self.max_queued_tokens > 0, f"{self}"
 
 
 class Scheduler:
@@ -151,6 +172,8 @@ class Scheduler:
         self._next_rid = 0
         self._rid_lock = threading.Lock()  # guards _next_rid and _stopped
         self._stopped = False
+        self._queued = self._queued_tokens = 0  # guarded by _rid_lock (see Request.queued)
+        self.num_rejected = self.num_expired = 0
         self._requests: dict[int, Request] = {}
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order, oldest first
@@ -169,21 +192,55 @@ class Scheduler:
             self._thread.join(timeout)
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, sink: Sink, lora: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        lora: str | None = None,
+        deadline: float | None = None,
     ) -> int:
-        """Queues a request; ``sink`` is called from the scheduler thread and must not block."""
+        """Queues a request; ``sink`` is called from the scheduler thread and must not block.
+        ``deadline`` is a ``time.monotonic()`` time. Raises :class:`QueueFull` (nothing queued)
+        or :class:`SchedulerStopped`."""
         assert prompt_ids, "empty prompt"
-        if self.metrics is not None:
-            sink = self.metrics.track(sink, len(prompt_ids))
-        with self._rid_lock:
-            self._next_rid += 1
-            rid = self._next_rid
-        req = Request(rid, prompt_ids, params, sink, self.engine.device, self.tokenizer, lora)
+        n, lim = len(prompt_ids), self.limits
         with self._rid_lock:
             if self._stopped:
                 raise SchedulerStopped("the coordinator is shutting down")
-            self._inbox.put(_Add(req))
+            if self._queued >= lim.max_queued or (
+                self._queued and self._queued_tokens + n > lim.max_queued_tokens
+            ):
+                self.num_rejected += 1
+                if self.metrics is not None:
+                    self.metrics.rejected()
+                raise QueueFull(
+                    f"the coordinator is overloaded: {self._queued} requests ({self._queued_tokens} prompt "
+                    f"tokens) wait already (limits: --max-queued-requests {lim.max_queued}, "
+                    f"--max-queued-tokens {lim.max_queued_tokens}); retry later"
+                )
+            self._queued += 1
+            self._queued_tokens += n
+            self._next_rid += 1
+            rid = self._next_rid
+        if self.metrics is not None:
+            sink = self.metrics.track(sink, n)
+        req = Request(rid, prompt_ids, params, sink, self.engine.device, self.tokenizer, lora, deadline)
+        with self._rid_lock:
+            stopped = self._stopped
+            if not stopped:
+                self._inbox.put(_Add(req))
+        if stopped:
+            self._dequeue(req)
+            raise SchedulerStopped("the coordinator is shutting down")
         return rid
+
+    def _dequeue(self, req: Request) -> None:
+        """``req`` leaves the admission queue (admitted or finished); any thread."""
+        with self._rid_lock:
+            if req.queued:
+                req.queued = False
+                self._queued -= 1
+                self._queued_tokens -= req.num_prompt
 
     def cancel(self, rid: int) -> None:
         self._inbox.put(_Cancel(rid))
@@ -209,6 +266,9 @@ class Scheduler:
             "total_pages": self.engine.pages.num_pages,
             "running": len(self._running),
             "waiting": len(self._waiting),
+            "queued": self._queued,
+            "rejected": self.num_rejected,
+            "expired": self.num_expired,
             "preemptions": self.num_preemptions,
             "steps": self.num_steps,
         }
@@ -218,6 +278,7 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             while self._take_inbox(block=not (self._running or self._waiting)):
+                self._expire()
                 plan = self._schedule()
                 if plan:
                     self._run_step(plan)
@@ -265,6 +326,20 @@ class Scheduler:
             except queue.Empty:
                 return True
 
+    def _expire(self) -> None:
+        """Finishes every request whose deadline has passed (queued or running): its pages are
+        free before the next step."""
+        now = time.monotonic()
+        late = [r for r in self._requests.values() if r.deadline is not None and r.deadline <= now]
+        for req in late:
+            where = "running" if req.seq is not None else "queued"
+            self.num_expired += 1
+            err = DeadlineExceeded(
+                f"deadline exceeded: request {where}, {req.num_generated} of at most "
+                f"{req.params.max_new_tokens} tokens generated"
+            )
+            self._finish(req, "error", error=err)
+
     def _schedule(self) -> list[tuple[Request, int]]:
         """This step's (request, number of its pending tokens to compute)."""
         budget = self.limits.max_batch_tokens
@@ -299,6 +374,7 @@ class Scheduler:
             if whole > free:
                 break
             self._waiting.popleft()
+            self._dequeue(req)
             req.seq = self.engine.new_seq()
             self._running.append(req)
             n = min(req.pending, prefill_budget)
@@ -394,6 +470,7 @@ class Scheduler:
         elif req in self._waiting:
             self._waiting.remove(req)
         self._requests.pop(req.rid, None)
+        self._dequeue(req)
         last = last or Output([])
         req.sink(
             Output(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -41,10 +42,17 @@ from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPush
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.remote import RemoteDispatcher
 from coordinator.requests import InvalidRequest, RequestLimits, add_generation_servicer, parse_request_async
-from coordinator.scheduler import Output, Scheduler, SchedulerLimits, SchedulerStopped
+from coordinator.scheduler import (
+    DeadlineExceeded,
+    Output,
+    QueueFull,
+    Scheduler,
+    SchedulerLimits,
+    SchedulerStopped,
+)
 from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
-from expertmesh import auth, status
+from expertmesh import auth, status, tls
 from expertmesh import placement as pl
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.errors import ExpertMeshError
@@ -64,6 +72,10 @@ def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, f"expert server failure: {exc}"
     if isinstance(exc, SchedulerStopped):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
@@ -100,9 +112,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         try:
-            rid = c.scheduler.submit(ids, params, sink, lora=request.lora or None)
-        except SchedulerStopped as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            deadline = c.deadline(context.time_remaining())  # the client's gRPC deadline
+            rid = c.scheduler.submit(ids, params, sink, lora=request.lora or None, deadline=deadline)
+        except (SchedulerStopped, QueueFull) as e:
+            await context.abort(*error_status(e))
         request_id = request.request_id or f"req-{rid}"
         finished = False
         try:
@@ -337,6 +350,14 @@ class CoordinatorServer(grpc.aio.Server):
             (GENERATION, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
 
+    def deadline(self, remaining_s: float | None) -> float | None:
+        """A request's ``time.monotonic()`` deadline: the client's (seconds left, None = none),
+        capped by ``--request-timeout``."""
+        timeout = self.config.request_timeout_s
+        if remaining_s is None or (timeout is not None and timeout < remaining_s):
+            remaining_s = timeout
+        return None if remaining_s is None else time.monotonic() + remaining_s
+
     def expert_state(self) -> str:
         if self.draining:  # issue 15a: what refused requests read
             return "the coordinator is draining (shutting down)"
@@ -382,6 +403,10 @@ class CoordinatorServer(grpc.aio.Server):
 
     def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
         return self.server.add_secure_port(address, server_credentials)
+
+    def add_port(self, address: str) -> int:
+        """issue 15c: TLS when the config has a certificate (--tls-cert), plaintext otherwise."""
+        return tls.add_port(self.server, address, self.config.tls)
 
     async def start(self) -> None:
         await self._set_health(self.experts_ready)
@@ -435,7 +460,13 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
     load = LoadRecorder(cfg.moe_layer_ids, cfg.num_experts, config.eplb.window_steps, num_servers, device)
     engine = Engine(load_model(reader, dtype, device), dispatcher, spec, dtype, device, load_hook=load.record)
     tokenizer = TextTokenizer.from_dir(config.model_dir)
-    limits = SchedulerLimits(config.max_batch_tokens, config.max_running, max_context)
+    limits = SchedulerLimits(
+        config.max_batch_tokens,
+        config.max_running,
+        max_context,
+        config.max_queued_requests,
+        config.max_queued_tokens,
+    )
     scheduler = Scheduler(engine, limits, tokenizer, cfg.eos_token_ids)
     eplb: EplbManager | None = None
     if cluster is not None:

@@ -308,6 +308,25 @@ EOF
         grep -E '^expertmesh_worker_requests_total [1-9]' || die "cpu-server /metrics shows no requests"
 }
 
+# The stack serves (above), so the coordinator holds the cluster token cluster-secret generated;
+# an expert server must refuse a placement push that lacks it (issue 15: the servers are closed).
+check_cluster_token() {
+    log "cpu-server refuses ApplyPlacement without the cluster token"
+    compose exec -T coordinator python - <<'EOF' || die "cpu-server accepted a placement push without the cluster token"
+import grpc
+from expertmesh.v1 import expert_worker_pb2 as pb, expert_worker_pb2_grpc as pb_grpc
+with grpc.insecure_channel("cpu-server:50061") as ch:
+    P = pb.ApplyPlacementRequest
+    try:
+        pb_grpc.ExpertWorkerStub(ch).ApplyPlacement(P(phase=P.COMMIT, generation=99), timeout=10)
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e
+        print("refused:", e.code().name)
+    else:
+        raise SystemExit("accepted")
+EOF
+}
+
 # What `grpcurl -plaintext HOST:PORT list` shows, through server reflection (no grpcurl here).
 check_reflection() {
     docker run --rm -i --network host --entrypoint python "$IMAGE" - "127.0.0.1:$PORT" <<'EOF' ||
@@ -366,6 +385,7 @@ main() {
     check_generation
     check_http
     check_reflection
+    check_cluster_token
 
     phase compose-down
     compose down -v --remove-orphans

@@ -38,7 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
     args = ap.parse_args(argv)
-    return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+    from expertmesh.auth import TokenFileError
+    from expertmesh.tls import TLSError
+
+    try:
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+    except (TLSError, TokenFileError) as e:  # unreadable TLS files or token file: say which, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

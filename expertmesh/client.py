@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
+from expertmesh import tls as _tls
+from expertmesh.tls import TLSConfig
 from expertmesh.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -140,10 +140,13 @@ def _options(max_message_mb: int) -> list[tuple[str, int]]:
 
 
 class Client:
-    def __init__(self, addr: str, timeout: float | None = None, max_message_mb: int = 64) -> None:
-        """``timeout``: seconds for a whole generation (None = no deadline)."""
+    def __init__(
+        self, addr: str, timeout: float | None = None, max_message_mb: int = 64, tls: TLSConfig | None = None
+    ) -> None:
+        """``timeout``: seconds for a whole generation (None = no deadline). ``tls``: talk TLS
+        (``TLSConfig(ca=...)`` to verify the coordinator's certificate against a private CA)."""
         self.addr, self.timeout = addr, timeout
-        self.channel = grpc.insecure_channel(addr, options=_options(max_message_mb))
+        self.channel = _tls.channel(addr, tls, _options(max_message_mb))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def stream(
@@ -173,9 +176,11 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, addr: str, timeout: float | None = None, max_message_mb: int = 64) -> None:
+    def __init__(
+        self, addr: str, timeout: float | None = None, max_message_mb: int = 64, tls: TLSConfig | None = None
+    ) -> None:
         self.addr, self.timeout = addr, timeout
-        self.channel = grpc.aio.insecure_channel(addr, options=_options(max_message_mb))
+        self.channel = _tls.aio_channel(addr, tls, _options(max_message_mb))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def stream(

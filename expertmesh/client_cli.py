@@ -14,7 +14,9 @@ import sys
 
 import grpc
 
+from expertmesh import connect
 from expertmesh.client import Client
+from expertmesh.tls import TLSConfig
 
 
 def _ids(text: str) -> list[int]:
@@ -25,7 +27,7 @@ def _ids(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    connect.add_arguments(p, admin=False)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
     src.add_argument("--input-ids", type=_ids, help="comma-separated prompt token ids, e.g. 1,2,3")
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         lora=args.lora,
     )
     try:
-        with Client(args.addr, timeout=args.timeout) as client:
+        with Client(args.addr, timeout=args.timeout, tls=TLSConfig.from_args(args)) as client:
             if args.json:
                 out = client.generate(args.prompt, args.input_ids, **kw)
                 obj: dict[str, object] = {

@@ -7,10 +7,12 @@ import argparse
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from expertmesh.tls import TLSConfig, channel
 
-def check(addr: str, timeout: float = 3.0, service: str = "") -> str:
+
+def check(addr: str, timeout: float = 3.0, service: str = "", tls: TLSConfig | None = None) -> str:
     """Returns the status name (SERVING, NOT_SERVING, ...) or UNREACHABLE."""
-    with grpc.insecure_channel(addr) as ch:
+    with channel(addr, tls) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -23,9 +25,10 @@ def check(addr: str, timeout: float = 3.0, service: str = "") -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", required=True, help="HOST:PORT")
     p.add_argument("--timeout", type=float, default=3.0)
+    TLSConfig.add_arguments(p, "client")
 
 
 def run(args: argparse.Namespace) -> int:
-    status = check(args.addr, args.timeout)
+    status = check(args.addr, args.timeout, tls=TLSConfig.from_args(args))
     print(status)
     return 0 if status == "SERVING" else 1

@@ -10,6 +10,11 @@ them in order) and get SIGTERM from the kernel if this process dies (PR_SET_PDEA
 child exits while starting or serving, the others are stopped, the tail of its output is
 printed and the exit status is non-zero. With ``--prompt``, it prints one completion once
 serving and then stops everything (``make demo``).
+
+The cluster is closed to other local users' placement pushes: the children share a cluster
+token (``EXPERTMESH_CLUSTER_TOKEN`` if set, else a fresh random one) given to them through their
+environment, not their command lines (which ``ps`` shows every user). The coordinator binds
+loopback by default, where its Admin service needs no admin token.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import collections
 import ctypes
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,11 +33,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from expertmesh import cores
+from expertmesh import auth, cores
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 # issue 16: the coordinator's HTTP port and the expert servers' metrics ports
-_HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on http://\S+:(\d+)")
+_HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on https?://\S+:(\d+)")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -62,9 +68,10 @@ class Child:
     port: int | None = None
     listening: threading.Event = field(default_factory=threading.Event)
     http_port: int | None = None  # the coordinator's HTTP API; an expert server's /metrics
+    env: dict[str, str] | None = None  # None: this process's environment
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(self.env if self.env is not None else os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=subprocess.PIPE,
@@ -195,6 +202,13 @@ def _nvidia_gpu_visible() -> bool:
     return gpus.is_dir() and any(gpus.iterdir())
 
 
+def child_env() -> dict[str, str]:
+    """The children's environment: this one's plus the cluster token they share (kept if the
+    operator set one; else 32 random bytes, new for each ``up``)."""
+    token = os.environ.get(auth.CLUSTER_TOKEN_ENV) or secrets.token_urlsafe(32)
+    return dict(os.environ, **{auth.CLUSTER_TOKEN_ENV: token})
+
+
 def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> tuple[Child, Child, list[str]]:
     cli = [sys.executable, "-m", "expertmesh.cli"]
     threads, spin = core_plan(args)
@@ -232,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     gpu, cpu, coord_cmd = build_children(args, model, num_experts)
+    gpu.env = cpu.env = child_env()  # NOTE: the same token for the servers and the coordinator
     children: list[Child] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -271,6 +286,7 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
             "coordinator",
             [*coord_cmd, "--gpu-server", f"127.0.0.1:{gpu.port}", "--cpu-server", f"127.0.0.1:{cpu.port}"],
             args.verbose,
+            env=gpu.env,
         )
         coord.start()
         children.append(coord)

@@ -13,11 +13,12 @@ import sys
 
 import grpc
 
+from expertmesh import connect
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT (its Admin service)")
+    connect.add_arguments(p, admin=True)
     p.add_argument("--top", type=int, default=3, help="hot experts shown per layer")
     p.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     p.add_argument("--timeout", type=float, default=10.0)
@@ -59,7 +60,7 @@ def format_load(load: admin_pb2.ExpertLoad, top: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with grpc.insecure_channel(args.addr) as ch:
+        with connect.open_channel(args) as ch:
             load = admin_pb2_grpc.AdminStub(ch).GetExpertLoad(
                 admin_pb2.GetExpertLoadRequest(), timeout=args.timeout
             )

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import grpc
 
+from expertmesh import connect
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["show", "set", "rebalance"])
     p.add_argument("file", nargs="?", help="placement file (for set)")
-    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT (its Admin service)")
+    connect.add_arguments(p, admin=True)
     p.add_argument("--dry-run", action="store_true", help="rebalance: plan only, push nothing")
     p.add_argument("--timeout", type=float, default=300.0)
 
@@ -64,7 +65,7 @@ def format_outcome(o: admin_pb2.RebalanceOutcome) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with grpc.insecure_channel(args.addr) as ch:
+        with connect.open_channel(args) as ch:
             stub = admin_pb2_grpc.AdminStub(ch)
             if args.action == "show":
                 info = stub.GetPlacement(admin_pb2.GetPlacementRequest(), timeout=args.timeout)

@@ -18,11 +18,12 @@ from typing import Any
 
 import grpc
 
+from expertmesh import connect
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT (gRPC)")
+    connect.add_arguments(p, admin=True)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between the two readings")
     p.add_argument("--watch", action="store_true", help="refresh every --interval seconds until Ctrl-C")
     p.add_argument("--top", type=int, default=3, help="hottest experts shown per layer")
@@ -121,7 +122,7 @@ def render(addr: str, s: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with grpc.insecure_channel(args.addr) as ch:
+        with connect.open_channel(args) as ch:
             stub = admin_pb2_grpc.AdminStub(ch)
             prev = read(stub, args.timeout)
             while True:

@@ -7,6 +7,8 @@ Protobuf messages only, no gRPC: the servicer and the coordinator's connection c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from expertmesh.errors import InvalidRequest
@@ -47,14 +49,20 @@ def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=dtype_name(t.dtype), shape=list(t.shape), data=raw)
 
 
+MAX_DIMS = 8
+# NOTE: a bound on every dimension and on the product of the non-zero ones: torch computes the
+# storage size of an EMPTY tensor from all dimensions too ([2**62, 2**62, 0] overflows it)
+MAX_DIM = 1 << 31
+MAX_ELEMENTS = 1 << 40
+
+
 def decode(msg: tensor_pb2.Tensor, what: str = "tensor") -> torch.Tensor:
-    """Decodes without copying where possible; the result is read-only memory (clone to write)."""
+    """Decodes without copying where possible; the result is read-only memory (clone to write).
+    Raises :class:`WireError` for anything that does not describe a tensor of ``data``'s bytes."""
     dtype = parse_dtype(msg.dtype) if msg.dtype else None
     if dtype is None:
         raise WireError(f"{what}: missing dtype")
-    shape = tuple(int(s) for s in msg.shape)
-    if any(s < 0 for s in shape):
-        raise WireError(f"{what}: negative dimension in shape {list(shape)}")
+    shape = check_shape(msg.shape, what)
     numel = 1
     for s in shape:
         numel *= s
@@ -68,6 +76,28 @@ def decode(msg: tensor_pb2.Tensor, what: str = "tensor") -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
     return flat.view(dtype).view(shape)
+
+
+def check_shape(dims: Sequence[int], what: str = "tensor") -> tuple[int, ...]:
+    """``dims`` as a shape torch can allocate, or :class:`WireError` (negative, too many or too
+    large dimensions: the element count is checked with the zero dimensions left out)."""
+    if len(dims) > MAX_DIMS:
+        raise WireError(f"{what}: {len(dims)} dimensions, at most {MAX_DIMS}")
+    shape = tuple(int(s) for s in dims)
+    if any(s < 0 for s in shape):
+        raise WireError(f"{what}: negative dimension in shape {_clip(shape)}")
+    if any(s > MAX_DIM for s in shape):
+        raise WireError(f"{what}: dimension above {MAX_DIM} in shape {_clip(shape)}")
+    nonzero = 1
+    for s in shape:
+        nonzero *= max(s, 1)
+    if nonzero > MAX_ELEMENTS:
+        raise WireError(f"{what}: shape {_clip(shape)} has more than {MAX_ELEMENTS} elements")
+    return shape
+
+
+def _clip(shape: tuple[int, ...]) -> list[int] | str:
+    return list(shape) if len(shape) <= MAX_DIMS else f"{list(shape[:MAX_DIMS])}... ({len(shape)} dims)"
 
 
 # ---------------------------------------------------------------- ExpertWorker messages

@@ -22,10 +22,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from coordinator.http.limits import BodyLimit
 from coordinator.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from coordinator.http.serving import Serving, adapter_names
 from coordinator.lora import AdapterError
 from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError
+from expertmesh import auth
+from expertmesh.errors import Unauthenticated
 
 
 def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
@@ -33,6 +36,10 @@ def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
     serving = Serving(coord, name)
     created = int(time.time())
     app = FastAPI(title="expertmesh", docs_url=None, redoc_url=None, openapi_url=None)
+    # issue 15: 413 beyond --max-http-body-bytes, 400 for a body that is not UTF-8
+    app.add_middleware(
+        BodyLimit, max_bytes=coord.request_limits.input.max_body_bytes, on_refused=coord.metrics.invalid
+    )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -71,13 +78,13 @@ def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(body: LoRALoad, request: Request) -> Response:
-        _admin_only(request)
+        _admin_only(request, coord.config.admin_token)
         await _lora_call(coord.lora.load, body.lora_name, body.lora_path)
         return Response(f"adapter {body.lora_name!r} loaded", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(body: LoRAUnload, request: Request) -> Response:
-        _admin_only(request)
+        _admin_only(request, coord.config.admin_token)
         await _lora_call(coord.lora.unload, body.lora_name)
         return Response(f"adapter {body.lora_name!r} unloaded", media_type="text/plain")
 
@@ -121,15 +128,24 @@ class LoRAUnload(BaseModel):
     lora_name: str
 
 
-_LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-def _admin_only(request: Request) -> None:
-    """Adapter loading is the admin plane: like the Admin API without a token, loopback peers
-    only (paths are further confined to --lora-dir by the LoRA service)."""
+def _admin_only(request: Request, token: str | None) -> None:
+    """issue 15c: adapter loading is the admin plane, guarded like the Admin API: with an admin
+    token the request must carry ``Authorization: Bearer TOKEN`` (401 without), without one only
+    loopback peers may (403). Paths are further confined to --lora-dir by the LoRA service."""
+    if token:
+        try:
+            auth.check_token(token, request.headers.items(), "the admin endpoints")
+        except Unauthenticated as e:
+            raise APIError(401, e.message, code="invalid_api_key") from None
+        return
     host = request.client.host if request.client is not None else ""
-    if host not in _LOOPBACK:
-        raise APIError(403, f"adapter loading is allowed from loopback only, not {host}", "permission_error")
+    if not auth.is_loopback_host(host):
+        raise APIError(
+            403,
+            f"adapter loading is allowed from loopback only, not {host} (start the coordinator with "
+            f"--admin-token or {auth.ADMIN_TOKEN_ENV} to allow it with the token)",
+            "permission_error",
+        )
 
 
 _LORA_HTTP = ((LoRAPermissionError, 403), (LoRANotFound, 404), (AdapterError, 400), (LoRAPushError, 503),

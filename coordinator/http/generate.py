@@ -17,10 +17,10 @@ from typing import Any
 
 import grpc
 
-from coordinator.http.protocol import APIError
+from coordinator.http.protocol import APIError, ErrorType
 from coordinator.requests import InvalidRequest, check_prompt_bytes, parse_request_async
 from coordinator.sampler import SamplingParams
-from coordinator.scheduler import Output, SchedulerStopped
+from coordinator.scheduler import Output, QueueFull, SchedulerStopped
 from coordinator.tokenizer import PromptTooLong
 from expertmesh.v1 import generation_pb2
 
@@ -59,6 +59,11 @@ async def make_job(
     lora: str = "",
 ) -> Job:
     """Validates one request exactly as the gRPC API does; bad values raise a 400 APIError."""
+    # NOTE: JSON's "\ud800" is a lone surrogate that protobuf refuses to hold (UnicodeEncodeError)
+    for what, text in [("prompt", prompt or ""), *((f"stop[{i}]", t) for i, t in enumerate(stop))]:
+        if not _is_unicode(text):
+            coord.metrics.invalid()
+            raise APIError(400, f"{what} is not valid Unicode text (it holds a lone surrogate)", param=what)
     req = generation_pb2.GenerateRequest(
         prompt=prompt or "",
         input_ids=list(input_ids or ()),
@@ -119,9 +124,12 @@ async def run_jobs(coord: Any, jobs: list[Job]) -> AsyncGenerator[tuple[int, Out
         return sink
 
     rids: dict[int, int] = {}
+    deadline = coord.deadline(None)  # HTTP has no client deadline: --request-timeout only
     try:
         for i, job in enumerate(jobs):
-            rids[i] = coord.scheduler.submit(job.prompt_ids, job.params, sink_for(i), lora=job.lora)
+            rids[i] = coord.scheduler.submit(
+                job.prompt_ids, job.params, sink_for(i), lora=job.lora, deadline=deadline
+            )
         while rids:
             i, out = await outputs.get()
             if out.finish_reason is not None:
@@ -131,6 +139,8 @@ async def run_jobs(coord: Any, jobs: list[Job]) -> AsyncGenerator[tuple[int, Out
             yield i, out
     except SchedulerStopped as e:
         raise APIError(503, str(e), "service_unavailable_error") from None
+    except QueueFull as e:  # OpenAI's answer to too many requests
+        raise APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
     finally:
         for rid in rids.values():  # the client went away or another choice failed
             coord.scheduler.cancel(rid)
@@ -141,10 +151,24 @@ def _api_error(exc: BaseException) -> APIError:
 
     code, msg = error_status(exc)
     status = _HTTP_STATUS.get(code, 500)
-    return APIError(status, msg, "service_unavailable_error" if status == 503 else "server_error")
+    kind: dict[int, ErrorType] = {
+        503: "service_unavailable_error",
+        504: "timeout_error",
+        429: "rate_limit_error",
+    }
+    return APIError(status, msg, kind.get(status, "server_error"))
 
 
 def usable_adapters(coord: Any) -> list[str]:
     """LoRA adapters a request may name: loaded and acknowledged by every expert server."""
     lora = getattr(coord, "lora", None)
     return sorted(lora.usable) if lora is not None else []
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a str that UTF-8 cannot encode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

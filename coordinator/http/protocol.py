@@ -66,6 +66,8 @@ ErrorType = Literal[
     "server_error",
     "service_unavailable_error",
     "permission_error",
+    "rate_limit_error",  # 429: the admission queue is full
+    "timeout_error",  # 504: the request's deadline passed
 ]
 
 

@@ -31,11 +31,12 @@ from coordinator.lora.config import AdapterError
 from coordinator.lora.manager import LoRAManager
 from expertmesh.lora.store import LayerAdapter
 from expertmesh.lora.wire import encode_adapter
+from expertmesh.paths import PathNotAllowed, confine, resolve_roots
 
 BetweenSteps = Callable[[Callable[[], object]], Future]
 
 
-class LoRAPermissionError(PermissionError):
+class LoRAPermissionError(PathNotAllowed):
     pass
 
 
@@ -59,7 +60,7 @@ class LoRAService:
         unload_timeout_s: float = 300.0,
     ) -> None:
         self.manager, self.between_steps, self.in_use, self.cluster = manager, between_steps, in_use, cluster
-        self.roots = tuple(Path(d).resolve() for d in lora_dirs)
+        self.roots = resolve_roots(lora_dirs)
         self.timeout_s, self.unload_timeout_s = timeout_s, unload_timeout_s
         self.usable: set[str] = set()  # names requests may use (all servers acknowledged)
         self._lock = threading.Lock()  # one load/unload at a time
@@ -69,10 +70,14 @@ class LoRAService:
     # ---------------------------------------------------------------- load
 
     def check_path(self, path: str) -> Path:
-        p = Path(path).resolve()
-        if not any(p == r or r in p.parents for r in self.roots):
-            roots = ", ".join(str(r) for r in self.roots) or "none given (--lora-dir)"
-            raise LoRAPermissionError(f"adapter path {path!r} is not under a --lora-dir root ({roots})")
+        """The adapter directory, and the two files read from it (either could be a symlink out
+        of the roots), must lie under a --lora-dir root (issue 15c: expertmesh/paths.py)."""
+        try:
+            p = confine(path, self.roots, "adapter path", "--lora-dir")
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                confine(p / name, self.roots, "adapter file", "--lora-dir")
+        except PathNotAllowed as e:
+            raise LoRAPermissionError(*e.args) from None
         return p
 
     def load(self, name: str, path: str) -> LoRAAdapter:

@@ -15,13 +15,14 @@ import sys
 
 import grpc
 
+from expertmesh import connect
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # the options go after the verb (``lora load NAME PATH --addr A``): every verb takes them
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT (its Admin service)")
+    connect.add_arguments(common, admin=True)
     common.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the coordinator")
     common.add_argument("--json", action="store_true", help="print JSON instead of text")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
@@ -57,7 +58,7 @@ def _line(i: admin_pb2.LoRAInfo) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with grpc.insecure_channel(args.addr) as channel:
+        with connect.open_channel(args) as channel:
             stub = admin_pb2_grpc.AdminStub(channel)
             if args.verb == "load":
                 info = stub.LoadLoRA(

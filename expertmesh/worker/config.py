@@ -5,12 +5,12 @@ entry points only add their own flags and defaults)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from expertmesh import auth, cores, wire
+from expertmesh.tls import TLSConfig
 from expertmesh.transport import segment
 
 KINDS = ("gpu", "cpu")
@@ -36,6 +36,8 @@ class WorkerConfig:
     max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
     # control RPCs (ApplyPlacement, LoadAdapter, UnloadAdapter) need it when set (expertmesh/auth.py)
     cluster_token: str | None = field(default=None, repr=False)
+    # issue 15c: TLS only with a certificate; with a CA too, client certificates are required
+    tls: TLSConfig | None = None
     # SIGTERM: refuse new work, wait this long for coordinators to move off, then exit (issue 15a)
     drain_timeout_s: float = 30.0
 
@@ -117,6 +119,7 @@ class WorkerConfig:
             default=None,
             help=f"secret the coordinator must send with placement/adapter pushes (or env {auth.CLUSTER_TOKEN_ENV})",
         )
+        TLSConfig.add_arguments(p, "expert-server")  # issue 15c
 
         p.add_argument(
             "--drain-timeout",
@@ -143,6 +146,7 @@ class WorkerConfig:
             shm_spin_us=args.shm_spin_us,
             metrics_port=args.metrics_port,
             max_loras=args.max_loras,
-            cluster_token=args.cluster_token or os.environ.get(auth.CLUSTER_TOKEN_ENV) or None,
+            cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
+            tls=TLSConfig.from_args(args),  # issue 15c
             drain_timeout_s=args.drain_timeout,
         )

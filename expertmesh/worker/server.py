@@ -20,16 +20,17 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expertmesh import tls
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
 from expertmesh.metrics import serve_metrics
 from expertmesh.net import grpc_options, host_id
 from expertmesh.progress import LoadProgress
 from expertmesh.transport import segment
-from expertmesh.v1 import expert_worker_pb2, expert_worker_pb2_grpc
+from expertmesh.v1 import expert_worker_pb2
 from expertmesh.worker.config import WorkerConfig
 from expertmesh.worker.core import WorkerIdentity
-from expertmesh.worker.servicer import ExpertWorkerServicer
+from expertmesh.worker.servicer import ExpertWorkerServicer, add_worker_servicer
 from expertmesh.worker.slots import SlotTable, parse_expert_spec
 
 __all__ = ["RunningWorker", "WorkerConfig", "grpc_options", "host_id", "serve", "start_worker"]
@@ -111,7 +112,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
             config.port,
         )
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
-    expert_worker_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
+    add_worker_servicer(servicer, server)  # issue 15b: malformed bytes -> INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -120,7 +121,8 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         health.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    # issue 15c: TLS (mutual with --tls-ca) when configured
+    port = tls.add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     for name in ("", SERVICE):

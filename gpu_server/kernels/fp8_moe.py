@@ -30,7 +30,14 @@ import triton.language as tl
 
 from gpu_server.kernels.align import Alignment, align_pairs
 from gpu_server.kernels.config import GemmConfig, MoeConfig, default_config, fit_shared_memory
-from gpu_server.kernels.grouped_gemm import _tile_ids
+from gpu_server.kernels.grouped_gemm import (
+    _block_rows,
+    _load_a,
+    _load_b,
+    _store_act,
+    _store_weighted,
+    _tile_ids,
+)
 from gpu_server.kernels.reduce import sum_k
 
 FP8 = torch.float8_e4m3fn
@@ -104,9 +111,8 @@ def _gate_up_fp8_kernel(
     slot = tl.load(block_slot_ptr + pid_m)
     if slot < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = rows - tl.load(start_ptr + slot) < tl.load(count_ptr + slot)
-    tok = tl.load(sorted_ptr + rows, mask=live, other=0) // TOP_K
+    rows, live, pair = _block_rows(pid_m, slot, start_ptr, count_ptr, sorted_ptr, BLOCK_M)
+    tok = pair // TOP_K
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % inter
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
@@ -118,15 +124,9 @@ def _gate_up_fp8_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        a = _load_a(a_ptrs, k, hidden, BLOCK_K, EVEN_K)
+        g = _load_b(g_ptrs, k, hidden, BLOCK_K, EVEN_K)
+        u = _load_b(u_ptrs, k, hidden, BLOCK_K, EVEN_K)
         ks = (k * BLOCK_K) // SCALE_K
         sg = tl.load(sg_ptrs + ks * stride_sk)
         su = tl.load(su_ptrs + ks * stride_sk)
@@ -140,10 +140,7 @@ def _gate_up_fp8_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_ar + cols[None, :]
-    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
+    _store_act(acc_g, acc_u, act_ptr, rows, pid_n, inter, stride_ar, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["num_m_blocks"])
@@ -182,9 +179,7 @@ def _down_fp8_kernel(
     slot = tl.load(block_slot_ptr + pid_m)
     if slot < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = rows - tl.load(start_ptr + slot) < tl.load(count_ptr + slot)
-    pair = tl.load(sorted_ptr + rows, mask=live, other=0)
+    rows, live, pair = _block_rows(pid_m, slot, start_ptr, count_ptr, sorted_ptr, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_k[None, :]
@@ -192,13 +187,8 @@ def _down_fp8_kernel(
     s_ptrs = s_ptr + slot.to(tl.int64) * stride_ss + (offs_n // SCALE_N) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < inter - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        a = _load_a(a_ptrs, k, inter, BLOCK_K, EVEN_K)
+        b = _load_b(b_ptrs, k, inter, BLOCK_K, EVEN_K)
         sc = tl.load(s_ptrs + (k * BLOCK_K) // SCALE_K * stride_sk)
         if ACT_FP8:
             aq, a_s = _quant_rows(a)
@@ -207,10 +197,7 @@ def _down_fp8_kernel(
             acc = _dot_w8a16(a, b, sc, acc, UPCAST)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
-    acc = acc * tl.load(topw_ptr + pair, mask=live, other=0.0)[:, None]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + cols[None, :]
-    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < hidden))
+    _store_weighted(acc, topw_ptr, y_ptr, pair, live, pid_n, hidden, stride_yp, BLOCK_N)
 
 
 def _fit(cfg: GemmConfig, scale_k: int) -> GemmConfig:

@@ -46,6 +46,87 @@ def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _block_rows(pid_m, slot, start_ptr, count_ptr, sorted_ptr, BLOCK_M: tl.constexpr):
+    """Block pid_m of slot `slot` (>= 0): rows [BM], live [BM] (not padding), the sorted entry of
+    each row [BM] (a pair t*K+k; 0 on padding rows)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = rows - tl.load(start_ptr + slot) < tl.load(count_ptr + slot)
+    pair = tl.load(sorted_ptr + rows, mask=live, other=0)
+    return rows, live, pair
+
+
+@triton.jit
+def _load_a(ptrs, k, fan_in, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K step k of an A tile [BM, BK]; the K tail reads zeros unless EVEN_K."""
+    if EVEN_K:
+        a = tl.load(ptrs)
+    else:
+        a = tl.load(ptrs, mask=(tl.arange(0, BLOCK_K) < fan_in - k * BLOCK_K)[None, :], other=0.0)
+    return a
+
+
+@triton.jit
+def _load_b(ptrs, k, fan_in, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K step k of a B tile [BK, BN]; the K tail reads zeros unless EVEN_K."""
+    if EVEN_K:
+        b = tl.load(ptrs)
+    else:
+        b = tl.load(ptrs, mask=(tl.arange(0, BLOCK_K) < fan_in - k * BLOCK_K)[:, None], other=0.0)
+    return b
+
+
+@triton.jit
+def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, hidden, stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """(gate, up) accumulators [BM, BN] float32 over the whole K = hidden loop."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+        a = _load_a(a_ptrs, k, hidden, BLOCK_K, EVEN_K)
+        g = _load_b(g_ptrs, k, hidden, BLOCK_K, EVEN_K)
+        u = _load_b(u_ptrs, k, hidden, BLOCK_K, EVEN_K)
+        acc_g = _mma(a, g, acc_g, UPCAST, IEEE)
+        acc_u = _mma(a, u, acc_u, UPCAST, IEEE)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    return acc_g, acc_u
+
+
+@triton.jit
+def _down_acc(a_ptrs, b_ptrs, inter, stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """The down accumulator [BM, BN] float32 over the whole K = inter loop."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(inter, BLOCK_K)):
+        a = _load_a(a_ptrs, k, inter, BLOCK_K, EVEN_K)
+        b = _load_b(b_ptrs, k, inter, BLOCK_K, EVEN_K)
+        acc = _mma(a, b, acc, UPCAST, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def _store_act(acc_g, acc_u, act_ptr, rows, pid_n, inter, stride_ar, BLOCK_N: tl.constexpr):
+    """act[rows, tile n] <- silu(gate) * up, rounded once to act's dtype."""
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_ar + cols[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
+
+
+@triton.jit
+def _store_weighted(acc, topw_ptr, y_ptr, pair, live, pid_n, hidden, stride_yp, BLOCK_N: tl.constexpr):
+    """y[pair, tile n] <- routing weight * acc for the live rows."""
+    # NOTE: routing weights are float32; the product is rounded once, to the activation dtype
+    acc = acc * tl.load(topw_ptr + pair, mask=live, other=0.0)[:, None]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + cols[None, :]
+    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < hidden))
+
+
 @triton.jit(do_not_specialize=["num_m_blocks"])
 def _gate_up_kernel(
     x_ptr,  # [T, H]
@@ -76,10 +157,8 @@ def _gate_up_kernel(
     slot = tl.load(block_slot_ptr + pid_m)
     if slot < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    live = rows - tl.load(start_ptr + slot) < tl.load(count_ptr + slot)
-    # padding rows read token 0: harmless, and it keeps the A loads unmasked
-    tok = tl.load(sorted_ptr + rows, mask=live, other=0) // TOP_K  # [BM]
+    rows, live, pair = _block_rows(pid_m, slot, start_ptr, count_ptr, sorted_ptr, BLOCK_M)  # [BM] each
+    tok = pair // TOP_K  # padding rows read token 0: harmless, and it keeps the A loads unmasked
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % inter  # wrap: loads stay in bounds
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
@@ -87,27 +166,9 @@ def _gate_up_kernel(
         w_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     )  # [BK, BN]
     u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = _mma(a, g, acc_g, UPCAST, IEEE)
-        acc_u = _mma(a, u, acc_u, UPCAST, IEEE)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_ar + cols[None, :]
-    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
+    acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, hidden, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                                UPCAST, IEEE)  # fmt: skip
+    _store_act(acc_g, acc_u, act_ptr, rows, pid_n, inter, stride_ar, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["num_m_blocks"])
@@ -140,9 +201,7 @@ def _down_kernel(
     slot = tl.load(block_slot_ptr + pid_m)
     if slot < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    live = rows - tl.load(start_ptr + slot) < tl.load(count_ptr + slot)
-    pair = tl.load(sorted_ptr + rows, mask=live, other=0)  # [BM]
+    rows, live, pair = _block_rows(pid_m, slot, start_ptr, count_ptr, sorted_ptr, BLOCK_M)  # [BM] each
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % hidden
     offs_k = tl.arange(0, BLOCK_K)
     # every row of a used block was written by the gate_up kernel, padding rows included
@@ -150,23 +209,8 @@ def _down_kernel(
     b_ptrs = (
         w_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     )  # [BK, BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < inter - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = _mma(a, b, acc, UPCAST, IEEE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
-    # NOTE: routing weights are float32; the product is rounded once, to the activation dtype
-    acc = acc * tl.load(topw_ptr + pair, mask=live, other=0.0)[:, None]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + cols[None, :]
-    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < hidden))
+    acc = _down_acc(a_ptrs, b_ptrs, inter, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE)
+    _store_weighted(acc, topw_ptr, y_ptr, pair, live, pid_n, hidden, stride_yp, BLOCK_N)
 
 
 def _flags(x: torch.Tensor) -> dict:

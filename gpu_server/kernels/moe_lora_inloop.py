@@ -17,7 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gpu_server.kernels.grouped_gemm import _mma, _tile_ids
+from gpu_server.kernels.grouped_gemm import _block_rows as _base_rows
+from gpu_server.kernels.grouped_gemm import _load_a, _load_b, _mma, _store_act, _store_weighted, _tile_ids
 
 
 @triton.jit
@@ -26,11 +27,20 @@ def _block_rows(
 ):
     """(slot, rows [BM], live [BM], pair [BM], adapter of each row [BM] (-1: base or padding))."""
     slot = tl.load(block_slot_ptr + pid_m)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = rows - tl.load(start_ptr + tl.maximum(slot, 0)) < tl.load(count_ptr + tl.maximum(slot, 0))
-    pair = tl.load(sorted_ptr + rows, mask=live, other=0)
+    rows, live, pair = _base_rows(pid_m, tl.maximum(slot, 0), start_ptr, count_ptr, sorted_ptr, BLOCK_M)
     ad = tl.load(adapter_ptr + pair // TOP_K, mask=live, other=-1)
     return slot, rows, live, pair, ad
+
+
+@triton.jit
+def _load_lora_a(ptrs, k, fan_in, r_ok, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K step k of an A^T tile [BK, BR]: columns past the rank (or all, r_ok False) read zeros."""
+    if EVEN_K:
+        at = tl.load(ptrs, mask=r_ok[None, :], other=0.0)
+    else:
+        k_ok = tl.arange(0, BLOCK_K) < fan_in - k * BLOCK_K
+        at = tl.load(ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+    return at
 
 
 @triton.jit
@@ -130,17 +140,10 @@ def _gate_up_lora_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-            at = tl.load(l_ptrs, mask=r_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            at = tl.load(l_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        a = _load_a(a_ptrs, k, hidden, BLOCK_K, EVEN_K)
+        g = _load_b(g_ptrs, k, hidden, BLOCK_K, EVEN_K)
+        u = _load_b(u_ptrs, k, hidden, BLOCK_K, EVEN_K)
+        at = _load_lora_a(l_ptrs, k, hidden, r_ok, BLOCK_K, EVEN_K)
         acc_g = _mma(a, g, acc_g, UPCAST, IEEE)
         acc_u = _mma(a, u, acc_u, UPCAST, IEEE)
         v = _mma(a, at, v, UPCAST, IEEE)
@@ -161,10 +164,7 @@ def _gate_up_lora_kernel(
                 rank, stride_al, stride_as, stride_ar, stride_bl, stride_bs, stride_bn,
                 BLOCK_K, BLOCK_R, True, UPCAST, IEEE,
             )  # fmt: skip
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
-    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
+    _store_act(acc_g, acc_u, act_ptr, rows, pid_n, inter, stride_act, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["num_m_blocks"])
@@ -231,15 +231,9 @@ def _down_lora_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            at = tl.load(l_ptrs, mask=r_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < inter - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            at = tl.load(l_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        a = _load_a(a_ptrs, k, inter, BLOCK_K, EVEN_K)
+        b = _load_b(b_ptrs, k, inter, BLOCK_K, EVEN_K)
+        at = _load_lora_a(l_ptrs, k, inter, r_ok, BLOCK_K, EVEN_K)
         acc = _mma(a, b, acc, UPCAST, IEEE)
         v = _mma(a, at, v, UPCAST, IEEE)
         a_ptrs += BLOCK_K
@@ -256,8 +250,4 @@ def _down_lora_kernel(
                 rank, stride_al, stride_as, stride_ar, stride_bl, stride_bs, stride_bn,
                 BLOCK_K, BLOCK_R, False, UPCAST, IEEE,
             )  # fmt: skip
-    # NOTE: routing weights are float32; the product is rounded once, to the activation dtype
-    acc = acc * tl.load(topw_ptr + pair, mask=live, other=0.0)[:, None]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + cols[None, :]
-    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < hidden))
+    _store_weighted(acc, topw_ptr, y_ptr, pair, live, pid_n, hidden, stride_yp, BLOCK_N)

@@ -18,7 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gpu_server.kernels.grouped_gemm import _mma, _tile_ids
+from gpu_server.kernels.grouped_gemm import (
+    _down_acc,
+    _gate_up_acc,
+    _mma,
+    _store_act,
+    _store_weighted,
+    _tile_ids,
+)
 from gpu_server.kernels.moe_lora_inloop import _block_rows
 
 
@@ -140,23 +147,8 @@ def _gate_up_expand_kernel(
     a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
     g_ptrs = w_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = _mma(a, g, acc_g, UPCAST, IEEE)
-        acc_u = _mma(a, u, acc_u, UPCAST, IEEE)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+    acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, hidden, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                                UPCAST, IEEE)  # fmt: skip
     if tl.max(ad) >= 0:
         offs_r = tl.arange(0, BLOCK_R)
         v = tl.load(v_ptr + rows.to(tl.int64)[:, None] * stride_v + offs_r[None, :])  # [BM, BR]
@@ -164,10 +156,7 @@ def _gate_up_expand_kernel(
                         BLOCK_R, UPCAST, IEEE)  # fmt: skip
         acc_u = _expand(acc_u, v, ad, lb_ptr, slot, inter + offs_n, num_adapters, rank, stride_bl, stride_bs,
                         stride_bn, BLOCK_R, UPCAST, IEEE)  # fmt: skip
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
-    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
+    _store_act(acc_g, acc_u, act_ptr, rows, pid_n, inter, stride_act, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["num_m_blocks"])
@@ -217,25 +206,10 @@ def _down_expand_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + offs_k[None, :]  # [BM, BK]
     b_ptrs = w_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < inter - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = _mma(a, b, acc, UPCAST, IEEE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
+    acc = _down_acc(a_ptrs, b_ptrs, inter, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE)
     if tl.max(ad) >= 0:
         offs_r = tl.arange(0, BLOCK_R)
         v = tl.load(v_ptr + rows.to(tl.int64)[:, None] * stride_v + offs_r[None, :])
         acc = _expand(acc, v, ad, lb_ptr, slot, offs_n, num_adapters, rank, stride_bl, stride_bs, stride_bn,
                       BLOCK_R, UPCAST, IEEE)  # fmt: skip
-    # NOTE: routing weights are float32; the product is rounded once, to the activation dtype
-    acc = acc * tl.load(topw_ptr + pair, mask=live, other=0.0)[:, None]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + cols[None, :]
-    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < hidden))
+    _store_weighted(acc, topw_ptr, y_ptr, pair, live, pid_n, hidden, stride_yp, BLOCK_N)
