@@ -5,6 +5,7 @@ counted), a load of concurrent streaming clients, and resource snapshots. (No te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -244,3 +245,83 @@ def shm_entries() -> set[str]:
         return set(os.listdir("/dev/shm"))
     except FileNotFoundError:
         return set()
+
+
+@dataclass
+class ZygoteServer:
+    """An expert server forked by :class:`Zygote` (a real process; its exit status is not kept)."""
+
+    kind: str
+    pid: int
+    port: int
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _signal(self, sig: int, timeout: float) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL, 10)
+
+    def stop(self) -> None:
+        self._signal(signal.SIGTERM, 40)
+
+
+class Zygote:
+    """tests/server_zygote.py: expert servers for a fork each (the kill/restart cycles)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.server_zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        self._n = 0
+
+    def start(
+        self, kind: str, model: str | Path, port: int = 0, *extra: str, timeout: float = 60
+    ) -> ZygoteServer:
+        argv = [f"{kind}-server", "--model", str(model), "--port", str(port), *extra]
+        if kind == "gpu":
+            argv += ["--device", "cpu"]
+        self._n += 1
+        log = self.workdir / f"{kind}-{self._n}.log"
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+        pid = int(self.proc.stdout.readline())
+        deadline = time.monotonic() + timeout
+        pattern = re.compile(r"listening on (\S+):(\d+)")
+        while time.monotonic() < deadline:
+            m = pattern.search(log.read_text()) if log.exists() else None
+            if m:
+                return ZygoteServer(kind, pid, int(m.group(2)), log)
+            time.sleep(0.02)
+        raise RuntimeError(f"{kind}-server did not start:\n{log.read_text() if log.exists() else ''}")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(10)

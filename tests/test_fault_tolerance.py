@@ -21,9 +21,9 @@ import torch
 
 from coordinator.engine import Engine
 from tests import lora_utils
-from tests.cluster_utils import start_server
 from tests.fault_utils import (
     Job,
+    Zygote,
     load_lora,
     placement_file,
     proc_resources,
@@ -57,6 +57,15 @@ def model(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def zygote(model):
+    # NOTE: expert servers forked from one process that imported their code: a restart costs a
+    # fork, not a Python start (the kill/restart cycles would cost minutes on a busy machine)
+    z = Zygote(model)
+    yield z
+    z.close()
+
+
 def coordinator_flags(root, placement: str, *extra: str) -> list[str]:
     return [
         "--placement", placement,
@@ -77,10 +86,10 @@ def tokens(results) -> list[list[list[int]]]:
     return [[o.tokens for o in outs] for outs in results]
 
 
-def test_replicated_kill_of_either_server_fails_nothing_and_it_rejoins(model):
+def test_replicated_kill_of_either_server_fails_nothing_and_it_rejoins(model, zygote):
     every = list(range(8))
     p = placement_file(model / "both.json", {"*": {"gpu0": every, "cpu0": every}}, ["gpu0", "cpu0"])
-    gpu, cpu = start_server("gpu", model / "model"), start_server("cpu", model / "model")
+    gpu, cpu = zygote.start("gpu", model / "model"), zygote.start("cpu", model / "model")
     servers = {"gpu0": gpu, "cpu0": cpu}
     co = start_coordinator(
         model / "model",
@@ -99,9 +108,9 @@ def test_replicated_kill_of_either_server_fails_nothing_and_it_rejoins(model):
             t0 = time.monotonic()
             got = run_load(co.addr, jobs(), at_chunks=total // 4, action=victim.kill)
             assert tokens(got) == want, f"kill -9 of {name}"
-            assert victim.proc.poll() is not None
+            assert not victim.alive()
             # restarted on its port: rejoins with the live placement and the adapter
-            servers[name] = victim = start_server(victim.kind, model / "model", victim.port)
+            servers[name] = victim = zygote.start(victim.kind, model / "model", victim.port)
             wait_states(co.addr, BOTH_READY, timeout=30)
             assert tokens(run_load(co.addr, jobs())) == want, f"after {name} rejoined"
             print(f"{name}: killed, restarted and rejoined in {time.monotonic() - t0:.1f}s")
@@ -130,7 +139,7 @@ def expert_use(model_dir, prompts, new_tokens: int) -> list[set[tuple[int, int]]
     return uses
 
 
-def test_without_replicas_only_requests_needing_the_lost_experts_fail(model):
+def test_without_replicas_only_requests_needing_the_lost_experts_fail(model, zygote):
     mdir = model / "model"
     uses = expert_use(mdir, PROMPTS, NEW_TOKENS)
     # the (layer, expert) that splits the prompts most evenly into needing it and not
@@ -142,7 +151,7 @@ def test_without_replicas_only_requests_needing_the_lost_experts_fail(model):
     layers = {"*": {"gpu0": every, "cpu0": []}}
     layers[str(layer)] = {"gpu0": [e for e in every if e != expert], "cpu0": [expert]}
     p = placement_file(model / "split.json", layers, ["gpu0", "cpu0"])
-    gpu, cpu = start_server("gpu", mdir), start_server("cpu", mdir)
+    gpu, cpu = zygote.start("gpu", mdir), zygote.start("cpu", mdir)
     co = start_coordinator(
         mdir, "--gpu-server", gpu.address, "--cpu-server", cpu.address, *coordinator_flags(model, p)
     )
@@ -174,7 +183,7 @@ def test_without_replicas_only_requests_needing_the_lost_experts_fail(model):
             assert f"layer {layer} experts [{expert}]" in o.error[1] and "cpu0" in o.error[1], o.error
             assert o.seconds < EXPERT_TIMEOUT_S + 3, o.seconds
         # restarted on its port: rejoins, every request succeeds again
-        cpu = start_server("cpu", mdir, cpu.port)
+        cpu = zygote.start("cpu", mdir, cpu.port)
         wait_states(co.addr, BOTH_READY, timeout=30)
         assert tokens(run_load(co.addr, one)) == want
     finally:
@@ -186,14 +195,14 @@ def test_without_replicas_only_requests_needing_the_lost_experts_fail(model):
 CYCLES = 20
 
 
-def test_kill_restart_cycles_leak_nothing(model):
+def test_kill_restart_cycles_leak_nothing(model, zygote):
     """20 kill -9 / restart cycles over the shared-memory data path, some under load: the
     coordinator's fds and threads end where they were after the first cycle (+-2), its RSS
     within 16 MiB (allocator noise; measured: +1.1 MiB over 20 cycles), /dev/shm holds no more entries."""
     every = list(range(8))
     p = placement_file(model / "both2.json", {"*": {"gpu0": every, "cpu0": every}}, ["gpu0", "cpu0"])
     shm_before = shm_entries()
-    gpu, cpu = start_server("gpu", model / "model"), start_server("cpu", model / "model")
+    gpu, cpu = zygote.start("gpu", model / "model"), zygote.start("cpu", model / "model")
     servers = {"gpu0": gpu, "cpu0": cpu}
     co = start_coordinator(
         model / "model",
@@ -214,7 +223,7 @@ def test_kill_restart_cycles_leak_nothing(model):
                 assert tokens(run_load(co.addr, short, at_chunks=4, action=victim.kill)) == want
             else:
                 victim.kill()
-            servers[name] = start_server(victim.kind, model / "model", victim.port)
+            servers[name] = zygote.start(victim.kind, model / "model", victim.port)
             wait_states(co.addr, BOTH_READY, timeout=30)
             assert tokens(run_load(co.addr, short)) == want
             time.sleep(0.2)  # streams of the killed server are torn down by now
