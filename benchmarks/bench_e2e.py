@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.engine import Engine  # noqa: E402
+from coordinator.kv_cache import KVCacheSpec  # noqa: E402
 
 # real_depth: decoder layers of the real model; kv_per_token: elements per token per layer a
 # decode step must read from the KV history (MLA: the compressed latent, what the model needs)
@@ -83,9 +84,15 @@ TINY = dict(QWEN3_30B, vocab_size=512, hidden_size=128, num_attention_heads=4, n
 BENCH_KEYS = ("model_type", "real_depth", "kv_per_token")
 
 
-def write_checkpoint(out: Path, widths: dict, layers: int, dtype: torch.dtype, device: str):
-    """A random checkpoint saved by transformers; returns the HF model (on ``device``)."""
+def write_checkpoint(
+    out: Path, widths: dict, layers: int, dtype: torch.dtype, device: str, reuse: bool = False
+):
+    """A random checkpoint saved by transformers; returns the HF model (on ``device``).
+    ``reuse``: load the one a previous run left at ``out`` instead (a before/after pair of runs)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if reuse and (out / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(out, dtype=dtype, device_map=device).eval()
 
     fields = {k: v for k, v in widths.items() if k not in BENCH_KEYS}
     cfg = AutoConfig.for_model(
@@ -226,6 +233,9 @@ def main() -> None:
     ap.add_argument("--old-engine", action="store_true", help="time an Engine without cuda_graphs (before)")
     ap.add_argument("--tiny", action="store_true", help="small widths (smoke test)")
     ap.add_argument("--work", default="/tmp/bench_e2e")
+    ap.add_argument(
+        "--reuse", action="store_true", help="reuse the checkpoints a previous run wrote to --work"
+    )
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     widths = TINY if args.tiny else MODELS[args.model]
@@ -246,7 +256,7 @@ def main() -> None:
     for depth in args.depths:
         ck = Path(args.work) / f"{widths['model_type']}_L{depth}"
         t0 = time.perf_counter()
-        hf = write_checkpoint(ck, widths, depth, dtype, args.device)
+        hf = write_checkpoint(ck, widths, depth, dtype, args.device, args.reuse)
         sizes = layer_bytes(hf)
         print(f"checkpoint L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
         if not args.no_hf:
@@ -260,6 +270,8 @@ def main() -> None:
             t0 = time.perf_counter()
             kw = {} if args.old_engine else {"cuda_graphs": m == "expertmesh"}
             eng = Engine.from_checkpoint(str(ck), dtype=dtype, device=args.device, num_pages=pages, **kw)
+            kv_bytes = KVCacheSpec.bytes_per_page(eng.config, 1, dtype) // depth
+            print(f"KV cache: {kv_bytes} bytes per token per layer", flush=True)
             if getattr(eng, "graphs", None) is not None:
                 print(f"graphs captured: pool {eng.graphs.pool_bytes / 2**20:.0f} MiB", flush=True)
             print(f"engine {m} L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
@@ -294,7 +306,7 @@ def main() -> None:
     floors = {b: floor_bytes(sizes, widths, b, ctx) / bw * 1e3 for b in args.batches}
     report = dict(model=args.model, layer_bytes=sizes, device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                   torch=torch.__version__, args=vars(args), copy_bw_GBs=bw / 1e9, rows=rows,
-                  floor_ms_per_layer=floors, first_tokens=first_tokens)  # fmt: skip
+                  floor_ms_per_layer=floors, first_tokens=first_tokens, kv_bytes_per_token_layer=kv_bytes)  # fmt: skip
     (out / "bench_e2e.json").write_text(json.dumps(report, indent=1))
     print(
         f"\n{args.model}: {report['device']}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s"

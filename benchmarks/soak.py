@@ -213,7 +213,7 @@ async def drive(addr: str, args, words: list[str], procs: list[Proc]) -> dict:
         sent, level = 0, 0
         t0 = time.monotonic()
         rows = []
-        while sent < args.requests:
+        while sent < args.requests and (args.max_seconds is None or time.monotonic() - t0 < args.max_seconds):
             conc = args.concurrency[level % len(args.concurrency)]
             n = min(args.phase, args.requests - sent)
             queue = list(range(n))
@@ -240,6 +240,7 @@ async def drive(addr: str, args, words: list[str], procs: list[Proc]) -> dict:
         after = {p: await greedy(stub, p, args.greedy_tokens) for p in GREEDY_PROMPTS}
     return {
         "tally": t,
+        "sent": sent,
         "elapsed_s": elapsed,
         "phases": rows,
         "base": base,
@@ -252,7 +253,7 @@ async def drive(addr: str, args, words: list[str], procs: list[Proc]) -> dict:
 
 def report(r: dict, args) -> list[str]:
     t: Tally = r["tally"]
-    print(f"\nsoak: {args.requests} requests in {r['elapsed_s']:.1f} s ({args.requests / r['elapsed_s']:.1f} req/s), "
+    print(f"\nsoak: {r['sent']} requests in {r['elapsed_s']:.1f} s ({r['sent'] / r['elapsed_s']:.1f} req/s), "
           f"{t.tokens} tokens from completed requests")  # fmt: skip
     print("| outcome | count |\n|---|---|")
     for k, v in (("ok", t.ok), ("cancelled", t.cancelled), ("deadline exceeded", t.deadline),
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--greedy-tokens", type=int, default=16, help="tokens of the greedy-checked requests")
     ap.add_argument("--servers", default="gpu,cpu", help="expert servers to start: gpu,cpu | cpu | gpu")
+    ap.add_argument("--max-seconds", type=float, default=None, help="start no new phase after this long")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the numbers here")
     ap.add_argument("--progress", action="store_true")
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAIL: died: {dead}")
     if args.json:
         t = r["tally"]
-        out = {**r, "tally": {**t.__dict__}, "failures": failures, "requests": args.requests}
+        out = {**r, "tally": {**t.__dict__}, "failures": failures, "requests": r["sent"]}
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 1 if failures else 0
 

@@ -39,6 +39,9 @@ class ClusterConfig:
     shm_spin_us: float = field(default_factory=cores.default_spin_us)
     cluster_token: str | None = field(default=None, repr=False)  # sent with placement pushes
     tls: TLSConfig | None = None  # issue 15c: TLS to the expert servers (the coordinator's --tls-*)
+    # issue 14h: each token's N lowest-weight CPU-server experts are merged one layer later
+    # (coordinator/deferral.py); 0 = off. CHANGES RESULTS (an approximation, opt-in).
+    cpu_defer_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.replica_policy not in REPLICA_POLICIES:
@@ -58,6 +61,12 @@ class ClusterConfig:
         names = [s.name for s in self.servers]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate expert server names {names}")
+        if self.cpu_defer_experts < 0:
+            raise ValueError(f"--cpu-defer-experts must be >= 0, got {self.cpu_defer_experts}")
+        if self.cpu_defer_experts and not self.cpu:
+            raise ValueError(
+                "--cpu-defer-experts needs a CPU expert server (only CPU-server experts are deferred)"
+            )
         if self.gpu_prefill_token_threshold and not self.gpu:
             raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server")
 
@@ -121,6 +130,14 @@ class ClusterConfig:
             "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
         )
         g.add_argument(
+            "--cpu-defer-experts",
+            type=int,
+            default=ClusterConfig.cpu_defer_experts,
+            metavar="N",
+            help="CHANGES RESULTS: each token's N lowest-weight experts on CPU servers are added one layer "
+            "later, so CPU work overlaps the next layer (KTransformers-style; coordinator/deferral.py); 0 = off",
+        )
+        g.add_argument(
             "--cluster-token",
             default=None,
             help=f"secret the expert servers require for placement pushes (or env {auth.CLUSTER_TOKEN_ENV})",
@@ -142,4 +159,5 @@ class ClusterConfig:
             shm_spin_us=args.shm_spin_us,
             cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
             tls=TLSConfig.from_args(args),  # issue 15c
+            cpu_defer_experts=args.cpu_defer_experts,
         )

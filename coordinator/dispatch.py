@@ -51,6 +51,10 @@ class Dispatcher(ABC):
     def close(self) -> None:  # noqa: B027 (optional hook)
         pass
 
+    def take_deferred(self) -> Pending | None:
+        """issue 14h: the deferred CPU-expert sum of the last submit, if any (coordinator/deferral.py)."""
+        return None
+
 
 def stack_experts(
     reader: CheckpointReader, layer: int, experts: list[int], dtype: torch.dtype, device: torch.device

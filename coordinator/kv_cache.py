@@ -5,7 +5,14 @@ table); token position p of the sequence lives at page ``table[p // page_size]``
 ``p % page_size``. Pages are handed out and returned by :class:`PageAllocator`; the scheduler
 decides who gets them.
 
-Shapes: L layers, N pages, P page size, Hk cached heads, Dk key dim, Dv value dim.
+MLA models (DeepSeek-V2/V3, Kimi-K2) cache the compressed latent instead of per-head K/V: one
+row of ``Rkv + Dr`` values per token (the normalised ``kv_lora_rank`` latent, then the rotated
+``qk_rope_head_dim`` key part shared by all heads). Attention reads it as one shared KV head
+(coordinator/models/mla.py): ``k`` is the whole row, ``v`` a view of its first ``Rkv`` values,
+so the pool is stored once.
+
+Shapes: L layers, N pages, P page size, Hk cached heads, Dk key dim, Dv value dim, Rkv/Dr MLA
+latent rank / rotary dim.
 """
 
 from __future__ import annotations
@@ -50,8 +57,15 @@ class KVCacheSpec:
     page_size: int
 
     @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        per_tok = cfg.kv_heads_cached * (cfg.q_head_dim + cfg.v_dim) * cfg.num_layers
+    def values_per_token(cfg: ModelConfig) -> int:
+        """Cached values per token per layer."""
+        if cfg.attention == "mla":
+            return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return cfg.kv_heads_cached * (cfg.q_head_dim + cfg.v_dim)
+
+    @classmethod
+    def bytes_per_page(cls, cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        per_tok = cls.values_per_token(cfg) * cfg.num_layers
         return per_tok * page_size * torch.empty((), dtype=dtype).element_size()
 
     @classmethod
@@ -72,8 +86,15 @@ class KVCache:
         n, p, hk = spec.num_pages, spec.page_size, cfg.kv_heads_cached
         # NOTE: one page past the allocator's: padding rows of a CUDA-graph step write there
         rows = (n + 1) * p
-        self.k = torch.zeros(cfg.num_layers, rows, hk, cfg.q_head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(cfg.num_layers, rows, hk, cfg.v_dim, dtype=dtype, device=device)
+        self.mla = cfg.attention == "mla"
+        if self.mla:
+            # [L, rows, 1, Rkv + Dr]: latent then rotated key part; v is the latent (a view)
+            width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            self.k = torch.zeros(cfg.num_layers, rows, 1, width, dtype=dtype, device=device)
+            self.v = self.k[..., : cfg.kv_lora_rank]
+        else:
+            self.k = torch.zeros(cfg.num_layers, rows, hk, cfg.q_head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros(cfg.num_layers, rows, hk, cfg.v_dim, dtype=dtype, device=device)
         self.scratch_row = n * p  # never handed out, never read
 
     @property

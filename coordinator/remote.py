@@ -24,6 +24,7 @@ import torch
 
 from coordinator.cluster import RECONNECT_WAIT_S, ExpertCluster
 from coordinator.cluster_config import ClusterConfig, ServerSpec
+from coordinator.deferral import DeferredSums, defer_mask
 from coordinator.dispatch import Dispatcher, Pending
 from coordinator.expert_conn import ExpertReply, ExpertServerError, FastReply, ServerConnection
 from expertmesh import errors
@@ -56,6 +57,10 @@ class RemoteDispatcher(Dispatcher):
         self._lost: dict[int, torch.Tensor] = {}  # layer -> [E_lost] experts without a live server
         self._rr_offset = 0
         self._all_on_gpu = False
+        # issue 14h: --cpu-defer-experts (coordinator/deferral.py); [servers] bool: a CPU server
+        n = cluster.cpu_defer_experts
+        self._deferred = DeferredSums(n) if n else None
+        self._cpu_server = torch.tensor([s.kind == "cpu" for s in cluster.servers])
         self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
 
         # (server, layer, compute ms, (token, k) pairs) per answer that reports its compute
@@ -90,6 +95,8 @@ class RemoteDispatcher(Dispatcher):
         down = self.expert_cluster.step_down(min(RECONNECT_WAIT_S, self.cluster.timeout_s))
         # NOTE: a step never mixes placement generations: it keeps the tables it starts with
         tables = self._step = self.expert_cluster.tables
+        if self._deferred is not None:  # issue 14h: frees what a failed step left un-awaited
+            self._deferred.reset()
         if (tables.generation, down) != self._live_key:  # servers to route around changed
             self._route_around(tables, down)
         t = self.cluster.gpu_prefill_token_threshold
@@ -132,10 +139,42 @@ class RemoteDispatcher(Dispatcher):
         batches, phys = self._route(tables, layer, ids, w)
         # NOTE: CPU servers first: they are the slowest, so their work starts earliest.
         conns = self.conns
+        # --- issue 14h: --cpu-defer-experts holds back pairs (coordinator/deferral.py) ---
+        held = self._defer_mask(tables, layer, w, phys)  # [T, K] bool or None
+        if held is not None:
+            assert phys is not None
+            batches = pl.split_by_server(phys, w, tables.placement.tables[layer], len(tables.slots), ~held)
+        # --- end issue 14h ---
         batches.sort(key=lambda b: conns[b.server].spec.kind != "cpu")
         adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
         t0 = time.perf_counter()
         sent = self._send(tables, layer, x, batches, adapters)
+        now = None if held is None else ~held  # issue 14h: a re-send must not repeat held pairs
+        wait, _ = self._waiter(tables, layer, x, ids, w, phys, adapters, sent, t0, now)
+        # --- issue 14h: the held-back pairs go last (a server answers in arrival order) ---
+        if held is not None and self._deferred is not None:
+            assert phys is not None
+            later = pl.split_by_server(phys, w, tables.placement.tables[layer], len(tables.slots), held)
+            sent2 = self._send(tables, layer, x, later, adapters)
+            self._deferred.put(*self._waiter(tables, layer, x, ids, w, phys, adapters, sent2, t0, held))
+        # --- end issue 14h ---
+        return Pending(wait)
+
+    def _waiter(
+        self,
+        tables: pl.ServerTables,
+        layer: int,
+        x: torch.Tensor,  # [T, H]
+        ids: torch.Tensor,  # [T, K] logical
+        w: torch.Tensor,  # [T, K]
+        phys: torch.Tensor | None,  # [T, K]
+        adapters: torch.Tensor | None,
+        sent: list[tuple[pl.ServerBatch, ExpertReply]],
+        t0: float,
+        only: torch.Tensor | None,  # [T, K] bool: the pairs these batches carry (None: all)
+    ) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+        """(wait: the sum of ``sent``'s answers ``[T, H]``, abandon: frees answers never awaited)."""
+        conns = self.conns
 
         def wait() -> torch.Tensor:
             out = torch.zeros_like(x)  # [T, H]
@@ -155,7 +194,7 @@ class RemoteDispatcher(Dispatcher):
                         # NOTE: the lost server's share of this layer goes to live replicas;
                         # nothing it computed is summed (it answered nothing)
                         again = time.monotonic() + self.cluster.timeout_s
-                        resent = self._resend(tables, layer, x, ids, w, phys, b.server, e, adapters)
+                        resent = self._resend(tables, layer, x, ids, w, phys, b.server, e, adapters, only)
                         todo += [(b2, r2, again) for b2, r2 in resent]
                         continue
                     if self.on_round_trip is not None:
@@ -176,7 +215,23 @@ class RemoteDispatcher(Dispatcher):
                     reply.abandon()
             return out
 
-        return Pending(wait)
+        def abandon() -> None:
+            for _, reply in sent:
+                reply.abandon()
+
+        return wait, abandon
+
+    def _defer_mask(
+        self, tables: pl.ServerTables, layer: int, w: torch.Tensor, phys: torch.Tensor | None
+    ) -> torch.Tensor | None:  # [T, K] bool
+        """issue 14h: the pairs ``--cpu-defer-experts`` holds back this layer (None: none)."""
+        if self._deferred is None or phys is None:
+            return None
+        on_cpu = self._cpu_server[tables.placement.tables[layer].owner[phys]]  # [T, K]
+        return defer_mask(w, on_cpu, self._deferred.n)
+
+    def take_deferred(self) -> Pending | None:
+        return None if self._deferred is None else self._deferred.take()
 
     # ------------------------------------------------------------ failover (issue 15a)
 
@@ -220,6 +275,7 @@ class RemoteDispatcher(Dispatcher):
         lost: int,
         err: ExpertServerError,
         adapters: torch.Tensor | None,
+        only: torch.Tensor | None = None,  # [T, K] bool: the pairs the lost batch was part of
     ) -> list[tuple[pl.ServerBatch, ExpertReply]]:
         """Re-sends the (token, k) pairs that went to server ``lost`` to live replicas of the
         same experts; raises (naming the experts and the server) when some have none."""
@@ -227,6 +283,8 @@ class RemoteDispatcher(Dispatcher):
         down = self.expert_cluster.down() | {lost}
         live = pl.live_tables(lt, down)
         pairs = torch.ones_like(ids, dtype=torch.bool) if phys is None else lt.owner[phys] == lost  # [T, K]
+        if only is not None:  # issue 14h: deferred and immediate pairs are re-sent apart
+            pairs &= only
         need = ids[pairs].unique().tolist()
         missing = [e for e in need if int(live.logcnt[e]) == 0]
         if missing:

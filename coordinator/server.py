@@ -52,7 +52,7 @@ from coordinator.scheduler import (
 )
 from coordinator.status import add_status
 from coordinator.tokenizer import TextTokenizer
-from expertmesh import auth, status, tls
+from expertmesh import auth, status, tls, tolerant
 from expertmesh import placement as pl
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.errors import ExpertMeshError
@@ -344,7 +344,8 @@ class CoordinatorServer(grpc.aio.Server):
             cfg.vocab_size, scheduler.limits.max_context, config.default_max_new_tokens, config.input_limits
         )
         add_generation_servicer(GenerationServicer(self), server)  # INVALID_ARGUMENT for non-UTF-8
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), server)
+        # malformed request bytes -> INVALID_ARGUMENT, not UNKNOWN
+        tolerant.add_service(AdminServicer(self), server, admin_pb2.DESCRIPTOR.services_by_name["Admin"])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (GENERATION, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME), server

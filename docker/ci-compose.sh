@@ -343,6 +343,15 @@ EOF
         die "server reflection does not list expertmesh.v1.Generation"
 }
 
+# issue 14h: the image carries a C compiler, so the CPU expert server must run its C decode
+# kernels, not the torch fallback (its start-up log says which).
+check_cpu_kernels() {
+    local logs # NOTE: not `compose logs | grep -q`: grep's early exit fails the pipe (pipefail)
+    logs=$(compose logs --no-color cpu-server 2>&1)
+    grep -E "CPU experts: .*decode kernel" <<<"$logs" || die "cpu-server logged no decode-kernel line"
+    grep -q "decode kernel C" <<<"$logs" || die "cpu-server runs the torch fallback, not the C kernels"
+}
+
 main() {
     trap cleanup EXIT
     trap 'exit 130' INT TERM
@@ -386,6 +395,7 @@ main() {
     check_http
     check_reflection
     check_cluster_token
+    check_cpu_kernels
 
     phase compose-down
     compose down -v --remove-orphans

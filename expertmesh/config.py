@@ -120,7 +120,7 @@ class ModelConfig:
 
     @property
     def kv_heads_cached(self) -> int:
-        """Heads stored in the KV cache (MLA caches decompressed per-head K and V)."""
+        """Heads of the per-head K/V cache layout (MLA caches a latent instead: KVCacheSpec.values_per_token)."""
         return self.num_heads if self.attention == "mla" else self.num_kv_heads
 
     @property

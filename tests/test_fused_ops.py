@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.kernels.fused_ops import qk_norm_rope_store, rmsnorm, softmax_topk
+from coordinator.kernels.fused_ops import mla_rope_store, qk_norm_rope_store, rmsnorm, softmax_topk
 from coordinator.models.layers import RMSNorm, Rotary
 from coordinator.router import RouterSpec, route
+from expertmesh.config import RopeScaling
+
+# Qwen3's long-context setting (yarn factor 4) over a short original window, so that the
+# positions below are past it; attention factor 0.1 ln 4 + 1 = 1.139
+YARN = RopeScaling("yarn", 4.0, original_max_position_embeddings=64)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -29,7 +34,7 @@ def check_rmsnorm(t, n, dtype, device, tol):
     assert rel_err(y2.cpu(), RMSNorm.forward(norm.cpu(), x.cpu())) < tol
 
 
-def check_qk_rope(t, hq, hk, d, dtype, device, with_norm, tol):
+def check_qk_rope(t, hq, hk, d, dtype, device, with_norm, tol, scaling=None):
     g = torch.Generator().manual_seed(t + d)
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
     pos = torch.randint(0, 4000, (t,), generator=g)
@@ -38,7 +43,8 @@ def check_qk_rope(t, hq, hk, d, dtype, device, with_norm, tol):
     with torch.no_grad():
         qn.weight.uniform_(0.5, 1.5)
         kn.weight.uniform_(0.5, 1.5)
-    rot = Rotary(d, 1e6)
+    rot = Rotary(d, 1e6, scaling=scaling)
+    assert (rot.factor != 1.0) == (scaling is not None)
     # reference: the plain-torch Attention steps
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
     q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
@@ -51,11 +57,39 @@ def check_qk_rope(t, hq, hk, d, dtype, device, with_norm, tol):
     norms = (qn.weight.to(device), kn.weight.to(device), 1e-6) if with_norm else None
     q_out = qk_norm_rope_store(
         qkv.to(device), hq, hk, pos.to(device), rows.to(device), rot.inv_freq(torch.device(device)),
-        k_cache, v_cache, norms,
+        k_cache, v_cache, norms, rot.factor,
     )  # fmt: skip
     assert rel_err(q_out.cpu(), q) < tol
     assert rel_err(k_cache.cpu()[rows], k) < tol
     assert torch.equal(v_cache.cpu()[rows], v)
+
+
+def check_mla_rope(t, hq, dn, dr, rkv, dtype, device, interleave, rope_in_float32, tol, scaling=None):
+    """mla_rope_store against MLAttention's torch steps: latent norm, rotary of q and the shared
+    key part (pairs or halves, float32 or activation-dtype rounding), the cache row written."""
+    from types import SimpleNamespace
+
+    from coordinator.models.mla import MLAttention
+
+    g = torch.Generator().manual_seed(t + dr)
+    q = torch.randn(t, hq, dn + dr, generator=g).to(dtype)
+    kv_a = torch.randn(t, rkv + dr, generator=g).to(dtype)
+    pos = torch.randint(0, 4000, (t,), generator=g)
+    rows = torch.randperm(3 * t, generator=g)[:t]
+    norm = RMSNorm(rkv, 1e-6, dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    rot = Rotary(dr, 1e4, interleave=interleave, scaling=scaling)
+    me = SimpleNamespace(rotary=rot, rope_in_float32=rope_in_float32)
+    q_rope, k_rope = MLAttention._rotate(me, q[..., dn:], kv_a[:, None, rkv:], pos)  # type: ignore[arg-type]
+    ref_row = torch.cat([RMSNorm.forward(norm, kv_a[:, :rkv]), k_rope[:, 0]], dim=-1)  # [T, Rkv+Dr]
+    cache = torch.full((3 * t, rkv + dr), float("nan"), dtype=dtype, device=device)
+    got = mla_rope_store(
+        q.to(device), kv_a.to(device), pos.to(device), rows.to(device), rot.inv_freq(torch.device(device)),
+        (norm.weight.to(device), 1e-6), cache, interleave, rope_in_float32, rot.factor,
+    )  # fmt: skip
+    assert rel_err(got.cpu(), q_rope) < tol, rel_err(got.cpu(), q_rope)
+    assert rel_err(cache.cpu()[rows], ref_row) < tol, rel_err(cache.cpu()[rows], ref_row)
 
 
 def check_topk(t, e, k, dtype, device):
@@ -75,8 +109,15 @@ def test_rmsnorm_cpu():
 
 
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_qk_norm_rope_store_cpu(with_norm):
-    check_qk_rope(3, 4, 2, 16, torch.float32, "cpu", with_norm, 1e-6)
+@pytest.mark.parametrize("scaling", [None, YARN], ids=["plain", "yarn"])
+def test_qk_norm_rope_store_cpu(with_norm, scaling):
+    check_qk_rope(3, 4, 2, 16, torch.float32, "cpu", with_norm, 1e-6, scaling)
+
+
+@pytest.mark.parametrize("interleave,f32", [(True, True), (False, False)], ids=["v2", "v3-halves"])
+@pytest.mark.parametrize("scaling", [None, YARN], ids=["plain", "yarn"])
+def test_mla_rope_store_cpu(interleave, f32, scaling):
+    check_mla_rope(3, 4, 16, 8, 24, torch.float32, "cpu", interleave, f32, 1e-6, scaling)
 
 
 def test_softmax_topk_cpu():
@@ -88,8 +129,50 @@ def test_fused_ops_real_widths_gpu():
     check_rmsnorm(64, 2048, torch.bfloat16, "cuda", 1e-2)
     check_qk_rope(64, 32, 4, 128, torch.bfloat16, "cuda", True, 1e-2)
     check_qk_rope(7, 32, 4, 128, torch.float32, "cuda", True, 1e-5)
+    check_qk_rope(64, 32, 4, 128, torch.bfloat16, "cuda", True, 1e-2, YARN)
+    check_qk_rope(7, 32, 4, 128, torch.float32, "cuda", True, 1e-5, YARN)
+    # DeepSeek-V2-Lite / V3 widths: 16 / 128 heads, Dn 128, Dr 64, latent 512
+    check_mla_rope(64, 16, 128, 64, 512, torch.bfloat16, "cuda", True, True, 1e-2)
+    check_mla_rope(64, 128, 128, 64, 512, torch.bfloat16, "cuda", True, False, 1e-2, YARN)
+    check_mla_rope(7, 16, 128, 64, 512, torch.float32, "cuda", False, True, 1e-5, YARN)
     check_topk(64, 128, 8, torch.bfloat16, "cuda")
     check_topk(64, 60, 4, torch.float32, "cuda")
+
+
+@pytest.mark.gpu
+def test_yarn_attention_takes_fused_path_gpu(monkeypatch):
+    """Qwen3 attention with YaRN (head dim 64) on CUDA goes through the fused kernel and matches
+    the plain-torch CPU path of the same module, float32, positions past the original window."""
+    from coordinator.kv_cache import KVCache, KVCacheSpec
+    from coordinator.models.attention import Attention
+    from expertmesh.config import ModelConfig
+    from tests.hf_models import BASE, CONFIGS
+    from tests.test_attention_kernels import make_step
+
+    rs = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8)
+    raw = {**BASE, **CONFIGS["qwen3_moe"], "model_type": "qwen3_moe", "head_dim": 64, "rope_scaling": rs}
+    cfg = ModelConfig.from_dict(raw)
+    attn = Attention(cfg, 0, torch.float32)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if "norm" in name else torch.randn_like(p) * 0.1)
+    assert attn.rotary.factor > 1.1
+    shape = [(0, 5), (17, 1), (9, 6), (40, 1)]
+    calls: list[str] = []
+    fused = Attention._forward_fused
+    monkeypatch.setattr(
+        Attention, "_forward_fused", lambda self, *a: calls.append("fused") or fused(self, *a)
+    )
+    outs = []
+    for dev in ("cpu", "cuda"):
+        d = torch.device(dev)
+        attn = attn.to(d)
+        batch = make_step(shape, 4, 32, 0, d)
+        cache = KVCache(cfg, KVCacheSpec(32, 4), torch.float32, d)
+        x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to(d)
+        outs.append(attn(x, batch, (cache.k[0], cache.v[0])).cpu())
+    assert calls == ["fused"]  # the CUDA call only
+    assert rel_err(outs[1], outs[0]) < 1e-5, rel_err(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("t,k,s,bm", [(1, 8, 128, 16), (37, 3, 6, 16), (64, 8, 128, 16)])

@@ -7,11 +7,13 @@ before. Bounded by a count and a time budget each (CI: ~20 s on a quiet 2-core m
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
 
 import grpc
+import httpx
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ from tests.serving_utils import ServerThread, one_thread  # noqa: F401  (fixture
 
 pytestmark = pytest.mark.slow
 SEED = 15
-GENERATE_N, FORWARD_N = 1000, 2000  # at most, each; and at most BUDGET_S seconds each
+GENERATE_N, FORWARD_N, HTTP_N = 1000, 2000, 200  # at most, each; and at most BUDGET_S seconds each
 BUDGET_S = 25.0
 GENERATE_OK = {
     grpc.StatusCode.OK,
@@ -51,7 +53,7 @@ I32, I64 = 2**31 - 1, 2**63 - 1
 def cluster():
     srv = start_server("cpu", WEIGHTS_DIR, 0, "--max-message-mb", "4")
     config = CoordinatorConfig(
-        model_dir=str(WEIGHTS_DIR), port=0, max_context=96, default_max_new_tokens=3, max_queued_requests=64,
+        model_dir=str(WEIGHTS_DIR), port=0, http_port=0, max_context=96, default_max_new_tokens=3, max_queued_requests=64,
         cluster=ClusterConfig((ServerSpec("cpu0", srv.address, "cpu"),), timeout_s=10.0),
     )  # fmt: skip
     try:
@@ -247,6 +249,18 @@ def test_overflowing_shape_is_invalid_argument_and_counted(cluster):
     assert stub.Stats(pb.StatsRequest(), timeout=10).errors - errors0 == 2
 
 
+@pytest.mark.parametrize("method", ["ListServers", "LoadLoRA", "SetPlacement"])
+def test_malformed_admin_bytes_are_invalid_argument(cluster, method):
+    s, _ = cluster
+    ch = grpc.insecure_channel(s.addr)
+    # truncated; field 1 a string that is not UTF-8 (ListServersRequest has no field 1: unknown, fine)
+    for raw in (b"\x0a\xff", b"\x0a\x02\xff\xfe")[: 1 if method == "ListServers" else 2]:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary(f"/expertmesh.v1.Admin/{method}")(raw, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in e.value.details()
+    assert health.check(s.addr) == "SERVING"
+
+
 def test_fuzz_forward(cluster):
     s, srv = cluster
     ch = grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", 64 << 20)])
@@ -296,3 +310,65 @@ def test_fuzz_forward(cluster):
     # and the coordinator, which uses that server, still serves
     gstub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(s.addr))
     assert list(gstub.Generate(generation_pb2.GenerateRequest(prompt="hello", max_new_tokens=2), timeout=60))
+
+
+# ---------------------------------------------------------------------- HTTP
+
+_JSON = [None, 0, 1, -1, 2**31, 2**63, -(2**63), 1.5, 1e308, "x", "", "\u0000", "\ud800", [], {}, [1, 2], ["a"],
+         [[1]], [[]], [2**40], [-5], True, {"a": 1}, "a" * 5000, [0] * 3000]  # fmt: skip
+_INTS = [0, 1, 2, 16, 20, 21, 2**31 - 1, 2**31, 2**63 - 1, 2**64, -1]
+_FLOATS = [0, 0.5, 1, 2, 2.5, -1, 1e308]
+_PLAUSIBLE = {  # well-typed values, at and beyond every bound: they reach the handlers
+    "max_tokens": _INTS, "max_completion_tokens": _INTS, "top_k": _INTS, "n": _INTS, "seed": _INTS,
+    "logprobs": _INTS + [True], "top_logprobs": _INTS, "temperature": _FLOATS, "top_p": _FLOATS,
+    "frequency_penalty": _FLOATS, "stream": [True, False], "echo": [True, False], "ignore_eos": [True, False],
+    "stream_options": [{"include_usage": True}], "logit_bias": [{"1": 5}],
+    "prompt": ["hi", "", [1, 2], [2**31], [2**40], [[1], [2]], ["a", "b"], "\ud800", [-1], [0] * 200],
+    "stop": [["a"], "\ud800", ["a"] * 20, "", ["é" * 300]],
+    "model": ["nope", "\ud800"],
+}  # fmt: skip
+_MESSAGES = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+             [{"role": "user"}], [{}], [], "hi", [{"role": "user", "content": None}],
+             [{"role": "assistant", "content": "a", "name": "\ud800"}], [{"role": "tool", "content": "a"}]]  # fmt: skip
+_HTTP_FIELDS = [*_PLAUSIBLE, "messages"]
+
+
+def _http_value(rng: random.Random, field: str):
+    if field == "messages":
+        return rng.choice(_MESSAGES)
+    return rng.choice(_PLAUSIBLE[field]) if rng.random() < 0.7 else rng.choice(_JSON)
+
+
+_JSON_TYPE = {"content-type": "application/json"}
+
+
+def test_fuzz_http(cluster):
+    """Mutated OpenAI bodies: 200 or a 4xx in OpenAI's error shape, never a 500 (found: JSON
+    integers beyond int32 for max_tokens/top_k/prompt ids, lone surrogates)."""
+    s, _ = cluster
+    base = f"http://127.0.0.1:{s.server.http.port}"
+    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    rng = random.Random(SEED + 2)
+    seen: dict[int, int] = {}
+    end = time.monotonic() + BUDGET_S / 3
+    n = 0
+    with httpx.Client(timeout=30) as http:
+        while n < HTTP_N and time.monotonic() < end:
+            chat = rng.random() < 0.5
+            body: dict = {"model": model, "max_tokens": 2}
+            body.update({"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"})
+            for _ in range(rng.randint(1, 2)):
+                f = rng.choice(_HTTP_FIELDS)
+                body[f] = _http_value(rng, f)
+            raw = json.dumps(body).encode()  # ASCII: "\ud800" stays an escape, as a client would send it
+            r = http.post(
+                f"{base}/v1/{'chat/completions' if chat else 'completions'}", content=raw, headers=_JSON_TYPE
+            )
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (body, r.text[:300])
+            if r.status_code != 200:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text[:300]
+            n += 1
+    print(f"{n} HTTP requests: {seen}")
+    assert n >= 100 and seen.get(200) and seen.get(400), seen
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200

@@ -64,6 +64,12 @@ async def make_job(
         if not _is_unicode(text):
             coord.metrics.invalid()
             raise APIError(400, f"{what} is not valid Unicode text (it holds a lone surrogate)", param=what)
+    # NOTE: the gRPC message holds int32 ids; JSON integers are unbounded (protobuf: ValueError)
+    bad = [i for i in input_ids or () if not -(2**31) <= i < 2**31]
+    if bad:
+        coord.metrics.invalid()
+        vocab = coord.request_limits.vocab_size
+        raise APIError(400, f"input_ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="prompt")
     req = generation_pb2.GenerateRequest(
         prompt=prompt or "",
         input_ids=list(input_ids or ()),

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+_INT32_MAX = 2**31 - 1
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -21,10 +23,10 @@ class _Sampling(BaseModel):
 
     model: str
     n: int = Field(default=1, ge=1, le=16)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)  # int32 in the gRPC message
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # extension; 0 or -1 = no limit
+    top_k: int = Field(default=0, ge=-1, le=_INT32_MAX)  # extension; 0 or -1 = no limit
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -54,7 +56,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # extension (transformers' apply_chat_template flag)

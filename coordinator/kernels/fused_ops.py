@@ -9,8 +9,9 @@ accumulation order.
 * :func:`rmsnorm`: ``w * bf16(x * rsqrt(mean(x^2) + eps))``, optionally after ``x += residual``
   (the residual add of the decoder layer), one program per row.
 * :func:`qk_norm_rope_store`: from the merged q/k/v projection output: per-head RMSNorm of q and
-  k (Qwen3), rotary on q and k (half-split pairs, cos/sin computed from the positions), q out,
-  k and v written straight into this layer's KV cache rows.
+  k (Qwen3), rotary on q and k (half-split pairs, cos/sin computed from the positions and the
+  scaled inverse frequencies, times YaRN's attention factor), q out, k and v written straight
+  into this layer's KV cache rows.
 * :func:`softmax_topk`: router softmax, greedy top-k, renormalisation, scaling and rounding.
 
 Shapes: T tokens, N row width, Hq/Hk query/KV heads, D head dim, E experts, K top-k.
@@ -90,6 +91,7 @@ def _qk_norm_rope_store_kernel(
     k_cache_ptr,  # [R, Hk, D]
     v_cache_ptr,  # [R, Hk, D]
     eps,
+    cs_scale,  # YaRN's attention factor: cos and sin times it in float32, before the cast (1.0: none)
     stride_t,
     stride_qo,
     stride_kr,
@@ -122,8 +124,8 @@ def _qk_norm_rope_store_kernel(
             x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + half)  # [D/2]
-        cos = tl.cos(freq).to(dtype).to(tl.float32)
-        sin = tl.sin(freq).to(dtype).to(tl.float32)
+        cos = (tl.cos(freq) * cs_scale).to(dtype).to(tl.float32)
+        sin = (tl.sin(freq) * cs_scale).to(dtype).to(tl.float32)
         # x * cos + rotate_half(x) * sin, rounded after each product and the sum as torch does
         o1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
         o2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
@@ -145,6 +147,7 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,  # [R, Hk, D]
     v_cache: torch.Tensor,  # [R, Hk, D]
     norms: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q weight [D], k weight [D], eps)
+    cs_scale: float = 1.0,  # YaRN's attention factor (Rotary.factor)
 ) -> torch.Tensor:  # q [T, Hq, D]
     t = qkv.shape[0]
     d = k_cache.shape[2]
@@ -156,7 +159,7 @@ def qk_norm_rope_store(
         return q
     qw, kw, eps = norms if norms is not None else (inv_freq, inv_freq, 0.0)
     _qk_norm_rope_store_kernel[(t, hq + 2 * hk)](
-        qkv, positions, write_index, inv_freq, qw, kw, q, k_cache, v_cache, eps,
+        qkv, positions, write_index, inv_freq, qw, kw, q, k_cache, v_cache, eps, cs_scale,
         qkv.stride(0), q.stride(0), k_cache.stride(0), v_cache.stride(0),
         HQ=hq, HK=hk, D=d, HAS_NORM=norms is not None, num_warps=1,
     )  # fmt: skip
@@ -220,3 +223,103 @@ def softmax_topk(
         K=top_k, BLOCK_E=triton.next_power_of_2(e), RENORM=renorm, ROUND=round_weights, num_warps=1,
     )  # fmt: skip
     return ids, w
+
+
+@triton.jit
+def _mla_rope_store_kernel(
+    q_ptr,  # [T, Hq, Dn + Dr] query projection output (rotary part last)
+    kva_ptr,  # [T, Rkv + Dr] kv_a projection output: latent, then the shared rotary key part
+    pos_ptr,  # [T] int64
+    write_ptr,  # [T] int64 cache rows
+    inv_freq_ptr,  # [Dr/2] float32
+    nw_ptr,  # [Rkv] kv_a_layernorm weight
+    q_out_ptr,  # [T, Hq, Dr] rotated query part
+    cache_ptr,  # [R, Rkv + Dr]
+    eps,
+    cs_scale,  # YaRN's attention factor (1.0: none)
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_ot,
+    stride_oh,
+    stride_c,
+    HQ: tl.constexpr,
+    DN: tl.constexpr,
+    DR: tl.constexpr,
+    RKV: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    ROUND_EACH: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)  # 0..Hq-1: a query head's rotary part; Hq: the latent and the key part
+    half = tl.arange(0, DR // 2)
+    dtype = q_out_ptr.dtype.element_ty
+    row = tl.load(write_ptr + t)
+    if h < HQ:
+        src = q_ptr + t * stride_qt + h * stride_qh + DN
+    else:
+        src = kva_ptr + t * stride_kt + RKV
+        # the normalised latent: w * round(x * rsqrt(mean(x^2) + eps)), as RMSNorm rounds
+        cols = tl.arange(0, BLOCK_C)
+        cm = cols < RKV
+        x = tl.load(kva_ptr + t * stride_kt + cols, mask=cm, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / RKV + eps)
+        w = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        xn = (x * inv).to(dtype).to(tl.float32)
+        tl.store(cache_ptr + row * stride_c + cols, (w * xn).to(dtype), mask=cm)
+    if INTERLEAVE:  # pairs (0,1),(2,3).. come out as halves, as the torch path lays them out
+        x1 = tl.load(src + 2 * half).to(tl.float32)
+        x2 = tl.load(src + 2 * half + 1).to(tl.float32)
+    else:
+        x1 = tl.load(src + half).to(tl.float32)
+        x2 = tl.load(src + DR // 2 + half).to(tl.float32)
+    freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + half)  # [Dr/2]
+    cos = tl.cos(freq) * cs_scale
+    sin = tl.sin(freq) * cs_scale
+    if ROUND_EACH:  # rotate in the activation dtype (DeepSeek-V3): round after each op as torch
+        cos = cos.to(dtype).to(tl.float32)
+        sin = sin.to(dtype).to(tl.float32)
+        o1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
+        o2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    else:  # rotate in float32, round once (DeepSeek-V2)
+        o1 = (x1 * cos - x2 * sin).to(dtype)
+        o2 = (x2 * cos + x1 * sin).to(dtype)
+    if h < HQ:
+        dst = q_out_ptr + t * stride_ot + h * stride_oh
+    else:
+        dst = cache_ptr + row * stride_c + RKV
+    tl.store(dst + half, o1)
+    tl.store(dst + DR // 2 + half, o2)
+
+
+def mla_rope_store(
+    q: torch.Tensor,  # [T, Hq, Dn + Dr] (a view of the projection output is fine)
+    kv_a: torch.Tensor,  # [T, Rkv + Dr]
+    positions: torch.Tensor,  # [T] int64
+    write_index: torch.Tensor,  # [T] int64 cache rows of the new tokens
+    inv_freq: torch.Tensor,  # [Dr/2] float32
+    norm: tuple[torch.Tensor, float],  # kv_a_layernorm (weight [Rkv], eps)
+    cache: torch.Tensor,  # [R, Rkv + Dr] this layer's latent rows
+    interleave: bool,
+    rope_in_float32: bool,
+    cs_scale: float = 1.0,
+) -> torch.Tensor:  # q_rope [T, Hq, Dr] rotated
+    """MLA's small ops in one launch: RMSNorm of the latent, rotary on every head's query part
+    and on the shared key part, the cache row (latent | key part) written."""
+    t, hq, dq = q.shape
+    rkv = norm[0].shape[0]
+    dr = cache.shape[1] - rkv
+    assert kv_a.shape == (t, rkv + dr) and dq > dr, f"{q.shape=} {kv_a.shape=} {cache.shape=}"
+    assert (dr // 2) & (dr // 2 - 1) == 0 and dr % 2 == 0, f"rotary dim {dr} must be twice a power of two"
+    assert q.stride(2) == 1 and kv_a.stride(1) == 1 and cache.stride(1) == 1
+    q_rope = q.new_empty(t, hq, dr)
+    if t == 0:
+        return q_rope
+    _mla_rope_store_kernel[(t, hq + 1)](
+        q, kv_a, positions, write_index, inv_freq, norm[0], q_rope, cache, norm[1], cs_scale,
+        q.stride(0), q.stride(1), kv_a.stride(0), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
+        HQ=hq, DN=dq - dr, DR=dr, RKV=rkv, BLOCK_C=triton.next_power_of_2(rkv), INTERLEAVE=interleave,
+        ROUND_EACH=not rope_in_float32, num_warps=4,
+    )  # fmt: skip
+    return q_rope

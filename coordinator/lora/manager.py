@@ -22,6 +22,7 @@ from coordinator.dispatch import Dispatcher, LocalDispatcher, Pending
 from coordinator.lora.adapter import LoRAAdapter, Projection, ProjectionLoRA, load_adapter, projection_table
 from coordinator.lora.config import AdapterError
 from coordinator.models.base import CausalLM
+from coordinator.models.mla import MLAttention
 from expertmesh.config import ModelConfig
 from expertmesh.lora import LoRABatch, MoELoRAWeights, lora_delta
 
@@ -134,8 +135,20 @@ class LoRAManager:
         if self._model is None or module_path in self._hooked:
             return
         module = self._model.get_submodule(module_path)
-        module.register_forward_hook(self._projection_hook(module_path))
+        parent_path, _, leaf = module_path.rpartition(".")
+        parent = self._model.get_submodule(parent_path)
+        if leaf == "kv_b_proj" and isinstance(parent, MLAttention):
+            # NOTE (issue 10m): MLA absorbs kv_b_proj into its attention and never runs it as a
+            # layer, so it reads the step's LoRA of it itself
+            parent.kv_b_lora = lambda: self._step_lora(module_path)
+        else:
+            module.register_forward_hook(self._projection_hook(module_path))
         self._hooked.add(module_path)
+
+    def _step_lora(self, path: str) -> tuple[torch.Tensor, dict[int, ProjectionLoRA]] | None:
+        """(token slots [T], slot -> LoRA) of this step for one projection; None when none applies."""
+        slots, per_slot = self.token_adapter, self.proj.get(path)
+        return None if slots is None or not per_slot else (slots, per_slot)
 
     def _projection_hook(self, path: str):
         def hook(module: nn.Module, args: tuple, output):
@@ -183,6 +196,9 @@ class LoRADispatcher(Dispatcher):
 
     def begin_step(self, num_tokens: int) -> None:
         self.inner.begin_step(num_tokens)
+
+    def take_deferred(self) -> Pending | None:  # issue 14h: --cpu-defer-experts
+        return self.inner.take_deferred()
 
     def close(self) -> None:
         self.inner.close()

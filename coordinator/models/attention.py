@@ -101,15 +101,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         t = x.shape[0]
-        # NOTE: the fused kernel has no YaRN cos/sin factor (rotary.factor): scaled models take
-        # the unfused path (issue 13)
-        if (
-            x.is_cuda
-            and self.qk_norm in (None, "head")
-            and self.clip is None
-            and self.d in (64, 128, 256)
-            and self.rotary.factor == 1.0
-        ):
+        if x.is_cuda and self.qk_norm in (None, "head") and self.clip is None and self.d in (64, 128, 256):
             return self._forward_fused(x, batch, kv)
         q, k, v = self.qkv_proj(x)  # [T, Hq*D], [T, Hk*D], [T, Hk*D]
         if self.qk_norm == "full":
@@ -138,7 +130,16 @@ class Attention(nn.Module):
             self._inv_freq = self.rotary.inv_freq(x.device)  # [D/2], once: not per layer per step
         inv_freq = self._inv_freq
         q = qk_norm_rope_store(
-            qkv, self.hq, self.hk, batch.positions, batch.write_index, inv_freq, kv[0], kv[1], norms
+            qkv,
+            self.hq,
+            self.hk,
+            batch.positions,
+            batch.write_index,
+            inv_freq,
+            kv[0],
+            kv[1],
+            norms,
+            self.rotary.factor,
         )  # [T, Hq, D]
         o = paged_attention_triton(
             q, kv[0], kv[1], batch.page_table, batch.token_seq, batch.positions, batch.page_size, self.scale

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from coordinator.batch import ForwardBatch
+from coordinator.deferral import Carry
 from coordinator.dispatch import Dispatcher
 from coordinator.kv_cache import KVCache
 from coordinator.models.layers import GatedMLP, RMSNorm, linear
@@ -77,6 +78,7 @@ class CausalLM(nn.Module):
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.dispatcher: Dispatcher | None = None  # set by attach()
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
@@ -85,6 +87,7 @@ class CausalLM(nn.Module):
         return [layer.mlp for layer in self.decoder_layers() if isinstance(layer.mlp, MoEBlock)]
 
     def attach(self, dispatcher: Dispatcher, load_hook: LoadHook | None = None) -> None:
+        self.dispatcher = dispatcher  # issue 14h: the model takes deferred CPU-expert sums from it
         for block in self.moe_blocks():
             block.dispatcher = dispatcher
             block.load_hook = load_hook
@@ -92,14 +95,17 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:  # [B', V] float32
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        carry = Carry(self.dispatcher)  # issue 14h: --cpu-defer-experts (coordinator/deferral.py)
         if x.is_cuda:
             pending: torch.Tensor | None = None
             for i, layer in enumerate(self.decoder_layers()):
                 x, pending = layer.forward_fused(x, pending, batch, (cache.k[i], cache.v[i]))
+                pending = carry.after_layer(pending)
             assert pending is not None
+            pending = carry.finish(pending)
             x = x[batch.logits_index] + pending[batch.logits_index]
         else:
             for i, layer in enumerate(self.decoder_layers()):
-                x = layer(x, batch, (cache.k[i], cache.v[i]))
-            x = x[batch.logits_index]
+                x = carry.after_layer(layer(x, batch, (cache.k[i], cache.v[i])))
+            x = carry.finish(x)[batch.logits_index]
         return self.lm_head(self.model.norm(x)).float()

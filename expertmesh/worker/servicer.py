@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError, Message
 
-from expertmesh import auth, status, wire
+from expertmesh import auth, status, tolerant, wire
 from expertmesh.errors import ExpertMeshError, InvalidRequest
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora.wire import decode_adapter
@@ -201,51 +199,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
 # ---------------------------------------------------------------------- registration
 
 
-def _parse(cls: type[Message]) -> Callable[[bytes], Message | InvalidRequest]:
-    """A request deserializer that returns bytes protobuf refuses as an InvalidRequest (the
-    handler answers INVALID_ARGUMENT) instead of raising (gRPC would answer UNKNOWN)."""
-
-    def parse(data: bytes) -> Message | InvalidRequest:
-        try:
-            return cls.FromString(data)
-        except DecodeError as e:
-            return InvalidRequest(f"malformed {cls.DESCRIPTOR.name}: not a valid protobuf message ({e})")
-
-    return parse
-
-
-def _refusing_malformed(fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, InvalidRequest):
-            await _abort(context, request)
-        return await fn(request, context)
-
-    return handler
-
-
 def add_worker_servicer(servicer: ExpertWorkerServicer, server: grpc.aio.Server) -> None:
     """``add_ExpertWorkerServicer_to_server`` whose deserializers turn malformed bytes into
     INVALID_ARGUMENT (counted with the worker's errors on Forward)."""
-    unary: dict[str, tuple[type[Message], type[Message]]] = {
-        "Describe": (pb.DescribeRequest, pb.DescribeResponse),
-        "ApplyPlacement": (pb.ApplyPlacementRequest, pb.ApplyPlacementResponse),
-        "LoadAdapter": (pb.LoadAdapterRequest, pb.LoadAdapterResponse),
-        "UnloadAdapter": (pb.UnloadAdapterRequest, pb.UnloadAdapterResponse),
-        "Stats": (pb.StatsRequest, pb.StatsResponse),
-    }
-    handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
-            _refusing_malformed(getattr(servicer, name)),
-            request_deserializer=_parse(req),
-            response_serializer=lambda m: m.SerializeToString(),
-        )
-        for name, (req, resp) in unary.items()
-    }
-    handlers["Forward"] = grpc.stream_stream_rpc_method_handler(
-        servicer.Forward,
-        request_deserializer=_parse(pb.ForwardRequest),
-        response_serializer=pb.ForwardResponse.SerializeToString,
-    )
-    service = pb.DESCRIPTOR.services_by_name["ExpertWorker"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    server.add_registered_method_handlers(service, handlers)
+    tolerant.add_service(servicer, server, pb.DESCRIPTOR.services_by_name["ExpertWorker"])
