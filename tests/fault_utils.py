@@ -299,6 +299,7 @@ class Zygote:
             env=env,
         )
         self._n = 0
+        self.pids: list[int] = []  # every server it forked (killed by close, whatever is left)
 
     def start(
         self, kind: str, model: str | Path, port: int = 0, *extra: str, timeout: float = 60
@@ -312,6 +313,7 @@ class Zygote:
         self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
         self.proc.stdin.flush()
         pid = int(self.proc.stdout.readline())
+        self.pids.append(pid)
         deadline = time.monotonic() + timeout
         pattern = re.compile(r"listening on (\S+):(\d+)")
         while time.monotonic() < deadline:
@@ -322,6 +324,9 @@ class Zygote:
         raise RuntimeError(f"{kind}-server did not start:\n{log.read_text() if log.exists() else ''}")
 
     def close(self) -> None:
+        for pid in self.pids:  # NOTE: a failed test may leave some running: they are ours
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(10)

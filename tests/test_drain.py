@@ -132,13 +132,13 @@ def test_sigterm_on_an_expert_server_drains_it_without_failing_requests(model):
 
 def test_sigterm_on_the_coordinator_finishes_running_requests_and_refuses_new_ones(model):
     co = start_coordinator(model, "--kv-memory", "8MiB", "--http-port", "0", "--drain-timeout", "60")
-    deadline = time.monotonic() + 20  # printed just after the gRPC line
-    while not (http := re.search(r"on http://(\S+):(\d+)", co.output())) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert http, co.output()
-    url = f"http://127.0.0.1:{http.group(2)}/v1/completions"
     jobs = [[Job(q, 60)] for q in PROMPTS]
     try:
+        deadline = time.monotonic() + 20  # printed just after the gRPC line
+        while not (http := re.search(r"on http://(\S+):(\d+)", co.output())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http, co.output()
+        url = f"http://127.0.0.1:{http.group(2)}/v1/completions"
         wait_health(co.addr, "SERVING")
         want = ok_tokens(run_load(co.addr, jobs))
         refused: list = []
