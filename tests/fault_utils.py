@@ -324,9 +324,12 @@ class Zygote:
         raise RuntimeError(f"{kind}-server did not start:\n{log.read_text() if log.exists() else ''}")
 
     def close(self) -> None:
-        for pid in self.pids:  # NOTE: a failed test may leave some running: they are ours
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for pid in self.pids:  # NOTE: a failed test may leave some running
+            try:  # only a fork of this zygote (a dead one's pid may be someone else's by now)
+                if "server_zygote" in Path(f"/proc/{pid}/cmdline").read_text():
+                    os.kill(pid, signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(10)
