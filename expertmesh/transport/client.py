@@ -232,6 +232,11 @@ class ShmClient:
                     if not self._poll.poll(max(1, int(left * 1e3))):
                         continue
                     self._spin.blocked_for(time.monotonic() - t0)
+                elif not self._poll.poll(max(1, int(left * 1e3))):
+                    # NOTE (issue 15a): the server counts an answer in shared memory before it
+                    # writes the descriptor; stopped or killed in between, a bare read here
+                    # blocked forever (a step hung past its expert timeout). Bounded instead.
+                    continue
                 raw = os.read(self._resp_fd, dsc.SIZE)
                 if dsc.is_kick(raw):
                     continue
