@@ -10,8 +10,11 @@ fp32, and the CPU's ISA flags.
 
 Columns: ms = per-layer expert time; GB/s = bytes of the active experts' weights (in the format
 used) per second; %BW = that over the measured read bandwidth; TFLOP/s = 2*T*K*3*H*I / time;
-tok/s = T / time; "/kernel" and "/gemm" rows force one of the backend's two paths; rel err = ||out - ref|| / ||ref|| against the torch
-reference on the bf16 weights (for int8/int4 this is the quantisation error).
+tok/s = T / time; rel err = ||out - ref|| / ||ref|| against the torch reference on the bf16
+weights (for int8/int4 this is the quantisation error, weights and activations). Rows with a
+suffix force one path: "/kernel" the decode kernel, "/amx" the AMX prefill kernel, "/gemm" torch
+GEMMs per expert, "/fp32dot" the decode kernel's fp32 dot products (weights converted in
+registers: the pre-VNNI int8/int4 path, and bf16 without vdpbf16ps).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cpu_expert_server import kernels
 from cpu_expert_server.backend import GEMV_MAX_TOKENS, CpuExpertBackend
 from expertmesh.experts import TorchExpertBackend
 
@@ -34,8 +38,13 @@ MODELS = {  # name: (H, I, experts, top-k)
 }
 
 
-def timeit(fn: Callable[[int], object], reps: int, budget_s: float = 2.0) -> float:
+BUDGET_S = 2.0
+CAPS = kernels.cpu_caps()
+
+
+def timeit(fn: Callable[[int], object], reps: int, budget_s: float | None = None) -> float:
     """Median seconds of ``fn(rep)`` over up to ``reps`` calls (fewer when past ``budget_s``)."""
+    budget_s = BUDGET_S if budget_s is None else budget_s
     fn(0)
     times: list[float] = []
     start = time.perf_counter()
@@ -70,11 +79,16 @@ def dram_bandwidth() -> dict:
 
 
 def gemm_peak() -> dict:
+    """torch GEMM throughput: square 2048 and 4096 (the host's peak), and one expert's prefill
+    shape (32 tokens x [2048 -> 1536], Qwen3-30B-A3B at T=512) to show the small-GEMM cost."""
     out = {}
     for dt in (torch.bfloat16, torch.float32):
-        a, b = torch.randn(2048, 2048).to(dt), torch.randn(2048, 2048).to(dt)
-        s = timeit(lambda _, a=a, b=b: a @ b, 5)
-        out[f"peak_{str(dt)[6:]}_TFLOPs"] = 2 * 2048**3 / s / 1e12
+        for m, n, k in ((2048, 2048, 2048), (4096, 4096, 4096), (32, 1536, 2048)):
+            a, b = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
+            s = timeit(lambda _, a=a, b=b: a @ b, 5)
+            tag = f"{m}" if m == n == k else f"{m}x{n}x{k}"
+            out[f"gemm_{str(dt)[6:]}_{tag}_TFLOPs"] = 2 * m * n * k / s / 1e12
+        out[f"peak_{str(dt)[6:]}_TFLOPs"] = max(v for key, v in out.items() if str(dt)[6:] in key)
     return out
 
 
@@ -98,9 +112,12 @@ def bench_model(
     w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()  # [E, 2I, H]
     w2 = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()  # [E, H, I]
     backends = {"torch-ref": (TorchExpertBackend(), w13, w2)}
+    amx = False
     for wd in dtypes:
-        b = CpuExpertBackend(threads, wd)
+        b = CpuExpertBackend(threads, wd, caps=CAPS)
         backends[wd] = (b, *b.pack_weights(w13, w2))
+        amx = b.amx
+        print(json.dumps({"model": name, "weights": wd, "dot": b.dot_kind(), "amx": b.amx}), flush=True)
     rows = []
     for t in tokens:
         routes = [
@@ -116,12 +133,19 @@ def bench_model(
         for label, (backend, a, b) in backends.items():
             per_expert = (a[0].numel() * a.element_size() + b[0].numel() * b.element_size()) if len(a) else 0
             # past decode sizes also time the two paths the backend chooses between
-            modes = [("", None)]
-            if t >= 64 and isinstance(backend, CpuExpertBackend):
-                modes += [("/kernel", 10**9), ("/gemm", 0)]
-            for suffix, limit in modes:
+            modes = [""]
+            if isinstance(backend, CpuExpertBackend):
+                if t >= 16 or amx:
+                    modes.append("/kernel")
+                if t >= 16:
+                    modes.append("/gemm")
+                if amx:
+                    modes.append("/amx")
+                if t <= 4 and backend.dot_kind() != "fp32":
+                    modes.append("/fp32dot")
+            for suffix in modes:
                 if isinstance(backend, CpuExpertBackend):
-                    backend.gemv_max_tokens = GEMV_MAX_TOKENS if limit is None else limit
+                    force(backend, suffix, amx)
                 err = ((backend.forward(x, a, b, *routes[0]).float() - ref).norm() / ref.norm()).item()
                 s = timeit(
                     lambda r, f=backend.forward, a=a, b=b, x=x, rs=routes: f(x, a, b, *rs[r % 16]), reps
@@ -142,6 +166,15 @@ def bench_model(
                 )
                 print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def force(backend: CpuExpertBackend, suffix: str, amx: bool) -> None:
+    """Point the backend at one path ("" = its own choice)."""
+    backend.gemv_max_tokens = {"": GEMV_MAX_TOKENS, "/kernel": 10**9, "/fp32dot": 10**9}.get(suffix, 0)
+    backend.amx = amx and suffix in ("", "/amx")
+    backend.qact = suffix != "/fp32dot"
+    full = CAPS
+    backend.caps = full & ~kernels.CAPS["bf16"][0] if suffix == "/fp32dot" else full
 
 
 def table(rows: list[dict]) -> str:
@@ -165,6 +198,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1,4,16,64,512")
     p.add_argument("--dtypes", default="bfloat16,int8,int4")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--no-amx", action="store_true", help="leave the AMX prefill kernel out")
+    p.add_argument("--budget-s", type=float, default=2.0, help="time cap per row (>= 3 reps)")
     p.add_argument("--out", default=None, help="write all measurements as JSON here")
     p.add_argument(
         "--skip-peak",
@@ -172,6 +207,10 @@ def main() -> None:
         help="no GEMM peak (minutes in bf16 on CPUs without bf16 instructions)",
     )
     args = p.parse_args()
+    global BUDGET_S, CAPS
+    BUDGET_S = args.budget_s
+    if args.no_amx:
+        CAPS &= ~kernels.CAPS["amx"][0]
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()

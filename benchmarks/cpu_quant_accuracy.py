@@ -3,7 +3,10 @@
 Held-out text: documents from the demo corpus generator with a seed the model was not trained
 on (training used seed 0). Teacher-forced over every position: mean KL(p_bf16 || p_quant) of the
 next-token distributions and the fraction of positions whose greedy (argmax) token agrees.
-Attention and everything else stay float32; only the routed experts change.
+Attention and everything else stay float32; only the routed experts change. Every expert call
+goes through the C decode kernel (the path decode steps take), once with integer dot products
+(activations quantised to int8 per token and group: "int8"/"int4") and once with fp32 dot
+products on the same quantised weights ("+exact": only the weights' rounding).
 
     python benchmarks/cpu_quant_accuracy.py --docs 64
 """
@@ -27,9 +30,12 @@ from expertmesh.demo import corpus, write_demo_model
 from expertmesh.demo.tokenizer import encode_document
 
 
-def logits_for(model_dir: str, weight_dtype: str, docs: list[list[int]]) -> list[torch.Tensor]:
+def logits_for(
+    model_dir: str, weight_dtype: str, docs: list[list[int]], qact: bool = True
+) -> list[torch.Tensor]:
     reader = CheckpointReader(model_dir)
-    backend = CpuExpertBackend(weight_dtype=weight_dtype)
+    backend = CpuExpertBackend(weight_dtype=weight_dtype, qact=qact)
+    backend.gemv_max_tokens = 10**9  # every call through the decode kernel, as decode steps go
     dispatcher = LocalDispatcher(reader, torch.float32, torch.device("cpu"), backend)
     # the worker packs at load; the in-process dispatcher does not, so pack its slots here
     dispatcher.slots = {layer: backend.pack_weights(*w) for layer, w in dispatcher.slots.items()}
@@ -39,6 +45,22 @@ def logits_for(model_dir: str, weight_dtype: str, docs: list[list[int]]) -> list
         sid = engine.new_seq()
         out.append(engine.step([(sid, ids)], all_logits=True)[0].float())  # [n, V]
         engine.free(sid)
+    return out
+
+
+def engine_widths(model_dir: str) -> tuple[int, int]:
+    reader = CheckpointReader(model_dir)
+    _, (w13, w2) = next(iter(LocalDispatcher(reader, torch.float32, torch.device("cpu")).slots.items()))
+    return w13.shape[2], w2.shape[2]
+
+
+def dot_kinds(model_dir: str) -> dict[str, str]:
+    h, i = engine_widths(model_dir)
+    out = {}
+    for wd in ("int8", "int4"):
+        b = CpuExpertBackend(weight_dtype=wd)
+        b.pack_weights(torch.zeros(1, 2 * i, h), torch.zeros(1, h, i))
+        out[wd] = b.dot_kind()
     return out
 
 
@@ -54,8 +76,10 @@ def main() -> None:
         docs = [encode_document(tok, d)[: args.max_len] for d in corpus.generate(args.docs, seed=args.seed)]
         base = logits_for(model_dir, "bfloat16", docs)
         rows = {}
-        for wd in ("int8", "int4"):
-            quant = logits_for(model_dir, wd, docs)
+        for wd, qact in (("int8", True), ("int8", False), ("int4", True), ("int4", False)):
+            quant = logits_for(model_dir, wd, docs, qact)
+            if not qact:
+                wd += "+exact"
             lp, lq = torch.cat(base).log_softmax(-1), torch.cat(quant).log_softmax(-1)  # [N, V]
             kl = F.kl_div(lq, lp, log_target=True, reduction="batchmean").item()
             agree = (lp.argmax(-1) == lq.argmax(-1)).float().mean().item()
@@ -64,6 +88,9 @@ def main() -> None:
                 f"{wd}: KL(bf16||{wd}) = {kl:.2e} nats/token, greedy agreement {agree:.2%} over {lp.shape[0]} positions"
             )
         print(json.dumps(rows))
+        print(
+            f"demo model expert widths (H, I) = {engine_widths(model_dir)}; kernel dots: {dot_kinds(model_dir)}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 """The CPU expert backend: packed (optionally int8/int4) experts, a C GEMV kernel for decode,
-torch GEMMs for prefill.
+an AMX kernel or torch GEMMs for prefill.
 
 Shapes: T tokens, K top-k, S local slots, H hidden, I intermediate.
 
 Decode is bandwidth-bound: one C call per layer streams each active expert's rows once
 (kernels/moe_gemv.c), so the bytes read per token shrink with int8/int4. The C path serves every
 call whose experts average at most ``gemv_max_tokens`` tokens each (T=64 over 128 experts is 4).
-Prefill is compute-bound: per active expert the rows are dequantised and multiplied with torch's
-GEMM (oneDNN/AMX in bf16 where the CPU has bf16 instructions, fp32 MKL elsewhere, because
-torch's bf16 GEMM without them is several times slower than converting first).
+With int8/int4 weights (groups a multiple of 64) it quantises the activations to int8 per token
+and group and takes integer dot products (VNNI or AVX2), unless ``qact=False``: that adds the
+activations' rounding error (~1e-2 relative per layer output, tests/test_cpu_backend.py) and
+keeps the weights bytes in the inner loop, where converting them to fp32 made the kernel
+compute-bound. Prefill is compute-bound: on CPUs with AMX, bf16 calls go to one C call per layer
+(kernels/moe_amx.c) that runs every active expert's GEMMs on bf16 tiles; elsewhere, per active
+expert the rows are dequantised and multiplied with torch's GEMM (oneDNN in bf16 where the CPU has
+bf16 instructions, fp32 MKL elsewhere, because torch's bf16 GEMM without them is several times
+slower than converting first).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ log = logging.getLogger("expertmesh.cpu_backend")
 # (bench_cpu_experts.py measures both)
 GEMV_MAX_TOKENS = 16
 KERNEL_DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 3}
+# (token, expert) pairs from which int4 takes the AMX path rather than the VNNI decode kernel
+AMX_INT4_MIN_PAIRS = 64
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -59,12 +67,23 @@ class CpuExpertBackend(ExpertBackend):
         group: int | None = None,
         gemv_max_tokens: int = GEMV_MAX_TOKENS,
         use_kernel: bool = True,
+        caps: int | None = None,
+        qact: bool = True,
     ) -> None:
+        """``caps``: the kernels' CPU capability bits (default: this CPU's, kernels.cpu_caps);
+        ``qact``: int8/int4 decode may quantise activations (integer dot products)."""
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         self.threads = threads or torch.get_num_threads()
         self.weight_dtype, self.group, self.gemv_max_tokens = weight_dtype, group, gemv_max_tokens
         self.lib = kernels.load() if use_kernel else None
+        self.caps = kernels.cpu_caps() if caps is None else caps
+        self.qact = qact
+        amx_bit = kernels.CAPS["amx"][0]
+        if self.lib is not None and self.caps & amx_bit and self.lib.moe_amx_init() != 0:
+            log.warning("the CPU has AMX but the kernel refused it (arch_prctl): prefill uses torch GEMMs")
+            self.caps &= ~amx_bit
+        self.amx = self.lib is not None and bool(self.caps & amx_bit)
         self.gemm_dtype = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
         self.fmt: PackedFormat | None = None  # fixed by the first pack: one model per server
 
@@ -87,9 +106,41 @@ class CpuExpertBackend(ExpertBackend):
         wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
         pairs = slot_ids.numel()
         per_expert = pairs / max(1, min(w13.shape[0], pairs))  # a lower bound on the mean
+        if self.lib is not None and wcode is not None and self._use_amx(x, wcode, pairs, per_expert):
+            return self._amx(x, w13, w2, slot_ids, weights, wcode)
         if self.lib is not None and wcode is not None and per_expert <= self.gemv_max_tokens:
             return self._decode(x, w13, w2, slot_ids, weights, wcode)
         return self._by_expert(x, w13, w2, slot_ids, weights)
+
+    def _amx_int(self) -> bool:
+        """int8/int4 on AMX int8 tiles (activations quantised, as the decode kernel's int path)."""
+        fmt = self.fmt
+        return fmt is not None and fmt.quantised and self.qact and fmt.g13 % 64 == 0 and fmt.g2 % 64 == 0
+
+    def _use_amx(self, x: torch.Tensor, wcode: int, pairs: int, per_expert: float) -> bool:
+        fmt = self.fmt
+        if not self.amx or fmt is None or fmt.rb != 16 or fmt.hidden % 64 or fmt.inter % 64:
+            return False
+        # tile loads stream the rows faster than the decode kernel even at T=1 (bench_cpu_experts
+        # "/amx" vs "/kernel"), so AMX takes every call it covers without changing the numerics:
+        # bf16 servers with bf16 weights, and int8 with activation quantisation on. int4 must
+        # unpack its nibbles for the tiles first: the decode kernel's VNNI dots measured faster
+        # below ~64 (token, expert) pairs (T=1: 0.52 vs 0.72 ms at Qwen3 widths), AMX above
+        if (wcode == 0 and x.dtype == torch.bfloat16) or (self._amx_int() and wcode == 1):
+            return True
+        if self._amx_int():
+            return pairs >= AMX_INT4_MIN_PAIRS or per_expert > self.gemv_max_tokens
+        # quantised weights dequantised to bf16 tiles: prefill only (a bf16 server)
+        return fmt.quantised and x.dtype == torch.bfloat16 and per_expert > self.gemv_max_tokens
+
+    def dot_kind(self) -> str:
+        """Which dot products the decode kernel uses for the packed format (for logs and benches)."""
+        if self.lib is None or self.fmt is None:
+            return "torch"
+        fmt = self.fmt
+        code = kernels.WDTYPE_CODE[fmt.wdtype]
+        k = self.lib.moe_dot_kind(self.caps, code, fmt.hidden, fmt.inter, fmt.g13, fmt.g2, int(self.qact))
+        return kernels.DOT_KINDS[k]
 
     def _decode(self, x, w13, w2, slot_ids, weights, wcode: int) -> torch.Tensor:
         fmt = self.fmt
@@ -105,10 +156,35 @@ class CpuExpertBackend(ExpertBackend):
             w13.data_ptr(), w13.stride(1) * w13.element_size(),
             w2.data_ptr(), w2.stride(1) * w2.element_size(),
             fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2,
-            act.data_ptr(), out.data_ptr(), self.threads,
+            act.data_ptr(), out.data_ptr(), self.threads, self.caps, int(self.qact),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
+        return out.to(x.dtype)
+
+    def _amx(self, x, w13, w2, slot_ids, weights, wcode: int) -> torch.Tensor:
+        """AMX tiles (bf16, or int8 for quantised weights): every active expert's GEMMs in one C call."""
+        fmt = self.fmt
+        assert fmt is not None and self.lib is not None
+        t, k = slot_ids.shape
+        x32 = x.to(torch.float32).contiguous()  # [T, H]
+        sid = slot_ids.to(torch.int64).contiguous()  # [T, K]
+        wts = weights.to(torch.float32).contiguous()  # [T, K]
+        out = torch.empty(t, fmt.hidden)  # [T, H] fp32
+        args = (
+            x32.data_ptr(), sid.data_ptr(), wts.data_ptr(), t, k, w13.shape[0],
+            w13.data_ptr(), w13.stride(1) * w13.element_size(),
+            w2.data_ptr(), w2.stride(1) * w2.element_size(),
+            fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2,
+        )  # fmt: skip
+        if self._amx_int():
+            act = torch.empty(t * k, fmt.inter)  # [T*K, I] scratch
+            rc = self.lib.moe_amx_q(*args, act.data_ptr(), out.data_ptr(), self.threads)
+        else:
+            rc = self.lib.moe_amx(*args, out.data_ptr(), self.threads)
+        if rc == -1:
+            raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
+        assert rc == 0, f"moe_amx rejected {fmt}: {rc=}"
         return out.to(x.dtype)
 
     def _dense(self, rows: torch.Tensor, c: int, g: int, cd: torch.dtype) -> torch.Tensor:
@@ -122,7 +198,15 @@ class CpuExpertBackend(ExpertBackend):
         out = torch.empty(rows.shape[0], c)
         code = kernels.WDTYPE_CODE[fmt.wdtype]
         self.lib.dequant_rows(
-            rows.data_ptr(), rows.stride(0), rows.shape[0], c, code, g, out.data_ptr(), self.threads
+            rows.data_ptr(),
+            rows.stride(0),
+            rows.shape[0],
+            c,
+            code,
+            g,
+            out.data_ptr(),
+            self.threads,
+            self.caps,
         )
         return out.to(cd)
 
@@ -187,7 +271,8 @@ def make_backend(threads: int | None = None, weight_dtype: str = "bfloat16") -> 
     """The CPU expert backend with ``threads`` compute threads (default: torch's)."""
     backend = CpuExpertBackend(threads, weight_dtype)
     log.info(
-        "CPU experts: weights %s, %d threads, decode kernel %s, prefill GEMM in %s",
-        weight_dtype, backend.threads, "C" if backend.lib is not None else "torch (fallback)", backend.gemm_dtype,
+        "CPU experts: weights %s, %d threads, decode kernel %s (CPU caps %d), prefill %s",
+        weight_dtype, backend.threads, "C" if backend.lib is not None else "torch (fallback)", backend.caps,
+        "AMX kernel (bf16 servers)" if backend.amx else f"torch GEMM in {backend.gemm_dtype}",
     )  # fmt: skip
     return backend

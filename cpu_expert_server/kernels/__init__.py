@@ -1,9 +1,12 @@
-"""The CPU MoE kernels in C (``moe_gemv.c``), built on first use with the system C compiler.
+"""The CPU MoE kernels in C (``moe_gemv.c``, which includes the other ``.c`` files here), built on
+first use with the system C compiler.
 
-The C file needs no torch headers, so it builds in about a second with ``cc -O3 -march=native
--fopenmp`` (a torch C++ extension takes minutes on a 2-core machine) and is called through ctypes
-with raw pointers. The built library is cached per source hash, compiler and CPU; without a
-compiler :func:`load` logs why and returns None, and the backend falls back to torch.
+The C needs no torch headers, so it builds in a few seconds with ``cc -O3 -fopenmp`` (a torch C++
+extension takes minutes on a 2-core machine) and is called through ctypes with raw pointers. No
+``-march``: each ISA-specific function carries its own target attribute and the caller picks one
+at run time from :func:`cpu_caps`, so one build serves every x86-64 CPU. The library is cached per
+source hash and compiler; without a compiler :func:`load` logs why and returns None, and the
+backend falls back to torch.
 """
 
 from __future__ import annotations
@@ -21,8 +24,35 @@ from pathlib import Path
 log = logging.getLogger("expertmesh.cpu_kernels")
 
 SOURCE = Path(__file__).with_name("moe_gemv.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
+FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 WDTYPE_CODE = {"bfloat16": 0, "int8": 1, "int4": 2}
+# capability bits of the C side (moe_gemv.c CAP_*), each needing all of its /proc/cpuinfo flags
+CAPS = {
+    "avx2": (1, ("avx2", "fma")),
+    "avx512": (2, ("avx512f", "avx512bw", "avx512vl")),
+    "vnni": (4, ("avx512_vnni",)),
+    "bf16": (8, ("avx512_bf16",)),
+    "amx": (16, ("amx_tile", "amx_bf16", "amx_int8")),
+}
+DOT_KINDS = ("fp32", "int8-dot avx2", "int8-dot avx512-vnni", "bf16-dot avx512")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_caps(names: tuple[str, ...] | None = None) -> int:
+    """The CAP_* bits this CPU has (``names``: only these, e.g. to test a narrower path)."""
+    flags = cpu_flags()
+    return sum(
+        bit for name, (bit, need) in CAPS.items() if (names is None or name in names) and flags >= set(need)
+    )
 
 
 def _cache_dir() -> Path:
@@ -32,25 +62,15 @@ def _cache_dir() -> Path:
     return Path(base) / "cpu_kernels"
 
 
-def _cpu_tag() -> str:
-    # NOTE: -march=native bakes the build host's ISA in; key the cache on the CPU model so a
-    # shared home directory on a different CPU rebuilds instead of hitting illegal instructions
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def build() -> Path:
     """Compiles moe_gemv.c (or reuses the cached build); raises OSError/CalledProcessError."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc/gcc) on PATH")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + cc.encode() + " ".join(FLAGS).encode() + _cpu_tag().encode()).hexdigest()[:16]
+    src = b"".join(p.read_bytes() for p in sorted(SOURCE.parent.glob("*.c")))
+    key = hashlib.sha256(
+        src + cc.encode() + " ".join(FLAGS).encode() + platform.machine().encode()
+    ).hexdigest()[:16]
     out = _cache_dir() / f"moe_gemv-{key}.so"
     if out.exists():
         return out
@@ -73,8 +93,16 @@ def load() -> ctypes.CDLL | None:
         log.warning("CPU MoE kernels unavailable, using the torch fallback: %s %s", e, detail)
         return None
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    lib.moe_decode.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i]
+    lib.moe_decode.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i, i, i]
     lib.moe_decode.restype = i
-    lib.dequant_rows.argtypes = [p, L, i, i, i, i, p, i]
+    lib.moe_amx.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, i]
+    lib.moe_amx.restype = i
+    lib.moe_amx_q.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i]
+    lib.moe_amx_q.restype = i
+    lib.moe_amx_init.argtypes = []
+    lib.moe_amx_init.restype = i
+    lib.moe_dot_kind.argtypes = [i, i, i, i, i, i, i]
+    lib.moe_dot_kind.restype = i
+    lib.dequant_rows.argtypes = [p, L, i, i, i, i, p, i, i]
     lib.dequant_rows.restype = None
     return lib

@@ -1,8 +1,8 @@
-/* Decode-shaped MoE on the CPU: one pass over each active expert's rows, weights bf16/int8/int4.
+/* MoE experts on the CPU: decode-shaped calls (few tokens per expert) stream each active expert's
+ * rows once; weights bf16/fp32/int8/int4.
  *
  * Shapes: T tokens, K top-k, S local slots, H hidden, I intermediate, RB interleave block,
- * G quantisation group. Every weight row is "dequantised" once into an fp32 buffer that stays in
- * L1, then dotted with each of the expert's tokens, so DRAM sees each active row exactly once.
+ * G quantisation group, n = T*K (token, expert) pairs.
  *
  * Row formats (one row = one output feature, C input features):
  *   wdtype 0 bf16: C uint16 (the top half of an fp32);  wdtype 3 fp32: C floats
@@ -12,15 +12,32 @@
  * w13 rows come interleaved: blocks of RB gate rows then the RB matching up rows, so a thread
  * that owns one block has silu(gate) * up for its RB features without waiting on others.
  *
+ * Dot products, chosen at run time from `caps` (the CPU's flags, read by the caller):
+ *   int8/int4 with G % 64 == 0 and qact: activations quantised to int8 per group, integer dots
+ *     (moe_qdot.c: AVX512-VNNI or AVX2); bf16 with AVX512_BF16: vdpbf16ps on bf16 activations;
+ *   otherwise fp32: each weight converted in registers and FMAed (AVX-512, AVX2 or SSE2 code
+ *     from the same vector-extension source, per-function target attributes).
+ * On CPUs with AMX, bf16 calls go to moe_amx() (moe_amx.c) and int8/int4 ones to moe_amx_q()
+ * (moe_amx_int8.c) instead, at every T: tile loads stream the rows faster than this kernel.
+ *
  * Threads: phase 1 splits (expert, row block) pairs, phase 2 splits output rows; each output
- * element is written by one thread, so there are no atomics. Built with -fopenmp.
+ * element is written by one thread, so there are no atomics. Built with -fopenmp and without
+ * -march: one library serves every x86-64 CPU.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline void row_to_f32(const uint8_t *row, int wdtype, int c, int g, float *restrict buf) {
+#define CAP_AVX2 1   /* avx2 + fma */
+#define CAP_AVX512 2 /* avx512 f/bw/vl */
+#define CAP_VNNI 4   /* avx512_vnni */
+#define CAP_BF16 8   /* avx512_bf16 */
+#define CAP_AMX 16   /* amx_tile + amx_bf16 + amx_int8, permission granted (moe_amx_init) */
+
+static inline __attribute__((always_inline)) void row_to_f32(const uint8_t *row, int wdtype, int c, int g,
+                                                             float *restrict buf) {
     if (wdtype == 0) {
         const uint16_t *w = (const uint16_t *)row;
         uint32_t *b = (uint32_t *)buf;
@@ -69,12 +86,12 @@ typedef int16_t v16i16 __attribute__((vector_size(32)));
 typedef int8_t v16i8 __attribute__((vector_size(16)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 
-static inline v16f ldf(const float *p) {
+static inline __attribute__((always_inline)) v16f ldf(const float *p) {
     v16f v;
     memcpy(&v, p, sizeof v);
     return v;
 }
-static inline v16f cvt_bf16(const uint8_t *p) {
+static inline __attribute__((always_inline)) v16f cvt_bf16(const uint8_t *p) {
     v16u16 u;
     memcpy(&u, p, sizeof u);
     v16u32 w = __builtin_convertvector(u, v16u32) << 16;
@@ -84,15 +101,15 @@ static inline v16f cvt_bf16(const uint8_t *p) {
 }
 /* NOTE: int8 -> int32 goes through 16 bits: GCC 12/13 scalarise a direct 8 -> 32 bit
  * __builtin_convertvector of loaded bytes (one movsbl per byte: int8 ran at ~10 GB/s) */
-static inline v16f widen(v16i8 q) {
+static inline __attribute__((always_inline)) v16f widen(v16i8 q) {
     return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(q, v16i16), v16i32), v16f);
 }
-static inline v16f cvt_i8(const uint8_t *p) {
+static inline __attribute__((always_inline)) v16f cvt_i8(const uint8_t *p) {
     v16i8 q;
     memcpy(&q, p, sizeof q);
     return widen(q);
 }
-static inline void cvt_i4(const uint8_t *p, v16f *lo, v16f *hi) {
+static inline __attribute__((always_inline)) void cvt_i4(const uint8_t *p, v16f *lo, v16f *hi) {
     v16u8 b;
     memcpy(&b, p, sizeof b);
     /* NOTE: here the direct widening of the masked bytes vectorises, and measured faster on the
@@ -100,7 +117,7 @@ static inline void cvt_i4(const uint8_t *p, v16f *lo, v16f *hi) {
     *lo = __builtin_convertvector(__builtin_convertvector(b & 15, v16i32) - 8, v16f);
     *hi = __builtin_convertvector(__builtin_convertvector(b >> 4, v16i32) - 8, v16f);
 }
-static inline float hsum(v16f v) {
+static inline __attribute__((always_inline)) float hsum(v16f v) {
     float s = 0.0f;
     for (int i = 0; i < 16; i++) s += v[i];
     return s;
@@ -153,9 +170,11 @@ static inline __attribute__((always_inline)) void row_dots_vec(const uint8_t *ro
     for (int j = 0; j < m; j++) res[j] = hsum(a[j] + b[j]);
 }
 
-/* res[j] = row . xs[j] for any m: the vector path where the shape allows, else convert + dot */
-static void row_dots(const uint8_t *row, int wdtype, int c, int g, const float *const *xs, int m, float *res,
-                     float *buf) {
+/* res[j] = row . xs[j] for any m: the vector path where the shape allows, else convert + dot.
+ * Instantiated below per ISA: the same vector-extension code becomes AVX-512, AVX2 or SSE2. */
+static inline __attribute__((always_inline)) void row_dots_body(const uint8_t *row, int wdtype, int c, int g,
+                                                                const float *const *xs, int m, float *res,
+                                                                float *buf) {
     const int vec = c % 32 == 0 && (wdtype == 0 || wdtype == 3 || g % 32 == 0);
     if (vec) {
         for (int j0 = 0; j0 < m; j0 += MAXM) {
@@ -178,61 +197,182 @@ static void row_dots(const uint8_t *row, int wdtype, int c, int g, const float *
     for (int j = 0; j < m; j++) res[j] = dot(buf, xs[j], c);
 }
 
+#define ROW_DOTS_ARGS                                                                                  \
+    const uint8_t *row, int wdtype, int c, int g, const float *const *xs, int m, float *res, float *buf
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void row_dots_avx512(ROW_DOTS_ARGS) {
+    row_dots_body(row, wdtype, c, g, xs, m, res, buf);
+}
+__attribute__((target("avx2,fma"))) static void row_dots_avx2(ROW_DOTS_ARGS) {
+    row_dots_body(row, wdtype, c, g, xs, m, res, buf);
+}
+static void row_dots_generic(ROW_DOTS_ARGS) { row_dots_body(row, wdtype, c, g, xs, m, res, buf); }
+
+#include "moe_qdot.c"
+
+/* (token, k) pairs sorted by slot with a counting sort, k-major within a slot like the reference */
+typedef struct {
+    int *start;  /* [S + 1] first pair of each slot */
+    int *tok;    /* [n] token of each sorted pair */
+    float *wt;   /* [n] routing weight */
+    int *active; /* [na] slots with pairs */
+    int na;
+} Sorted;
+
+static void sorted_free(Sorted *o) { free(o->start), free(o->tok), free(o->wt), free(o->active); }
+
+/* Returns -1 (nothing allocated) when a slot id is outside [-1, S). */
+static int sort_pairs(const int64_t *slot_ids, const float *weights, int t_, int k_, int s_, Sorted *o) {
+    const int n = t_ * k_;
+    for (int p = 0; p < n; p++)
+        if (slot_ids[p] >= s_ || slot_ids[p] < -1) return -1;
+    int *count = calloc((size_t)s_ + 1, sizeof(int));
+    o->start = malloc(((size_t)s_ + 1) * sizeof(int));
+    o->tok = malloc((size_t)(n > 0 ? n : 1) * sizeof(int));
+    o->wt = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    o->active = malloc(((size_t)s_ + 1) * sizeof(int));
+    for (int p = 0; p < n; p++)
+        if (slot_ids[p] >= 0) count[slot_ids[p]]++;
+    int acc = 0;
+    o->na = 0;
+    for (int s = 0; s < s_; s++) {
+        o->start[s] = acc;
+        acc += count[s];
+        if (count[s]) o->active[o->na++] = s;
+        count[s] = 0;
+    }
+    o->start[s_] = acc;
+    for (int kk = 0; kk < k_; kk++)
+        for (int t = 0; t < t_; t++) {
+            const int64_t s = slot_ids[t * k_ + kk];
+            if (s < 0) continue;
+            const int q = o->start[s] + count[s]++;
+            o->tok[q] = t;
+            o->wt[q] = weights[t * k_ + kk];
+        }
+    free(count);
+    return 0;
+}
+
+enum { DOT_F32, DOT_QAVX2, DOT_QVNNI, DOT_BF16 };
+
+/* One side's activations ([rows, C], one row per token or per pair) in the form the dot wants. */
+typedef struct {
+    const float *f; /* fp32 [rows, C] */
+    int8_t *q;      /* int8 [rows, C] */
+    float *qs, *qc; /* [rows, C/G] scale, scale * sum(q) */
+    uint16_t *b;    /* bf16 [rows, C] */
+    int c, g;
+} Acts;
+
+static void acts_alloc(Acts *a, int kind, const float *f, int rows, int c, int g) {
+    memset(a, 0, sizeof *a);
+    a->f = f, a->c = c, a->g = g;
+    if (kind == DOT_QAVX2 || kind == DOT_QVNNI) {
+        a->q = malloc((size_t)rows * c);
+        a->qs = malloc(sizeof(float) * (size_t)rows * (c / g));
+        a->qc = malloc(sizeof(float) * (size_t)rows * (c / g));
+    } else if (kind == DOT_BF16) {
+        a->b = malloc(sizeof(uint16_t) * (size_t)rows * c);
+    }
+}
+
+static void acts_free(Acts *a) { free(a->q), free(a->qs), free(a->qc), free(a->b); }
+
+static void acts_prep_row(const Acts *a, int r) {
+    if (a->q) quant_act(a->f + (size_t)r * a->c, a->c, a->g, a->q + (size_t)r * a->c, a->qs + (size_t)r * (a->c / a->g),
+                        a->qc + (size_t)r * (a->c / a->g));
+    if (a->b) row_to_bf16(a->f + (size_t)r * a->c, a->c, a->b + (size_t)r * a->c);
+}
+
+/* per-thread pointer arrays to the m activation rows of one expert */
+typedef struct {
+    const float **f;
+    const int8_t **q;
+    const float **qs, **qc;
+    const uint16_t **b;
+} Rows;
+
+static void rows_set(Rows *rw, const Acts *a, const int *idx, int m) {
+    const int ng = a->c / a->g;
+    for (int j = 0; j < m; j++) {
+        const size_t r = (size_t)idx[j];
+        rw->f[j] = a->f + r * a->c;
+        if (a->q) rw->q[j] = a->q + r * a->c, rw->qs[j] = a->qs + r * ng, rw->qc[j] = a->qc + r * ng;
+        if (a->b) rw->b[j] = a->b + r * a->c;
+    }
+}
+
+static void dots(int kind, int fisa, const uint8_t *row, int wdtype, const Acts *a, const Rows *rw, int m,
+                 float *res, float *buf) {
+    switch (kind) {
+        case DOT_QVNNI: dots_vnni(row, wdtype, a->c, a->g, rw->q, rw->qs, rw->qc, m, res); return;
+        case DOT_QAVX2: dots_avx2(row, wdtype, a->c, a->g, rw->q, rw->qs, rw->qc, m, res); return;
+        case DOT_BF16: dots_bf16(row, a->c, rw->b, m, res); return;
+        default: break;
+    }
+    if (fisa == 2)
+        row_dots_avx512(row, wdtype, a->c, a->g, rw->f, m, res, buf);
+    else if (fisa == 1)
+        row_dots_avx2(row, wdtype, a->c, a->g, rw->f, m, res, buf);
+    else
+        row_dots_generic(row, wdtype, a->c, a->g, rw->f, m, res, buf);
+}
+
+static int dot_kind(int caps, int wdtype, int h_, int i_, int g13, int g2, int qact) {
+    if ((wdtype == 1 || wdtype == 2) && qact && g13 % 64 == 0 && g2 % 64 == 0) {
+        if ((caps & CAP_AVX512) && (caps & CAP_VNNI)) return DOT_QVNNI;
+        if (caps & CAP_AVX2) return DOT_QAVX2;
+    }
+    if (wdtype == 0 && (caps & CAP_AVX512) && (caps & CAP_BF16) && h_ % 64 == 0 && i_ % 64 == 0) return DOT_BF16;
+    return DOT_F32;
+}
+
+/* Which dot products moe_decode would use (for logs and tests): a DOT_* value. */
+int moe_dot_kind(int caps, int wdtype, int h_, int i_, int g13, int g2, int qact) {
+    return dot_kind(caps, wdtype, h_, i_, g13, g2, qact);
+}
+
 /* x [T, H] fp32; slot_ids [T, K] int64 (-1 = not here); weights [T, K] fp32; out [T, H] fp32.
  * w13 [S, 2I, row13 bytes], w2 [S, H, row2 bytes]; act scratch [T*K, I] fp32.
  * Returns 0, or -1 when a slot id is out of range (nothing written then). */
 int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
                const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int rb,
-               int wdtype, int g13, int g2, float *act, float *out, int nthreads) {
+               int wdtype, int g13, int g2, float *act, float *out, int nthreads, int caps, int qact) {
     const int n = t_ * k_;
-    int *count = calloc((size_t)s_ + 1, sizeof(int));
-    int *start = malloc(((size_t)s_ + 1) * sizeof(int));
-    int *tok = malloc((size_t)(n > 0 ? n : 1) * sizeof(int));
-    float *wt = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-    int *active = malloc(((size_t)s_ + 1) * sizeof(int));
-    for (int p = 0; p < n; p++) {
-        const int64_t s = slot_ids[p];
-        if (s >= s_ || s < -1) {
-            free(count), free(start), free(tok), free(wt), free(active);
-            return -1;
-        }
-        if (s >= 0) count[s]++;
-    }
-    /* counting sort of (token, weight) by slot, k-major within a slot like the reference */
-    int na = 0, acc = 0;
-    for (int s = 0; s < s_; s++) {
-        start[s] = acc;
-        acc += count[s];
-        if (count[s]) active[na++] = s;
-        count[s] = 0;
-    }
-    start[s_] = acc;
-    for (int kk = 0; kk < k_; kk++)
-        for (int t = 0; t < t_; t++) {
-            const int64_t s = slot_ids[t * k_ + kk];
-            if (s < 0) continue;
-            const int q = start[s] + count[s]++;
-            tok[q] = t;
-            wt[q] = weights[t * k_ + kk];
-        }
+    Sorted so;
+    if (sort_pairs(slot_ids, weights, t_, k_, s_, &so)) return -1;
+    const int kind = dot_kind(caps, wdtype, h_, i_, g13, g2, qact);
+    const int fisa = (caps & CAP_AVX512) ? 2 : (caps & CAP_AVX2) ? 1 : 0;
+    Acts ax, aa;
+    acts_alloc(&ax, kind, x, t_, h_, wdtype == 1 || wdtype == 2 ? g13 : 1);
+    acts_alloc(&aa, kind, act, n, i_, wdtype == 1 || wdtype == 2 ? g2 : 1);
+    int *pairs = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1)); /* identity: act rows of a slot */
+    for (int p = 0; p < n; p++) pairs[p] = p;
     memset(out, 0, sizeof(float) * (size_t)t_ * h_);
     const int nblk = i_ / rb;
-    const long items1 = (long)na * nblk;
+    const long items1 = (long)so.na * nblk;
+    const int prep = kind != DOT_F32;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = malloc(sizeof(float) * (size_t)(h_ > i_ ? h_ : i_));
-        const float **xs = malloc(sizeof(float *) * (size_t)(n > 0 ? n : 1));
-        float *res = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+        const size_t np = (size_t)(n > 0 ? n : 1);
+        Rows rw = {malloc(sizeof(void *) * np), malloc(sizeof(void *) * np), malloc(sizeof(void *) * np),
+                   malloc(sizeof(void *) * np), malloc(sizeof(void *) * np)};
+        float *res = malloc(sizeof(float) * np);
+        if (prep) {
+#pragma omp for schedule(static)
+            for (int t = 0; t < t_; t++) acts_prep_row(&ax, t);
+        }
 #pragma omp for schedule(static)
         for (long it = 0; it < items1; it++) {
-            const int s = active[it / nblk], b = (int)(it % nblk);
+            const int s = so.active[it / nblk], b = (int)(it % nblk);
             const uint8_t *base = w13 + ((size_t)s * 2 * i_ + (size_t)b * 2 * rb) * row13;
-            const int m = start[s + 1] - start[s];
-            for (int j = 0; j < m; j++) xs[j] = x + (size_t)tok[start[s] + j] * h_;
+            const int m = so.start[s + 1] - so.start[s];
+            rows_set(&rw, &ax, so.tok + so.start[s], m);
             for (int r = 0; r < 2 * rb; r++) {
-                row_dots(base + (size_t)r * row13, wdtype, h_, g13, xs, m, res, buf);
+                dots(kind, fisa, base + (size_t)r * row13, wdtype, &ax, &rw, m, res, buf);
                 for (int j = 0; j < m; j++) {
-                    float *a = &act[(size_t)(start[s] + j) * i_ + b * rb + (r % rb)];
+                    float *a = &act[(size_t)(so.start[s] + j) * i_ + b * rb + (r % rb)];
                     if (r < rb)
                         *a = res[j];
                     else
@@ -241,27 +381,55 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
             }
         }
         /* implicit barrier: all of act is ready */
+        if (prep) {
+#pragma omp for schedule(static)
+            for (int p = 0; p < n; p++) acts_prep_row(&aa, p);
+        }
 #pragma omp for schedule(static)
         for (int h = 0; h < h_; h++) {
-            for (int ai = 0; ai < na; ai++) {
-                const int s = active[ai];
-                const int m = start[s + 1] - start[s];
-                for (int j = 0; j < m; j++) xs[j] = act + (size_t)(start[s] + j) * i_;
-                row_dots(w2 + ((size_t)s * h_ + h) * row2, wdtype, i_, g2, xs, m, res, buf);
-                for (int j = 0; j < m; j++) out[(size_t)tok[start[s] + j] * h_ + h] += wt[start[s] + j] * res[j];
+            for (int ai = 0; ai < so.na; ai++) {
+                const int s = so.active[ai];
+                const int m = so.start[s + 1] - so.start[s];
+                rows_set(&rw, &aa, pairs + so.start[s], m);
+                dots(kind, fisa, w2 + ((size_t)s * h_ + h) * row2, wdtype, &aa, &rw, m, res, buf);
+                for (int j = 0; j < m; j++)
+                    out[(size_t)so.tok[so.start[s] + j] * h_ + h] += so.wt[so.start[s] + j] * res[j];
             }
         }
-        free(buf);
-        free(xs);
-        free(res);
+        free(buf), free(res);
+        free(rw.f), free(rw.q), free(rw.qs), free(rw.qc), free(rw.b);
     }
-    free(count), free(start), free(tok), free(wt), free(active);
+    acts_free(&ax), acts_free(&aa), free(pairs);
+    sorted_free(&so);
     return 0;
 }
 
-/* Dequantise rows [R, row bytes] of one format into fp32 [R, C] (the prefill path's GEMM input). */
-void dequant_rows(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype, int g, float *out,
-                  int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int r = 0; r < r_; r++) row_to_f32(rows + (size_t)r * rowbytes, wdtype, c, g, out + (size_t)r * c);
+/* one row's dequantisation, compiled per ISA (the conversion loops auto-vectorise) */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void row_to_f32_avx512(const uint8_t *row,
+                                                                                          int wdtype, int c, int g,
+                                                                                          float *buf) {
+    row_to_f32(row, wdtype, c, g, buf);
 }
+__attribute__((target("avx2,fma"))) static void row_to_f32_avx2(const uint8_t *row, int wdtype, int c, int g,
+                                                                 float *buf) {
+    row_to_f32(row, wdtype, c, g, buf);
+}
+
+/* Dequantise rows [R, row bytes] of one format into fp32 [R, C] (the prefill path's GEMM input). */
+void dequant_rows(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype, int g, float *out, int nthreads,
+                  int caps) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int r = 0; r < r_; r++) {
+        const uint8_t *src = rows + (size_t)r * rowbytes;
+        float *dst = out + (size_t)r * c;
+        if (caps & CAP_AVX512)
+            row_to_f32_avx512(src, wdtype, c, g, dst);
+        else if (caps & CAP_AVX2)
+            row_to_f32_avx2(src, wdtype, c, g, dst);
+        else
+            row_to_f32(src, wdtype, c, g, dst);
+    }
+}
+
+#include "moe_amx.c"
+#include "moe_amx_int8.c"
