@@ -226,8 +226,12 @@ class ShmClient:
                     raise self._dead
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise FutureTimeout()
-                if not self._spin.until(self._answered):
+                    # NOTE (issue 15a/14h): an answer that already arrived is read before giving
+                    # up: a layer's later servers are collected with the deadline an earlier,
+                    # hung one used up, and a healthy server must not be marked down for it
+                    if not self._poll.poll(0):
+                        raise FutureTimeout()
+                elif not self._spin.until(self._answered):
                     t0 = time.monotonic()
                     if not self._poll.poll(max(1, int(left * 1e3))):
                         continue
