@@ -70,6 +70,8 @@ class Connection(Protocol):
     def unload_adapter(self, name: str, timeout: float) -> None: ...
     def open_stream(self) -> object: ...
     def stream_alive(self) -> bool: ...
+    def serving(self, timeout: float) -> bool: ...
+    def retire_stream(self, reason: str, timeout: float) -> None: ...
     def reset(self, reason: str) -> None: ...
     def close(self) -> None: ...
 
@@ -80,6 +82,7 @@ class Member:
     state: ServerState = ServerState.CONNECTING
     last_error: str = ""
     error: ExpertServerError | None = None
+    down_since: float | None = None  # monotonic time it was last lost (None: up)
 
 
 def initial_placement(cfg: ModelConfig, c: ClusterConfig) -> pl.Placement:
@@ -131,6 +134,9 @@ class ExpertCluster:
         # run after each member's PREPARE with (member, its new slot table, timeout): state that
         # must travel with a placement (MoE LoRA adapters of the experts it will hold) goes here
         self.prepare_hooks: list[Callable[[int, dict[int, list[int]], float], None]] = []
+        # run at the end of every maintenance round, once serving, whether the round's
+        # reconnections worked or not (coordinator/degraded.py re-places experts from here)
+        self.round_hooks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ reading
 
@@ -182,6 +188,10 @@ class ExpertCluster:
         with self._cond:
             m = self.members[i]
             m.state = state
+            if state is ServerState.READY:
+                m.down_since = None
+            elif m.down_since is None:
+                m.down_since = time.monotonic()
             if isinstance(error, ExpertServerError):
                 m.error, m.last_error = error, str(error)
             elif error is not None:
@@ -215,14 +225,48 @@ class ExpertCluster:
         down = self.down()
         return not down or not pl.uncovered(self.tables.placement.tables, down)
 
+    def outage_wait(self, wait_s: float) -> float:
+        """How long a step that needs a lost expert may still wait for it: ``wait_s`` from the
+        latest loss, so requests are held only at the start of an outage (a quick restart
+        rejoins in time), never ``wait_s`` per step all through it."""
+        since = [m.down_since for m in self.members if m.down_since is not None]
+        if not since:
+            return wait_s
+        return max(0.0, min(wait_s, max(since) + wait_s - time.monotonic()))
+
+    @property
+    def serving(self) -> bool:
+        """Whether a placement was committed on every server once (steps may run)."""
+        return self._serving
+
+    def serving_some(self) -> bool:
+        """Whether requests may be admitted: the placement was live once and some server is
+        usable (a request that needs only live servers' experts succeeds; the others fail at
+        their layer with a status naming the lost experts)."""
+        return self._serving and len(self.down()) < len(self.members)
+
     def ensure_ready(self, wait_s: float) -> frozenset[int]:
-        """Before a step: returns the servers the step must route around (empty when all are
-        up). A down server whose experts all have live replicas elsewhere is routed around at
-        once; otherwise this waits at most ``wait_s`` for the maintenance thread, then raises
-        (UNAVAILABLE naming the experts without a live server, or the incompatibility that
-        keeps a server out)."""
+        """Returns the servers to route around (empty when all are up). A down server whose
+        experts all have live replicas elsewhere is routed around at once; otherwise this waits
+        at most ``wait_s`` for the maintenance thread, then raises (UNAVAILABLE naming the
+        experts without a live server, or the incompatibility that keeps a server out). The
+        step path uses :meth:`step_down` (no wait once serving)."""
         if all(self._usable(m) for m in self.members):  # the common case: no lock
             return frozenset()
+        return self._wait_covered(wait_s, wait_lost=True)
+
+    def step_down(self, wait_s: float) -> frozenset[int]:
+        """Before a step: the servers it must route around, at once once the cluster serves:
+        a step whose tokens need an expert without a live replica fails at that layer
+        (:meth:`lost_experts`) and the others go on. Before the first placement is live this
+        is :meth:`ensure_ready` (the bounded wait for the bring-up)."""
+        if all(self._usable(m) for m in self.members):  # the common case: no lock
+            return frozenset()
+        # NOTE: once serving, a step never waits for a lost server (requests that do not need
+        # its experts go on; the others fail at once with a status naming them)
+        return self._wait_covered(wait_s, wait_lost=not self._serving)
+
+    def _wait_covered(self, wait_s: float, wait_lost: bool) -> frozenset[int]:
         self.start()
         deadline = time.monotonic() + wait_s
         with self._cond:
@@ -231,10 +275,10 @@ class ExpertCluster:
             while True:
                 down = self.down()
                 lost = pl.uncovered(self.tables.placement.tables, down) if down else {}
-                if not lost:
+                if not lost or (not wait_lost and not self._incompatible(down)):
                     return down
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or not wait_lost:
                     break
                 # NOTE: a dead stream is not signalled through the condition: poll it too
                 self._cond.wait(min(left, 0.05))
@@ -242,14 +286,31 @@ class ExpertCluster:
         for m in bad:
             if m.error is not None and isinstance(m.error.error, errors.Incompatible):
                 raise m.error
-        m = bad[0]
-        name = f"expert server {m.conn.spec.name} ({m.conn.spec.address})"
-        why = m.last_error or ("connecting" if m.state is ServerState.CONNECTING else "stream closed")
         layer, experts = next(iter(sorted(lost.items())))
         more = f" (and {len(lost) - 1} more layers)" if len(lost) > 1 else ""
-        raise ExpertServerError.of(
+        raise self.lost_experts(layer, experts, down, more)
+
+    def _incompatible(self, down: frozenset[int]) -> bool:
+        return any(
+            (e := self.members[i].error) is not None and isinstance(e.error, errors.Incompatible)
+            for i in down
+        )
+
+    def lost_experts(
+        self, layer: int, experts: list[int], down: frozenset[int], more: str = ""
+    ) -> ExpertServerError:
+        """UNAVAILABLE for a step that needs ``experts`` of ``layer`` while every replica of
+        them is on a server in ``down``: names the experts, the servers and why they are out."""
+        t = self.tables.placement.tables[layer]
+        holders = sorted({int(t.owner[p]) for e in experts for p in t.log2phy[e].tolist() if p >= 0})
+        names = []
+        for i in holders or sorted(down):
+            m = self.members[i]
+            why = m.last_error or ("connecting" if m.state is ServerState.CONNECTING else "stream closed")
+            names.append(f"expert server {m.conn.spec.name} ({m.conn.spec.address}) is not ready: {why}")
+        return ExpertServerError.of(
             errors.Unavailable(
-                f"{name} is not ready: {why}; no live server holds layer {layer} experts {experts}{more}"
+                f"{'; '.join(names)}; no live server holds layer {layer} experts {experts}{more}"
             )
         )
 
@@ -393,6 +454,7 @@ class ExpertCluster:
                     for i, m in enumerate(self.members):
                         if not self._usable(m) and not self._stop:
                             self._bring_back(i, time.monotonic() + self._reconnect_s())
+                    self._watch_draining()
                 last = ""
             except ExpertServerError as e:
                 if str(e) != last:
@@ -407,6 +469,28 @@ class ExpertCluster:
                         if m.state is not ServerState.READY:
                             m.last_error = f"internal error while reconnecting: {last}"
                 time.sleep(0.5)
+            if self._serving and not self._stop:
+                self._run_round_hooks()
+
+    def _run_round_hooks(self) -> None:
+        for hook in self.round_hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - the thread's boundary: a hook's bug must not end it
+                log.exception("expert-cluster round hook %r failed", hook)
+
+    def _watch_draining(self) -> None:
+        """A ready server whose health turned NOT_SERVING is draining (SIGTERM): steps route
+        around it from now on, and its stream is closed once its in-flight answers are in, so
+        that it may exit (the reconnection waits for it to serve again)."""
+        for i, m in enumerate(self.members):
+            serving = getattr(m.conn, "serving", None)  # NOTE: test fakes have no health
+            if self._stop or m.state is not ServerState.READY or serving is None:
+                continue
+            if not serving(min(1.0, self.config.timeout_s)):
+                log.info("%s reports NOT_SERVING (draining): routing around it", m.conn.spec.name)
+                self._set(i, ServerState.UNAVAILABLE, "draining (health NOT_SERVING)")
+                m.conn.retire_stream("draining", self.config.timeout_s)
 
     def _reconnect_s(self) -> float:
         return min(RECONNECT_WAIT_S, self.config.timeout_s)

@@ -56,8 +56,16 @@ class CoordinatorConfig:
     # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
     admin_token: str | None = field(default=None, repr=False)
     tls: TLSConfig | None = None  # issue 15c: the public port serves TLS only with a certificate
+    # issue 15a: SIGTERM: admit nothing new, finish running requests for at most this long
+    drain_timeout_s: float = 30.0
+    # issue 15a: re-place the experts of a server down this long over the others (None = off)
+    degraded_replace_after_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if self.degraded_replace_after_s is not None and self.degraded_replace_after_s <= 0:
+            raise ValueError(f"--degraded-replace-after must be > 0, got {self.degraded_replace_after_s}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
         if not 0 <= self.port < 65536:

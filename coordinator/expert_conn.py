@@ -188,6 +188,26 @@ class ServerConnection:
                 )
             time.sleep(0.1)
 
+    def serving(self, timeout: float) -> bool:
+        """False when the server's health says NOT_SERVING (it drains or is not ready); an
+        unreachable server counts as serving here (its stream reports that loss)."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            st = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout).status
+        except grpc.RpcError:
+            return True
+        return st == health_pb2.HealthCheckResponse.SERVING
+
+    def retire_stream(self, reason: str, timeout: float) -> None:
+        """Ends the stream once the answers due on it arrived (at most ``timeout`` s): a
+        draining server finishes its in-flight layers and sees its stream closed."""
+        st = self._stream
+        deadline = time.monotonic() + timeout
+        while st is not None and st.pending and st.dead is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if st is not None and self._stream is st:
+            self.end_stream(st, ExpertServerError.of(errors.Unavailable(f"{self.describe_self()}: {reason}")))
+
     def prepare(self, generation: int, table: dict[int, list[int]], timeout: float) -> None:
         """Phase 1: the server loads ``table`` (layer -> expert per local slot) beside its live set."""
         layers = [pb.LayerSlots(layer=layer, experts=ex) for layer, ex in sorted(table.items())]

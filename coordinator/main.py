@@ -2,8 +2,8 @@
 
 With ``--gpu-server``/``--cpu-server`` the routed experts run on those expert servers; without
 any, every expert runs in this process. Prints ``coordinator listening on HOST:PORT`` once the
-port is bound (health turns SERVING when the expert servers are ready); SIGINT or SIGTERM stops
-it cleanly.
+port is bound (health turns SERVING when the expert servers are ready); SIGINT or SIGTERM drains
+it (coordinator/drain.py) and stops it cleanly.
 """
 
 from __future__ import annotations
@@ -81,6 +81,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"secret every Admin call must carry (or env {auth.ADMIN_TOKEN_ENV}); "
         "without one, Admin answers loopback peers only",
     )
+    f = p.add_argument_group("faults and shutdown")
+    f.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=C.drain_timeout_s,
+        help="on SIGTERM: refuse new requests (UNAVAILABLE / HTTP 503), finish running ones for at "
+        "most this many seconds, then cancel the rest and exit 0",
+    )
+    f.add_argument(
+        "--degraded-replace-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="when an expert server stays down this long and some experts have no live replica, "
+        "re-place every expert over the remaining servers (EPLB) from the checkpoint (default: off)",
+    )
     ClusterConfig.add_arguments(p)
     TLSConfig.add_arguments(p, "coordinator")  # issue 15c
     InputLimits.add_arguments(p)
@@ -119,10 +135,13 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         admin_token=args.admin_token or auth.token_from_env(auth.ADMIN_TOKEN_ENV),
         input_limits=InputLimits.from_args(args),
         tls=TLSConfig.from_args(args),  # issue 15c
+        drain_timeout_s=args.drain_timeout,
+        degraded_replace_after_s=args.degraded_replace_after,
     )
 
 
 async def serve(config: CoordinatorConfig) -> int:
+    from coordinator.drain import drain
     from coordinator.server import create_server
 
     server = create_server(config)
@@ -150,7 +169,14 @@ async def serve(config: CoordinatorConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logging.getLogger("expertmesh.coordinator").info("shutting down")
+    log = logging.getLogger("expertmesh.coordinator")
+    log.info("draining (at most %gs): new requests are refused", config.drain_timeout_s)
+    left = await drain(server, config.drain_timeout_s)
+    if left:
+        log.warning("drain timeout: cancelling %d unfinished requests", left)
+        # NOTE: before the gRPC server's own grace period, which would let them run on
+        await asyncio.to_thread(server.scheduler.stop)
+    log.info("shutting down")
     await server.stop(5.0)
     return 0
 

@@ -56,6 +56,8 @@ class RemoteDispatcher(Dispatcher):
         self._step: pl.ServerTables | None = None  # the placement this step routes with
         self._live: dict[int, pl.LayerTables] = {}  # layer -> tables without the down servers
         self._live_key: tuple[int, frozenset[int]] | None = None
+        self._down: frozenset[int] = frozenset()  # servers this step routes around
+        self._lost: dict[int, torch.Tensor] = {}  # layer -> [E_lost] experts without a live server
         self._rr_offset = 0
         self._all_on_gpu = False
         # layer -> (server, [E] int32 local slot of each logical expert) for the layers whose
@@ -103,22 +105,13 @@ class RemoteDispatcher(Dispatcher):
     # ------------------------------------------------------------ hot path
 
     def begin_step(self, num_tokens: int) -> None:
-        down = self.expert_cluster.ensure_ready(min(RECONNECT_WAIT_S, self.cluster.timeout_s))
+        down = self.expert_cluster.step_down(min(RECONNECT_WAIT_S, self.cluster.timeout_s))
         # NOTE: a step never mixes placement generations: it keeps the tables it starts with
         tables = self._step = self.expert_cluster.tables
         if self._deferred is not None:  # issue 14h: frees what a failed step left un-awaited
             self._deferred.reset()
         if (tables.generation, down) != self._live_key:  # servers to route around changed
-            self._live_key = (tables.generation, down)
-            self._live = {layer: pl.live_tables(lt, down) for layer, lt in tables.placement.tables.items()}
-            self._single = {}
-            for layer, lt in self._live.items():
-                owners = lt.owner[
-                    lt.log2phy[:, 0]
-                ]  # [E] (every expert has a replica: checked by the cluster)
-                if bool((lt.logcnt == 1).all()) and bool((owners == owners[0]).all()):
-                    local = lt.local_slot[lt.log2phy[:, 0]].to(torch.int32).numpy()  # [E]
-                    self._single[layer] = (int(owners[0]), local)
+            self._route_around(tables, down)
         if self._rows.numel() != num_tokens:  # NOTE: once per step: every layer's batch reuses it
             self._rows = torch.arange(num_tokens)
         t = self.cluster.gpu_prefill_token_threshold
@@ -132,6 +125,8 @@ class RemoteDispatcher(Dispatcher):
         if self._all_on_gpu:
             return [pl.all_on_server(tables, layer, topk_ids, topk_weights)], None
         # the layer's replicas on live servers (all of them unless a server is routed around)
+        if self._lost and tables is self._step and layer in self._lost:  # failover (issue 15a)
+            self._check_lost(layer, topk_ids)  # NOTE: may refresh self._live: read it after
         lt = self._live.get(layer) if tables is self._step else None
         lt = lt if lt is not None else tables.placement.tables[layer]
         # NOTE: not with --cpu-defer-experts (issue 14h), whose split needs the physical slots
@@ -296,6 +291,43 @@ class RemoteDispatcher(Dispatcher):
 
     def take_deferred(self) -> Pending | None:
         return None if self._deferred is None else self._deferred.take()
+
+    # ------------------------------------------------------------ failover (issue 15a)
+
+    def _route_around(self, tables: pl.ServerTables, down: frozenset[int]) -> None:
+        self._live_key, self._down = (tables.generation, down), down
+        self._live = {layer: pl.live_tables(lt, down) for layer, lt in tables.placement.tables.items()}
+        self._single = {}
+        for layer, lt in self._live.items():
+            owners = lt.owner[lt.log2phy[:, 0]]  # [E] (-1 rows: lost experts, excluded by logcnt)
+            if bool((lt.logcnt == 1).all()) and bool((owners == owners[0]).all()):
+                local = lt.local_slot[lt.log2phy[:, 0]].to(torch.int32).numpy()  # [E]
+                self._single[layer] = (int(owners[0]), local)
+        self._lost = {  # per layer, the experts no live server holds [E_lost]
+            layer: torch.tensor(ex, dtype=torch.long)
+            for layer, ex in pl.uncovered(tables.placement.tables, down).items()
+        }
+
+    def _check_lost(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """A step whose tokens need an expert of ``layer`` that no live server holds waits
+        (bounded, as a step did before failover) for the cluster to bring a holder back, then
+        fails (UNAVAILABLE naming the experts and the servers); a step that needs none of the
+        lost experts never gets here."""
+        hit = torch.isin(topk_ids, self._lost[layer])  # [T, K]
+        if not bool(hit.any()):
+            return
+        need = topk_ids[hit].unique().tolist()
+        tables = self._step
+        assert tables is not None
+        try:
+            wait = self.expert_cluster.outage_wait(min(RECONNECT_WAIT_S, self.cluster.timeout_s))
+            down = self.expert_cluster.ensure_ready(wait)
+        except ExpertServerError as e:
+            if not isinstance(e.error, errors.Unavailable):
+                raise  # e.g. an incompatible server: its own message says more
+            raise self.expert_cluster.lost_experts(layer, need, self.expert_cluster.down()) from None
+        # NOTE: the step keeps its generation (commits land between steps, on this thread)
+        self._route_around(tables, down)
 
     def _resend(
         self,

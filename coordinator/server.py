@@ -27,6 +27,7 @@ from coordinator import eplb_admin
 from coordinator.chat import ChatTemplate
 from coordinator.cluster import ExpertCluster
 from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
+from coordinator.degraded import DegradedPlacement
 from coordinator.dispatch import Dispatcher, LocalDispatcher
 from coordinator.engine import Engine
 from coordinator.eplb.manager import EplbManager, RebalanceError
@@ -320,7 +321,9 @@ class CoordinatorServer(grpc.aio.Server):
         self.tokenizer, self.load, self.eplb = tokenizer, load, eplb
         self.cluster = cluster  # None: every expert in process
         self.health = health.aio.HealthServicer()
-        self.experts_ready = cluster is None
+        self.experts_ready = cluster is None  # requests are admitted (see _watch_experts)
+        self._covered = cluster is None
+        self.draining = False  # issue 15a: SIGTERM: admit nothing new, finish what runs
         # MoE LoRA: adapter registry + hot-load (coordinator/lora); the engine gets its hooks
         manager = enable_lora(scheduler.engine, config.max_loras)
         self.lora = LoRAService(
@@ -357,7 +360,12 @@ class CoordinatorServer(grpc.aio.Server):
         return None if remaining_s is None else time.monotonic() + remaining_s
 
     def expert_state(self) -> str:
+        if self.draining:  # issue 15a: what refused requests read
+            return "the coordinator is draining (shutting down)"
         return "in process" if self.cluster is None else self.cluster.describe_state()
+
+    async def set_health(self, serving: bool) -> None:
+        await self._set_health(serving)
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -371,13 +379,17 @@ class CoordinatorServer(grpc.aio.Server):
         reconnects them)."""
         cluster.start(self.config.connect_timeout_s)
         while True:
-            # NOTE: serving while every expert has a live server (a down replica is routed around)
-            ready = cluster.covered()
-            if ready != self.experts_ready:
-                log.info("expert servers %s", "ready" if ready else f"not ready: {self.expert_state()}")
-            self.experts_ready = ready
-            await self._set_health(ready)
-            await asyncio.sleep(1.0 if ready else 0.5)
+            # NOTE: health is SERVING while every expert has a live server (a down replica is
+            # routed around); requests are admitted while some server is live (issue 15a: those
+            # that need a lost expert fail at its layer, naming it; the others go on)
+            covered = cluster.covered()
+            ready = covered or cluster.serving_some()
+            if covered != self._covered:
+                log.info("expert servers %s", "ready" if covered else f"not ready: {self.expert_state()}")
+            self._covered = covered
+            self.experts_ready = ready and not self.draining
+            await self._set_health(covered and not self.draining)
+            await asyncio.sleep(1.0 if covered else 0.2)
 
     # grpc.aio.Server
 
@@ -469,6 +481,9 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         dispatcher.server_time_hook = load.record_server_time
     if cluster is not None:  # placement commits (and renumbering) land between two steps
         cluster.between_steps = scheduler.call_between_steps
+        if config.degraded_replace_after_s is not None:  # issue 15a: opt-in re-placement
+            assert config.cluster is not None
+            DegradedPlacement(cluster, config.degraded_replace_after_s, config.cluster.timeout_s)
     log.info(
         "KV cache: %d pages of %d tokens (%d tokens), max context %d, tokenizer %s",
         spec.num_pages,

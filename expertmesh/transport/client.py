@@ -226,15 +226,21 @@ class ShmClient:
                     raise self._dead
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    # NOTE: an answer that already arrived is read before giving up: with one
-                    # deadline per layer, a server collected after a hung one has answered long ago
-                    if not self._answered():
+                    # NOTE (issue 15a/14h): an answer that already arrived is read before giving
+                    # up: a layer's later servers are collected with the deadline an earlier,
+                    # hung one used up, and a healthy server must not be marked down for it
+                    if not self._poll.poll(0):
                         raise FutureTimeout()
                 elif not self._spin.until(self._answered):
                     t0 = time.monotonic()
                     if not self._poll.poll(max(1, int(left * 1e3))):
                         continue
                     self._spin.blocked_for(time.monotonic() - t0)
+                elif not self._poll.poll(max(1, int(left * 1e3))):
+                    # NOTE (issue 15a): the server counts an answer in shared memory before it
+                    # writes the descriptor; stopped or killed in between, a bare read here
+                    # blocked forever (a step hung past its expert timeout). Bounded instead.
+                    continue
                 raw = os.read(self._resp_fd, dsc.SIZE)
                 if dsc.is_kick(raw):
                     continue

@@ -38,8 +38,12 @@ class WorkerConfig:
     cluster_token: str | None = field(default=None, repr=False)
     # issue 15c: TLS only with a certificate; with a CA too, client certificates are required
     tls: TLSConfig | None = None
+    # SIGTERM: refuse new work, wait this long for coordinators to move off, then exit (issue 15a)
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.kind not in KINDS:
             raise ValueError(f"expert server kind {self.kind!r}: expected one of {KINDS}")
         if self.dtype not in DTYPES:
@@ -117,6 +121,14 @@ class WorkerConfig:
         )
         TLSConfig.add_arguments(p, "expert-server")  # issue 15c
 
+        p.add_argument(
+            "--drain-timeout",
+            type=float,
+            default=WorkerConfig.drain_timeout_s,
+            help="on SIGTERM: health NOT_SERVING, new streams/layers refused (UNAVAILABLE), in-flight "
+            "layers finished; exit once coordinators closed their streams or after this many seconds",
+        )
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, kind: str, device: str) -> WorkerConfig:
         """The one place the command line becomes a WorkerConfig (GPU and CPU servers alike)."""
@@ -136,4 +148,5 @@ class WorkerConfig:
             max_loras=args.max_loras,
             cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
             tls=TLSConfig.from_args(args),  # issue 15c
+            drain_timeout_s=args.drain_timeout,
         )

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from expertmesh import wire
-from expertmesh.errors import ExpertMeshError, InvalidRequest, StaleGeneration
+from expertmesh.errors import ExpertMeshError, InvalidRequest, StaleGeneration, Unavailable
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora import LoRABatch
 from expertmesh.lora.store import AdapterStore, AdapterStoreError, LayerAdapter
@@ -63,6 +63,10 @@ class ExpertWorker:
         # NOTE: compute and commit hold this lock: requests come from the gRPC compute thread,
         # the event loop (small ones) and fast-path channel threads.
         self._serial = threading.Lock()
+        # graceful drain (issue 15a): why new streams and layers are refused ("" = serving),
+        # and the Forward streams open now (the drain waits for coordinators to move off)
+        self.draining = ""
+        self.open_streams = 0
 
     def info(self) -> WorkerInfo:
         cfg, ident = self.cfg, self.identity
@@ -89,6 +93,8 @@ class ExpertWorker:
 
     def check(self, req: ExpertRequest) -> ExpertRequest:
         """The checks of a decoded request, whichever path it came by."""
+        if self.draining:  # NOTE: UNAVAILABLE: the coordinator re-sends the layer to replicas
+            raise Unavailable(self.draining)
         live = self.slots.live
         layer, x, slot_ids, weights = req.layer, req.hidden, req.slot_ids, req.weights
         if layer not in live.layers:
@@ -141,6 +147,28 @@ class ExpertWorker:
         if missing:
             loaded = sorted(self.adapter_slots) or "none"
             raise InvalidRequest(f"adapter slots {missing} hold no adapter on this server (loaded: {loaded})")
+
+    # ------------------------------------------------------------ drain (issue 15a)
+
+    def start_drain(self, reason: str) -> None:
+        """From now on new streams and new layers are refused (UNAVAILABLE, ``reason``)."""
+        self.draining = reason
+
+    def stream_opened(self) -> None:
+        """A Forward stream starts (refused while draining)."""
+        if self.draining:
+            raise Unavailable(self.draining)
+        self.open_streams += 1
+
+    def stream_closed(self) -> None:
+        self.open_streams -= 1
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits (a worker thread) until no layer is being computed; False after ``timeout``."""
+        if not self._serial.acquire(timeout=max(0.0, timeout)):
+            return False
+        self._serial.release()
+        return True
 
     # ------------------------------------------------------------ compute
 

@@ -49,6 +49,29 @@ class RunningWorker:
     metrics_port: int | None = None  # issue 16
     metrics_server: Any = None
 
+    async def drain(self, timeout: float) -> bool:
+        """Graceful drain (SIGTERM): health NOT_SERVING, new streams and layers refused with
+        UNAVAILABLE (the coordinator re-sends them to replicas and routes around this server),
+        then wait until every coordinator closed its stream and the layer being computed is
+        done, at most ``timeout`` seconds. Returns whether it drained in time."""
+        w = self.servicer.worker
+        w.start_drain(f"expert server on port {self.port} is draining (shutting down)")
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while w.open_streams > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        streams = w.open_streams
+        idle = await asyncio.to_thread(w.wait_idle, max(0.0, deadline - loop.time()))
+        if streams or not idle:
+            log.warning(
+                "drain timeout (%gs): %d streams still open, computing: %s", timeout, streams, not idle
+            )
+            return False
+        log.info("drained: no coordinator stream left")
+        return True
+
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
@@ -147,6 +170,7 @@ def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -
             await w.stop(0)
             return 1
         await stop.wait()
+        await w.drain(config.drain_timeout_s)  # issue 15a: SIGTERM/SIGINT drain first
         await w.stop()
         return 0
 

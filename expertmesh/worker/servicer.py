@@ -70,6 +70,11 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
     ) -> AsyncIterator[pb.ForwardResponse]:
         loop = asyncio.get_running_loop()
         fast: ShmServer | None = None
+        try:  # --- drain (issue 15a): a draining server opens no stream; open ones are counted
+            self.worker.stream_opened()
+        except ExpertMeshError as e:
+            await _abort(context, e)
+            return
         try:
             async for msg in request_iterator:
                 try:
@@ -94,6 +99,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                     seq=msg.seq, output=wire.encode(out), compute_ms=(time.perf_counter() - t0) * 1e3
                 )
         finally:
+            self.worker.stream_closed()  # drain (issue 15a)
             if fast is not None:
                 fast.close()
 
