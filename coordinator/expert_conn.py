@@ -52,6 +52,9 @@ class ExpertServerError(RuntimeError):
         super().__init__(message)
         self.code = code
         self.error = error if error is not None else errors.from_status(status.status_of(code), message)
+        # the step's token rows that need an expert no live server holds (None: the whole step):
+        # the scheduler fails only the requests of those rows and runs the step again for the rest
+        self.rows: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, err: errors.ExpertMeshError) -> ExpertServerError:

@@ -317,6 +317,7 @@ class RemoteDispatcher(Dispatcher):
         if not bool(hit.any()):
             return
         need = topk_ids[hit].unique().tolist()
+        rows = tuple(hit.any(1).nonzero().flatten().tolist())
         tables = self._step
         assert tables is not None
         try:
@@ -325,7 +326,9 @@ class RemoteDispatcher(Dispatcher):
         except ExpertServerError as e:
             if not isinstance(e.error, errors.Unavailable):
                 raise  # e.g. an incompatible server: its own message says more
-            raise self.expert_cluster.lost_experts(layer, need, self.expert_cluster.down()) from None
+            lost = self.expert_cluster.lost_experts(layer, need, self.expert_cluster.down())
+            lost.rows = rows
+            raise lost from None
         # NOTE: the step keeps its generation (commits land between steps, on this thread)
         self._route_around(tables, down)
 
@@ -353,9 +356,13 @@ class RemoteDispatcher(Dispatcher):
         need = ids[pairs].unique().tolist()
         missing = [e for e in need if int(live.logcnt[e]) == 0]
         if missing:
-            raise ExpertServerError.of(
+            lost = ExpertServerError.of(
                 type(err.error)(f"{err}; layer {layer} experts {missing} have no live replica")
-            ) from None
+            )
+            lost.rows = tuple(
+                (pairs & torch.isin(ids, torch.tensor(missing))).any(1).nonzero().flatten().tolist()
+            )
+            raise lost from None
         ids2 = torch.where(pairs, ids, need[0])  # [T, K] other pairs: any live expert (masked below)
         phys2 = pl.choose_replicas(ids2, live, self.cluster.replica_policy, self._rr_offset)  # [T, K]
         self._rr_offset += ids.numel()

@@ -29,6 +29,8 @@ sampled tokens and generator state are kept, so the result is the one it would h
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import queue
 import threading
@@ -406,6 +408,15 @@ class Scheduler:
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
         except Exception as exc:  # noqa: BLE001 - the thread boundary (above)
+            hit = _requests_of_rows(plan, getattr(exc, "rows", None))
+            if hit and len(hit) < len(plan):
+                # only some requests need an expert that no live server holds: fail those and
+                # run the step again for the rest (their KV positions are rewritten, not added)
+                log.warning("step failed for %d of %d requests: %s", len(hit), len(plan), exc)
+                for i in hit:
+                    self._finish(plan[i][0], "error", error=exc)
+                self._run_step([p for i, p in enumerate(plan) if i not in hit])
+                return
             log.warning("step of %d requests failed: %s", len(plan), exc)
             for req, _ in plan:
                 self._finish(req, "error", error=exc)
@@ -491,3 +502,12 @@ def _top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:  # l
     the sampled token's logprob)."""
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(n, logits.shape[-1]))
     return list(zip(ids.tolist(), values.tolist()))
+
+
+def _requests_of_rows(plan: list[tuple[Request, int]], rows: tuple[int, ...] | None) -> set[int]:
+    """Indices into ``plan`` of the requests owning the step's token ``rows`` (the step's
+    tokens are the plan's, in order; rows past them are graph padding)."""
+    if not rows:
+        return set()
+    ends = list(itertools.accumulate(n for _, n in plan))
+    return {bisect.bisect_right(ends, r) for r in rows if r < ends[-1]}
