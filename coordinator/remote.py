@@ -356,13 +356,13 @@ class RemoteDispatcher(Dispatcher):
         need = ids[pairs].unique().tolist()
         missing = [e for e in need if int(live.logcnt[e]) == 0]
         if missing:
-            lost = ExpertServerError.of(
+            gone = ExpertServerError.of(
                 type(err.error)(f"{err}; layer {layer} experts {missing} have no live replica")
             )
-            lost.rows = tuple(
+            gone.rows = tuple(
                 (pairs & torch.isin(ids, torch.tensor(missing))).any(1).nonzero().flatten().tolist()
             )
-            raise lost from None
+            raise gone from None
         ids2 = torch.where(pairs, ids, need[0])  # [T, K] other pairs: any live expert (masked below)
         phys2 = pl.choose_replicas(ids2, live, self.cluster.replica_policy, self._rr_offset)  # [T, K]
         self._rr_offset += ids.numel()
