@@ -165,6 +165,11 @@ def load_lora(addr: str, name: str, path: Path) -> None:
         )
 
 
+def unload_lora(addr: str, name: str) -> None:
+    with grpc.insecure_channel(addr) as ch:
+        admin_pb2_grpc.AdminStub(ch).UnloadLoRA(admin_pb2.UnloadLoRARequest(name=name), timeout=60)
+
+
 def placement_file(path: Path, layers: dict[str, dict[str, list[int]]], servers: list[str]) -> str:
     path.write_text(json.dumps({"servers": servers, "layers": layers}))
     return str(path)

@@ -28,8 +28,10 @@ from tests.fault_utils import (
     placement_file,
     proc_resources,
     run_load,
+    server_states,
     shm_entries,
     start_coordinator,
+    unload_lora,
     wait_health,
     wait_states,
 )
@@ -118,6 +120,38 @@ def test_replicated_kill_of_either_server_fails_nothing_and_it_rejoins(model, zy
         co.stop()
         for s in servers.values():
             s.stop()
+
+
+def test_an_adapter_loads_while_a_replica_is_down_and_reaches_it_when_it_rejoins(model, zygote):
+    every = list(range(8))
+    p = placement_file(model / "both2.json", {"*": {"gpu0": every, "cpu0": every}}, ["gpu0", "cpu0"])
+    gpu, cpu = zygote.start("gpu", model / "model"), zygote.start("cpu", model / "model")
+    co = start_coordinator(
+        model / "model",
+        "--gpu-server", gpu.address, "--cpu-server", cpu.address,
+        "--replica-policy", "round_robin", "--transport", "grpc",
+        *coordinator_flags(model, p),
+    )  # fmt: skip
+    try:
+        wait_health(co.addr, "SERVING")
+        load_lora(co.addr, "a", model / "adapters" / "a")
+        want = tokens(run_load(co.addr, jobs(1)))
+        unload_lora(co.addr, "a")
+        cpu.kill()
+        deadline = time.monotonic() + 30
+        while server_states(co.addr)["cpu0"] == "ready":
+            assert time.monotonic() < deadline, "the coordinator never saw cpu0 go down"
+            time.sleep(0.1)
+        load_lora(co.addr, "a", model / "adapters" / "a")  # was: refused while any server was down
+        assert tokens(run_load(co.addr, jobs(1))) == want
+        # round_robin sends adapter rows to the returning server: without the adapter it refuses them
+        cpu = zygote.start(cpu.kind, model / "model", cpu.port)
+        wait_states(co.addr, BOTH_READY, timeout=30)
+        assert tokens(run_load(co.addr, jobs(1))) == want
+    finally:
+        co.stop()
+        gpu.stop()
+        cpu.stop()
 
 
 def expert_use(model_dir, prompts, new_tokens: int) -> list[set[tuple[int, int]]]:

@@ -93,10 +93,10 @@ class LoRAService:
                 raise AdapterError(f"all {self.manager.max_loras} adapter slots are in use (--max-loras)")
             adapter = load_adapter(name, p, self.manager.model_cfg, self.manager.table)
             slot = free[0]
-            if self.cluster is not None:
-                self._push(adapter, slot)
+            skipped = self._push(adapter, slot) if self.cluster is not None else []
             self.between_steps(lambda: self.manager.install(adapter, slot)).result()
             self.usable.add(name)
+            self._catch_up(adapter, slot, skipped)
             return adapter
 
     def on_prepare(self, server: int, table: dict[int, list[int]], timeout: float) -> None:
@@ -117,12 +117,16 @@ class LoRAService:
                 layers[layer] = LayerAdapter(tuple(held), lora.select(held))
         return encode_adapter(layers, self.manager.dtype)
 
-    def _push(self, adapter: LoRAAdapter, slot: int) -> None:
+    def _push(self, adapter: LoRAAdapter, slot: int) -> list[int]:
+        """Loads the adapter on every live server (all or nothing); returns the servers that
+        are down now: each gets it when it rejoins (:meth:`on_prepare`)."""
         cluster = self.cluster
         assert cluster is not None
         from coordinator.expert_conn import ExpertServerError
 
-        payloads = {i: self._payload(adapter, i) for i in range(len(cluster.members))}
+        down = cluster.down()
+        live = [i for i in range(len(cluster.members)) if i not in down]
+        payloads = {i: self._payload(adapter, i) for i in live}
         try:
             cluster.two_phase(
                 prepare=lambda i: cluster.conns[i].load_adapter(
@@ -130,9 +134,29 @@ class LoRAService:
                 ),
                 commit=lambda i: None,
                 abort=lambda i: cluster.conns[i].unload_adapter(adapter.name, self.timeout_s),
+                members=live,
             )
         except ExpertServerError as e:
             raise LoRAPushError(f"adapter {adapter.name!r} was not loaded: {e}") from e
+        return sorted(down)
+
+    def _catch_up(self, adapter: LoRAAdapter, slot: int, skipped: list[int]) -> None:
+        """A server down at the push that rejoined before the adapter was installed here got
+        the adapters it found installed, not this one: push it now; if that fails, mark it down
+        so that its next rejoin pushes everything (never a server serving without it)."""
+        cluster = self.cluster
+        if cluster is None:
+            return
+        from coordinator.expert_conn import ExpertServerError
+
+        down = cluster.down()
+        for i in skipped:
+            if i in down:
+                continue  # it rejoins later and gets the adapter then
+            try:
+                cluster.conns[i].load_adapter(slot, adapter.name, self._payload(adapter, i), self.timeout_s)
+            except ExpertServerError as e:
+                cluster.mark_down(i, e)
 
     # ---------------------------------------------------------------- unload / list
 
