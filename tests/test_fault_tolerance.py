@@ -88,17 +88,23 @@ def tokens(results) -> list[list[list[int]]]:
     return [[o.tokens for o in outs] for outs in results]
 
 
-def test_replicated_kill_of_either_server_fails_nothing_and_it_rejoins(model, zygote):
+def replicated(model, zygote, name: str):
+    """Both servers hold every expert (round_robin over them, gRPC): (coordinator, gpu, cpu)."""
     every = list(range(8))
-    p = placement_file(model / "both.json", {"*": {"gpu0": every, "cpu0": every}}, ["gpu0", "cpu0"])
+    p = placement_file(model / name, {"*": {"gpu0": every, "cpu0": every}}, ["gpu0", "cpu0"])
     gpu, cpu = zygote.start("gpu", model / "model"), zygote.start("cpu", model / "model")
-    servers = {"gpu0": gpu, "cpu0": cpu}
     co = start_coordinator(
         model / "model",
         "--gpu-server", gpu.address, "--cpu-server", cpu.address,
         "--replica-policy", "round_robin", "--transport", "grpc",
         *coordinator_flags(model, p),
     )  # fmt: skip
+    return co, gpu, cpu
+
+
+def test_replicated_kill_of_either_server_fails_nothing_and_it_rejoins(model, zygote):
+    co, gpu, cpu = replicated(model, zygote, "both.json")
+    servers = {"gpu0": gpu, "cpu0": cpu}
     try:
         wait_health(co.addr, "SERVING")
         load_lora(co.addr, "a", model / "adapters" / "a")
@@ -123,15 +129,7 @@ def test_replicated_kill_of_either_server_fails_nothing_and_it_rejoins(model, zy
 
 
 def test_an_adapter_loads_while_a_replica_is_down_and_reaches_it_when_it_rejoins(model, zygote):
-    every = list(range(8))
-    p = placement_file(model / "both2.json", {"*": {"gpu0": every, "cpu0": every}}, ["gpu0", "cpu0"])
-    gpu, cpu = zygote.start("gpu", model / "model"), zygote.start("cpu", model / "model")
-    co = start_coordinator(
-        model / "model",
-        "--gpu-server", gpu.address, "--cpu-server", cpu.address,
-        "--replica-policy", "round_robin", "--transport", "grpc",
-        *coordinator_flags(model, p),
-    )  # fmt: skip
+    co, gpu, cpu = replicated(model, zygote, "both2.json")
     try:
         wait_health(co.addr, "SERVING")
         load_lora(co.addr, "a", model / "adapters" / "a")
