@@ -14,7 +14,8 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where CUDA is present; elsewhere they are skipped with the reason."""
+    """`gpu` tests (the device machine's GPU or host CPU) run only where CUDA is present, i.e. on
+    the device machine; elsewhere they are skipped with the reason."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine: see DEVELOPERS.md)")

@@ -65,7 +65,6 @@ def test_bind_sets_the_node_cpus(tmp_path, monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity API")
 def test_bind_restricts_a_real_process():
     """On this host's real sysfs: a child bound to its first node runs on that node's CPUs only,
     and threads it starts afterwards inherit the mask."""
