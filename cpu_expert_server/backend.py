@@ -42,8 +42,9 @@ log = logging.getLogger("expertmesh.cpu_backend")
 # (bench_cpu_experts.py measures both)
 GEMV_MAX_TOKENS = 16
 KERNEL_DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 3}
-# (token, expert) pairs from which int4 takes the AMX path rather than the VNNI decode kernel
-AMX_INT4_MIN_PAIRS = 64
+# (token, expert) pairs from which int8/int4 take the AMX path rather than the decode kernel's
+# integer dots over tiled blocks (bench_cpu_experts.py "/kernel" vs "/amx"; issue 14q)
+AMX_INT_MIN_PAIRS = 64
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -121,15 +122,14 @@ class CpuExpertBackend(ExpertBackend):
         fmt = self.fmt
         if not self.amx or fmt is None or fmt.rb != 16 or fmt.hidden % 64 or fmt.inter % 64:
             return False
-        # tile loads stream the rows faster than the decode kernel even at T=1 (bench_cpu_experts
-        # "/amx" vs "/kernel"), so AMX takes every call it covers without changing the numerics:
-        # bf16 servers with bf16 weights, and int8 with activation quantisation on. int4 must
-        # unpack its nibbles for the tiles first: the decode kernel's VNNI dots measured faster
-        # below ~64 (token, expert) pairs (T=1: 0.52 vs 0.72 ms at Qwen3 widths), AMX above
-        if (wcode == 0 and x.dtype == torch.bfloat16) or (self._amx_int() and wcode == 1):
+        # bf16: tile loads stream the rows faster than the decode kernel even at T=1
+        # (bench_cpu_experts "/amx" vs "/kernel"), so AMX takes every call it covers. int8/int4
+        # with activation quantisation (the same numerics either way): the decode kernel's
+        # integer dots over tiled blocks below AMX_INT_MIN_PAIRS (token, expert) pairs, AMX above
+        if wcode == 0 and x.dtype == torch.bfloat16:
             return True
         if self._amx_int():
-            return pairs >= AMX_INT4_MIN_PAIRS or per_expert > self.gemv_max_tokens
+            return pairs >= AMX_INT_MIN_PAIRS or per_expert > self.gemv_max_tokens
         # quantised weights dequantised to bf16 tiles: prefill only (a bf16 server)
         return fmt.quantised and x.dtype == torch.bfloat16 and per_expert > self.gemv_max_tokens
 

@@ -294,3 +294,78 @@ def test_split_gate_up_inverts_interleave():
     rb = PackedFormat.for_shape("bfloat16", 3, 32).rb
     gate, up = split_gate_up(interleave(w13, rb)[0].t(), rb)  # [H, I] each
     assert torch.equal(gate, w13[0, :32].t()) and torch.equal(up, w13[0, 32:].t())
+
+
+# ---- the tiled int8/int4 format (issue 14q): blocks of 16 rows, 64-feature steps, scales last ----
+
+
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("g", [64, 128])
+def test_tiled_format_holds_the_row_format_values(wdtype, g):
+    """The tiled bytes dequantise to exactly what the row format gives, and sit where the C
+    kernels read them: step ks of row r of a block at ks * step bytes + r * (step / 16), the
+    block's scales after its weights as [groups][16]."""
+    w = torch.randn(2, 32, 256)  # [S, R, C]: two blocks of 16 rows
+    tiles = quantize_rows(w, wdtype, g)
+    rows = quantize_rows(w[:, :5], wdtype, g)  # 5 rows: not a whole block, so the row format
+    assert tiles.shape == (2, 32, rows.shape[-1])
+    deq = dequantize_rows(tiles, wdtype, 256, g)
+    assert torch.equal(deq[:, :5], dequantize_rows(rows, wdtype, 256, g))
+    blk = tiles[1, 16:].reshape(-1)  # slot 1, second block
+    r, ks = 3, 2
+    if wdtype == "int8":
+        q = blk[ks * 1024 + r * 64 : ks * 1024 + r * 64 + 64].view(torch.int8).float()
+    else:
+        b = blk[ks * 512 + r * 32 : ks * 512 + r * 32 + 32]
+        q = torch.cat([b & 15, b >> 4]).float() - 8  # features ks*64 + j, then ks*64 + 32 + j
+    body = 256 if wdtype == "int8" else 128
+    scales = blk[16 * body :].view(torch.float32).view(256 // g, 16)  # [groups, 16 rows]
+    assert torch.equal(q * scales[ks * 64 // g, r], deq[1, 16 + r, ks * 64 : ks * 64 + 64])
+
+
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("t", [1, 40, 120])  # 40: ~20 tokens per expert through the decode kernel
+def test_tiled_matches_dequantised_reference(use_kernel, wdtype, t):
+    """Tiled weights (group 128: two steps per group) through every path of the backend: the
+    integer dots (checked against the activation-quantising reference), the fp32 dots and the
+    GEMM path (against the dequantised reference to fp32 rounding), the C kernel and torch."""
+    h, i = 256, 128  # noqa: E741
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=400 + t, h=h, i=i)
+    b = CpuExpertBackend(
+        threads=2, weight_dtype=wdtype, group=128, use_kernel=use_kernel, caps=caps_of("avx2")
+    )
+    b.gemv_max_tokens = 10**9 if t == 40 else 16  # t=40: the decode kernel; t=120: GEMMs
+    p13, p2 = b.pack_weights(w13, w2)
+    assert b.fmt is not None and b.fmt.g13 == b.fmt.g2 == 128
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    exact = torch_moe(x.double(), d13.double(), d2.double(), slot_ids, weights.double())
+    out = b.forward(x, p13, p2, slot_ids, weights)
+    if use_kernel and t <= 40:
+        assert b.dot_kind() == "int8-dot avx2"
+        ref = qact_reference(x, d13, d2, slot_ids, weights, 128, 128)
+        assert rel(out, ref) < 1e-3, rel(out, ref)
+        b.qact = False
+        out = b.forward(x, p13, p2, slot_ids, weights)
+    assert rel(out, exact) < 1e-5, rel(out, exact)
+
+
+@DEVICE_HOST
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_tiled_vnni_and_amx_match_reference(wdtype, t):
+    """The AVX512-VNNI block kernel and the AMX int8 tiles on tiled weights with group 128 (two
+    k steps per group) and up to ~20 tokens per expert, against the activation-quantising
+    reference; and the two paths agree with each other."""
+    h, i = 256, 128  # noqa: E741
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=500 + t, h=h, i=i)
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=128, caps=caps_of("amx"))
+    p13, p2 = b.pack_weights(w13, w2)
+    assert b.fmt is not None and b.dot_kind() == "int8-dot avx512-vnni"
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    ref = qact_reference(x, d13, d2, slot_ids, weights, 128, 128)
+    b.amx, b.gemv_max_tokens = False, 10**9
+    vnni = b.forward(x, p13, p2, slot_ids, weights)
+    assert rel(vnni, ref) < 1e-3, rel(vnni, ref)
+    b.amx, b.gemv_max_tokens = True, 0
+    amx = b.forward(x, p13, p2, slot_ids, weights)
+    assert rel(amx, ref) < 2e-3, rel(amx, ref)

@@ -41,28 +41,27 @@ static void qtiles_put(const QTiles *q, int tl, int j, int c, int g, int bias, c
     }
 }
 
-/* int4 rows (packed) -> nibbles 0..15 in natural element order, [r, c] bytes (g % 64 == 0) */
+/* issue 14q: tiled int4 blocks (packing.py; 16 rows x 32 bytes per k step) -> nibbles 0..15 in
+ * int8's tiled order (16 rows x 64 bytes per k step), r_ / 16 whole blocks */
 __attribute__((target(AMX_TARGET))) static void unpack_nibbles(const uint8_t *rows, long rowbytes, int r_, int c,
-                                                               int g, uint8_t *out) {
+                                                               uint8_t *out) {
     const __m256i lo4 = _mm256_set1_epi8(15);
-    for (int r = 0; r < r_; r++) {
-        const uint8_t *src = rows + (size_t)r * rowbytes;
-        uint8_t *dst = out + (size_t)r * c;
-        for (int gi = 0; gi < c / g; gi++)
-            for (int j = 0; j < g / 2; j += 32) {
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(src + gi * (g / 2) + j));
-                _mm256_storeu_si256((__m256i *)(dst + gi * g + j), _mm256_and_si256(b, lo4));
-                _mm256_storeu_si256((__m256i *)(dst + gi * g + g / 2 + j),
-                                    _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4));
-            }
+    for (int bl = 0; bl < r_ / 16; bl++) {
+        const uint8_t *src = rows + (size_t)bl * 16 * rowbytes;
+        uint8_t *dst = out + (size_t)bl * 16 * c;
+        for (int i = 0; i < 8 * c; i += 32) { /* 32 bytes = one row of one k step */
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(src + i));
+            _mm256_storeu_si256((__m256i *)(dst + 2 * i), _mm256_and_si256(b, lo4));
+            _mm256_storeu_si256((__m256i *)(dst + 2 * i + 32), _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4));
+        }
     }
 }
 
 /* acc[4][16][16] (fp32, C tile order: a0 x t0, a1 x t0, a0 x t1, a1 x t1) += the scaled group
- * products. a0/a1: 16 rows each at stride sa (k step = 64 bytes); wsc[32]: the 32 rows' scale
- * arrays; b0/b1: first k step of each token tile; ts/tc: the tiles' [groups][16] scales and
+ * products. a0/a1: 16 rows each, tiled (issue 14q: k step ks = 16 rows x 64 bytes at
+ * a + ks * 1024); wsc[32]: the 32 rows' scales (group gi at wsc[r][16 * gi], the tiled layout); b0/b1: first k step of each token tile; ts/tc: the tiles' [groups][16] scales and
  * corrections. */
-__attribute__((target(AMX_TARGET))) static void amx_q_block(const uint8_t *a0, const uint8_t *a1, long sa,
+__attribute__((target(AMX_TARGET))) static void amx_q_block(const uint8_t *a0, const uint8_t *a1,
                                                             const float *const *wsc, const uint32_t *b0,
                                                             const uint32_t *b1, int two, const float *ts0,
                                                             const float *ts1, const int32_t *tc0, const int32_t *tc1,
@@ -78,11 +77,11 @@ __attribute__((target(AMX_TARGET))) static void amx_q_block(const uint8_t *a0, c
             const size_t ks = (size_t)gi * kpg + kk;
             if (ks + AMX_PREFETCH < (size_t)groups * kpg)
                 for (int r = 0; r < 16; r++) {
-                    _mm_prefetch((const char *)(a0 + r * sa + (ks + AMX_PREFETCH) * 64), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(a1 + r * sa + (ks + AMX_PREFETCH) * 64), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(a0 + (ks + AMX_PREFETCH) * 1024 + r * 64), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(a1 + (ks + AMX_PREFETCH) * 1024 + r * 64), _MM_HINT_T0);
                 }
-            _tile_loadd(4, a0 + ks * 64, sa);
-            _tile_loadd(5, a1 + ks * 64, sa);
+            _tile_loadd(4, a0 + ks * 1024, 64);
+            _tile_loadd(5, a1 + ks * 1024, 64);
             _tile_loadd(6, b0 + ks * 256, 64);
             if (two) _tile_loadd(7, b1 + ks * 256, 64);
             if (u4) {
@@ -113,7 +112,7 @@ __attribute__((target(AMX_TARGET))) static void amx_q_block(const uint8_t *a0, c
             const __m512 xs = _mm512_loadu_ps((u ? ts1 : ts0) + gi * 16);
             const __m512i xc = _mm512_loadu_si512((u ? tc1 : tc0) + gi * 16);
             for (int r = 0; r < 16; r++) {
-                const __m512 s = _mm512_mul_ps(xs, _mm512_set1_ps(wsc[half * 16 + r][gi]));
+                const __m512 s = _mm512_mul_ps(xs, _mm512_set1_ps(wsc[half * 16 + r][16 * gi]));
                 const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(cb + t * 256 + r * 16), xc));
                 float *a = acc + t * 256 + r * 16;
                 _mm512_storeu_ps(a, _mm512_fmadd_ps(d, s, _mm512_loadu_ps(a)));
@@ -181,18 +180,17 @@ __attribute__((target(AMX_TARGET))) int moe_amx_q(const float *x, const int64_t 
         for (long it = 0; it < items1; it++) {
             const int a = (int)(it / nblk), b = (int)(it % nblk), s = so.active[a];
             const uint8_t *base = w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * row13;
-            for (int r = 0; r < 32; r++) wsc[r] = (const float *)(base + r * row13 + body13);
+            for (int r = 0; r < 32; r++) wsc[r] = (const float *)(base + (r / 16) * 16 * row13 + 16 * body13) + r % 16;
             const uint8_t *a0 = base, *a1 = base + 16 * row13;
-            long sa = row13;
             if (u4) {
-                unpack_nibbles(base, row13, 32, h_, g13, nib);
-                a0 = nib, a1 = nib + (size_t)16 * h_, sa = h_;
+                unpack_nibbles(base, row13, 32, h_, nib);
+                a0 = nib, a1 = nib + (size_t)16 * h_;
             }
             const int m = so.start[s + 1] - so.start[s];
             for (int tl = tile0[a]; tl < tile0[a + 1]; tl += 2) {
                 const int two = tl + 1 < tile0[a + 1];
                 const size_t t1 = two ? tl + 1 : tl;
-                amx_q_block(a0, a1, sa, wsc, qx.b + (size_t)tl * qx.ksteps * 256, qx.b + t1 * qx.ksteps * 256, two,
+                amx_q_block(a0, a1, wsc, qx.b + (size_t)tl * qx.ksteps * 256, qx.b + t1 * qx.ksteps * 256, two,
                             qx.ts + (size_t)tl * qx.groups * 16, qx.ts + t1 * qx.groups * 16,
                             qx.tc + (size_t)tl * qx.groups * 16, qx.tc + t1 * qx.groups * 16, qx.groups, g13 / 64,
                             u4, cb, acc);
@@ -227,18 +225,17 @@ __attribute__((target(AMX_TARGET))) int moe_amx_q(const float *x, const int64_t 
             for (int a = 0; a < so.na; a++) {
                 const int s = so.active[a];
                 const uint8_t *base = w2 + ((size_t)s * h_ + (size_t)hb * 32) * row2;
-                for (int r = 0; r < 32; r++) wsc[r] = (const float *)(base + r * row2 + body2);
+                for (int r = 0; r < 32; r++) wsc[r] = (const float *)(base + (r / 16) * 16 * row2 + 16 * body2) + r % 16;
                 const uint8_t *a0 = base, *a1 = base + 16 * row2;
-                long sa = row2;
                 if (u4) {
-                    unpack_nibbles(base, row2, 32, i_, g2, nib);
-                    a0 = nib, a1 = nib + (size_t)16 * i_, sa = i_;
+                    unpack_nibbles(base, row2, 32, i_, nib);
+                    a0 = nib, a1 = nib + (size_t)16 * i_;
                 }
                 const int m = so.start[s + 1] - so.start[s];
                 for (int tl = tile0[a]; tl < tile0[a + 1]; tl += 2) {
                     const int two = tl + 1 < tile0[a + 1];
                     const size_t t1 = two ? tl + 1 : tl;
-                    amx_q_block(a0, a1, sa, wsc, qa.b + (size_t)tl * qa.ksteps * 256, qa.b + t1 * qa.ksteps * 256,
+                    amx_q_block(a0, a1, wsc, qa.b + (size_t)tl * qa.ksteps * 256, qa.b + t1 * qa.ksteps * 256,
                                 two, qa.ts + (size_t)tl * qa.groups * 16, qa.ts + t1 * qa.groups * 16,
                                 qa.tc + (size_t)tl * qa.groups * 16, qa.tc + t1 * qa.groups * 16, qa.groups, g2 / 64,
                                 u4, cb, acc);

@@ -1,0 +1,120 @@
+/* Decode-shaped MoE over tiled int8/int4 experts with int8 activations (included by moe_gemv.c,
+ * whose moe_decode hands the integer dot kinds here; the block kernels are in moe_qdot.c).
+ *
+ * Shapes: T tokens, K top-k, H hidden, I intermediate, n = T*K (token, expert) pairs; w13 rows
+ * come interleaved in blocks of 16 gate then 16 up rows (RB = 16), so the gate and up halves of
+ * 16 intermediate features are two consecutive tiled blocks.
+ *
+ * Each token's activations are quantised once (per group of the weights); phase 1 splits
+ * (expert, 16-feature block) items statically, so a thread's items are one contiguous run of
+ * the experts' rows, and writes silu(gate) * up; the intermediate rows are quantised once per
+ * pair; phase 2 gives each thread a contiguous range of 16-row output blocks and streams every
+ * active expert's rows of that range (one writer per output element, no atomics).
+ */
+#include <omp.h>
+
+/* bytes ahead of the rows being read that the block kernels prefetch: the hardware prefetchers
+ * stop at 4 KiB pages, one block step is 512-1024 bytes; EXPERTMESH_QDOT_PF overrides (0 = off) */
+#ifndef QDOT_PREFETCH
+#define QDOT_PREFETCH 2048
+#endif
+
+typedef void (*BlkFn)(const uint8_t *, int, int, int, const QAct *, int, float *, int);
+
+/* quantised activation rows [rows, c] in groups of g */
+typedef struct {
+    int8_t *q;
+    float *s;
+    int32_t *n;
+    int c, g;
+} QRows;
+
+static void qrows_alloc(QRows *a, int rows, int c, int g) {
+    const size_t r = (size_t)(rows > 0 ? rows : 1);
+    a->c = c, a->g = g;
+    a->q = malloc(r * c);
+    a->s = malloc(sizeof(float) * r * (c / g));
+    a->n = malloc(sizeof(int32_t) * r * (c / g));
+}
+
+static void qrows_free(QRows *a) { free(a->q), free(a->s), free(a->n); }
+
+static void qrows_put(const QRows *a, const float *x, int r) {
+    const size_t ng = (size_t)(a->c / a->g);
+    quant_act_n(x + (size_t)r * a->c, a->c, a->g, a->q + (size_t)r * a->c, a->s + r * ng, a->n + r * ng);
+}
+
+static QAct qrows_at(const QRows *a, int r) {
+    const size_t ng = (size_t)(a->c / a->g);
+    return (QAct){a->q + (size_t)r * a->c, a->s + r * ng, a->n + r * ng};
+}
+
+static int qdot_prefetch(void) {
+    const char *e = getenv("EXPERTMESH_QDOT_PF");
+    return e ? atoi(e) : QDOT_PREFETCH;
+}
+
+/* Same arguments as moe_decode (u4: int4, else int8; both matrices tiled, G % 64 == 0, RB == 16);
+ * vnni: the AVX512-VNNI block kernel, else AVX2. Returns 0, or -1 for a bad slot id. */
+static int moe_decode_tiles(const float *x, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
+                            const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int u4,
+                            int g13, int g2, float *act, float *out, int nthreads, int vnni) {
+    const int n = t_ * k_;
+    Sorted so;
+    if (sort_pairs(slot_ids, weights, t_, k_, s_, &so)) return -1;
+    const BlkFn blk = vnni ? blk_vnni : blk_avx2;
+    const int pf = qdot_prefetch();
+    QRows qx, qa;
+    qrows_alloc(&qx, t_, h_, g13);
+    qrows_alloc(&qa, n, i_, g2);
+    memset(out, 0, sizeof(float) * (size_t)t_ * h_);
+    const int nblk = i_ / 16, hblk = h_ / 16;
+    const long items1 = (long)so.na * nblk;
+    const size_t np = (size_t)(n > 0 ? n : 1);
+#pragma omp parallel num_threads(nthreads)
+    {
+        QAct *xa = malloc(sizeof(QAct) * np);
+        float *rg = malloc(sizeof(float) * 16 * np), *ru = malloc(sizeof(float) * 16 * np);
+#pragma omp for schedule(static)
+        for (int t = 0; t < t_; t++) qrows_put(&qx, x, t);
+        /* phase 1: the gate and up blocks of one (expert, 16-feature block) -> act */
+#pragma omp for schedule(static)
+        for (long it = 0; it < items1; it++) {
+            const int s = so.active[it / nblk], b = (int)(it % nblk);
+            const int q0 = so.start[s], m = so.start[s + 1] - q0;
+            const uint8_t *gate = w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * row13;
+            for (int j = 0; j < m; j++) xa[j] = qrows_at(&qx, so.tok[q0 + j]);
+            blk(gate, u4, h_, g13, xa, m, rg, pf);
+            blk(gate + 16 * row13, u4, h_, g13, xa, m, ru, pf);
+            for (int j = 0; j < m; j++) {
+                float *a = act + (size_t)(q0 + j) * i_ + b * 16;
+                for (int r = 0; r < 16; r++) {
+                    const float gt = rg[j * 16 + r];
+                    a[r] = gt / (1.0f + expf(-gt)) * ru[j * 16 + r]; /* silu(gate) * up */
+                }
+            }
+        }
+        /* implicit barrier: act is complete */
+#pragma omp for schedule(static)
+        for (int p = 0; p < n; p++) qrows_put(&qa, act, p);
+        /* implicit barrier: every pair's intermediate is quantised */
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int b0 = (int)((long)hblk * tid / nt), b1 = (int)((long)hblk * (tid + 1) / nt);
+        for (int ai = 0; ai < so.na; ai++) {
+            const int s = so.active[ai], q0 = so.start[s], m = so.start[s + 1] - q0;
+            for (int j = 0; j < m; j++) xa[j] = qrows_at(&qa, q0 + j);
+            for (int hb = b0; hb < b1; hb++) {
+                blk(w2 + ((size_t)s * h_ + (size_t)hb * 16) * row2, u4, i_, g2, xa, m, rg, pf);
+                for (int j = 0; j < m; j++) {
+                    float *o = out + (size_t)so.tok[q0 + j] * h_ + (size_t)hb * 16;
+                    const float w = so.wt[q0 + j];
+                    for (int r = 0; r < 16; r++) o[r] += w * rg[j * 16 + r];
+                }
+            }
+        }
+        free(xa), free(rg), free(ru);
+    }
+    qrows_free(&qx), qrows_free(&qa);
+    sorted_free(&so);
+    return 0;
+}
