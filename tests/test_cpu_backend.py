@@ -344,6 +344,11 @@ def test_tiled_matches_dequantised_reference(use_kernel, wdtype, t):
         assert b.dot_kind() == "int8-dot avx2"
         ref = qact_reference(x, d13, d2, slot_ids, weights, 128, 128)
         assert rel(out, ref) < 1e-3, rel(out, ref)
+        # bf16 activations in and out: the fp32 result rounded once (the kernel converts itself)
+        xb = x.bfloat16()
+        out_b = b.forward(xb, p13, p2, slot_ids, weights)
+        assert out_b.dtype == torch.bfloat16
+        assert torch.equal(out_b, b.forward(xb.float(), p13, p2, slot_ids, weights).bfloat16())
         b.qact = False
         out = b.forward(x, p13, p2, slot_ids, weights)
     assert rel(out, exact) < 1e-5, rel(out, exact)
@@ -366,6 +371,11 @@ def test_tiled_vnni_and_amx_match_reference(wdtype, t):
     b.amx, b.gemv_max_tokens = False, 10**9
     vnni = b.forward(x, p13, p2, slot_ids, weights)
     assert rel(vnni, ref) < 1e-3, rel(vnni, ref)
+    xb = x.bfloat16()  # bf16 in and out: the fp32 result rounded once
+    assert torch.equal(
+        b.forward(xb, p13, p2, slot_ids, weights),
+        b.forward(xb.float(), p13, p2, slot_ids, weights).bfloat16(),
+    )
     b.amx, b.gemv_max_tokens = True, 0
     amx = b.forward(x, p13, p2, slot_ids, weights)
     assert rel(amx, ref) < 2e-3, rel(amx, ref)

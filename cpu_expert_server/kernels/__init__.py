@@ -95,6 +95,10 @@ def load() -> ctypes.CDLL | None:
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.moe_decode.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i, i, i]
     lib.moe_decode.restype = i
+    lib.moe_decode_q.argtypes = [p, i, p, p, i, i, i, p, L, p, L, i, i, i, i, i, p, i, i, i]  # issue 14q
+    lib.moe_decode_q.restype = i
+    lib.moe_qdot_profile.argtypes = [p]
+    lib.moe_qdot_profile.restype = None
     lib.moe_amx.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, i]
     lib.moe_amx.restype = i
     lib.moe_amx_q.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i]

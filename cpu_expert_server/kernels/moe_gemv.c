@@ -339,6 +339,18 @@ int moe_dot_kind(int caps, int wdtype, int h_, int i_, int g13, int g2, int qact
     return dot_kind(caps, wdtype, h_, i_, g13, g2, qact);
 }
 
+/* moe_decode for the integer dot kinds only, with bf16 or fp32 activations in (xbf16) and out
+ * (obf16) and its own scratch: no conversions around the call. Returns -2 when the format and
+ * CPU do not take integer dots (moe_dot_kind), else as moe_decode. */
+int moe_decode_q(const void *x, int xbf16, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
+                 const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int wdtype, int g13,
+                 int g2, void *out, int obf16, int nthreads, int caps) {
+    const int kind = dot_kind(caps, wdtype, h_, i_, g13, g2, 1);
+    if (kind != DOT_QVNNI && kind != DOT_QAVX2) return -2;
+    return moe_decode_tiles(x, xbf16, slot_ids, weights, t_, k_, s_, w13, row13, w2, row2, h_, i_, wdtype == 2, g13,
+                            g2, NULL, out, obf16, nthreads, kind == DOT_QVNNI);
+}
+
 /* x [T, H] fp32; slot_ids [T, K] int64 (-1 = not here); weights [T, K] fp32; out [T, H] fp32.
  * w13 [S, 2I, row13 bytes], w2 [S, H, row2 bytes]; act scratch [T*K, I] fp32.
  * Returns 0, or -1 when a slot id is out of range (nothing written then). */
@@ -347,8 +359,8 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
                int wdtype, int g13, int g2, float *act, float *out, int nthreads, int caps, int qact) {
     const int kind = dot_kind(caps, wdtype, h_, i_, g13, g2, qact);
     if (kind == DOT_QVNNI || kind == DOT_QAVX2) /* tiled int8/int4 (G % 64 == 0 implies it) */
-        return moe_decode_tiles(x, slot_ids, weights, t_, k_, s_, w13, row13, w2, row2, h_, i_, wdtype == 2, g13,
-                                g2, act, out, nthreads, kind == DOT_QVNNI);
+        return moe_decode_tiles(x, 0, slot_ids, weights, t_, k_, s_, w13, row13, w2, row2, h_, i_, wdtype == 2, g13,
+                                g2, act, out, 0, nthreads, kind == DOT_QVNNI);
     const int n = t_ * k_;
     Sorted so;
     if (sort_pairs(slot_ids, weights, t_, k_, s_, &so)) return -1;

@@ -50,15 +50,30 @@ static QAct qrows_at(const QRows *a, int r) {
 }
 
 static int qdot_prefetch(void) {
-    const char *e = getenv("EXPERTMESH_QDOT_PF");
+    const char *e = getenv("EXPERTMESH_QDOT_PF"), *h = getenv("EXPERTMESH_QDOT_PFHINT");
+    g_pfhint = h ? atoi(h) : 0;
     return e ? atoi(e) : QDOT_PREFETCH;
 }
 
-/* Same arguments as moe_decode (u4: int4, else int8; both matrices tiled, G % 64 == 0, RB == 16);
- * vnni: the AVX512-VNNI block kernel, else AVX2. Returns 0, or -1 for a bad slot id. */
-static int moe_decode_tiles(const float *x, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
-                            const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int u4,
-                            int g13, int g2, float *act, float *out, int nthreads, int vnni) {
+/* Where the time of the last call went (EXPERTMESH_QDOT_PROFILE=1, for benchmarks): seconds of
+ * [0] sort + allocation, [1] entering the parallel region, [2] x quantisation, [3] / [4] the
+ * first / last thread's phase 1, [5] the intermediate's quantisation after the last thread,
+ * [6] / [7] the first / last thread's phase 2, [8] the rest up to the return. */
+#define QPROF_THREADS 256
+static double g_prof[9], g_t1[QPROF_THREADS], g_t2[QPROF_THREADS];
+
+void moe_qdot_profile(double *out) { memcpy(out, g_prof, sizeof g_prof); }
+
+/* Same arguments as moe_decode (u4: int4, else int8; both matrices tiled, G % 64 == 0, RB == 16),
+ * except: x is bf16 when xbf16 (else fp32); out is written in bf16 when obf16 (else fp32); act may
+ * be NULL (scratch allocated here). vnni: the AVX512-VNNI block kernel, else AVX2. Returns 0, or
+ * -1 for a bad slot id. */
+static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, const float *weights, int t_, int k_,
+                            int s_, const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_,
+                            int u4, int g13, int g2, float *act, void *out, int obf16, int nthreads, int vnni) {
+    const int prof = getenv("EXPERTMESH_QDOT_PROFILE") != NULL;
+    const double ts0 = prof ? omp_get_wtime() : 0.0;
+    double ts1 = 0.0, ts2 = 0.0, ts3 = 0.0, ts5 = 0.0;
     const int n = t_ * k_;
     Sorted so;
     if (sort_pairs(slot_ids, weights, t_, k_, s_, &so)) return -1;
@@ -67,18 +82,38 @@ static int moe_decode_tiles(const float *x, const int64_t *slot_ids, const float
     QRows qx, qa;
     qrows_alloc(&qx, t_, h_, g13);
     qrows_alloc(&qa, n, i_, g2);
-    memset(out, 0, sizeof(float) * (size_t)t_ * h_);
+    float *act_own = act ? NULL : malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * i_);
+    if (!act) act = act_own;
+    float *o32 = obf16 ? malloc(sizeof(float) * (size_t)(t_ > 0 ? t_ : 1) * h_) : (float *)out;
+    memset(o32, 0, sizeof(float) * (size_t)t_ * h_);
     const int nblk = i_ / 16, hblk = h_ / 16;
     const long items1 = (long)so.na * nblk;
     const size_t np = (size_t)(n > 0 ? n : 1);
+    if (prof) ts1 = omp_get_wtime();
+    int nthr = 1;
 #pragma omp parallel num_threads(nthreads)
     {
+        const int tid0 = omp_get_thread_num();
+        if (prof && tid0 == 0) ts2 = omp_get_wtime(), nthr = omp_get_num_threads();
         QAct *xa = malloc(sizeof(QAct) * np);
         float *rg = malloc(sizeof(float) * 16 * np), *ru = malloc(sizeof(float) * 16 * np);
+        float *xrow = malloc(sizeof(float) * (size_t)h_);
 #pragma omp for schedule(static)
-        for (int t = 0; t < t_; t++) qrows_put(&qx, x, t);
+        for (int t = 0; t < t_; t++) {
+            const float *xt = (const float *)x + (size_t)t * h_;
+            if (xbf16) {
+                const uint16_t *xb = (const uint16_t *)x + (size_t)t * h_;
+                for (int c = 0; c < h_; c++) {
+                    const uint32_t u = (uint32_t)xb[c] << 16;
+                    memcpy(xrow + c, &u, sizeof u);
+                }
+                xt = xrow;
+            }
+            quant_act_n(xt, h_, g13, qx.q + (size_t)t * h_, qx.s + (size_t)t * (h_ / g13), qx.n + (size_t)t * (h_ / g13));
+        }
+        if (prof && tid0 == 0) ts3 = omp_get_wtime();
         /* phase 1: the gate and up blocks of one (expert, 16-feature block) -> act */
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (long it = 0; it < items1; it++) {
             const int s = so.active[it / nblk], b = (int)(it % nblk);
             const int q0 = so.start[s], m = so.start[s + 1] - q0;
@@ -94,9 +129,12 @@ static int moe_decode_tiles(const float *x, const int64_t *slot_ids, const float
                 }
             }
         }
-        /* implicit barrier: act is complete */
+        if (prof && tid0 < QPROF_THREADS) g_t1[tid0] = omp_get_wtime();
+#pragma omp barrier
+        /* act is complete */
 #pragma omp for schedule(static)
         for (int p = 0; p < n; p++) qrows_put(&qa, act, p);
+        if (prof && tid0 == 0) ts5 = omp_get_wtime();
         /* implicit barrier: every pair's intermediate is quantised */
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int b0 = (int)((long)hblk * tid / nt), b1 = (int)((long)hblk * (tid + 1) / nt);
@@ -106,15 +144,33 @@ static int moe_decode_tiles(const float *x, const int64_t *slot_ids, const float
             for (int hb = b0; hb < b1; hb++) {
                 blk(w2 + ((size_t)s * h_ + (size_t)hb * 16) * row2, u4, i_, g2, xa, m, rg, pf);
                 for (int j = 0; j < m; j++) {
-                    float *o = out + (size_t)so.tok[q0 + j] * h_ + (size_t)hb * 16;
+                    float *o = o32 + (size_t)so.tok[q0 + j] * h_ + (size_t)hb * 16;
                     const float w = so.wt[q0 + j];
                     for (int r = 0; r < 16; r++) o[r] += w * rg[j * 16 + r];
                 }
             }
         }
-        free(xa), free(rg), free(ru);
+        if (prof && tid0 < QPROF_THREADS) g_t2[tid0] = omp_get_wtime();
+        if (obf16) /* this thread's output columns are final */
+            for (int t = 0; t < t_; t++)
+                for (int c = b0 * 16; c < b1 * 16; c++)
+                    ((uint16_t *)out)[(size_t)t * h_ + c] = to_bf16(o32[(size_t)t * h_ + c]);
+        free(xa), free(rg), free(ru), free(xrow);
     }
+    if (obf16) free(o32);
+    free(act_own);
     qrows_free(&qx), qrows_free(&qa);
     sorted_free(&so);
+    if (prof) {
+        double p1lo = 1e30, p1hi = 0.0, p2lo = 1e30, p2hi = 0.0;
+        for (int i = 0; i < nthr && i < QPROF_THREADS; i++) {
+            p1lo = fmin(p1lo, g_t1[i]), p1hi = fmax(p1hi, g_t1[i]);
+            p2lo = fmin(p2lo, g_t2[i]), p2hi = fmax(p2hi, g_t2[i]);
+        }
+        const double ts7 = omp_get_wtime();
+        const double v[9] = {ts1 - ts0, ts2 - ts1, ts3 - ts2, p1lo - ts3, p1hi - ts3, ts5 - p1hi,
+                             p2lo - ts5, p2hi - ts5, ts7 - p2hi};
+        memcpy(g_prof, v, sizeof v);
+    }
     return 0;
 }

@@ -18,6 +18,17 @@
  */
 
 #define VNNI_TARGET "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"
+
+/* software prefetch of the weight stream: hint 0 = T0 (L1), 1 = T1 (L2), 2 = T2, 3 = NTA */
+static int g_pfhint;
+static inline __attribute__((always_inline)) void pf_line(const void *p) {
+    switch (g_pfhint) {
+        case 1: _mm_prefetch((const char *)p, _MM_HINT_T1); break;
+        case 2: _mm_prefetch((const char *)p, _MM_HINT_T2); break;
+        case 3: _mm_prefetch((const char *)p, _MM_HINT_NTA); break;
+        default: _mm_prefetch((const char *)p, _MM_HINT_T0); break;
+    }
+}
 #define QAVX2_TARGET "avx2,fma"
 
 /* the rule of packing.tiled: quantised rows with G % 64 == 0 in a matrix of R % 16 == 0 rows */
@@ -102,7 +113,7 @@ static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_
                 const int ks = gi * kpg + kk;
                 const uint8_t *w = blk + (size_t)ks * step;
                 if (pf && j == 0)
-                    for (int l = 0; l < step; l += 64) _mm_prefetch((const char *)(w + pf + l), _MM_HINT_T0);
+                    for (int l = 0; l < step; l += 64) pf_line(w + pf + l);
                 const __m512i xv = _mm512_loadu_si512(x[j].q + ks * 64);
                 if (u4) {
 #pragma GCC unroll 8
@@ -165,7 +176,7 @@ static inline __attribute__((always_inline, target(QAVX2_TARGET))) void blk_avx2
                     const int ks = gi * kpg + kk;
                     const uint8_t *w = blk + (size_t)ks * step;
                     if (pf && j == 0 && half == 0)
-                        for (int l = 0; l < step; l += 64) _mm_prefetch((const char *)(w + pf + l), _MM_HINT_T0);
+                        for (int l = 0; l < step; l += 64) pf_line(w + pf + l);
                     const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64));
                     const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64 + 32));
                     if (u4) {
