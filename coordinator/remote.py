@@ -67,7 +67,11 @@ class RemoteDispatcher(Dispatcher):
         # issue 14h: --cpu-defer-experts (coordinator/deferral.py); [servers] bool: a CPU server
         n = cluster.cpu_defer_experts
         self._deferred = DeferredSums(n) if n else None
-        if self._deferred is not None:  # NOTE: deferred sums cross layers outside the MoE block: eager
+        ids = model_config.moe_layer_ids
+        if self._deferred is not None and ids and ids != list(range(ids[0], ids[-1] + 1)):
+            # NOTE (issue 14h2): the piecewise graphs add a held-back sum to the next MoE layer's
+            # output (coordinator/remote_graphs.py), which is the next decoder layer's only
+            # when no dense layer sits between two MoE layers: otherwise eager
             self.graph_mode = "none"
         self._cpu_server = torch.tensor([s.kind == "cpu" for s in cluster.servers])
         self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
@@ -219,13 +223,13 @@ class RemoteDispatcher(Dispatcher):
         conns = self.conns
 
         def wait() -> torch.Tensor:
-            dst = torch.empty_like(x) if out is None else out  # [T, H]
-            whole = len(sent) == 1 and sent[0][0].rows.numel() == x.shape[0]
-            zeroed = not whole
-            if zeroed:  # several servers (or some rows on none): a sum from zero
-                dst.zero_()
+            # --- issue 14h2: every answer is awaited before any is summed ("wait once") ---
+            # NOTE: summing the first answer (its copy to the GPU, an add) while another server
+            # still computes put coordinator GPU work between the shares: against a GPU server
+            # on this GPU that is a GPU context switch inside its share, per layer
             first = time.monotonic() + self.cluster.timeout_s
             todo = [(b, reply, first) for b, reply in sent]
+            got: list[tuple[pl.ServerBatch, ExpertReply, torch.Tensor]] = []  # collected, in order
             i = 0
             try:
                 while i < len(todo):
@@ -242,29 +246,22 @@ class RemoteDispatcher(Dispatcher):
                         again = time.monotonic() + self.cluster.timeout_s
                         resent = self._resend(tables, layer, x, ids, w, phys, b.server, e, adapters, only)
                         todo += [(b2, r2, again) for b2, r2 in resent]
-                        if not zeroed:  # the re-sent shares are summed
-                            dst.zero_()
-                            zeroed = True
                         continue
+                    got.append((b, reply, part))
                     if self.on_round_trip is not None:
                         self.on_round_trip(conns[b.server].spec.name, time.perf_counter() - t0)
                     ms = getattr(reply, "compute_ms", None)
                     if ms is not None and self.server_time_hook is not None:
                         self.server_time_hook(b.server, layer, ms, int((b.slot_ids >= 0).sum()))
-                    if not zeroed:  # the one answer is the sum: one copy, any device
-                        dst.copy_(part)
-                    else:
-                        part = part.to(device=x.device, dtype=x.dtype)
-                        if b.rows.numel() == x.shape[0]:  # every row, in order: no index to upload
-                            dst.add_(part)
-                        else:
-                            dst.index_add_(0, b.rows.to(x.device), part)
-                    reply.release()
+                dst = _sum(got, x, out)
             finally:
                 # NOTE: answers still due are freed when they arrive, never before: the server
                 # may be writing them into the ring right now.
+                for _, reply, _ in got:
+                    reply.release()
                 for _, reply, _ in todo[i:]:
                     reply.abandon()
+            # --- end issue 14h2 ---
             if (
                 self.probe is not None and sent
             ):  # the server's own time: the fast path's descriptor, gRPC's field
@@ -392,3 +389,27 @@ class RemoteDispatcher(Dispatcher):
                 )
             )
         return part
+
+
+def _sum(
+    got: list[tuple[pl.ServerBatch, ExpertReply, torch.Tensor]],
+    x: torch.Tensor,  # [T, H]
+    out: torch.Tensor | None,  # [T, H] where the sum goes (None: a new tensor)
+) -> torch.Tensor:  # [T, H]
+    """issue 14h2: the collected answers' sum, in collection order (the order the eager sum
+    had: the same rounding). An answer holding every row (rows are sorted and unique) that comes
+    first is copied rather than added to zeros: the one-server layer costs one copy."""
+    dst = torch.empty_like(x) if out is None else out
+    t = x.shape[0]
+    start = 1 if got and got[0][0].rows.numel() == t else 0
+    if start:
+        dst.copy_(got[0][2])  # any device: one copy
+    else:
+        dst.zero_()
+    for b, _, part in got[start:]:
+        part = part.to(device=x.device, dtype=x.dtype)
+        if b.rows.numel() == t:  # every row, in order: no index to upload
+            dst.add_(part)
+        else:
+            dst.index_add_(0, b.rows.to(x.device), part)
+    return dst
