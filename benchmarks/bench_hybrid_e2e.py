@@ -228,33 +228,39 @@ def decode(
     )  # fmt: skip
 
 
-def rows_for(e: int, fractions: list[float], defers: list[int]) -> list[tuple[str, int, str, int]]:
-    """(name, --num-gpu-experts, share, --cpu-defer-experts); rows of one placement together."""
-    out = [("gpu_all", e, "all", 0), ("cpu_all", 0, "all", 0)]
+def rows_for(
+    e: int, fractions: list[float], defers: list[int], alt_threads: int
+) -> list[tuple[str, int, str, int, int]]:
+    """(name, --num-gpu-experts, share, --cpu-defer-experts, CPU server: 0 main, 1 the one on
+    ``alt_threads`` threads); rows of one placement together."""
+    out = [("gpu_all", e, "all", 0, 0), ("cpu_all", 0, "all", 0, 0)]
     for f in fractions:
         g, tag = round(e * f), f"{f:.0%}"
         out += [
-            (f"hybrid {tag}", g, "all", 0),
-            (f"cpu_share {tag}", g, "cpu", 0),
-            (f"gpu_share {tag}", g, "gpu", 0),
+            (f"hybrid {tag}", g, "all", 0, 0),
+            (f"cpu_share {tag}", g, "cpu", 0, 0),
+            (f"gpu_share {tag}", g, "gpu", 0, 0),
         ]
-        out += [(f"defer{n} {tag}", g, "all", n) for n in defers]
+        out += [(f"defer{n} {tag}", g, "all", n, 0) for n in defers]
+    if alt_threads:  # the largest GPU share again, the CPU server on fewer threads
+        g, tag = round(e * max(fractions)), f"{max(fractions):.0%}"
+        out += [(f"{k}@t{alt_threads} {tag}", g, share, 0, 1) for k, share in (("hybrid", "all"), ("cpu_share", "cpu"), ("gpu_share", "gpu"))]  # fmt: skip
     return out
 
 
-def run_rows(args, w, path: Path, rows, gpu_address: str, cpu_address: str) -> dict:
+def run_rows(args, w, path: Path, rows, gpu_address: str, cpu_addresses: list[str]) -> dict:
     """Every row, ``args.repeat`` passes (row-major: slow drifts hit every row alike); per row and
     batch the profile of each pass."""
     dtype, device = torch.bfloat16, torch.device(args.device)
     torch.set_num_threads(args.coordinator_threads)
     reader = CheckpointReader(path)
     model = load_model(reader, dtype, device)
-    servers = (ServerSpec("gpu0", gpu_address, "gpu"), ServerSpec("cpu0", cpu_address, "cpu"))
     pages = max(args.batches) * -(-(args.prompt + args.new + 8) // 16) + 8
     eng = graphs = None
     res: dict[str, dict[int, list[dict]]] = {name: {b: [] for b in args.batches} for name, *_ in rows}
     for rep in range(args.repeat):
-        for name, g, share, n in rows:
+        for name, g, share, n, c in rows:
+            servers = (ServerSpec("gpu0", gpu_address, "gpu"), ServerSpec("cpu0", cpu_addresses[c], "cpu"))
             cluster = ClusterConfig(servers, num_gpu_experts=g, cpu_defer_experts=n)
             d = ProbedDispatcher(reader.config, cluster, dtype, device, share=share)
             d.connect(600)
@@ -280,9 +286,11 @@ def start_servers(args, path: Path):
     t0 = time.perf_counter()
     dt = ["--dtype", "bfloat16"]
     gpu = start_server("gpu", path, 0, "--device", args.device, *dt, timeout=600)
-    cpu = start_server("cpu", path, 0, "--threads", str(args.cpu_threads), *dt, timeout=600)
-    print(f"servers up, cpu-server --threads {args.cpu_threads}: {time.perf_counter() - t0:.1f}s", flush=True)
-    return gpu, cpu
+    cpus = [start_server("cpu", path, 0, "--threads", str(args.cpu_threads), *dt, timeout=600)]
+    if args.alt_cpu_threads:  # NOTE: idle between its rows: its waiters stop spinning within ms
+        cpus.append(start_server("cpu", path, 0, "--threads", str(args.alt_cpu_threads), *dt, timeout=600))
+    print(f"servers up: {time.perf_counter() - t0:.1f}s", flush=True)
+    return gpu, cpus
 
 
 def main() -> None:
@@ -298,6 +306,12 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=3, help="layers in the checkpoint (>= 2)")
     ap.add_argument("--repeat", type=int, default=2, help="passes over the rows")
     ap.add_argument("--coordinator-threads", type=int, default=1)
+    ap.add_argument(
+        "--alt-cpu-threads",
+        type=int,
+        default=0,
+        help="also time the largest GPU share with a CPU server on this many threads",
+    )
     ap.add_argument("--baseline-root", default="", help="also run the rows with the coordinator code of DIR")
     ap.add_argument("--connect", default="", help=argparse.SUPPRESS)  # child: GPU,CPU server addresses
     ap.add_argument("--work", default="/tmp/bench_hybrid_e2e")
@@ -308,25 +322,27 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fractions = [float(f) for f in args.gpu_fractions.split(",")]
-    rows = rows_for(w["experts"], fractions, [int(n) for n in args.defer.split(",") if n.strip()])
+    defers = [int(n) for n in args.defer.split(",") if n.strip()]
+    rows = rows_for(w["experts"], fractions, defers, args.alt_cpu_threads)
     t0 = time.perf_counter()
     path = write_checkpoint(
         Path(args.work) / f"{'tiny' if args.tiny else 'qwen3'}_L{args.depth}", w, args.depth
     )
     if args.connect:  # the baseline child: the parent's servers, its rows, results to --out
-        gpu_address, cpu_address = args.connect.split(",")
-        res = run_rows(args, w, path, rows, gpu_address, cpu_address)
+        gpu_address, *cpu_addresses = args.connect.split(",")
+        res = run_rows(args, w, path, rows, gpu_address, cpu_addresses)
         (out / "baseline_rows.json").write_text(
             json.dumps({k: {str(b): v for b, v in r.items()} for k, r in res.items()})
         )
         return
     print(f"checkpoint: {time.perf_counter() - t0:.1f}s", flush=True)
-    gpu, cpu = start_servers(args, path)
+    gpu, cpus = start_servers(args, path)
     base: dict = {}
     try:
-        res = run_rows(args, w, path, rows, gpu.address, cpu.address)
+        res = run_rows(args, w, path, rows, gpu.address, [c.address for c in cpus])
         if args.baseline_root:
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--connect", f"{gpu.address},{cpu.address}"]
+            addresses = ",".join(s.address for s in (gpu, *cpus))
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--connect", addresses]
             env = dict(os.environ, BENCH_LIB_ROOT=str(Path(args.baseline_root).resolve()))
             env["PYTHONPATH"] = os.pathsep.join([env["BENCH_LIB_ROOT"], *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != Path(__file__).resolve().parents[1]]])  # fmt: skip
             print("baseline:", env["BENCH_LIB_ROOT"], flush=True)
@@ -334,8 +350,8 @@ def main() -> None:
             raw = json.loads((out / "baseline_rows.json").read_text())
             base = {k: {int(b): v for b, v in r.items()} for k, r in raw.items()}
     finally:
-        gpu.stop()
-        cpu.stop()
+        for srv in (gpu, *cpus):
+            srv.stop()
     report(args, w, rows, res, base, fractions, out)
 
 
@@ -357,9 +373,10 @@ def summarise(args, w, rows, res, fractions) -> dict:
     for (name, b), r in table.items():
         r["vs_gpu_all"] = r["tok_s"] / table[("gpu_all", b)]["tok_s"]
         r["vs_cpu_all"] = r["tok_s"] / table[("cpu_all", b)]["tok_s"]
-        tag = name.split(" ")[-1]
         if " " in name and not name.startswith(("cpu_share", "gpu_share")):
-            cs, gs = table[(f"cpu_share {tag}", b)], table[(f"gpu_share {tag}", b)]
+            kind, tag = name.split(" ")
+            at = kind[kind.index("@") :] if "@" in kind else ""  # the alternative CPU server's rows
+            cs, gs = table[(f"cpu_share{at} {tag}", b)], table[(f"gpu_share{at} {tag}", b)]
             r["overlap_ratio"] = r["layer_ms"] / max(cs["layer_ms"], gs["layer_ms"])
             r["overlap_by_pass"] = [
                 p["layer_ms"] / max(c["layer_ms"], g["layer_ms"])
