@@ -131,9 +131,11 @@ class _DeferringMoE(nn.Module):
         flat = h.reshape(-1, h.shape[-1])  # [T, H]
         _, w, ids = self.block.gate(flat)  # [T, K]
         held = loop_mask(w, ids >= self.ref.num_gpu_experts, self.ref.n)
-        skip = self.block.experts.num_experts  # HF's experts skip this id
-        now = self.block.experts(flat, torch.where(held, skip, ids), w)  # [T, H]
-        later = self.block.experts(flat, torch.where(held, ids, skip), w)
+        # NOTE: a pair is left out by a zero weight (its product adds exactly 0): an out-of-range
+        # id to skip it is accepted by some transformers releases and refused by others
+        zero = torch.zeros_like(w)
+        now = self.block.experts(flat, ids, torch.where(held, zero, w))  # [T, H]
+        later = self.block.experts(flat, ids, torch.where(held, w, zero))
         out = now if self.ref.carry is None else now + self.ref.carry
         self.ref.carry = later
         return out.view_as(h)
