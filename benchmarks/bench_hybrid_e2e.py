@@ -6,19 +6,22 @@ piecewise CUDA graphs between the MoE dispatches (coordinator/remote_graphs.py),
 4. The per-layer time is measured directly: the median interval between two consecutive MoE
 dispatches of a step (it holds one whole layer: the segment replay, route, sends, the wait and
 the sum); ``fixed`` = median step - depth x per-layer; tokens/s at the real depth (48) =
-``batch / (fixed + 48 * per_layer)``. Every row runs against the same two servers:
+``batch / (fixed + 48 * per_layer)``. Rows, all against the same two servers:
 
 - ``gpu_all`` / ``cpu_all``: every expert on the GPU server / on the CPU server (baselines);
 - ``hybrid G%``: ``--num-gpu-experts`` = G% of the experts, the rest on the CPU server;
+- ``hybrid/main-wait G%``: the same with main's wait before issue 14h2 (before/after);
 - ``defer N G%``: the same with ``--cpu-defer-experts N`` (coordinator/deferral.py);
 - ``cpu_share G%`` / ``gpu_share G%``: the hybrid placement with only the CPU (GPU) server's
   requests sent (the other share dropped: numbers wrong, time = that share alone).
 
-Overlap ratio = hybrid per-layer / max(cpu_share, gpu_share) per-layer (1.0: the two shares
-fully overlap; target <= 1.15). Per row the profile gives, per layer (medians): route + send,
-wait (sends returned -> sum done), the rest (segment replay + routing to the host), and per
-server the round trip (send -> answer collected) and the server's own time (fast path: from
-reading the request to answering).
+The rows of one placement alternate step by step on one connection (the CPU server's speed
+drifts by tens of percent over seconds on the lent host: rows timed one after the other
+compared that drift, not the rows). Overlap ratio = hybrid per-layer / max(cpu_share,
+gpu_share) per-layer (1.0: the two shares fully overlap; target <= 1.15). Per row the profile
+gives, per layer (medians): route + send, wait (sends returned -> sum done), the rest (segment
+replay + routing to the host), and per server the round trip (send -> answer collected) and
+the server's own time (fast path: from reading the request to answering).
 
 ``--baseline-root DIR`` runs the same rows a second time in a child process whose coordinator
 code comes from DIR (e.g. an export of main), against the same servers: before/after in one run.
@@ -46,6 +49,7 @@ from safetensors.torch import save_file
 # NOTE: a baseline child imports the coordinator from --baseline-root (BENCH_LIB_ROOT), not here
 sys.path.insert(0, os.environ.get("BENCH_LIB_ROOT") or str(Path(__file__).resolve().parents[1]))
 
+from coordinator.deferral import DeferredSums  # noqa: E402
 from coordinator.dispatch import Pending  # noqa: E402
 from coordinator.engine import Engine  # noqa: E402
 from coordinator.kv_cache import KVCacheSpec  # noqa: E402
@@ -129,17 +133,29 @@ def write_checkpoint(path: Path, w: dict, depth: int) -> Path:
 
 
 class ProbedDispatcher(RemoteDispatcher):
-    """The remote dispatcher with a per-layer profile. ``share`` (``"cpu"`` / ``"gpu"``) sends
-    only that kind of server's requests (the share's time alone); ``"all"`` sends everything."""
+    """The remote dispatcher with a per-layer profile and per-step switches (one placement, so
+    the variants of a row group can alternate step by step on one connection):
 
-    def __init__(self, *a, share: str = "all", **kw) -> None:
+    - ``share`` (``"cpu"`` / ``"gpu"``) sends only that kind of server's requests (the share's
+      time alone); ``"all"`` sends everything;
+    - :meth:`set_defer` turns ``--cpu-defer-experts`` on or off (coordinator/deferral.py);
+    - ``main_wait``: main's wait before issue 14h2, each answer summed as it is collected
+      (zeros launched right after the sends, the first answer's copy to the GPU and its add
+      while the other server still computes), for a before/after in the same run.
+    """
+
+    def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
-        self.share = share
+        self.share, self.main_wait = "all", False
         self.events: list[tuple[float, float, float]] = []  # per layer: submit, sent, summed
         self.server_ms: dict[str, list[float]] = {}  # server -> its own time per answer
         self.trips: dict[str, list[float]] = {}  # server -> send .. collected (ms)
         self.on_round_trip = lambda server, s: self.trips.setdefault(server, []).append(s * 1e3)
         self._sent: list | None = None
+
+    def set_defer(self, n: int) -> None:
+        # NOTE: the dispatcher's own state (begin_step resets it): a benchmark-only switch
+        self._deferred = DeferredSums(n) if n else None
 
     def _route(self, tables, layer, topk_ids, topk_weights):
         batches, phys = super()._route(tables, layer, topk_ids, topk_weights)
@@ -152,6 +168,36 @@ class ProbedDispatcher(RemoteDispatcher):
         if self._sent is None:  # the layer's immediate requests (held-back ones are sent after)
             self._sent = sent
         return sent
+
+    def _waiter(self, tables, layer, x, ids, w, phys, adapters, sent, t0, only, out=None):
+        if not self.main_wait:
+            return super()._waiter(tables, layer, x, ids, w, phys, adapters, sent, t0, only, out)
+
+        def wait() -> torch.Tensor:  # main's sum as it was (its failover branch left out)
+            dst = torch.empty_like(x) if out is None else out  # [T, H]
+            whole = len(sent) == 1 and sent[0][0].rows.numel() == x.shape[0]
+            if not whole:
+                dst.zero_()
+            deadline = time.monotonic() + self.cluster.timeout_s
+            for b, reply in sent:
+                part = self._collect(b, reply, layer, x.shape[1], deadline)  # [T_s, H]
+                self.on_round_trip(self.conns[b.server].spec.name, time.perf_counter() - t0)
+                if whole:
+                    dst.copy_(part)
+                else:
+                    part = part.to(device=x.device, dtype=x.dtype)
+                    if b.rows.numel() == x.shape[0]:
+                        dst.add_(part)
+                    else:
+                        dst.index_add_(0, b.rows.to(x.device), part)
+                reply.release()
+            return dst
+
+        def abandon() -> None:
+            for _, reply in sent:
+                reply.abandon()
+
+        return wait, abandon
 
     def submit(self, layer, *a, **kw):
         t0 = time.perf_counter()
@@ -188,81 +234,102 @@ def use(eng: Engine, d: RemoteDispatcher, graphs) -> None:
         eng.graphs.dispatcher = d
 
 
-def decode(
-    eng: Engine, d: ProbedDispatcher, batch: int, prompt: int, new: int, vocab: int, depth: int
-) -> dict:
-    """Greedy decode (argmax read back each step) after a ``prompt``-token prefill and 3
-    warm-up steps; medians of the timed steps and of their layers."""
+# a row of a group: (name, share, --cpu-defer-experts, main's wait)
+Variant = tuple[str, str, int, bool]
+
+
+def decode(eng: Engine, d: ProbedDispatcher, variants: list[Variant], batch: int, args, vocab: int) -> dict:
+    """Greedy decode (argmax read back each step) of each variant's own ``batch`` sequences
+    after a ``prompt``-token prefill and 3 warm-up steps, the variants taking turns step by step
+    (rotating who goes first): a drift of the host's speed hits each alike. Per variant the
+    medians of the timed steps and of their layers."""
     g = torch.Generator().manual_seed(batch)
-    seqs = [eng.new_seq() for _ in range(batch)]
-    logits = eng.step([(s, torch.randint(0, vocab, (prompt,), generator=g).tolist()) for s in seqs])
-    toks = torch.stack(logits).argmax(-1).tolist()
-    steps, layers, route, wait, rest = [], [], [], [], []
-    trips: dict[str, list[float]] = {}
-    server: dict[str, list[float]] = {}
-    for i in range(3 + new):
-        d.clear()
-        t0 = time.perf_counter()
-        toks = torch.stack(eng.step([(s, [t]) for s, t in zip(seqs, toks)])).argmax(-1).tolist()
-        if i < 3:
-            continue
-        steps.append(time.perf_counter() - t0)
-        ev = d.events
-        assert len(ev) == depth, f"{len(ev)=} {depth=}"
-        layers += [b[0] - a[0] for a, b in zip(ev, ev[1:])]  # one whole layer each
-        route += [e[1] - e[0] for e in ev]
-        wait += [e[2] - e[1] for e in ev]
-        rest += [b[0] - a[2] for a, b in zip(ev, ev[1:])]
-        for k, v in d.trips.items():
-            trips.setdefault(k, []).extend(v)
-        for k, v in d.server_ms.items():
-            server.setdefault(k, []).extend(v)
-    for s in seqs:
-        eng.free(s)
+
+    def switch(v: Variant) -> None:
+        d.share, d.main_wait = v[1], v[3]
+        d.set_defer(v[2])
+
+    seqs, toks, stats = {}, {}, {}
+    for v in variants:
+        switch(v)
+        seqs[v] = [eng.new_seq() for _ in range(batch)]
+        logits = eng.step(
+            [(s, torch.randint(0, vocab, (args.prompt,), generator=g).tolist()) for s in seqs[v]]
+        )
+        toks[v] = torch.stack(logits).argmax(-1).tolist()
+        stats[v] = dict(steps=[], layers=[], route=[], wait=[], rest=[], trips={}, server={})
+    for i in range(3 + args.new):
+        k = i % len(variants)
+        for v in variants[k:] + variants[:k]:
+            switch(v)
+            d.clear()
+            t0 = time.perf_counter()
+            toks[v] = torch.stack(eng.step([(s, [t]) for s, t in zip(seqs[v], toks[v])])).argmax(-1).tolist()
+            if i < 3:
+                continue
+            st, ev = stats[v], d.events
+            st["steps"].append(time.perf_counter() - t0)
+            assert len(ev) == args.depth, f"{len(ev)=} {args.depth=}"
+            st["layers"] += [b[0] - a[0] for a, b in zip(ev, ev[1:])]  # one whole layer each
+            st["route"] += [e[1] - e[0] for e in ev]
+            st["wait"] += [e[2] - e[1] for e in ev]
+            st["rest"] += [b[0] - a[2] for a, b in zip(ev, ev[1:])]
+            for key, src in (("trips", d.trips), ("server", d.server_ms)):
+                for name, vals in src.items():
+                    st[key].setdefault(name, []).extend(vals)
+    for v in variants:
+        for s in seqs[v]:
+            eng.free(s)
     med = statistics.median
-    return dict(
-        step_ms=med(steps) * 1e3, layer_ms=med(layers) * 1e3, route_send_ms=med(route) * 1e3,
-        wait_ms=med(wait) * 1e3, segment_ms=med(rest) * 1e3, n_layers=len(layers),
-        round_trip_ms={k: med(v) for k, v in trips.items() if v},
-        server_ms={k: med(v) for k, v in server.items() if v},
-    )  # fmt: skip
+    return {
+        v[0]: dict(
+            step_ms=med(st["steps"]) * 1e3,
+            layer_ms=med(st["layers"]) * 1e3,
+            route_send_ms=med(st["route"]) * 1e3,
+            wait_ms=med(st["wait"]) * 1e3,
+            segment_ms=med(st["rest"]) * 1e3,
+            n_layers=len(st["layers"]),
+            round_trip_ms={k: med(x) for k, x in st["trips"].items() if x},
+            server_ms={k: med(x) for k, x in st["server"].items() if x},
+        )  # fmt: skip
+        for v, st in stats.items()
+    }
 
 
-def rows_for(
+def groups_for(
     e: int, fractions: list[float], defers: list[int], alt_threads: int
-) -> list[tuple[str, int, str, int, int]]:
-    """(name, --num-gpu-experts, share, --cpu-defer-experts, CPU server: 0 main, 1 the one on
-    ``alt_threads`` threads); rows of one placement together."""
-    out = [("gpu_all", e, "all", 0, 0), ("cpu_all", 0, "all", 0, 0)]
+) -> list[tuple[int, int, list[Variant]]]:
+    """(--num-gpu-experts, CPU server: 0 main, 1 the one on ``alt_threads`` threads, rows): the
+    rows of one group share a placement and alternate step by step."""
+    out = [(e, 0, [("gpu_all", "all", 0, False)]), (0, 0, [("cpu_all", "all", 0, False)])]
     for f in fractions:
         g, tag = round(e * f), f"{f:.0%}"
-        out += [
-            (f"hybrid {tag}", g, "all", 0, 0),
-            (f"cpu_share {tag}", g, "cpu", 0, 0),
-            (f"gpu_share {tag}", g, "gpu", 0, 0),
-        ]
-        out += [(f"defer{n} {tag}", g, "all", n, 0) for n in defers]
+        rows = [(f"hybrid {tag}", "all", 0, False), (f"hybrid/main-wait {tag}", "all", 0, True),
+                (f"cpu_share {tag}", "cpu", 0, False), (f"gpu_share {tag}", "gpu", 0, False)]  # fmt: skip
+        out.append((g, 0, rows + [(f"defer{n} {tag}", "all", n, False) for n in defers]))
     if alt_threads:  # the largest GPU share again, the CPU server on fewer threads
         g, tag = round(e * max(fractions)), f"{max(fractions):.0%}"
-        out += [(f"{k}@t{alt_threads} {tag}", g, share, 0, 1) for k, share in (("hybrid", "all"), ("cpu_share", "cpu"), ("gpu_share", "gpu"))]  # fmt: skip
+        at = f"@t{alt_threads}"
+        out.append((g, 1, [(f"{k}{at} {tag}", share, 0, False) for k, share in (("hybrid", "all"), ("cpu_share", "cpu"), ("gpu_share", "gpu"))]))  # fmt: skip
     return out
 
 
-def run_rows(args, w, path: Path, rows, gpu_address: str, cpu_addresses: list[str]) -> dict:
-    """Every row, ``args.repeat`` passes (row-major: slow drifts hit every row alike); per row and
-    batch the profile of each pass."""
+def run_rows(args, w, path: Path, groups, gpu_address: str, cpu_addresses: list[str]) -> dict:
+    """Every group, ``args.repeat`` passes; per row and batch the profile of each pass."""
     dtype, device = torch.bfloat16, torch.device(args.device)
     torch.set_num_threads(args.coordinator_threads)
     reader = CheckpointReader(path)
     model = load_model(reader, dtype, device)
-    pages = max(args.batches) * -(-(args.prompt + args.new + 8) // 16) + 8
+    most = max(len(rows) for *_, rows in groups)
+    pages = most * max(args.batches) * -(-(args.prompt + args.new + 8) // 16) + 8
     eng = graphs = None
-    res: dict[str, dict[int, list[dict]]] = {name: {b: [] for b in args.batches} for name, *_ in rows}
+    res: dict[str, dict[int, list[dict]]] = {
+        v[0]: {b: [] for b in args.batches} for *_, rows in groups for v in rows
+    }
     for rep in range(args.repeat):
-        for name, g, share, n, c in rows:
+        for g, c, rows in groups:
             servers = (ServerSpec("gpu0", gpu_address, "gpu"), ServerSpec("cpu0", cpu_addresses[c], "cpu"))
-            cluster = ClusterConfig(servers, num_gpu_experts=g, cpu_defer_experts=n)
-            d = ProbedDispatcher(reader.config, cluster, dtype, device, share=share)
+            d = ProbedDispatcher(reader.config, ClusterConfig(servers, num_gpu_experts=g), dtype, device)
             d.connect(600)
             if eng is None:
                 print("transports:", [i.get("transport") for i in d.server_infos()], flush=True)
@@ -273,9 +340,11 @@ def run_rows(args, w, path: Path, rows, gpu_address: str, cpu_addresses: list[st
                     graphs = RemoteDecodeGraphs(model, eng.cache, pages, None, d, buckets=BUCKETS)
             use(eng, d, graphs)
             for b in args.batches:
-                res[name][b].append(decode(eng, d, b, args.prompt, args.new, w["vocab"], args.depth))
-            print(rep, name, {b: round(v[-1]["layer_ms"], 3) for b, v in res[name].items()},
-                  "graphs" if eng.graphs is not None else "eager", flush=True)  # fmt: skip
+                for name, r in decode(eng, d, rows, b, args, w["vocab"]).items():
+                    res[name][b].append(r)
+            for name, *_ in rows:
+                print(rep, name, {b: round(v[-1]["layer_ms"], 3) for b, v in res[name].items()},
+                      "graphs" if eng.graphs is not None else "eager", flush=True)  # fmt: skip
             d.close()
     return res
 
@@ -323,14 +392,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     fractions = [float(f) for f in args.gpu_fractions.split(",")]
     defers = [int(n) for n in args.defer.split(",") if n.strip()]
-    rows = rows_for(w["experts"], fractions, defers, args.alt_cpu_threads)
+    groups = groups_for(w["experts"], fractions, defers, args.alt_cpu_threads)
+    names = [v[0] for *_, rows in groups for v in rows]
     t0 = time.perf_counter()
     path = write_checkpoint(
         Path(args.work) / f"{'tiny' if args.tiny else 'qwen3'}_L{args.depth}", w, args.depth
     )
     if args.connect:  # the baseline child: the parent's servers, its rows, results to --out
         gpu_address, *cpu_addresses = args.connect.split(",")
-        res = run_rows(args, w, path, rows, gpu_address, cpu_addresses)
+        res = run_rows(args, w, path, groups, gpu_address, cpu_addresses)
         (out / "baseline_rows.json").write_text(
             json.dumps({k: {str(b): v for b, v in r.items()} for k, r in res.items()})
         )
@@ -339,7 +409,7 @@ def main() -> None:
     gpu, cpus = start_servers(args, path)
     base: dict = {}
     try:
-        res = run_rows(args, w, path, rows, gpu.address, [c.address for c in cpus])
+        res = run_rows(args, w, path, groups, gpu.address, [c.address for c in cpus])
         if args.baseline_root:
             addresses = ",".join(s.address for s in (gpu, *cpus))
             cmd = [sys.executable, __file__, *sys.argv[1:], "--connect", addresses]
@@ -352,16 +422,16 @@ def main() -> None:
     finally:
         for srv in (gpu, *cpus):
             srv.stop()
-    report(args, w, rows, res, base, fractions, out)
+    report(args, w, names, res, base, fractions, out)
 
 
-def summarise(args, w, rows, res, fractions) -> dict:
+def summarise(args, w, names, res, fractions) -> dict:
     """Per (row, batch): the profile pooled over passes (median of the pass medians for the
     times), tokens/s at the real depth, ratios and the overlap ratio per pass."""
     med = statistics.median
     real = w["real_depth"]
     table = {}
-    for name, *_ in rows:
+    for name in names:
         for b in args.batches:
             passes = res[name][b]
             layer, step = med(p["layer_ms"] for p in passes), med(p["step_ms"] for p in passes)
@@ -385,10 +455,10 @@ def summarise(args, w, rows, res, fractions) -> dict:
     return table
 
 
-def report(args, w, rows, res, base, fractions, out: Path) -> None:
+def report(args, w, names, res, base, fractions, out: Path) -> None:
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    table = summarise(args, w, rows, res, fractions)
-    btable = summarise(args, w, rows, base, fractions) if base else {}
+    table = summarise(args, w, names, res, fractions)
+    btable = summarise(args, w, names, base, fractions) if base else {}
     js = dict(widths=w, device=dev, cpu_count=os.cpu_count(), args=vars(args),
               rows=[dict(mode=k[0], batch=k[1], **v) for k, v in table.items()],
               baseline_rows=[dict(mode=k[0], batch=k[1], **v) for k, v in btable.items()])  # fmt: skip
