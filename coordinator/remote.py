@@ -223,13 +223,18 @@ class RemoteDispatcher(Dispatcher):
         conns = self.conns
 
         def wait() -> torch.Tensor:
-            # --- issue 14h2: every answer is awaited before any is summed ("wait once") ---
-            # NOTE: summing the first answer (its copy to the GPU, an add) while another server
-            # still computes put coordinator GPU work between the shares: against a GPU server
-            # on this GPU that is a GPU context switch inside its share, per layer
+            # --- issue 14h2: the GPU servers' answers are awaited first, each summed as it comes ---
+            # NOTE: in a hybrid layer the GPU share answers first: summing it at once switches
+            # the GPU back to this process's context (a same-GPU server ran last; ~0.1-0.2 ms on
+            # the lent H100) while the CPU server still computes. A CPU answer that comes first
+            # waits in its ring until the GPU answers are in, so no copy or add of ours lands
+            # inside a same-GPU server's share (a context switch there). Sends stay CPU first.
+            dst = torch.empty_like(x) if out is None else out  # [T, H]
             first = time.monotonic() + self.cluster.timeout_s
-            todo = [(b, reply, first) for b, reply in sent]
-            got: list[tuple[pl.ServerBatch, ExpertReply, torch.Tensor]] = []  # collected, in order
+            todo = sorted(
+                ((b, r, first) for b, r in sent), key=lambda s: conns[s[0].server].spec.kind == "cpu"
+            )
+            started = False  # dst holds a partial sum
             i = 0
             try:
                 while i < len(todo):
@@ -247,20 +252,23 @@ class RemoteDispatcher(Dispatcher):
                         resent = self._resend(tables, layer, x, ids, w, phys, b.server, e, adapters, only)
                         todo += [(b2, r2, again) for b2, r2 in resent]
                         continue
-                    got.append((b, reply, part))
+                    try:
+                        _accumulate(dst, b, part, started)
+                        started = True
+                    finally:
+                        reply.release()
                     if self.on_round_trip is not None:
                         self.on_round_trip(conns[b.server].spec.name, time.perf_counter() - t0)
                     ms = getattr(reply, "compute_ms", None)
                     if ms is not None and self.server_time_hook is not None:
                         self.server_time_hook(b.server, layer, ms, int((b.slot_ids >= 0).sum()))
-                dst = _sum(got, x, out)
             finally:
                 # NOTE: answers still due are freed when they arrive, never before: the server
                 # may be writing them into the ring right now.
-                for _, reply, _ in got:
-                    reply.release()
                 for _, reply, _ in todo[i:]:
                     reply.abandon()
+            if not started:  # no pair of the layer went anywhere
+                dst.zero_()
             # --- end issue 14h2 ---
             if (
                 self.probe is not None and sent
@@ -391,25 +399,18 @@ class RemoteDispatcher(Dispatcher):
         return part
 
 
-def _sum(
-    got: list[tuple[pl.ServerBatch, ExpertReply, torch.Tensor]],
-    x: torch.Tensor,  # [T, H]
-    out: torch.Tensor | None,  # [T, H] where the sum goes (None: a new tensor)
-) -> torch.Tensor:  # [T, H]
-    """issue 14h2: the collected answers' sum, in collection order (the order the eager sum
-    had: the same rounding). An answer holding every row (rows are sorted and unique) that comes
-    first is copied rather than added to zeros: the one-server layer costs one copy."""
-    dst = torch.empty_like(x) if out is None else out
-    t = x.shape[0]
-    start = 1 if got and got[0][0].rows.numel() == t else 0
-    if start:
-        dst.copy_(got[0][2])  # any device: one copy
-    else:
+def _accumulate(dst: torch.Tensor, b: pl.ServerBatch, part: torch.Tensor, started: bool) -> None:
+    """issue 14h2: adds one server's answer ``part [T_s, H]`` (rows ``b.rows``) into ``dst [T, H]``;
+    the first answer, if it holds every row (rows are sorted and unique), is copied instead of
+    added to zeros: a one-server layer costs one copy."""
+    t = dst.shape[0]
+    if not started and b.rows.numel() == t:
+        dst.copy_(part)  # any device
+        return
+    if not started:
         dst.zero_()
-    for b, _, part in got[start:]:
-        part = part.to(device=x.device, dtype=x.dtype)
-        if b.rows.numel() == t:  # every row, in order: no index to upload
-            dst.add_(part)
-        else:
-            dst.index_add_(0, b.rows.to(x.device), part)
-    return dst
+    part = part.to(device=dst.device, dtype=dst.dtype)
+    if b.rows.numel() == t:  # every row, in order: no index to upload
+        dst.add_(part)
+    else:
+        dst.index_add_(0, b.rows.to(dst.device), part)
