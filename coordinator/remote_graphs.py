@@ -149,9 +149,10 @@ class RemoteDecodeGraphs(DecodeGraphs):
             views = self._views[(bucket, b)] = [
                 (c.layer, c.x[:b], c.ids[:b], c.ids_host[:b], c.weights_host[:b], c.routed[:b]) for c in cuts
             ]
-        clock, timings, hook, ready = time.perf_counter, self.timings, self.load_hook, self.ready
-        submit, take = self.dispatcher.submit, self.dispatcher.take_deferred
+        take = self.dispatcher.take_deferred  # issue 14h2: --cpu-defer-experts
         held: Pending | None = None  # issue 14h2: the previous MoE layer's held-back sum
+        clock, timings, hook, ready = time.perf_counter, self.timings, self.load_hook, self.ready
+        submit = self.dispatcher.submit
         for seg, (layer, x, ids, ids_host, weights_host, routed) in zip(segments, views):
             t0 = clock()
             seg.replay()
