@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -371,3 +372,51 @@ def test_cpu_server_numa_node_all(numa_backend):
         b.close()
     finally:
         torch.set_num_threads(before)
+
+
+def test_kernel_teams_inherit_their_group_pin():
+    """The OpenMP teams the groups' kernels start (C decode at T=1, torch GEMMs at T=96) run on
+    their group's CPUs only: no thread started by a forward may run on the other node."""
+    import torch
+
+    from cpu_expert_server.numa_backend import NumaExpertBackend
+
+    def threads() -> dict[int, tuple[int, ...]]:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # exited meanwhile
+                out[int(tid)] = tuple(sorted(os.sched_getaffinity(int(tid))))
+        return out
+
+    nodes = fake_nodes()
+    groups = [numa.NodeGroup(n.id, n.cpus, 2) for n in nodes]  # 2 threads each: a team of 2
+    nb = NumaExpertBackend(groups)
+    try:
+        w13, w2 = nb.stack_slots(*packed_layer(nb, 4, torch.float32))
+        before = threads()
+        g = torch.Generator().manual_seed(3)
+        for t in (1, 96):
+            ids = torch.arange(t * 2).reshape(t, 2) % 4
+            nb.forward(torch.randn(t, 128, generator=g), w13, w2, ids, torch.rand(t, 2, generator=g))
+        started = [a for tid, a in threads().items() if tid not in before]
+        assert started and set(started) <= {n.cpus for n in nodes}, started
+    finally:
+        nb.close()
+
+
+def test_a_group_error_reaches_the_caller_and_the_next_call_is_clean(numa_backend, monkeypatch):
+    import torch
+
+    nb = numa_backend()
+    w13, w2 = nb.stack_slots(*packed_layer(nb, 4, torch.float32))
+    x, ids, wts = torch.randn(2, 128), torch.tensor([[0, 3], [1, 2]]), torch.rand(2, 2)
+    want = nb.forward(x, w13, w2, ids, wts)
+
+    def broken(*args):
+        raise RuntimeError("group 1 failed")
+
+    monkeypatch.setattr(nb.inner[1], "forward", broken)
+    with pytest.raises(RuntimeError, match="group 1 failed"):
+        nb.forward(x, w13, w2, ids, wts)
+    monkeypatch.undo()
+    assert torch.equal(nb.forward(x, w13, w2, ids, wts), want)  # no stale answer left in a queue
