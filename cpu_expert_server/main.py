@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.numa_node == "all":
         try:
             backend = numa_backend_from_args(args, numa.read_nodes())
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # too few threads; a group's CPUs refused (sched_setaffinity)
             print(f"error: {e}", file=sys.stderr)
             return 2
         if backend is not None:

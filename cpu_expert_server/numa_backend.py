@@ -67,14 +67,20 @@ class GroupThread:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"numa{group.node}", daemon=True)
         self._thread.start()
+        self.result()  # started and pinned, or the OSError of the pin raised here
 
     def _loop(self) -> None:
-        os.sched_setaffinity(0, set(self.group.cpus))  # pid 0: this thread only
+        try:
+            os.sched_setaffinity(0, set(self.group.cpus))  # pid 0: this thread only
+        except OSError as e:  # a CPU gone offline, a cpuset changed since the plan was read
+            self._done.put((None, e))
+            return
         # NOTE: a thread's first torch.get_num_threads() sets its OpenMP count from torch's global
         # one; set_num_threads after it sticks for this thread (the backend restores the global
         # value once every group has started)
         torch.get_num_threads()
         torch.set_num_threads(self.group.threads)
+        self._done.put((None, None))
         while (job := self._jobs.get()) is not None:
             fn, args = job
             try:

@@ -420,3 +420,10 @@ def test_a_group_error_reaches_the_caller_and_the_next_call_is_clean(numa_backen
         nb.forward(x, w13, w2, ids, wts)
     monkeypatch.undo()
     assert torch.equal(nb.forward(x, w13, w2, ids, wts), want)  # no stale answer left in a queue
+
+
+def test_a_group_on_a_cpu_this_process_lacks_is_a_clear_error():
+    from cpu_expert_server.numa_backend import GroupThread
+
+    with pytest.raises(OSError):
+        GroupThread(numa.NodeGroup(1, (4095,), 1))
