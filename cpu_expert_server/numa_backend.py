@@ -38,6 +38,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from cpu_expert_server import numa, numa_memory
@@ -231,11 +232,14 @@ class NumaExpertBackend(ExpertBackend):
         t, s = x.shape[0], w13.shape[0]
         if t == 0 or s == 0:
             return torch.zeros_like(x)
+        # NOTE: numpy for the id arithmetic: on these few numbers its ops cost a fraction of
+        # torch's per-op overhead, which a decode step pays per layer
+        ids = slot_ids.numpy()  # [T, K]
         # NOTE: checked here: an id beyond every run would be -1 in each group, silently dropped
-        if bool(((slot_ids < -1) | (slot_ids >= s)).any()):
+        if ids.min() < -1 or ids.max() >= s:
             raise ValueError(f"slot ids outside [-1, {s})")
         with self._lock:
-            outs = self._run_groups(x, w13, w2, slot_ids, weights, lora)  # [T, H] each
+            outs = self._run_groups(x, w13, w2, ids, weights, lora)  # [T, H] each
         if not outs:
             return torch.zeros_like(x)
         if len(outs) == 1:
@@ -245,16 +249,16 @@ class NumaExpertBackend(ExpertBackend):
             acc += o.float()
         return acc.to(x.dtype)
 
-    def _run_groups(self, x, w13, w2, slot_ids, weights, lora) -> list[torch.Tensor]:
+    def _run_groups(self, x, w13, w2, ids: np.ndarray, weights, lora) -> list[torch.Tensor]:
         """Each group with a pair in its run computes those pairs; their [T, H] answers."""
         sent = []
         for group, inner, (a, b) in zip(
             self._threads, self.inner, numa.split_slots(w13.shape[0], self.groups), strict=True
         ):
-            mine = (slot_ids >= a) & (slot_ids < b)  # [T, K]
-            if b == a or not bool(mine.any()):
+            mine = (ids >= a) & (ids < b)  # [T, K]
+            if b == a or not mine.any():
                 continue
-            local = torch.where(mine, slot_ids - a, -1)  # [T, K] ids in the run
+            local = torch.from_numpy(np.where(mine, ids - a, -1).astype(ids.dtype))  # [T, K] ids in the run
             sub = None if lora is None else _lora_run(lora, a, b)
             group.submit(inner.forward, x, w13[a:b], w2[a:b], local, weights, sub)
             sent.append(group)
