@@ -15,9 +15,9 @@ Shapes: T tokens, K top-k, S local slots of a layer, H hidden.
 - Memory: the slot table stacks a layer's packed slots through :meth:`stack_slots` (at load and
   at every placement prepare, off the request path; an EPLB push re-stacks every layer, reused
   experts included, so each push re-places them at no extra cost). Node n's run is
-  ``MPOL_PREFERRED`` on n (cpu_expert_server/numa_memory.py) and is copied in by a thread pinned
-  to n, so its pages are node-local by first touch even where the kernel refuses the policy
-  call (logged once). Tensors that did not come through the slot table (a direct caller) are
+  ``MPOL_PREFERRED`` on n (cpu_expert_server/numa_memory.py; tensors of MBIND_MIN_BYTES or more)
+  and is copied in by a thread pinned to n, so its pages are node-local by first touch even
+  where the kernel refuses the policy call (logged once). Tensors that did not come through the slot table (a direct caller) are
   split the same way but left where they are.
 - Compute: a forward sends each group the tokens with a slot in its run (ids shifted to the
   run, -1 elsewhere) and the views ``w13[a:b], w2[a:b]``; the partial sums are added in float32
@@ -48,6 +48,11 @@ from expertmesh.lora.moe import LoRABatch, MoELoRAWeights
 
 log = logging.getLogger("expertmesh.cpu_numa")
 
+# NOTE: glibc serves allocations of 32 MiB and more (its largest mmap threshold) from their own
+# mappings, unmapped when freed, so their policy dies with them; a smaller tensor sits in a heap
+# that outlives it, where each mbind would leave a policy and a VMA split behind (a server that
+# takes thousands of placement pushes could run into vm.max_map_count): first touch only there
+MBIND_MIN_BYTES = 32 << 20
 LOCAL_WARN = 0.9  # warn when less of a node's run than this reads back as on the node
 # set, these make OpenMP bind its threads from the process's initial mask, overriding the pins
 OMP_BIND_ENV = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
@@ -117,9 +122,11 @@ class NumaExpertBackend(ExpertBackend):
         groups: list[numa.NodeGroup],
         weight_dtype: str = "bfloat16",
         make: Callable[[int], CpuExpertBackend] | None = None,
+        mbind_min_bytes: int = MBIND_MIN_BYTES,
     ) -> None:
         """``make(threads)``: one group's CPU backend (default: CpuExpertBackend with the group's
-        thread count and ``weight_dtype``)."""
+        thread count and ``weight_dtype``); ``mbind_min_bytes``: stacked tensors below it are
+        placed by first touch only (see MBIND_MIN_BYTES)."""
         assert len(groups) >= 2, f"one group is the plain backend: {groups=}"
         make = make or (lambda n: CpuExpertBackend(n, weight_dtype))
         self.groups = groups
@@ -129,6 +136,7 @@ class NumaExpertBackend(ExpertBackend):
         # node -> (pages on the node, pages read back) of the last stacked layer
         self.placed: dict[int, tuple[int, int]] = {}
         self._warned: set[str] = set()
+        self.mbind_min_bytes = mbind_min_bytes
         bound = [k for k in OMP_BIND_ENV if os.environ.get(k)]
         if bound:
             log.warning("%s set: OpenMP may bind the groups' threads off their nodes", ", ".join(bound))
@@ -172,7 +180,9 @@ class NumaExpertBackend(ExpertBackend):
             """Node g's run: policy, then first touch from g's CPUs; the policy's refusal or None."""
             os.sched_setaffinity(0, set(g.cpus))  # this (short-lived) thread only
             refused = None
-            for t in (out13[a:b], out2[a:b]):
+            for full, t in ((out13, out13[a:b]), (out2, out2[a:b])):
+                if full.numel() * full.element_size() < self.mbind_min_bytes:
+                    continue
                 try:
                     numa_memory.prefer_node(t.data_ptr(), t.numel() * t.element_size(), g.node)
                 except numa_memory.NumaMemoryError as e:

@@ -280,6 +280,9 @@ def test_stacking_places_each_run_and_logs_a_refusal(numa_backend, caplog):
     nb = numa_backend()
     real = {n.id for n in numa.read_nodes()}
     with caplog.at_level("WARNING", logger="expertmesh.cpu_numa"):
+        nb.stack_slots(*packed_layer(nb, 6, torch.float32))  # < MBIND_MIN_BYTES: no mbind
+        assert "refused" not in caplog.text
+        nb.mbind_min_bytes = 0  # these small tensors too
         nb.stack_slots(*packed_layer(nb, 6, torch.float32))
     for node, (local, total) in nb.placed.items():
         assert total > 0
