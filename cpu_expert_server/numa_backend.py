@@ -220,6 +220,11 @@ class NumaExpertBackend(ExpertBackend):
                 self._warn_once(f"query:{e}", f"cannot read back where expert pages are ({e})")
                 return
             placed[g.node] = (sum(n == g.node for n in where), len(where))
+        if not self.placed:  # the first layer stacked: say where it went
+            log.info(
+                "expert pages on their own node (sampled, first layer): %s",
+                ", ".join(f"node {n}: {loc}/{tot}" for n, (loc, tot) in placed.items()),
+            )
         self.placed = placed
         for node, (local, total) in placed.items():
             if total and local < LOCAL_WARN * total:
