@@ -17,8 +17,8 @@ Shapes: T tokens, K top-k, S local slots of a layer, H hidden.
   experts included, so each push re-places them at no extra cost). Node n's run is
   ``MPOL_PREFERRED`` on n (cpu_expert_server/numa_memory.py; tensors of MBIND_MIN_BYTES or more)
   and is copied in by a thread pinned to n, so its pages are node-local by first touch even
-  where the kernel refuses the policy call (logged once). Tensors that did not come through the slot table (a direct caller) are
-  split the same way but left where they are.
+  where the kernel refuses the policy call (logged once). Tensors that did not come through the
+  slot table (a direct caller) are split the same way but left where they are.
 - Compute: a forward sends each group the tokens with a slot in its run (ids shifted to the
   run, -1 elsewhere) and the views ``w13[a:b], w2[a:b]``; the partial sums are added in float32
   and rounded once to x's dtype (bf16: within one rounding of the one-call result).
