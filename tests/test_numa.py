@@ -346,7 +346,7 @@ def test_a_server_over_two_fake_nodes_across_a_placement_change(tmp_path, numa_b
     asyncio.run(main())
 
 
-def test_cpu_server_numa_node_all(numa_backend):
+def test_cpu_server_numa_node_all(monkeypatch):
     """``--numa-node K|all`` parses; ``all`` on one node is the plain server (None: main.run goes
     on as without the flag), on two the node-split backend; too few threads is an error."""
     import argparse
@@ -364,17 +364,20 @@ def test_cpu_server_numa_node_all(numa_backend):
     args = p.parse_args(["--model", "m", "--numa-node", "all"])
     assert args.numa_node == "all"
     assert main.numa_backend_from_args(args, [numa.Node(0, (0, 1))]) is None
+    pools = []  # torch's pools are sized once per process: recorded, not resized under pytest
+    monkeypatch.setattr(main.cores, "set_torch_threads", pools.append)
+    args.threads = 1
+    with pytest.raises(ValueError, match="fewer threads than the 2 nodes"):
+        main.numa_backend_from_args(args, fake_nodes())
+    args.threads = None
     before = torch.get_num_threads()
+    b = main.numa_backend_from_args(args, fake_nodes())
     try:
-        args.threads = 1
-        with pytest.raises(ValueError, match="fewer threads than the 2 nodes"):
-            main.numa_backend_from_args(args, fake_nodes())
-        args.threads = None
-        b = main.numa_backend_from_args(args, fake_nodes())
         assert isinstance(b, NumaExpertBackend) and [g.node for g in b.groups] == [0, 1]
-        b.close()
+        assert pools == [max(len(n.cpus) for n in fake_nodes())]  # one node's share at most
+        assert torch.get_num_threads() == before
     finally:
-        torch.set_num_threads(before)
+        b.close()
 
 
 def test_kernel_teams_inherit_their_group_pin():
