@@ -103,26 +103,32 @@ __attribute__((target(AMX_TARGET))) static void amx_release(void) { _tile_releas
  * around them wherever C code reads what a tile store wrote or writes what a tile load reads */
 #define COMPILER_FENCE() __asm__ volatile("" ::: "memory")
 
-/* Prefetch of the next block's weight rows, spread over this block's k steps so that one linear
- * stream per thread runs ahead of the tiles (the 32 row streams of a block, 4 KiB apart at
- * H = 2048, are more than the hardware prefetchers follow). To L2: the tiles re-read a block once
- * per token-tile pair. */
-#ifndef AMX_PF_HINT
-#define AMX_PF_HINT _MM_HINT_T1
+/* Software prefetch of the weight rows (AMX_PF): 0 none; 1 the next block's rows, spread over
+ * this block's k steps as one linear stream per thread, to L2; 2 each of the block's 32 rows
+ * AMX_PF_DIST k steps ahead, to L1 (the rows are 32 streams, 4 KiB apart at H = 2048, more than
+ * the hardware prefetchers follow). bench_cpu_prefill.py times the three. */
+#ifndef AMX_PF
+#define AMX_PF 2
+#endif
+#ifndef AMX_PF_DIST
+#define AMX_PF_DIST 8
 #endif
 typedef struct {
     const uint8_t *p; /* next block's first byte (NULL: none) */
     long lines;       /* its 64-byte lines */
 } Prefetch;
 
-static inline __attribute__((always_inline)) void prefetch_part(const Prefetch *pf, int ks, int ksteps) {
-#ifdef AMX_NO_PF /* benchmark variant */
-    return;
-#endif
-    if (!pf->p) return;
+static inline __attribute__((always_inline)) void prefetch_part(const Prefetch *pf, const uint8_t *a0,
+                                                                const uint8_t *a1, long sa, int ks, int ksteps) {
+    if (AMX_PF == 2 && ks + AMX_PF_DIST < ksteps)
+        for (int r = 0; r < 16; r++) {
+            _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + AMX_PF_DIST) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + AMX_PF_DIST) * 64), _MM_HINT_T0);
+        }
+    if (AMX_PF != 1 || !pf->p) return;
     const long per = (pf->lines + ksteps - 1) / ksteps;
     for (long l = ks * per; l < (ks + 1) * per && l < pf->lines; l++)
-        _mm_prefetch((const char *)(pf->p + l * 64), AMX_PF_HINT);
+        _mm_prefetch((const char *)(pf->p + l * 64), _MM_HINT_T1);
 }
 
 enum { TILES_BF16, TILES_S8, TILES_U8 };
@@ -139,7 +145,7 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps
     TILE_ZERO(3);
     COMPILER_FENCE();
     for (int ks = k0; ks < k1; ks++) {
-        prefetch_part(pf, ks, ksteps);
+        prefetch_part(pf, a0, a1, sa, ks, ksteps);
         TILE_LOAD(4, a0 + (size_t)ks * 64, sa);
         TILE_LOAD(5, a1 + (size_t)ks * 64, sa);
         TILE_LOAD(6, b0 + (size_t)ks * 256, 64);

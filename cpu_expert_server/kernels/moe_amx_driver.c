@@ -54,7 +54,7 @@ static void btiles_alloc(QTiles *q, int kind, int ntiles, int c, int g) {
     if (kind == TILES_BF16) {
         memset(q, 0, sizeof *q);
         q->ksteps = c / 32, q->groups = 1;
-        q->b = calloc((size_t)ntiles * q->ksteps * 256 + 1, 4);
+        q->b = malloc(((size_t)ntiles * q->ksteps * 256 + 1) * 4);
     } else {
         qtiles_alloc(q, ntiles, c, g);
     }
@@ -183,7 +183,6 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     int8_t *xq = qk ? malloc((size_t)t_ * h_ + 1) : NULL;
     float *xsc = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
     float *xcs = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
-    memset(out, 0, sizeof(float) * (size_t)t_ * h_);
     const int nblk1 = i_ / 16, nblk2 = h_ / 32;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -194,6 +193,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         if (omp_get_thread_num() == 0) PROF_AT(4, t_call);
 #pragma omp for schedule(static)
         for (int t = 0; t < t_; t++) {
+            memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
             if (qk)
                 quant_act(x + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
                           xcs + (size_t)t * ng13);
@@ -211,6 +211,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
                 else
                     btiles_put_bf16(&bx, tl, j, h_, xh + t * h_);
             }
+            for (int j = n; j < 16; j++) qtiles_pad(&bx, tl, j);
         }
         COMPILER_FENCE();
         PROF(0, t0);
@@ -260,6 +261,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
                     quant_act(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8, qs, qc);
                     qtiles_put(&ba, tl, j, i_, cl->g2, bias, q8, qs, qc);
                 }
+                for (int j = n; j < 16; j++) qtiles_pad(&ba, tl, j);
             }
             free(q8), free(qs), free(qc);
         }
