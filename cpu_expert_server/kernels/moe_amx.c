@@ -103,29 +103,28 @@ __attribute__((target(AMX_TARGET))) static void amx_release(void) { _tile_releas
  * around them wherever C code reads what a tile store wrote or writes what a tile load reads */
 #define COMPILER_FENCE() __asm__ volatile("" ::: "memory")
 
-/* Software prefetch of the weight rows (AMX_PF): 0 none; 1 the next block's rows, spread over
- * this block's k steps as one linear stream per thread, to L2; 2 each of the block's 32 rows
+/* Software prefetch of the weight rows, per block: PF_ROWS each of the block's 32 rows
  * AMX_PF_DIST k steps ahead, to L1 (the rows are 32 streams, 4 KiB apart at H = 2048, more than
- * the hardware prefetchers follow). bench_cpu_prefill.py times the three. */
-#ifndef AMX_PF
-#define AMX_PF 2
-#endif
+ * the hardware prefetchers follow); PF_NEXT the next block's rows, spread over this block's k steps
+ * as one linear stream, to L2. The driver picks per call (moe_amx_driver.c). */
 #ifndef AMX_PF_DIST
 #define AMX_PF_DIST 8
 #endif
+enum { PF_NONE, PF_NEXT, PF_ROWS };
 typedef struct {
-    const uint8_t *p; /* next block's first byte (NULL: none) */
+    int mode;
+    const uint8_t *p; /* PF_NEXT: the next block's first byte (NULL: none) */
     long lines;       /* its 64-byte lines */
 } Prefetch;
 
 static inline __attribute__((always_inline)) void prefetch_part(const Prefetch *pf, const uint8_t *a0,
                                                                 const uint8_t *a1, long sa, int ks, int ksteps) {
-    if (AMX_PF == 2 && ks + AMX_PF_DIST < ksteps)
+    if (pf->mode == PF_ROWS && ks + AMX_PF_DIST < ksteps)
         for (int r = 0; r < 16; r++) {
             _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + AMX_PF_DIST) * 64), _MM_HINT_T0);
             _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + AMX_PF_DIST) * 64), _MM_HINT_T0);
         }
-    if (AMX_PF != 1 || !pf->p) return;
+    if (pf->mode != PF_NEXT || !pf->p) return;
     const long per = (pf->lines + ksteps - 1) / ksteps;
     for (long l = ks * per; l < (ks + 1) * per && l < pf->lines; l++)
         _mm_prefetch((const char *)(pf->p + l * 64), _MM_HINT_T1);

@@ -8,10 +8,9 @@
  *            written straight into the pair layout; int8: fp32 rows, then quantised per pair)
  *   phase 2: blocks (expert, 32 output rows) -> out += weight * result; each thread owns a range of
  *            output rows over all experts, so every output element has one writer (no atomics)
- * Both phases give each thread a contiguous range of blocks (weights are read once, so blocks cost
- * the same whatever their token count) and walk it so that consecutive blocks are adjacent rows:
- * each thread streams one linear region per expert and prefetches the next block while the tiles
- * run on this one; an expert's B tiles stay in L2 across its blocks.
+ * Blocks are walked expert-major, so consecutive blocks of a thread are adjacent rows and an
+ * expert's B tiles stay in L2 across its blocks; how the blocks are split and prefetched depends on
+ * the call's shape (below, "Work split").
  */
 #include <omp.h>
 
@@ -130,17 +129,100 @@ __attribute__((target(AMX_TARGET))) static void run_block(int kind, const uint8_
     }
 }
 
-/* Work split (benchmark variants override): phase 1 blocks by AMX_SCHED1; phase 2 output rows in
- * groups of AMX_HB_GROUP 32-row blocks (0: one group per thread), groups by AMX_SCHED2 */
-#ifndef AMX_SCHED1
-#define AMX_SCHED1 static
+/* Work split and prefetch, per call. Prefill-shaped calls (>= 2 token tiles per active expert on
+ * average) split both phases statically (each thread a contiguous range of blocks: the tiles'
+ * time is a large part of a block's, and blocks cost alike) with no row prefetch for bf16 (the
+ * hardware streams rows while the tiles run) and the next block prefetched to L2 for int8;
+ * decode-shaped calls (blocks are nearly pure row streaming) split dynamically (a slow thread
+ * cannot hold the barrier) with the rows prefetched ahead. Measured in bench_cpu_prefill.py runs
+ * (benchmarks/RESULTS.md, issue 14p); AMX_SPLIT (0 dynamic, 1 static) and AMX_PF (PF_*) force one
+ * for benchmark builds. */
+#ifndef AMX_SPLIT
+#define AMX_SPLIT -1
 #endif
-#ifndef AMX_SCHED2
-#define AMX_SCHED2 static
+#ifndef AMX_PF
+#define AMX_PF -1
 #endif
-#ifndef AMX_HB_GROUP
-#define AMX_HB_GROUP 0
-#endif
+
+/* one call's shared state, read by every thread */
+typedef struct {
+    const AmxCall *cl;
+    const TilePlan *pl;
+    const QTiles *bx, *ba;
+    float *act, *out;
+    int qk, pf;
+} Ctx;
+
+/* phase 1, block it = (active expert a, features b*16 .. b*16 + 15) */
+__attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long it, Scratch *sc) {
+    const AmxCall *cl = cx->cl;
+    const TilePlan *pl = cx->pl;
+    const Sorted *so = &pl->so;
+    const int i_ = cl->i, nblk1 = i_ / 16;
+    const int a = (int)(it / nblk1), b = (int)(it % nblk1), s = so->active[a];
+    const uint8_t *base = cl->w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * cl->row13;
+    Prefetch pf = {cx->pf, NULL, 32 * cl->row13 / 64};
+    if (it + 1 < (long)so->na * nblk1) {
+        const int a2 = (int)((it + 1) / nblk1), b2 = (int)((it + 1) % nblk1);
+        pf.p = cl->w13 + ((size_t)so->active[a2] * 2 * i_ + (size_t)b2 * 32) * cl->row13;
+    }
+    long sa;
+    const uint8_t *a0 = a_rows(cl, base, cl->row13, cl->h, cl->g13, sc, &sa);
+    for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
+        const int two = tl + 1 < pl->tile0[a + 1];
+        run_block(cl->kind, a0, sa, cx->bx, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
+        for (int u = 0; u < 1 + two; u++) {
+            float *g = sc->c + u * 512; /* [16 gate rows][16 tokens], then the up rows */
+            silu_mul_tile(g, g + 256);
+            if (!cx->qk) {
+                /* padding tokens have zero B columns: silu(0) * 0 = 0 stays a valid pad */
+                tile_to_bf16_pairs(g, b * 16, cx->ba->b + (size_t)(tl + u) * cx->ba->ksteps * 256);
+                continue;
+            }
+            int n;
+            const int q0 = tile_first(pl, tl + u, &n);
+            for (int j = 0; j < n; j++)
+                for (int r = 0; r < 16; r++) cx->act[(size_t)(q0 + j) * i_ + b * 16 + r] = g[r * 16 + j];
+        }
+    }
+}
+
+/* phase 2, output rows [hb0 * 32, hb1 * 32) over every active expert */
+__attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long hb0, long hb1, Scratch *sc) {
+    const AmxCall *cl = cx->cl;
+    const TilePlan *pl = cx->pl;
+    const Sorted *so = &pl->so;
+    const int h_ = cl->h;
+    for (int a = 0; a < so->na; a++) {
+        const int s = so->active[a];
+        for (long hb = hb0; hb < hb1; hb++) {
+            const uint8_t *base = cl->w2 + ((size_t)s * h_ + (size_t)hb * 32) * cl->row2;
+            /* next block: the next 32 rows, or the next expert's first rows of this range */
+            Prefetch pf = {cx->pf, base + 32 * cl->row2, 32 * cl->row2 / 64};
+            if (hb + 1 == hb1)
+                pf.p = a + 1 < so->na ? cl->w2 + ((size_t)so->active[a + 1] * h_ + (size_t)hb0 * 32) * cl->row2 : NULL;
+            long sa;
+            const uint8_t *a0 = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc, &sa);
+            for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
+                const int two = tl + 1 < pl->tile0[a + 1];
+                run_block(cl->kind, a0, sa, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0},
+                          sc);
+                for (int u = 0; u < 1 + two; u++) {
+                    int n;
+                    const int q0 = tile_first(pl, tl + u, &n);
+                    for (int j = 0; j < n; j++) {
+                        float *o = cx->out + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 32;
+                        const float w = so->wt[q0 + j];
+                        for (int r = 0; r < 16; r++) {
+                            o[r] += w * sc->c[u * 512 + r * 16 + j];
+                            o[16 + r] += w * sc->c[u * 512 + 256 + r * 16 + j];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
 
 #ifdef AMX_PROFILE
 /* seconds per stage, summed over calls (thread 0 after each barrier): gather, phase 1, phase-2
@@ -184,6 +266,10 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     float *xsc = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
     float *xcs = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
     const int nblk1 = i_ / 16, nblk2 = h_ / 32;
+    const int prefill = pl.ntiles >= 2 * so->na;
+    const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill;
+    const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? PF_NEXT : PF_NONE;
+    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf};
 #pragma omp parallel num_threads(nthreads)
     {
         amx_config();
@@ -215,36 +301,14 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         }
         COMPILER_FENCE();
         PROF(0, t0);
-        /* phase 1: blocks (expert a, features b*16 .. b*16 + 15), expert-major */
+        /* phase 1: blocks (expert, 16 features), expert-major */
         const long items1 = (long)so->na * nblk1;
-#pragma omp for schedule(AMX_SCHED1) nowait
-        for (long it = 0; it < items1; it++) {
-            const int a = (int)(it / nblk1), b = (int)(it % nblk1), s = so->active[a];
-            const uint8_t *base = cl->w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * cl->row13;
-            Prefetch pf = {NULL, 32 * cl->row13 / 64};
-            if (it + 1 < items1) {
-                const int a2 = (int)((it + 1) / nblk1), b2 = (int)((it + 1) % nblk1);
-                pf.p = cl->w13 + ((size_t)so->active[a2] * 2 * i_ + (size_t)b2 * 32) * cl->row13;
-            }
-            long sa;
-            const uint8_t *a0 = a_rows(cl, base, cl->row13, h_, cl->g13, &sc, &sa);
-            for (int tl = pl.tile0[a]; tl < pl.tile0[a + 1]; tl += 2) {
-                const int two = tl + 1 < pl.tile0[a + 1];
-                run_block(kind, a0, sa, &bx, tl, two, tl == pl.tile0[a] ? &pf : &(Prefetch){NULL, 0}, &sc);
-                for (int u = 0; u < 1 + two; u++) {
-                    float *g = sc.c + u * 512; /* [16 gate rows][16 tokens], then the up rows */
-                    silu_mul_tile(g, g + 256);
-                    if (!qk) {
-                        /* padding tokens have zero B columns: silu(0) * 0 = 0 stays a valid pad */
-                        tile_to_bf16_pairs(g, b * 16, ba.b + (size_t)(tl + u) * ba.ksteps * 256);
-                        continue;
-                    }
-                    int n;
-                    const int q0 = tile_first(&pl, tl + u, &n);
-                    for (int j = 0; j < n; j++)
-                        for (int r = 0; r < 16; r++) act[(size_t)(q0 + j) * i_ + b * 16 + r] = g[r * 16 + j];
-                }
-            }
+        if (split_static) {
+#pragma omp for schedule(static) nowait
+            for (long it = 0; it < items1; it++) phase1_block(&cx, it, &sc);
+        } else {
+#pragma omp for schedule(dynamic, 4) nowait
+            for (long it = 0; it < items1; it++) phase1_block(&cx, it, &sc);
         }
         COMPILER_FENCE();
 #pragma omp barrier
@@ -267,41 +331,15 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         }
         COMPILER_FENCE();
         PROF(2, t0);
-        /* phase 2: groups of output rows [hb0 * 32, hb1 * 32), each over every expert */
-        const int nth = omp_get_num_threads();
-        const int hbg = AMX_HB_GROUP > 0 ? AMX_HB_GROUP : (nblk2 + nth - 1) / nth;
-#pragma omp for schedule(AMX_SCHED2) nowait
-        for (int grp = 0; grp < (nblk2 + hbg - 1) / hbg; grp++) {
-          const long hb0 = (long)grp * hbg, hb1 = hb0 + hbg < nblk2 ? hb0 + hbg : nblk2;
-          for (int a = 0; a < so->na; a++) {
-            const int s = so->active[a];
-            for (long hb = hb0; hb < hb1; hb++) {
-                const uint8_t *base = cl->w2 + ((size_t)s * h_ + (size_t)hb * 32) * cl->row2;
-                /* next block: the next 32 rows, or the next expert's first rows of this group */
-                Prefetch pf = {base + 32 * cl->row2, 32 * cl->row2 / 64};
-                if (hb + 1 == hb1)
-                    pf.p = a + 1 < so->na ? cl->w2 + ((size_t)so->active[a + 1] * h_ + (size_t)hb0 * 32) * cl->row2
-                                          : NULL;
-                long sa;
-                const uint8_t *a0 = a_rows(cl, base, cl->row2, i_, cl->g2, &sc, &sa);
-                for (int tl = pl.tile0[a]; tl < pl.tile0[a + 1]; tl += 2) {
-                    const int two = tl + 1 < pl.tile0[a + 1];
-                    run_block(kind, a0, sa, &ba, tl, two, tl == pl.tile0[a] ? &pf : &(Prefetch){NULL, 0}, &sc);
-                    for (int u = 0; u < 1 + two; u++) {
-                        int n;
-                        const int q0 = tile_first(&pl, tl + u, &n);
-                        for (int j = 0; j < n; j++) {
-                            float *o = out + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 32;
-                            const float w = so->wt[q0 + j];
-                            for (int r = 0; r < 16; r++) {
-                                o[r] += w * sc.c[u * 512 + r * 16 + j];
-                                o[16 + r] += w * sc.c[u * 512 + 256 + r * 16 + j];
-                            }
-                        }
-                    }
-                }
-            }
-          }
+        /* phase 2: ranges of 32-row output blocks, each over every expert */
+        if (split_static) {
+            const int nth = omp_get_num_threads(), per = (nblk2 + nth - 1) / nth;
+#pragma omp for schedule(static) nowait
+            for (int r = 0; r < nth; r++)
+                phase2_rows(&cx, (long)r * per, (r + 1) * per < nblk2 ? (long)(r + 1) * per : nblk2, &sc);
+        } else {
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int hb = 0; hb < nblk2; hb++) phase2_rows(&cx, hb, hb + 1, &sc);
         }
 #pragma omp barrier
         PROF(3, t0);
