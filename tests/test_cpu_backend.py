@@ -262,9 +262,13 @@ def test_bf16_dot_matches_reference():
 def test_amx_matches_reference(wdtype, t):
     """bf16 tiles within bf16 rounding; int8 tiles (activations quantised) as the integer dots."""
     caps = caps_of("amx")
-    x, w13, w2, slot_ids, weights = inputs(t, torch.bfloat16, seed=300 + t, h=128, i=64)
     b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=64, caps=caps)
     assert b.amx
+    check_amx(b, wdtype, t)
+
+
+def check_amx(b: CpuExpertBackend, wdtype: str, t: int) -> None:
+    x, w13, w2, slot_ids, weights = inputs(t, torch.bfloat16, seed=300 + t, h=128, i=64)
     b.gemv_max_tokens = 0  # AMX for every call it covers (int4 decode otherwise takes the VNNI kernel)
     p13, p2 = b.pack_weights(w13, w2)
     assert b.fmt is not None
@@ -287,6 +291,40 @@ def test_amx_matches_reference(wdtype, t):
         out32 = b.forward(x32, p13, p2, slot_ids, weights)
         ref32 = qact_reference(x32, w13, w2, slot_ids, weights, b.fmt.g13, b.fmt.g2)
         assert rel(out32, ref32) < 2e-3, rel(out32, ref32)
+        # a bf16 server with quantised weights and exact activations: rows dequantised to bf16 tiles
+        b.qact = False
+        out = b.forward(x, p13, p2, slot_ids, weights)
+        assert rel(out, exact) < 1e-2, rel(out, exact)
+        b.qact = True
+
+
+@pytest.fixture(scope="module")
+def emulated_amx():
+    """The kernel built with the AMX tile instructions emulated in C (EXPERTMESH_AMX_EMULATE)."""
+    lib = kernels.load(("EXPERTMESH_AMX_EMULATE",))
+    if lib is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    return lib
+
+
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("t", [1, 40, 120])
+def test_amx_tile_logic_emulated(emulated_amx, wdtype, t):
+    """The AMX kernel's logic (token tiles, both phases, thread ranges, epilogues, group scales) on
+    every x86-64 CI machine, the tile instructions emulated; the device run checks the real ones."""
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=64, caps=caps_of("avx2"))
+    b.lib, b.caps, b.amx = emulated_amx, b.caps | kernels.CAPS["amx"][0], True
+    check_amx(b, wdtype, t)
+
+
+def test_amx_uneven_threads_emulated(emulated_amx):
+    """More threads than blocks, and H not a multiple of the threads' row ranges."""
+    x, w13, w2, slot_ids, weights = inputs(37, torch.bfloat16, seed=401, h=96, i=32)
+    b = CpuExpertBackend(threads=7, caps=caps_of("avx2"))
+    b.lib, b.caps, b.amx = emulated_amx, b.caps | kernels.CAPS["amx"][0], True
+    out = b.forward(x, *b.pack_weights(w13, w2), slot_ids, weights)
+    ref = torch_moe(x.double(), w13.double(), w2.double(), slot_ids, weights.double())
+    assert rel(out, ref) < 1e-2, rel(out, ref)
 
 
 def test_split_gate_up_inverts_interleave():

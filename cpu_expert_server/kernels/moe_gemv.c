@@ -78,138 +78,35 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return acc;
 }
 
-/* ---- vector path: GCC vector extensions (AVX-512 where -march=native has it, 2x AVX2 elsewhere).
- * Weights are converted 32 at a time in registers and FMAed into MAXM tokens' accumulators at
- * once, two independent chains per token so the FMA latency does not bound the row rate. */
-#define MAXM 8
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
-typedef int32_t v16i32 __attribute__((vector_size(64)));
-typedef int16_t v16i16 __attribute__((vector_size(32)));
-typedef int8_t v16i8 __attribute__((vector_size(16)));
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
-
-static inline __attribute__((always_inline)) v16f ldf(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline __attribute__((always_inline)) v16f cvt_bf16(const uint8_t *p) {
-    v16u16 u;
-    memcpy(&u, p, sizeof u);
-    v16u32 w = __builtin_convertvector(u, v16u32) << 16;
-    v16f f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-/* NOTE: int8 -> int32 goes through 16 bits: GCC 12/13 scalarise a direct 8 -> 32 bit
- * __builtin_convertvector of loaded bytes (one movsbl per byte: int8 ran at ~10 GB/s) */
-static inline __attribute__((always_inline)) v16f widen(v16i8 q) {
-    return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(q, v16i16), v16i32), v16f);
-}
-static inline __attribute__((always_inline)) v16f cvt_i8(const uint8_t *p) {
-    v16i8 q;
-    memcpy(&q, p, sizeof q);
-    return widen(q);
-}
-static inline __attribute__((always_inline)) void cvt_i4(const uint8_t *p, v16f *lo, v16f *hi) {
-    v16u8 b;
-    memcpy(&b, p, sizeof b);
-    /* NOTE: here the direct widening of the masked bytes vectorises, and measured faster on the
-     * device host than going through widen() (0.7 vs 1.2 ms per Qwen3 layer at T=1) */
-    *lo = __builtin_convertvector(__builtin_convertvector(b & 15, v16i32) - 8, v16f);
-    *hi = __builtin_convertvector(__builtin_convertvector(b >> 4, v16i32) - 8, v16f);
-}
-static inline __attribute__((always_inline)) float hsum(v16f v) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
-
-/* res[j] = row . xs[j] for j < m <= MAXM; needs c % 32 == 0 and (quantised) g % 32 == 0.
- * Always inlined with a constant m (see row_dots) so the accumulators live in registers: with a
- * run-time m they live on the stack and every FMA waits on a store-to-load round trip. */
-static inline __attribute__((always_inline)) void row_dots_vec(const uint8_t *row, int wdtype, int c, int g,
-                                                               const float *const *xs, const int m,
-                                                               float *res) {
-    v16f a[MAXM], b[MAXM];
-    for (int j = 0; j < m; j++) a[j] = b[j] = (v16f){0};
-    if (wdtype == 0 || wdtype == 3) {
-        for (int i = 0; i < c; i += 32) {
-            v16f w0 = wdtype == 0 ? cvt_bf16(row + 2 * i) : ldf((const float *)row + i);
-            v16f w1 = wdtype == 0 ? cvt_bf16(row + 2 * i + 32) : ldf((const float *)row + i + 16);
-            for (int j = 0; j < m; j++) {
-                a[j] += w0 * ldf(xs[j] + i);
-                b[j] += w1 * ldf(xs[j] + i + 16);
-            }
-        }
-    } else if (wdtype == 1) {
-        const float *sc = (const float *)(row + c);
-        for (int i = 0; i < c; i += 32) {
-            const float s = sc[i / g];
-            v16f w0 = cvt_i8(row + i) * s, w1 = cvt_i8(row + i + 16) * s;
-            for (int j = 0; j < m; j++) {
-                a[j] += w0 * ldf(xs[j] + i);
-                b[j] += w1 * ldf(xs[j] + i + 16);
-            }
-        }
-    } else {
-        const float *sc = (const float *)(row + c / 2);
-        const int h = g / 2;
-        for (int gi = 0; gi < c / g; gi++) {
-            const float s = sc[gi];
-            for (int jj = 0; jj < h; jj += 16) {
-                v16f lo, hi;
-                cvt_i4(row + gi * h + jj, &lo, &hi);
-                lo *= s, hi *= s;
-                const int e = gi * g + jj;
-                for (int j = 0; j < m; j++) {
-                    a[j] += lo * ldf(xs[j] + e);
-                    b[j] += hi * ldf(xs[j] + e + h);
-                }
-            }
-        }
-    }
-    for (int j = 0; j < m; j++) res[j] = hsum(a[j] + b[j]);
-}
-
-/* res[j] = row . xs[j] for any m: the vector path where the shape allows, else convert + dot.
- * Instantiated below per ISA: the same vector-extension code becomes AVX-512, AVX2 or SSE2. */
-static inline __attribute__((always_inline)) void row_dots_body(const uint8_t *row, int wdtype, int c, int g,
-                                                                const float *const *xs, int m, float *res,
-                                                                float *buf) {
-    const int vec = c % 32 == 0 && (wdtype == 0 || wdtype == 3 || g % 32 == 0);
-    if (vec) {
-        for (int j0 = 0; j0 < m; j0 += MAXM) {
-            const float *const *x = xs + j0;
-            float *r = res + j0;
-            switch (m - j0 < MAXM ? m - j0 : MAXM) {
-                case 1: row_dots_vec(row, wdtype, c, g, x, 1, r); break;
-                case 2: row_dots_vec(row, wdtype, c, g, x, 2, r); break;
-                case 3: row_dots_vec(row, wdtype, c, g, x, 3, r); break;
-                case 4: row_dots_vec(row, wdtype, c, g, x, 4, r); break;
-                case 5: row_dots_vec(row, wdtype, c, g, x, 5, r); break;
-                case 6: row_dots_vec(row, wdtype, c, g, x, 6, r); break;
-                case 7: row_dots_vec(row, wdtype, c, g, x, 7, r); break;
-                default: row_dots_vec(row, wdtype, c, g, x, 8, r); break;
-            }
-        }
-        return;
-    }
-    row_to_f32(row, wdtype, c, g, buf);
-    for (int j = 0; j < m; j++) res[j] = dot(buf, xs[j], c);
-}
-
-#define ROW_DOTS_ARGS                                                                                  \
-    const uint8_t *row, int wdtype, int c, int g, const float *const *xs, int m, float *res, float *buf
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void row_dots_avx512(ROW_DOTS_ARGS) {
-    row_dots_body(row, wdtype, c, g, xs, m, res, buf);
-}
-__attribute__((target("avx2,fma"))) static void row_dots_avx2(ROW_DOTS_ARGS) {
-    row_dots_body(row, wdtype, c, g, xs, m, res, buf);
-}
-static void row_dots_generic(ROW_DOTS_ARGS) { row_dots_body(row, wdtype, c, g, xs, m, res, buf); }
+/* ---- vector path: GCC vector extensions, one register wide per ISA (moe_fdot_body.c) */
+#define MAXM 8 /* tokens per pass over a row where registers are 512 bits wide */
+#define FNAME(x) x##_avx512
+#define FTARGET "avx512f,avx512bw,avx512vl,avx2,fma"
+#define FL 16
+#define FM MAXM
+#include "moe_fdot_body.c"
+#undef FNAME
+#undef FTARGET
+#undef FL
+#undef FM
+#define FNAME(x) x##_avx2
+#define FTARGET "avx2,fma"
+#define FL 8
+#define FM 4
+#include "moe_fdot_body.c"
+#undef FNAME
+#undef FTARGET
+#undef FL
+#undef FM
+#define FNAME(x) x##_generic
+#define FTARGET "sse2"
+#define FL 4
+#define FM 4
+#include "moe_fdot_body.c"
+#undef FNAME
+#undef FTARGET
+#undef FL
+#undef FM
 
 #include "moe_qdot.c"
 
@@ -450,3 +347,4 @@ void dequant_rows(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype,
 
 #include "moe_amx.c"
 #include "moe_amx_int8.c"
+#include "moe_amx_driver.c"
