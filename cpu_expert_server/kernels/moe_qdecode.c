@@ -132,8 +132,9 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
         if (prof && tid0 < QPROF_THREADS) g_t1[tid0] = omp_get_wtime();
 #pragma omp barrier
         /* act is complete */
+        /* only the first start[S] rows are pairs of local experts (sorted order) */
 #pragma omp for schedule(static)
-        for (int p = 0; p < n; p++) qrows_put(&qa, act, p);
+        for (int p = 0; p < so.start[s_]; p++) qrows_put(&qa, act, p);
         if (prof && tid0 == 0) ts5 = omp_get_wtime();
         /* implicit barrier: every pair's intermediate is quantised */
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
