@@ -392,6 +392,23 @@ def test_tiled_matches_dequantised_reference(use_kernel, wdtype, t):
     assert rel(out, exact) < 1e-5, rel(out, exact)
 
 
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+def test_tiled_decode_split_modes_agree_bit_for_bit(monkeypatch, wdtype):
+    """The dynamic work split (EXPERTMESH_QDOT_SPLIT=1, for benchmarks) hands blocks to other
+    threads but sums every output element in the same order as the static split."""
+    if kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    x, w13, w2, slot_ids, weights = inputs(40, torch.float32, seed=600, h=256, i=128)
+    b = CpuExpertBackend(threads=3, weight_dtype=wdtype, group=128, caps=caps_of("avx2"))
+    b.gemv_max_tokens = 10**9
+    p13, p2 = b.pack_weights(w13, w2)
+    static = b.forward(x, p13, p2, slot_ids, weights)
+    static_b = b.forward(x.bfloat16(), p13, p2, slot_ids, weights)  # bf16 in and out
+    monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", "1")
+    assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static)
+    assert torch.equal(b.forward(x.bfloat16(), p13, p2, slot_ids, weights), static_b)
+
+
 @DEVICE_HOST
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 @pytest.mark.parametrize("t", [1, 5, 40])

@@ -49,6 +49,39 @@ static QAct qrows_at(const QRows *a, int r) {
     return (QAct){a->q + (size_t)r * a->c, a->s + r * ng, a->n + r * ng};
 }
 
+/* EXPERTMESH_QDOT_SPLIT (benchmarks): 0 = the static split described above (the default, the one
+ * measured in RESULTS.md), 1 = dynamic: phase 1 items in chunks of 4 and phase 2 output blocks in
+ * pairs handed out as threads free up (the T=1 profile showed 20-90 us per phase between the first
+ * and the last thread of the static split; untimed on the device so far). Same results bit for
+ * bit: each output element is summed in the same order either way. */
+static int qdot_split(void) {
+    const char *e = getenv("EXPERTMESH_QDOT_SPLIT");
+    return e ? atoi(e) : 0;
+}
+
+/* phase 2 for output blocks [hb0, hb1): every active expert's rows of them, summed into o32 [T, H]
+ * fp32, then written to out in bf16 when obf16 (the blocks are final) */
+static void qdecode_p2(const Sorted *so, const QRows *qa, BlkFn blk, const uint8_t *w2, long row2, int h_, int i_,
+                       int u4, int g2, int pf, QAct *xa, float *rg, float *o32, void *out, int obf16, int t_, int hb0,
+                       int hb1) {
+    for (int ai = 0; ai < so->na; ai++) {
+        const int s = so->active[ai], q0 = so->start[s], m = so->start[s + 1] - q0;
+        for (int j = 0; j < m; j++) xa[j] = qrows_at(qa, q0 + j);
+        for (int hb = hb0; hb < hb1; hb++) {
+            blk(w2 + ((size_t)s * h_ + (size_t)hb * 16) * row2, u4, i_, g2, xa, m, rg, pf);
+            for (int j = 0; j < m; j++) {
+                float *o = o32 + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 16;
+                const float w = so->wt[q0 + j];
+                for (int r = 0; r < 16; r++) o[r] += w * rg[j * 16 + r];
+            }
+        }
+    }
+    if (obf16)
+        for (int t = 0; t < t_; t++)
+            for (int c = hb0 * 16; c < hb1 * 16; c++)
+                ((uint16_t *)out)[(size_t)t * h_ + c] = to_bf16(o32[(size_t)t * h_ + c]);
+}
+
 static int qdot_prefetch(void) {
     const char *e = getenv("EXPERTMESH_QDOT_PF"), *h = getenv("EXPERTMESH_QDOT_PFHINT");
     g_pfhint = h ? atoi(h) : 0;
@@ -89,6 +122,8 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
     const int nblk = i_ / 16, hblk = h_ / 16;
     const long items1 = (long)so.na * nblk;
     const size_t np = (size_t)(n > 0 ? n : 1);
+    const int split = qdot_split();
+    omp_set_schedule(split ? omp_sched_dynamic : omp_sched_static, split ? 4 : 0); /* phase 1 */
     if (prof) ts1 = omp_get_wtime();
     int nthr = 1;
 #pragma omp parallel num_threads(nthreads)
@@ -113,7 +148,7 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
         }
         if (prof && tid0 == 0) ts3 = omp_get_wtime();
         /* phase 1: the gate and up blocks of one (expert, 16-feature block) -> act */
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(runtime) nowait
         for (long it = 0; it < items1; it++) {
             const int s = so.active[it / nblk], b = (int)(it % nblk);
             const int q0 = so.start[s], m = so.start[s + 1] - q0;
@@ -137,25 +172,17 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
         for (int p = 0; p < so.start[s_]; p++) qrows_put(&qa, act, p);
         if (prof && tid0 == 0) ts5 = omp_get_wtime();
         /* implicit barrier: every pair's intermediate is quantised */
-        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int b0 = (int)((long)hblk * tid / nt), b1 = (int)((long)hblk * (tid + 1) / nt);
-        for (int ai = 0; ai < so.na; ai++) {
-            const int s = so.active[ai], q0 = so.start[s], m = so.start[s + 1] - q0;
-            for (int j = 0; j < m; j++) xa[j] = qrows_at(&qa, q0 + j);
-            for (int hb = b0; hb < b1; hb++) {
-                blk(w2 + ((size_t)s * h_ + (size_t)hb * 16) * row2, u4, i_, g2, xa, m, rg, pf);
-                for (int j = 0; j < m; j++) {
-                    float *o = o32 + (size_t)so.tok[q0 + j] * h_ + (size_t)hb * 16;
-                    const float w = so.wt[q0 + j];
-                    for (int r = 0; r < 16; r++) o[r] += w * rg[j * 16 + r];
-                }
-            }
+        if (split) {
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int hc = 0; hc < (hblk + 1) / 2; hc++)
+                qdecode_p2(&so, &qa, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, 2 * hc,
+                           2 * hc + 2 < hblk ? 2 * hc + 2 : hblk);
+        } else {
+            const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            qdecode_p2(&so, &qa, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_,
+                       (int)((long)hblk * tid / nt), (int)((long)hblk * (tid + 1) / nt));
         }
         if (prof && tid0 < QPROF_THREADS) g_t2[tid0] = omp_get_wtime();
-        if (obf16) /* this thread's output columns are final */
-            for (int t = 0; t < t_; t++)
-                for (int c = b0 * 16; c < b1 * 16; c++)
-                    ((uint16_t *)out)[(size_t)t * h_ + c] = to_bf16(o32[(size_t)t * h_ + c]);
         free(xa), free(rg), free(ru), free(xrow);
     }
     if (obf16) free(o32);
