@@ -109,6 +109,9 @@ class ShmClient:
         )
         self._ring = Ring(ring_bytes)
         self._size, self._ring_bytes = size, ring_bytes
+        # shm from a GPU: hidden states and answers cross between the ring and our GPU by DMA
+        # once the ring is pinned (cuda_ipc only puts the routing block there)
+        self._pinned = not self.gpu and cuda_ipc.register_host(self._host.ring, self.device)
         self._poll = select.poll()
         self._poll.register(self._resp_fd, select.POLLIN)
         self._words = header_words(self._mm)
@@ -148,10 +151,13 @@ class ShmClient:
         if self.gpu and ack.transport == "cuda_ipc":
             self._out_map = cuda_ipc.Mapped.open(ack.cuda["out_ring"], self.device)
             self._out_ring = Views(self._out_map.tensor)
-            self.done_event = cuda_ipc.open_event(ack.cuda["done_event"], self.device)
+            assert self._cuda is not None
+            if self._cuda.sync != "local":  # NOTE: "local" (two GPUs) shares no event
+                self.done_event = cuda_ipc.open_event(ack.cuda["done_event"], self.device)
         elif self.gpu:  # the server could serve shm only
             self.gpu, self.transport = False, "shm"
             del self._in_ring, self._gpu_ring, self.ready_event
+            self._pinned = cuda_ipc.register_host(self._host.ring, self.device)
         assert ack.transport == self.transport, f"{ack.transport=} {self.transport=}"
 
     # ------------------------------------------------------------ data path
@@ -315,6 +321,11 @@ class ShmClient:
                 self._out_ring.clear()
                 del self._out_ring
                 self._out_map.close()
+            if self._pinned:
+                self._pinned = False
+                # NOTE: a refused unpin leaves the pages pinned until exit: nothing else to do
+                with contextlib.suppress(cuda_ipc.CudaIpcError):
+                    cuda_ipc.unregister_host(self._host.ring, self.device)
             self._host.clear()
             del self._host, self._words
             with contextlib.suppress(BufferError):  # a caller still holds a view: it goes with that

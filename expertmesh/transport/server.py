@@ -53,8 +53,11 @@ class ShmServer:
         forward: Callable[[ExpertRequest], torch.Tensor],  # [T, H] on device; raises ExpertMeshError
         on_error: Callable[[], None] = lambda: None,
         spin_us: float = 300.0,  # how long to poll for the next request before sleeping
+        # check + compute writing the answer straight into the ring (ExpertWorker.forward_into)
+        forward_into: Callable[[ExpertRequest, torch.Tensor], None] | None = None,
     ) -> None:
         self.hello, self.forward, self.on_error = hello, forward, on_error
+        self.forward_into = forward_into
         self.device = cuda_ipc.indexed(device)
         self.spin_us = spin_us
         self.ack: Future[Ack] = Future()
@@ -62,6 +65,7 @@ class ShmServer:
         self._stop = False
         self._fds: tuple[int, int] | None = None
         self._gpu_bytes = 0
+        self._pinned = False  # the host ring is registered with CUDA (register_host)
         self._thread = threading.Thread(target=self._run, daemon=True, name="expert-fast-path")
 
     def start(self) -> Future[Ack]:
@@ -101,18 +105,26 @@ class ShmServer:
             torch.frombuffer(self._mm, dtype=torch.uint8, offset=h.ring_offset, count=h.ring_bytes)
         )
         if h.cuda is None:
+            # payloads cross between the host ring and our GPU: DMA once the ring is pinned
+            self._pinned = cuda_ipc.register_host(self._host.ring, self.device)
             return Ack("shm")
         try:
             if self.device.type != "cuda":
                 raise cuda_ipc.CudaIpcError("this server computes on the CPU")
             ours = device_uuid(self.device)
-            if h.cuda.device_uuid != ours:
-                raise cuda_ipc.CudaIpcError(
-                    f"the coordinator's GPU {h.cuda.device_uuid} is not ours ({ours})"
-                )
+            if h.cuda.device_uuid != ours:  # two GPUs of this host: peer access or nothing
+                theirs = cuda_ipc.device_of(h.cuda.device_uuid)
+                if theirs is None or not torch.cuda.can_device_access_peer(self.device.index, theirs):
+                    raise cuda_ipc.CudaIpcError(
+                        f"the coordinator's GPU {h.cuda.device_uuid} is not ours ({ours}) and we "
+                        "have no peer access to it"
+                    )
+                if h.cuda.sync != "local":
+                    raise cuda_ipc.CudaIpcError("two GPUs order their work with sync 'local' only")
             self._in_map = cuda_ipc.Mapped.open(h.cuda.in_ring, self.device)
             self._in = Views(self._in_map.tensor)
-            self._ready = cuda_ipc.open_event(h.cuda.ready_event, self.device)
+            if h.cuda.sync != "local":
+                self._ready = cuda_ipc.open_event(h.cuda.ready_event, self.device)
             self._out = Views(torch.empty(self._in.ring.numel(), dtype=torch.uint8, device=self.device))
             self._done, done = cuda_ipc.new_event(self.device)
         except cuda_ipc.CudaIpcError as e:
@@ -187,8 +199,11 @@ class ShmServer:
     def _one(self, req: dsc.Request) -> None:
         out_ring = self._out if req.on_gpu else self._host
         out = out_ring.tensor(req.out_off, (req.tokens, req.hidden), req.out_dtype)
-        y = self.forward(self._decode(req))
-        out.copy_(y)
+        if self.forward_into is not None:
+            # NOTE: a host ``out`` is written synchronously: the answer is there before its descriptor
+            self.forward_into(self._decode(req), out)
+        else:
+            out.copy_(self.forward(self._decode(req)))
         if req.on_gpu:
             assert self.hello.cuda is not None
             if self.hello.cuda.sync == "local":
@@ -202,21 +217,17 @@ class ShmServer:
         data = self._in if req.on_gpu else self._host
         hidden = data.tensor(req.hidden_off, (t, h), req.hidden_dtype)  # read, never written
         # NOTE: our own copy of the routing block: what was validated is what gets computed,
-        # whatever the other side writes meanwhile (pinned on a GPU: its upload is asynchronous).
-        shared = self._host.block(req.route_off, t, k)  # [2, T, K]
+        # whatever the other side writes meanwhile (uploaded by the server's graph from a pinned
+        # block of its own, or synchronously from this pageable copy)
+        mine = self._host.block(req.route_off, t, k).copy()  # [2, T, K]
+        slot_ids, weights = torch.from_numpy(mine[0]), torch.from_numpy(mine[1].view(np.float32))
         if req.on_gpu:
-            block = torch.empty((2, t, k), dtype=torch.int32, pin_memory=True)
-            block.numpy()[...] = shared
-            slot_ids, weights = block[0], block[1].view(torch.float32)
             assert self.hello.cuda is not None
             if self.hello.cuda.sync == "host":
                 self._ready.synchronize()
             elif self.hello.cuda.sync == "stream":
                 torch.cuda.current_stream(self.device).wait_event(self._ready)
             # "local": the coordinator finished writing before it sent the descriptor
-        else:
-            mine = shared.copy()
-            slot_ids, weights = torch.from_numpy(mine[0]), torch.from_numpy(mine[1].view(np.float32))
         adapters = None
         if req.has_adapters:
             adapters = torch.from_numpy(self._host.adapters(req.route_off, t, k).copy())  # [T] int32
@@ -229,6 +240,12 @@ class ShmServer:
         if fds is not None:
             for fd in fds:
                 os.close(fd)
+        if self._pinned:
+            self._pinned = False
+            try:
+                cuda_ipc.unregister_host(self._host.ring, self.device)
+            except cuda_ipc.CudaIpcError:
+                log.exception("could not unpin the fast-path ring")
         for name in ("_in", "_out", "_host"):
             views = self.__dict__.pop(name, None)
             if views is not None:

@@ -126,7 +126,13 @@ class ExpertWorker:
             )
         n_slots = len(live.layers[layer].experts)
         if t:
-            lo, hi = (int(v) for v in torch.aminmax(slot_ids))
+            # NOTE: numpy on the host: on a few dozen ids its min/max cost a fraction of torch's
+            ids = slot_ids.numpy() if slot_ids.device.type == "cpu" else None
+            lo, hi = (
+                (int(ids.min()), int(ids.max()))
+                if ids is not None
+                else (int(v) for v in torch.aminmax(slot_ids))
+            )
             if lo < -1 or hi >= n_slots:
                 raise InvalidRequest(
                     f"slot ids must be -1 or in [0, {n_slots}) for layer {layer}; got range [{lo}, {hi}]"
@@ -195,27 +201,53 @@ class ExpertWorker:
             self.count_error(e)
             raise
 
+    def forward_into(self, req: ExpertRequest, out: torch.Tensor) -> None:
+        """Check + compute for a fast-path request, the answer written into ``out [T, H]`` (the
+        ring the coordinator reads; on the GPU: queued on this device's stream, not waited for)."""
+        try:
+            self.check(req)
+            with self._serial:
+                self._compute_locked(req, False, out)
+        except ExpertMeshError as e:
+            self.count_error(e)
+            raise
+
     def count_error(self, err: ExpertMeshError | None = None) -> None:
         self.stats.errors += 1
         self.metrics.reject(err)
 
-    def _compute_locked(self, req: ExpertRequest, to_host: bool) -> torch.Tensor:
+    def _compute_locked(
+        self, req: ExpertRequest, to_host: bool, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         live = self.slots.live
         if live.generation != req.generation:  # a commit ran between check and compute
             raise StaleGeneration(f"placement generation {req.generation} was replaced by {live.generation}")
         layer = live.layers[req.layer]
         t0 = time.perf_counter()
         dev = self.slots.device
-        out = self.backend.forward(
-            req.hidden.to(dev, non_blocking=True),
-            layer.w13,
-            layer.w2,
-            req.slot_ids.to(dev, non_blocking=True),
-            req.weights.to(dev, non_blocking=True),
-            self._lora(req, layer.experts),
-        )
-        if to_host:
-            out = out.cpu()
+        lora = self._lora(req, layer.experts)
+        x = req.hidden
+        direct = getattr(self.backend, "forward_into", None)  # gpu_server/graphs.py
+        dst: torch.Tensor | None = None
+        if direct is not None and lora is None and req.slot_ids.device.type == "cpu":
+            # the graphed path: routing stays on the host (the graph uploads it), the answer
+            # goes straight to ``into`` (the fast path's ring) when there is one
+            dst = into if into is not None else torch.empty(x.shape, dtype=x.dtype, device=dev)
+            if not direct(x, layer.w13, layer.w2, req.slot_ids.numpy(), req.weights.numpy(), dst):
+                dst = None
+        if dst is None:
+            dst = self.backend.forward(
+                x.to(dev, non_blocking=True),
+                layer.w13,
+                layer.w2,
+                req.slot_ids.to(dev, non_blocking=True),
+                req.weights.to(dev, non_blocking=True),
+                lora,
+            )
+            if into is not None:
+                into.copy_(dst)
+                dst = into
+        out = dst.cpu() if to_host and into is None else dst
         dt = time.perf_counter() - t0
         self.stats.compute_seconds += dt
         self.metrics.compute(req.layer, dt)
