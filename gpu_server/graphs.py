@@ -137,7 +137,7 @@ class GraphedBackend(ExpertBackend):
         return g.out[:t].clone()
 
     def _capture(self, key: tuple, x: torch.Tensor, w13, w2, top_k: int, bucket: int) -> _Graph:
-        dev = x.device
+        dev = w13.device  # NOTE: x may sit in (pinned) host memory: the fast paths' shm ring
         staging = self._staging.get((bucket, top_k))
         if staging is None:
             staging = self._staging[(bucket, top_k)] = _Staging(bucket, top_k)

@@ -66,6 +66,11 @@ class ShmServer:
         self._fds: tuple[int, int] | None = None
         self._gpu_bytes = 0
         self._pinned = False  # the host ring is registered with CUDA (register_host)
+        # seconds summed over the requests served: decode (ready wait included), the ready
+        # wait alone, forward (checks + compute launched), answer (GPU event + descriptor);
+        # logged when the channel closes (what a remote layer's server side costs)
+        self.times = [0.0, 0.0, 0.0, 0.0]
+        self.served = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name="expert-fast-path")
 
     def start(self) -> Future[Ack]:
@@ -175,7 +180,7 @@ class ShmServer:
             try:
                 req = dsc.Request.parse(raw, host_bytes, self._gpu_bytes)
                 seq = req.seq
-                self._one(req)
+                self._one(req, t0)
                 resp = dsc.Response(seq, 0, (time.perf_counter() - t0) * 1e3)
             except dsc.DescriptorError as e:
                 self.on_error()
@@ -196,20 +201,28 @@ class ShmServer:
     def _error(seq: int, err: errors.ExpertMeshError) -> dsc.Response:
         return dsc.Response(seq, err.status, 0.0, err.message)
 
-    def _one(self, req: dsc.Request) -> None:
+    def _one(self, req: dsc.Request, t0: float) -> None:
+        clock, times = time.perf_counter, self.times
         out_ring = self._out if req.on_gpu else self._host
         out = out_ring.tensor(req.out_off, (req.tokens, req.hidden), req.out_dtype)
+        decoded = self._decode(req)
+        t1 = clock()
         if self.forward_into is not None:
             # NOTE: a host ``out`` is written synchronously: the answer is there before its descriptor
-            self.forward_into(self._decode(req), out)
+            self.forward_into(decoded, out)
         else:
-            out.copy_(self.forward(self._decode(req)))
+            out.copy_(self.forward(decoded))
+        t2 = clock()
         if req.on_gpu:
             assert self.hello.cuda is not None
             if self.hello.cuda.sync == "local":
                 torch.cuda.current_stream(self.device).synchronize()
             else:
                 self._done.record(torch.cuda.current_stream(self.device))
+        times[0] += t1 - t0
+        times[2] += t2 - t1
+        times[3] += clock() - t2
+        self.served += 1
 
     def _decode(self, req: dsc.Request) -> ExpertRequest:
         """This path's codec: a descriptor and the ring contents -> the one request type."""
@@ -224,7 +237,9 @@ class ShmServer:
         if req.on_gpu:
             assert self.hello.cuda is not None
             if self.hello.cuda.sync == "host":
+                t0 = time.perf_counter()
                 self._ready.synchronize()
+                self.times[1] += time.perf_counter() - t0
             elif self.hello.cuda.sync == "stream":
                 torch.cuda.current_stream(self.device).wait_event(self._ready)
             # "local": the coordinator finished writing before it sent the descriptor
@@ -234,6 +249,15 @@ class ShmServer:
         return ExpertRequest(req.seq, req.generation, req.layer, hidden, slot_ids, weights, adapters)
 
     def _release(self) -> None:
+        if self.served:
+            us = [f"{t / self.served * 1e6:.0f}" for t in self.times]
+            log.info(
+                "fast-path channel %s closed: %d requests; mean us per request: decode %s "
+                "(waiting for the coordinator's GPU %s), forward %s, answer %s",
+                self.hello.segment,
+                self.served,
+                *us,
+            )
         with self._state:
             self._stop = True
             fds, self._fds = self._fds, None
