@@ -403,6 +403,13 @@ class ServerConnection:
         """The sequence number for the next request to this server (seq 0 is the handshake)."""
         return next(self._seq)
 
+    def stage(self, x: torch.Tensor, top_k: int) -> None:
+        """Copies ``x [T, H]`` into the fast path's ring ahead of the request that sends all of
+        it (ShmClient.stage); nothing without a fast stream."""
+        st = self._stream
+        if st is not None and st.fast is not None and st.dead is None:
+            st.fast.stage(x, self.dtype or x.dtype, top_k)
+
     def submit(self, req: ExpertRequest) -> ExpertReply:
         """Sends one layer's request over the live stream (fast path if it has room); the
         reply's ``result`` is ``[T_s, H]``. No stream: the reply fails at once (the cluster

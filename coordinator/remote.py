@@ -157,6 +157,16 @@ class RemoteDispatcher(Dispatcher):
             sent.append((b, conn.submit(req)))
         return sent
 
+    def stage(self, layer: int, x: torch.Tensor) -> None:
+        """The piecewise graphs' hint, right after a segment's replay: ``x [T, H]`` goes whole
+        to one server this layer (no failover, no deferral, no full-server step), so its copy to
+        that server's fast path starts now, overlapping the segment (coordinator/remote_graphs.py)."""
+        if self._deferred is not None or self._all_on_gpu or self._lost or self._step is None:
+            return
+        single = self._single.get(layer)
+        if single is not None:
+            self.conns[single[0]].stage(x, self.cfg.top_k)
+
     def submit(
         self,
         layer,

@@ -150,10 +150,11 @@ class RemoteDecodeGraphs(DecodeGraphs):
                 (c.layer, c.x[:b], c.ids[:b], c.ids_host[:b], c.weights_host[:b], c.routed[:b]) for c in cuts
             ]
         clock, timings, hook, ready = time.perf_counter, self.timings, self.load_hook, self.ready
-        submit = self.dispatcher.submit
+        submit, stage = self.dispatcher.submit, self.dispatcher.stage
         for seg, (layer, x, ids, ids_host, weights_host, routed) in zip(segments, views):
             t0 = clock()
             seg.replay()
+            stage(layer, x)  # the hidden states' copy to the server, queued behind the segment
             ready.record()
             if hook is not None:
                 hook(layer, ids)
