@@ -102,17 +102,31 @@ class GraphedBackend(ExpertBackend):
         self._graphs.move_to_end(key)
         return g
 
-    def forward_into(self, x, w13, w2, slot_ids, weights, out: torch.Tensor) -> bool:
+    def load_input(self, x, w13, w2, top_k: int) -> _Graph | None:
+        """Copies ``x [T, H]`` into its graph's input now (the first GPU work of a request: on a
+        GPU shared with the coordinator this starts the switch to our context while the host
+        still checks the request); pass the result to :meth:`forward_into` as ``loaded``.
+        None when the request is not graphed. The caller holds the lock that serialises
+        requests until that forward_into."""
+        g = self.graph_for(x, w13, w2, top_k)
+        if g is not None:
+            g.x[: x.shape[0]].copy_(x, non_blocking=True)
+        return g
+
+    def forward_into(
+        self, x, w13, w2, slot_ids, weights, out: torch.Tensor, loaded: _Graph | None = None
+    ) -> bool:
         """Writes the MoE of ``x [T, H]`` (the GPU, or host memory: copied in by DMA when it is
         pinned) into ``out [T, H]`` (any device) with the routing ``slot_ids [T, K]`` int32 /
         ``weights [T, K]`` float32 given as host numpy arrays; False (nothing done) when this
         request is not graphed. The caller orders what reads ``out`` after this stream."""
-        g = self.graph_for(x, w13, w2, slot_ids.shape[1])
+        g = loaded if loaded is not None else self.graph_for(x, w13, w2, slot_ids.shape[1])
         if g is None:
             return False
         t = x.shape[0]
         g.staging.fill(slot_ids, weights)
-        g.x[:t].copy_(x, non_blocking=True)
+        if loaded is None:
+            g.x[:t].copy_(x, non_blocking=True)
         g.graph.replay()  # uploads the staging block first
         g.staging.used.record()
         g.staging.pending = True

@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -66,11 +68,11 @@ class ShmServer:
         self._fds: tuple[int, int] | None = None
         self._gpu_bytes = 0
         self._pinned = False  # the host ring is registered with CUDA (register_host)
-        # seconds summed over the requests served: decode (ready wait included), the ready
-        # wait alone, forward (checks + compute launched), answer (GPU event + descriptor);
-        # logged when the channel closes (what a remote layer's server side costs)
-        self.times = [0.0, 0.0, 0.0, 0.0]
-        self.served = 0
+        # per request (the last 4096): seconds of decode (the ready wait included), the ready
+        # wait alone, forward (checks + compute launched), answer (GPU event); medians logged
+        # when the channel closes (what a remote layer's server side costs)
+        self.times: deque[tuple[float, float, float, float]] = deque(maxlen=4096)
+        self._ready_s = 0.0
         self._thread = threading.Thread(target=self._run, daemon=True, name="expert-fast-path")
 
     def start(self) -> Future[Ack]:
@@ -202,7 +204,8 @@ class ShmServer:
         return dsc.Response(seq, err.status, 0.0, err.message)
 
     def _one(self, req: dsc.Request, t0: float) -> None:
-        clock, times = time.perf_counter, self.times
+        clock = time.perf_counter
+        self._ready_s = 0.0
         out_ring = self._out if req.on_gpu else self._host
         out = out_ring.tensor(req.out_off, (req.tokens, req.hidden), req.out_dtype)
         decoded = self._decode(req)
@@ -218,11 +221,8 @@ class ShmServer:
             if self.hello.cuda.sync == "local":
                 torch.cuda.current_stream(self.device).synchronize()
             else:
-                self._done.record(torch.cuda.current_stream(self.device))
-        times[0] += t1 - t0
-        times[2] += t2 - t1
-        times[3] += clock() - t2
-        self.served += 1
+                self._done.record()  # NOTE: this thread's current stream of our device
+        self.times.append((t1 - t0, self._ready_s, t2 - t1, clock() - t2))
 
     def _decode(self, req: dsc.Request) -> ExpertRequest:
         """This path's codec: a descriptor and the ring contents -> the one request type."""
@@ -239,7 +239,7 @@ class ShmServer:
             if self.hello.cuda.sync == "host":
                 t0 = time.perf_counter()
                 self._ready.synchronize()
-                self.times[1] += time.perf_counter() - t0
+                self._ready_s = time.perf_counter() - t0
             elif self.hello.cuda.sync == "stream":
                 torch.cuda.current_stream(self.device).wait_event(self._ready)
             # "local": the coordinator finished writing before it sent the descriptor
@@ -249,13 +249,13 @@ class ShmServer:
         return ExpertRequest(req.seq, req.generation, req.layer, hidden, slot_ids, weights, adapters)
 
     def _release(self) -> None:
-        if self.served:
-            us = [f"{t / self.served * 1e6:.0f}" for t in self.times]
+        if self.times:
+            us = [f"{statistics.median(c) * 1e6:.0f}" for c in zip(*self.times)]
             log.info(
-                "fast-path channel %s closed: %d requests; mean us per request: decode %s "
+                "fast-path channel %s closed: median us of its last %d requests: decode %s "
                 "(waiting for the coordinator's GPU %s), forward %s, answer %s",
                 self.hello.segment,
-                self.served,
+                len(self.times),
                 *us,
             )
         with self._state:

@@ -205,19 +205,41 @@ class ExpertWorker:
         """Check + compute for a fast-path request, the answer written into ``out [T, H]`` (the
         ring the coordinator reads; on the GPU: queued on this device's stream, not waited for)."""
         try:
-            self.check(req)
             with self._serial:
-                self._compute_locked(req, False, out)
+                loaded = self._load_input(req)
+                self.check(req)
+                self._compute_locked(req, False, out, loaded)
         except ExpertMeshError as e:
             self.count_error(e)
             raise
+
+    def _load_input(self, req: ExpertRequest) -> object | None:
+        """The hidden states' copy into a graphed backend's input, issued before the checks:
+        the first GPU work of the request (gpu_server/graphs.py ``load_input``); harmless when
+        the checks then refuse the request (nothing reads that input until a replay)."""
+        load = getattr(self.backend, "load_input", None)
+        live = self.slots.live
+        layer = live.layers.get(req.layer)
+        x = req.hidden
+        if (
+            load is None
+            or layer is None
+            or req.adapter_slots is not None
+            or req.generation != live.generation
+            or x.dtype != self.slots.dtype
+            or x.dim() != 2
+            or x.shape[1] != self.cfg.hidden_size
+            or req.slot_ids.dim() != 2
+        ):
+            return None
+        return load(x, layer.w13, layer.w2, req.slot_ids.shape[1])
 
     def count_error(self, err: ExpertMeshError | None = None) -> None:
         self.stats.errors += 1
         self.metrics.reject(err)
 
     def _compute_locked(
-        self, req: ExpertRequest, to_host: bool, into: torch.Tensor | None = None
+        self, req: ExpertRequest, to_host: bool, into: torch.Tensor | None = None, loaded: object = None
     ) -> torch.Tensor:
         live = self.slots.live
         if live.generation != req.generation:  # a commit ran between check and compute
@@ -233,7 +255,7 @@ class ExpertWorker:
             # the graphed path: routing stays on the host (the graph uploads it), the answer
             # goes straight to ``into`` (the fast path's ring) when there is one
             dst = into if into is not None else torch.empty(x.shape, dtype=x.dtype, device=dev)
-            if not direct(x, layer.w13, layer.w2, req.slot_ids.numpy(), req.weights.numpy(), dst):
+            if not direct(x, layer.w13, layer.w2, req.slot_ids.numpy(), req.weights.numpy(), dst, loaded):
                 dst = None
         if dst is None:
             dst = self.backend.forward(
