@@ -52,7 +52,8 @@ class _Staging:
     the graphs of one (bucket, K) upload from; ``used`` is recorded after each replay that read
     it, so the host never rewrites it under an upload still queued."""
 
-    def __init__(self, bucket: int, top_k: int) -> None:
+    def __init__(self, bucket: int, top_k: int, device: torch.device) -> None:
+        self.device = device
         self.host = torch.full((2, bucket, top_k), -1, dtype=torch.int32, pin_memory=True)
         self.np = self.host.numpy()  # [2, Tb, K]
         self.np[1] = 0  # padding weights
@@ -71,6 +72,12 @@ class _Staging:
             self.np[0, t : self.rows] = -1
             self.np[1, t : self.rows] = 0
         self.rows = t
+
+    def replayed(self) -> None:
+        """After a replay that uploads from here (on our device's stream: the caller's thread
+        may have another device current, e.g. the gRPC path of a server on cuda:1)."""
+        self.used.record(torch.cuda.current_stream(self.device))
+        self.pending = True
 
 
 class GraphedBackend(ExpertBackend):
@@ -128,8 +135,7 @@ class GraphedBackend(ExpertBackend):
         if loaded is None:
             g.x[:t].copy_(x, non_blocking=True)
         g.graph.replay()  # uploads the staging block first
-        g.staging.used.record()
-        g.staging.pending = True
+        g.staging.replayed()
         # NOTE: stream-ordered before the next replay of this graph (one stream per device)
         out.copy_(g.out[:t], non_blocking=out.is_cuda)
         return True
@@ -144,8 +150,7 @@ class GraphedBackend(ExpertBackend):
         g.staging.fill(slot_ids.cpu().numpy(), weights.float().cpu().numpy())
         g.x[:t].copy_(x)
         g.graph.replay()
-        g.staging.used.record()
-        g.staging.pending = True
+        g.staging.replayed()
         # NOTE: a copy: the fast path reads the output after the worker's compute lock is
         # released, and another stream's request for this graph may replay it meanwhile
         return g.out[:t].clone()
@@ -154,7 +159,7 @@ class GraphedBackend(ExpertBackend):
         dev = w13.device  # NOTE: x may sit in (pinned) host memory: the fast paths' shm ring
         staging = self._staging.get((bucket, top_k))
         if staging is None:
-            staging = self._staging[(bucket, top_k)] = _Staging(bucket, top_k)
+            staging = self._staging[(bucket, top_k)] = _Staging(bucket, top_k, dev)
         if staging.pending:  # the warm-up below writes the device block the staging feeds
             staging.used.synchronize()
         xs = torch.zeros(bucket, x.shape[1], dtype=x.dtype, device=dev)
