@@ -11,6 +11,7 @@ Shapes: T tokens, K top-k, H hidden, S local slots.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -247,28 +248,31 @@ class ExpertWorker:
         layer = live.layers[req.layer]
         t0 = time.perf_counter()
         dev = self.slots.device
-        lora = self._lora(req, layer.experts)
-        x = req.hidden
-        direct = getattr(self.backend, "forward_into", None)  # gpu_server/graphs.py
-        dst: torch.Tensor | None = None
-        if direct is not None and lora is None and req.slot_ids.device.type == "cpu":
-            # the graphed path: routing stays on the host (the graph uploads it), the answer
-            # goes straight to ``into`` (the fast path's ring) when there is one
-            dst = into if into is not None else torch.empty(x.shape, dtype=x.dtype, device=dev)
-            if not direct(x, layer.w13, layer.w2, req.slot_ids.numpy(), req.weights.numpy(), dst, loaded):
-                dst = None
-        if dst is None:
-            dst = self.backend.forward(
-                x.to(dev, non_blocking=True),
-                layer.w13,
-                layer.w2,
-                req.slot_ids.to(dev, non_blocking=True),
-                req.weights.to(dev, non_blocking=True),
-                lora,
-            )
-            if into is not None:
-                into.copy_(dst)
-                dst = into
+        # NOTE: the gRPC path runs on threads whose current GPU is cuda:0: a server on cuda:1
+        # launches its Triton kernels with its own device current
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            lora = self._lora(req, layer.experts)
+            x = req.hidden
+            direct = getattr(self.backend, "forward_into", None)  # gpu_server/graphs.py
+            dst: torch.Tensor | None = None
+            if direct is not None and lora is None and req.slot_ids.device.type == "cpu":
+                # the graphed path: routing stays on the host (the graph uploads it), the answer
+                # goes straight to ``into`` (the fast path's ring) when there is one
+                dst = into if into is not None else torch.empty(x.shape, dtype=x.dtype, device=dev)
+                if not direct(x, layer.w13, layer.w2, req.slot_ids.numpy(), req.weights.numpy(), dst, loaded):
+                    dst = None
+            if dst is None:
+                dst = self.backend.forward(
+                    x.to(dev, non_blocking=True),
+                    layer.w13,
+                    layer.w2,
+                    req.slot_ids.to(dev, non_blocking=True),
+                    req.weights.to(dev, non_blocking=True),
+                    lora,
+                )
+                if into is not None:
+                    into.copy_(dst)
+                    dst = into
         out = dst.cpu() if to_host and into is None else dst
         dt = time.perf_counter() - t0
         self.stats.compute_seconds += dt
