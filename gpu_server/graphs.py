@@ -5,9 +5,10 @@ Triton launches and their Python around them, ~150-200 us of host time per layer
 H100's host, all on the critical path of the coordinator's layer loop. A replayed graph is
 one launch.
 
-One graph per (layer's weight tensors, token bucket), captured on first use: static inputs
-``x [Tb, H]``, ``slot_ids [Tb, K]``, ``weights [Tb, K]`` that each request copies into (padding
-rows get slot -1, which computes nothing), a static output read back as its first T rows.
+One graph per (layer's weight tensors, token bucket), captured on first use: a static input
+``x [Tb, H]`` each request copies into, ``slot_ids [Tb, K]`` / ``weights [Tb, K]`` that the
+graph's first node fills from a pinned host block (padding rows get slot -1, which computes
+nothing), a static output read back as its first T rows.
 A placement commit gives a layer new weight tensors, hence new keys; the oldest graphs are
 dropped past ``max_graphs``. Requests with LoRA adapters, more tokens than the largest bucket,
 or off CUDA go to the inner backend unchanged.
@@ -43,7 +44,6 @@ class _Graph:
     slot_ids: torch.Tensor  # [Tb, K] int32 (a view of route)
     weights: torch.Tensor  # [Tb, K] float32 (a view of route)
     out: torch.Tensor  # [Tb, H]
-    rows: int  # rows of slot_ids the last request wrote (the rest hold -1)
     staging: _Staging  # the pinned routing block the graph uploads first
 
 
@@ -178,7 +178,7 @@ class GraphedBackend(ExpertBackend):
             route.copy_(staging.host, non_blocking=True)  # a copy node: host routing -> device
             out = self.inner.forward(xs, w13, w2, ids, ws)
         torch.cuda.current_stream(dev).wait_stream(stream)
-        g = self._graphs[key] = _Graph(graph, xs, ids, ws, out, 0, staging)
+        g = self._graphs[key] = _Graph(graph, xs, ids, ws, out, staging)
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return g
