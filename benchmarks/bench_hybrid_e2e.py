@@ -1,19 +1,30 @@
 """End-to-end hybrid decode: coordinator on the GPU, a GPU expert server and a CPU expert server.
 
 Random-weight Qwen3-30B-A3B widths (bf16; H 2048, 32/4 heads of 128, 128 experts, top-8, expert
-I 768, vocab 151936) at two depths (default 1 and 4); the per-layer cost is the step-time
-difference over the depth difference and tokens/s at the real depth (48) is
-``batch / (fixed + 48 * per_layer)``, as in benchmarks/bench_e2e.py. Every row runs in the same process against the same two servers:
+I 768, vocab 151936), a checkpoint of ``--depth`` layers. Decode runs as the server runs it:
+piecewise CUDA graphs between the MoE dispatches (coordinator/remote_graphs.py), buckets 1 and
+4. The per-layer time is measured directly: the median interval between two consecutive MoE
+dispatches of a step (it holds one whole layer: the segment replay, route, sends, the wait and
+the sum); ``fixed`` = median step - depth x per-layer; tokens/s at the real depth (48) =
+``batch / (fixed + 48 * per_layer)``. Rows, all against the same two servers:
 
 - ``gpu_all`` / ``cpu_all``: every expert on the GPU server / on the CPU server (baselines);
 - ``hybrid G%``: ``--num-gpu-experts`` = G% of the experts, the rest on the CPU server;
-- ``defer N``: the same with ``--cpu-defer-experts N`` (coordinator/deferral.py);
-- ``cpu_share`` / ``gpu_share``: the hybrid placement with only the CPU (GPU) server's requests
-  sent (the other share dropped; its numbers are wrong, its time is the one share alone).
+- ``hybrid/main-wait G%``: the same with main's wait before issue 14h2 (before/after);
+- ``defer N G%``: the same with ``--cpu-defer-experts N`` (coordinator/deferral.py);
+- ``cpu_share G%`` / ``gpu_share G%``: the hybrid placement with only the CPU (GPU) server's
+  requests sent (the other share dropped: numbers wrong, time = that share alone).
 
-Overlap ratio = hybrid per-layer time / max(cpu_share, gpu_share) per-layer time (1.0: the two
-shares fully overlap; target <= 1.15). The mean round trip of each server's answers per layer
-(from the submit to its answer) is printed beside, to see which side waits.
+The rows of one placement alternate step by step on one connection (the CPU server's speed
+drifts by tens of percent over seconds on the lent host: rows timed one after the other
+compared that drift, not the rows). Overlap ratio = hybrid per-layer / max(cpu_share,
+gpu_share) per-layer (1.0: the two shares fully overlap; target <= 1.15). Per row the profile
+gives, per layer (medians): route + send, wait (sends returned -> sum done), the rest (segment
+replay + routing to the host), and per server the round trip (send -> answer collected) and
+the server's own time (fast path: from reading the request to answering).
+
+``--baseline-root DIR`` runs the same rows a second time in a child process whose coordinator
+code comes from DIR (e.g. an export of main), against the same servers: before/after in one run.
 
     python benchmarks/bench_hybrid_e2e.py --out DIR                 # on a CUDA machine
     python benchmarks/bench_hybrid_e2e.py --tiny --device cpu       # smoke test of the script
@@ -24,10 +35,10 @@ Shapes: B batch, E experts, K top-k, H hidden, I expert intermediate, V vocab.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,20 +46,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# NOTE: a baseline child imports the coordinator from --baseline-root (BENCH_LIB_ROOT), not here
+sys.path.insert(0, os.environ.get("BENCH_LIB_ROOT") or str(Path(__file__).resolve().parents[1]))
 
+from coordinator.deferral import DeferredSums  # noqa: E402
+from coordinator.dispatch import Pending  # noqa: E402
 from coordinator.engine import Engine  # noqa: E402
 from coordinator.kv_cache import KVCacheSpec  # noqa: E402
 from coordinator.loader import load_model  # noqa: E402
 from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec  # noqa: E402
 from expertmesh.checkpoint import CheckpointReader  # noqa: E402
-from tests.cluster_utils import start_server  # noqa: E402
 
 QWEN3_30B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, inter=768,
                  vocab=151936, real_depth=48)  # fmt: skip
 TINY = dict(
     hidden=128, heads=4, kv_heads=2, head_dim=32, experts=16, top_k=4, inter=64, vocab=512, real_depth=48
 )
+BUCKETS = (1, 4)
 
 
 def _config(w: dict, depth: int) -> dict:
@@ -61,10 +75,12 @@ def _config(w: dict, depth: int) -> dict:
     )  # fmt: skip
 
 
-def write_checkpoints(work: Path, w: dict, depths: tuple[int, ...]) -> dict[int, Path]:
-    """One shard per layer plus one for embedding/norm/head, shared (symlinked) by a checkpoint
-    directory per depth. Random bf16, scaled so activations stay O(1)."""
-    work.mkdir(parents=True, exist_ok=True)
+def write_checkpoint(path: Path, w: dict, depth: int) -> Path:
+    """Random bf16, scaled so activations stay O(1); kept when ``path`` already holds it."""
+    cfg = _config(w, depth)
+    if (path / "config.json").exists() and json.loads((path / "config.json").read_text()) == cfg:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     h, e, i, hd = w["hidden"], w["experts"], w["inter"], w["head_dim"]
     # NOTE: tensors are tiled from one pool of normal samples (a different offset each): drawing
@@ -80,18 +96,25 @@ def write_checkpoints(work: Path, w: dict, depths: tuple[int, ...]) -> dict[int,
         reps = -(-(n + start) // p.numel())
         return p.repeat(reps)[start : start + n].view(shape)
 
-    shards: dict[str, dict[str, torch.Tensor]] = {
-        "common.safetensors": {
+    def ones() -> torch.Tensor:  # NOTE: a fresh tensor each: safetensors refuses shared storage
+        return torch.ones(h, dtype=torch.bfloat16)
+
+    save_file(
+        {
             "model.embed_tokens.weight": rnd(w["vocab"], h, fan_in=1),
-            "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            "model.norm.weight": ones(),
             "lm_head.weight": rnd(w["vocab"], h, fan_in=h),
-        }
+        },
+        str(path / "common.safetensors"),
+    )
+    weight_map = {
+        n: "common.safetensors" for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
     }
-    for layer in range(max(depths)):
+    for layer in range(depth):
         p = f"model.layers.{layer}."
-        shards[f"layer{layer}.safetensors"] = {
-            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        shard = {
+            p + "input_layernorm.weight": ones(),
+            p + "post_attention_layernorm.weight": ones(),
             p + "self_attn.q_proj.weight": rnd(w["heads"] * hd, h, fan_in=h),
             p + "self_attn.k_proj.weight": rnd(w["kv_heads"] * hd, h, fan_in=h),
             p + "self_attn.v_proj.weight": rnd(w["kv_heads"] * hd, h, fan_in=h),
@@ -102,30 +125,37 @@ def write_checkpoints(work: Path, w: dict, depths: tuple[int, ...]) -> dict[int,
             p + "mlp.experts.gate_up_proj": rnd(e, 2 * i, h, fan_in=h),
             p + "mlp.experts.down_proj": rnd(e, h, i, fan_in=i),
         }
-    for name, tensors in shards.items():
-        save_file(tensors, str(work / name))
-    out = {}
-    for depth in depths:
-        d = work / f"L{depth}"
-        d.mkdir(exist_ok=True)
-        files = ["common.safetensors"] + [f"layer{x}.safetensors" for x in range(depth)]
-        weight_map = {n: f for f in files for n in shards[f]}
-        for f in files:
-            if not (d / f).exists():
-                os.symlink(work / f, d / f)
-        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-        (d / "config.json").write_text(json.dumps(_config(w, depth)))
-        out[depth] = d
-    return out
+        save_file(shard, str(path / f"layer{layer}.safetensors"))
+        weight_map.update({n: f"layer{layer}.safetensors" for n in shard})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
 
 
-class ShareDispatcher(RemoteDispatcher):
-    """Sends only the ``share`` (``"cpu"`` / ``"gpu"``) servers' requests of each layer: the
-    time of one share alone under the hybrid placement. ``"all"``: the plain dispatcher."""
+class ProbedDispatcher(RemoteDispatcher):
+    """The remote dispatcher with a per-layer profile and per-step switches (one placement, so
+    the variants of a row group can alternate step by step on one connection):
 
-    def __init__(self, *a, share: str = "all", **kw) -> None:
+    - ``share`` (``"cpu"`` / ``"gpu"``) sends only that kind of server's requests (the share's
+      time alone); ``"all"`` sends everything;
+    - :meth:`set_defer` turns ``--cpu-defer-experts`` on or off (coordinator/deferral.py);
+    - ``main_wait``: main's wait before issue 14h2, each answer summed as it is collected
+      (zeros launched right after the sends, the first answer's copy to the GPU and its add
+      while the other server still computes), for a before/after in the same run.
+    """
+
+    def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
-        self.share = share
+        self.share, self.main_wait = "all", False
+        self.events: list[tuple[float, float, float]] = []  # per layer: submit, sent, summed
+        self.server_ms: dict[str, list[float]] = {}  # server -> its own time per answer
+        self.trips: dict[str, list[float]] = {}  # server -> send .. collected (ms)
+        self.on_round_trip = lambda server, s: self.trips.setdefault(server, []).append(s * 1e3)
+        self._sent: list | None = None
+
+    def set_defer(self, n: int) -> None:
+        # NOTE: the dispatcher's own state (begin_step resets it): a benchmark-only switch
+        self._deferred = DeferredSums(n) if n else None
 
     def _route(self, tables, layer, topk_ids, topk_weights):
         batches, phys = super()._route(tables, layer, topk_ids, topk_weights)
@@ -133,38 +163,203 @@ class ShareDispatcher(RemoteDispatcher):
             batches = [b for b in batches if self.conns[b.server].spec.kind == self.share]
         return batches, phys
 
+    def _send(self, tables, layer, x, batches, adapters):
+        sent = super()._send(tables, layer, x, batches, adapters)
+        if self._sent is None:  # the layer's immediate requests (held-back ones are sent after)
+            self._sent = sent
+        return sent
 
-def decode_ms(eng: Engine, batch: int, prompt: int, new: int, vocab: int) -> float:
-    """Median milliseconds of one greedy decode step (argmax read back each step) after a
-    ``prompt``-token prefill and 3 warm-up steps: a median, since a stray millisecond-scale stall
-    of one of three processes on a shared host would move a mean."""
-    g = torch.Generator().manual_seed(batch)
-    seqs = [eng.new_seq() for _ in range(batch)]
-    logits = eng.step([(s, torch.randint(0, vocab, (prompt,), generator=g).tolist()) for s in seqs])
-    toks = torch.stack(logits).argmax(-1).tolist()
-    times = []
-    for i in range(3 + new):
+    def _waiter(self, tables, layer, x, ids, w, phys, adapters, sent, t0, only, out=None):
+        if not self.main_wait:
+            return super()._waiter(tables, layer, x, ids, w, phys, adapters, sent, t0, only, out)
+
+        def wait() -> torch.Tensor:  # main's sum as it was (its failover branch left out)
+            dst = torch.empty_like(x) if out is None else out  # [T, H]
+            whole = len(sent) == 1 and sent[0][0].rows.numel() == x.shape[0]
+            if not whole:
+                dst.zero_()
+            deadline = time.monotonic() + self.cluster.timeout_s
+            for b, reply in sent:
+                part = self._collect(b, reply, layer, x.shape[1], deadline)  # [T_s, H]
+                self.on_round_trip(self.conns[b.server].spec.name, time.perf_counter() - t0)
+                if whole:
+                    dst.copy_(part)
+                else:
+                    part = part.to(device=x.device, dtype=x.dtype)
+                    if b.rows.numel() == x.shape[0]:
+                        dst.add_(part)
+                    else:
+                        dst.index_add_(0, b.rows.to(x.device), part)
+                reply.release()
+            return dst
+
+        def abandon() -> None:
+            for _, reply in sent:
+                reply.abandon()
+
+        return wait, abandon
+
+    def submit(self, layer, *a, **kw):
         t0 = time.perf_counter()
-        toks = torch.stack(eng.step([(s, [t]) for s, t in zip(seqs, toks)])).argmax(-1).tolist()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    for s in seqs:
-        eng.free(s)
-    return statistics.median(times) * 1e3
+        self._sent = None
+        pending = super().submit(layer, *a, **kw)
+        t1 = time.perf_counter()
+        sent = self._sent
+
+        def wait() -> torch.Tensor:
+            out = pending.wait()
+            self.events.append((t0, t1, time.perf_counter()))
+            for b, reply in sent or ():
+                inner = getattr(reply, "reply", None)  # the fast path's answer carries its time
+                ms = inner.server_ms if inner is not None else getattr(reply, "compute_ms", None)
+                if ms:
+                    self.server_ms.setdefault(self.conns[b.server].spec.name, []).append(ms)
+            return out
+
+        return Pending(wait)
+
+    def clear(self) -> None:
+        self.events.clear()
+        self.server_ms.clear()
+        self.trips.clear()
 
 
-def configs(e: int, fractions: list[float], defers: list[int]) -> list[tuple[str, int, str, int]]:
-    """(name, --num-gpu-experts, share, --cpu-defer-experts); rows of one placement together."""
-    out = [("gpu_all", e, "all", 0), ("cpu_all", 0, "all", 0)]
+def use(eng: Engine, d: RemoteDispatcher, graphs) -> None:
+    """Points the engine (and its captured graphs) at dispatcher ``d``: the graphs hold no
+    dispatcher state, so one capture serves every row."""
+    eng.dispatcher = d
+    eng.model.attach(d)
+    eng.graphs = graphs if d.graph_mode == "piecewise" else None
+    if eng.graphs is not None:
+        eng.graphs.dispatcher = d
+
+
+# a row of a group: (name, share, --cpu-defer-experts, main's wait)
+Variant = tuple[str, str, int, bool]
+
+
+def decode(eng: Engine, d: ProbedDispatcher, variants: list[Variant], batch: int, args, vocab: int) -> dict:
+    """Greedy decode (argmax read back each step) of each variant's own ``batch`` sequences
+    after a ``prompt``-token prefill and 3 warm-up steps, the variants taking turns step by step
+    (rotating who goes first): a drift of the host's speed hits each alike. Per variant the
+    medians of the timed steps and of their layers."""
+    g = torch.Generator().manual_seed(batch)
+
+    def switch(v: Variant) -> None:
+        d.share, d.main_wait = v[1], v[3]
+        d.set_defer(v[2])
+
+    seqs, toks, stats = {}, {}, {}
+    for v in variants:
+        switch(v)
+        seqs[v] = [eng.new_seq() for _ in range(batch)]
+        logits = eng.step(
+            [(s, torch.randint(0, vocab, (args.prompt,), generator=g).tolist()) for s in seqs[v]]
+        )
+        toks[v] = torch.stack(logits).argmax(-1).tolist()
+        stats[v] = dict(steps=[], layers=[], route=[], wait=[], rest=[], trips={}, server={})
+    for i in range(3 + args.new):
+        k = i % len(variants)
+        for v in variants[k:] + variants[:k]:
+            switch(v)
+            d.clear()
+            t0 = time.perf_counter()
+            toks[v] = torch.stack(eng.step([(s, [t]) for s, t in zip(seqs[v], toks[v])])).argmax(-1).tolist()
+            if i < 3:
+                continue
+            st, ev = stats[v], d.events
+            st["steps"].append(time.perf_counter() - t0)
+            assert len(ev) == args.depth, f"{len(ev)=} {args.depth=}"
+            st["layers"] += [b[0] - a[0] for a, b in zip(ev, ev[1:])]  # one whole layer each
+            st["route"] += [e[1] - e[0] for e in ev]
+            st["wait"] += [e[2] - e[1] for e in ev]
+            st["rest"] += [b[0] - a[2] for a, b in zip(ev, ev[1:])]
+            for key, src in (("trips", d.trips), ("server", d.server_ms)):
+                for name, vals in src.items():
+                    st[key].setdefault(name, []).extend(vals)
+    for v in variants:
+        for s in seqs[v]:
+            eng.free(s)
+    med = statistics.median
+    return {
+        v[0]: dict(
+            step_ms=med(st["steps"]) * 1e3,
+            layer_ms=med(st["layers"]) * 1e3,
+            route_send_ms=med(st["route"]) * 1e3,
+            wait_ms=med(st["wait"]) * 1e3,
+            segment_ms=med(st["rest"]) * 1e3,
+            n_layers=len(st["layers"]),
+            round_trip_ms={k: med(x) for k, x in st["trips"].items() if x},
+            server_ms={k: med(x) for k, x in st["server"].items() if x},
+        )  # fmt: skip
+        for v, st in stats.items()
+    }
+
+
+def groups_for(
+    e: int, fractions: list[float], defers: list[int], alt_threads: int
+) -> list[tuple[int, int, list[Variant]]]:
+    """(--num-gpu-experts, CPU server: 0 main, 1 the one on ``alt_threads`` threads, rows): the
+    rows of one group share a placement and alternate step by step."""
+    out = [(e, 0, [("gpu_all", "all", 0, False)]), (0, 0, [("cpu_all", "all", 0, False)])]
     for f in fractions:
         g, tag = round(e * f), f"{f:.0%}"
-        out += [
-            (f"hybrid {tag}", g, "all", 0),
-            (f"cpu_share {tag}", g, "cpu", 0),
-            (f"gpu_share {tag}", g, "gpu", 0),
-        ]
-        out += [(f"defer{n} {tag}", g, "all", n) for n in defers]
+        rows = [(f"hybrid {tag}", "all", 0, False), (f"hybrid/main-wait {tag}", "all", 0, True),
+                (f"cpu_share {tag}", "cpu", 0, False), (f"gpu_share {tag}", "gpu", 0, False)]  # fmt: skip
+        out.append((g, 0, rows + [(f"defer{n} {tag}", "all", n, False) for n in defers]))
+    if alt_threads:  # the largest GPU share again, the CPU server on fewer threads
+        g, tag = round(e * max(fractions)), f"{max(fractions):.0%}"
+        at = f"@t{alt_threads}"
+        out.append((g, 1, [(f"{k}{at} {tag}", share, 0, False) for k, share in (("hybrid", "all"), ("cpu_share", "cpu"), ("gpu_share", "gpu"))]))  # fmt: skip
     return out
+
+
+def run_rows(args, w, path: Path, groups, gpu_address: str, cpu_addresses: list[str]) -> dict:
+    """Every group, ``args.repeat`` passes; per row and batch the profile of each pass."""
+    dtype, device = torch.bfloat16, torch.device(args.device)
+    torch.set_num_threads(args.coordinator_threads)
+    reader = CheckpointReader(path)
+    model = load_model(reader, dtype, device)
+    most = max(len(rows) for *_, rows in groups)
+    pages = most * max(args.batches) * -(-(args.prompt + args.new + 8) // 16) + 8
+    eng = graphs = None
+    res: dict[str, dict[int, list[dict]]] = {
+        v[0]: {b: [] for b in args.batches} for *_, rows in groups for v in rows
+    }
+    for rep in range(args.repeat):
+        for g, c, rows in groups:
+            servers = (ServerSpec("gpu0", gpu_address, "gpu"), ServerSpec("cpu0", cpu_addresses[c], "cpu"))
+            d = ProbedDispatcher(reader.config, ClusterConfig(servers, num_gpu_experts=g), dtype, device)
+            d.connect(600)
+            if eng is None:
+                print("transports:", [i.get("transport") for i in d.server_infos()], flush=True)
+                eng = Engine(model, d, KVCacheSpec(pages, 16), dtype, device, cuda_graphs=False)
+                if device.type == "cuda":
+                    from coordinator.remote_graphs import RemoteDecodeGraphs
+
+                    graphs = RemoteDecodeGraphs(model, eng.cache, pages, None, d, buckets=BUCKETS)
+            use(eng, d, graphs)
+            for b in args.batches:
+                for name, r in decode(eng, d, rows, b, args, w["vocab"]).items():
+                    res[name][b].append(r)
+            for name, *_ in rows:
+                print(rep, name, {b: round(v[-1]["layer_ms"], 3) for b, v in res[name].items()},
+                      "graphs" if eng.graphs is not None else "eager", flush=True)  # fmt: skip
+            d.close()
+    return res
+
+
+def start_servers(args, path: Path):
+    from tests.cluster_utils import start_server
+
+    t0 = time.perf_counter()
+    dt = ["--dtype", "bfloat16"]
+    gpu = start_server("gpu", path, 0, "--device", args.device, *dt, timeout=600)
+    cpus = [start_server("cpu", path, 0, "--threads", str(args.cpu_threads), *dt, timeout=600)]
+    if args.alt_cpu_threads:  # NOTE: idle between its rows: its waiters stop spinning within ms
+        cpus.append(start_server("cpu", path, 0, "--threads", str(args.alt_cpu_threads), *dt, timeout=600))
+    print(f"servers up: {time.perf_counter() - t0:.1f}s", flush=True)
+    return gpu, cpus
 
 
 def main() -> None:
@@ -176,136 +371,118 @@ def main() -> None:
     ap.add_argument("--defer", default="2,4", help="--cpu-defer-experts values timed per fraction")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--new", type=int, default=48, help="decode steps timed (median of each step)")
-    ap.add_argument("--depths", default="1,4", help="two checkpoint depths: per-layer cost = difference")
+    ap.add_argument("--new", type=int, default=40, help="decode steps timed per row and pass")
+    ap.add_argument("--depth", type=int, default=3, help="layers in the checkpoint (>= 2)")
+    ap.add_argument("--repeat", type=int, default=2, help="passes over the rows")
     ap.add_argument("--coordinator-threads", type=int, default=1)
     ap.add_argument(
-        "--extra-cpu-threads",
+        "--alt-cpu-threads",
         type=int,
         default=0,
-        help="also time the largest GPU share at depth 2 with this many",
+        help="also time the largest GPU share with a CPU server on this many threads",
     )
+    ap.add_argument("--baseline-root", default="", help="also run the rows with the coordinator code of DIR")
+    ap.add_argument("--connect", default="", help=argparse.SUPPRESS)  # child: GPU,CPU server addresses
     ap.add_argument("--work", default="/tmp/bench_hybrid_e2e")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    assert args.depth >= 2 and max(args.batches) <= BUCKETS[-1], args
     w = TINY if args.tiny else QWEN3_30B
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    depths = tuple(int(d) for d in args.depths.split(","))
-    dirs = write_checkpoints(Path(args.work), w, depths)
-    print(f"checkpoints: {time.perf_counter() - t0:.1f}s", flush=True)
-    torch.set_num_threads(args.coordinator_threads)
     fractions = [float(f) for f in args.gpu_fractions.split(",")]
-    rows = configs(w["experts"], fractions, [int(n) for n in args.defer.split(",") if n.strip()])
-    pages = max(args.batches) * -(-(args.prompt + args.new + 8) // 16) + 8
-    step_ms: dict[str, dict[int, dict[int, float]]] = {name: {} for name, *_ in rows}
-    trips: dict[str, dict[int, dict[str, float]]] = {}  # round trips at the deepest checkpoint
-    for depth, path in dirs.items():
-        ms, tr = run_rows(args, w, path, rows, args.cpu_threads, pages)
-        for name in ms:
-            step_ms[name][depth] = ms[name]
-        if depth == depths[-1]:
-            trips = tr
-    extra = {}
-    if args.extra_cpu_threads:  # the largest GPU share again, the CPU server on fewer threads
-        tag = f"{max(fractions):.0%}"
-        names = [r for r in rows if r[0] in (f"hybrid {tag}", f"cpu_share {tag}", f"gpu_share {tag}")]
-        extra, _ = run_rows(args, w, dirs[depths[-1]], names, args.extra_cpu_threads, pages)
-    report(args, w, rows, step_ms, trips, fractions, out, extra)
-
-
-def run_rows(args, w, path: Path, rows, cpu_threads: int, pages: int):
-    """Starts both servers over ``path``; per row: ms per decode step for each batch, and the
-    median round trip of each server's answers (ms)."""
-    dtype, device = torch.bfloat16, torch.device(args.device)
-    dt = ["--dtype", "bfloat16"]
+    defers = [int(n) for n in args.defer.split(",") if n.strip()]
+    groups = groups_for(w["experts"], fractions, defers, args.alt_cpu_threads)
+    names = [v[0] for *_, rows in groups for v in rows]
     t0 = time.perf_counter()
-    gpu = start_server("gpu", path, 0, "--device", args.device, *dt, timeout=600)
-    cpu = start_server("cpu", path, 0, "--threads", str(cpu_threads), *dt, timeout=600)
-    print(f"servers {path.name}, cpu threads {cpu_threads}: {time.perf_counter() - t0:.1f}s", flush=True)
-    step_ms: dict[str, dict[int, float]] = {}
-    trips: dict[str, dict[int, dict[str, float]]] = {}
+    path = write_checkpoint(
+        Path(args.work) / f"{'tiny' if args.tiny else 'qwen3'}_L{args.depth}", w, args.depth
+    )
+    if args.connect:  # the baseline child: the parent's servers, its rows, results to --out
+        gpu_address, *cpu_addresses = args.connect.split(",")
+        res = run_rows(args, w, path, groups, gpu_address, cpu_addresses)
+        (out / "baseline_rows.json").write_text(
+            json.dumps({k: {str(b): v for b, v in r.items()} for k, r in res.items()})
+        )
+        return
+    print(f"checkpoint: {time.perf_counter() - t0:.1f}s", flush=True)
+    gpu, cpus = start_servers(args, path)
+    base: dict = {}
     try:
-        reader = CheckpointReader(path)
-        model = load_model(reader, dtype, device)
-        servers = (ServerSpec("gpu0", gpu.address, "gpu"), ServerSpec("cpu0", cpu.address, "cpu"))
-        for name, g, share, n in rows:
-            cluster = ClusterConfig(servers, num_gpu_experts=g, cpu_defer_experts=n)
-            d = ShareDispatcher(reader.config, cluster, dtype, device, share=share)
-            d.connect(600)
-            if name == rows[0][0]:
-                print("transports:", [i.get("transport") for i in d.server_infos()], flush=True)
-            seen: dict[str, list[float]] = {"gpu0": [], "cpu0": []}
-            d.on_round_trip = lambda server, s, seen=seen: seen[server].append(s * 1e3)
-            eng = Engine(model, d, KVCacheSpec(pages, 16), dtype, device)
-            step_ms[name], trips[name] = {}, {}
-            for b in args.batches:
-                for v in seen.values():
-                    v.clear()
-                step_ms[name][b] = decode_ms(eng, b, args.prompt, args.new, w["vocab"])
-                trips[name][b] = {k: statistics.median(v) for k, v in seen.items() if v}
-            print(name, path.name, {b: round(v, 3) for b, v in step_ms[name].items()}, flush=True)
-            d.close()
-            del eng
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        res = run_rows(args, w, path, groups, gpu.address, [c.address for c in cpus])
+        if args.baseline_root:
+            addresses = ",".join(s.address for s in (gpu, *cpus))
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--connect", addresses]
+            env = dict(os.environ, BENCH_LIB_ROOT=str(Path(args.baseline_root).resolve()))
+            env["PYTHONPATH"] = os.pathsep.join([env["BENCH_LIB_ROOT"], *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != Path(__file__).resolve().parents[1]]])  # fmt: skip
+            print("baseline:", env["BENCH_LIB_ROOT"], flush=True)
+            subprocess.run(cmd, env=env, check=True)
+            raw = json.loads((out / "baseline_rows.json").read_text())
+            base = {k: {int(b): v for b, v in r.items()} for k, r in raw.items()}
     finally:
-        gpu.stop()
-        cpu.stop()
-    return step_ms, trips
+        for srv in (gpu, *cpus):
+            srv.stop()
+    report(args, w, names, res, base, fractions, out)
 
 
-def report(args, w, rows, step_ms, trips, fractions, out: Path, extra) -> None:
+def summarise(args, w, names, res, fractions) -> dict:
+    """Per (row, batch): the profile pooled over passes (median of the pass medians for the
+    times), tokens/s at the real depth, ratios and the overlap ratio per pass."""
+    med = statistics.median
     real = w["real_depth"]
-    d1, d2 = (int(d) for d in args.depths.split(","))
-    res = {}
-    for name, *_ in rows:
+    table = {}
+    for name in names:
         for b in args.batches:
-            lo, hi = step_ms[name][d1][b], step_ms[name][d2][b]
-            per_layer = (hi - lo) / (d2 - d1)
-            fixed = lo - d1 * per_layer
-            res[(name, b)] = dict(
-                per_layer_ms=per_layer, fixed_ms=fixed, tok_s=b / ((fixed + real * per_layer) * 1e-3),
-                step_ms={str(d): step_ms[name][d][b] for d in (d1, d2)}, round_trip_ms_deepest=trips[name].get(b, {}),
+            passes = res[name][b]
+            layer, step = med(p["layer_ms"] for p in passes), med(p["step_ms"] for p in passes)
+            fixed = step - args.depth * layer
+            table[(name, b)] = dict(
+                layer_ms=layer, fixed_ms=fixed, tok_s=b / ((fixed + real * layer) * 1e-3), passes=passes,
+                **{k: med(p[k] for p in passes) for k in ("route_send_ms", "wait_ms", "segment_ms")},
             )  # fmt: skip
-    for (name, b), r in res.items():
-        r["vs_gpu_all"] = r["tok_s"] / res[("gpu_all", b)]["tok_s"]
-        r["vs_cpu_all"] = r["tok_s"] / res[("cpu_all", b)]["tok_s"]
-        for f in fractions:
-            tag = f"{f:.0%}"
-            if name.endswith(" " + tag) and not name.startswith(("cpu_share", "gpu_share")):
-                alone = max(
-                    res[(f"cpu_share {tag}", b)]["per_layer_ms"], res[(f"gpu_share {tag}", b)]["per_layer_ms"]
-                )
-                r["overlap_ratio"] = r["per_layer_ms"] / alone
+    for (name, b), r in table.items():
+        r["vs_gpu_all"] = r["tok_s"] / table[("gpu_all", b)]["tok_s"]
+        r["vs_cpu_all"] = r["tok_s"] / table[("cpu_all", b)]["tok_s"]
+        if " " in name and not name.startswith(("cpu_share", "gpu_share")):
+            kind, tag = name.split(" ")
+            at = kind[kind.index("@") :] if "@" in kind else ""  # the alternative CPU server's rows
+            cs, gs = table[(f"cpu_share{at} {tag}", b)], table[(f"gpu_share{at} {tag}", b)]
+            r["overlap_ratio"] = r["layer_ms"] / max(cs["layer_ms"], gs["layer_ms"])
+            r["overlap_by_pass"] = [
+                p["layer_ms"] / max(c["layer_ms"], g["layer_ms"])
+                for p, c, g in zip(r["passes"], cs["passes"], gs["passes"])
+            ]
+    return table
+
+
+def report(args, w, names, res, base, fractions, out: Path) -> None:
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    threads = {}  # cpu threads -> batch -> deepest-checkpoint step ratio hybrid / max(shares)
-    if extra:
-        tag = f"{max(fractions):.0%}"
-        for n, ms in (
-            (args.cpu_threads, {k: v[d2] for k, v in step_ms.items()}),
-            (args.extra_cpu_threads, extra),
-        ):
-            threads[n] = {b: ms[f"hybrid {tag}"][b] / max(ms[f"cpu_share {tag}"][b], ms[f"gpu_share {tag}"][b])
-                          for b in args.batches}  # fmt: skip
-    (out / "bench_hybrid_e2e.json").write_text(
-        json.dumps(dict(widths=w, device=dev, args=vars(args), rows=[dict(mode=k[0], batch=k[1], **v) for k, v in res.items()],
-                        extra_threads_step_ms=extra, l2_step_ratio_by_threads=threads), indent=1)
-    )  # fmt: skip
-    print(f"\n# hybrid decode, {dev}, cpu-server --threads {args.cpu_threads}, {real} layers extrapolated")
-    print("| mode | batch | per-layer ms | fixed ms | tok/s | vs all-GPU | vs all-CPU | overlap ratio | round trip cpu / gpu ms (deepest) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (name, b), r in res.items():
-        rt = r["round_trip_ms_deepest"]
-        ratio = f"{r['overlap_ratio']:.2f}" if "overlap_ratio" in r else ""
-        print(f"| {name} | {b} | {r['per_layer_ms']:.3f} | {r['fixed_ms']:.2f} | {r['tok_s']:.1f} | {r['vs_gpu_all']:.2f} | "
-              f"{r['vs_cpu_all']:.2f} | {ratio} | {rt.get('cpu0', float('nan')):.2f} / {rt.get('gpu0', float('nan')):.2f} |")  # fmt: skip
-    for n, ratios in threads.items():
-        print(f"deepest step, hybrid / max(shares) at {max(fractions):.0%} on GPU, cpu-server --threads {n}: "
-              + ", ".join(f"batch {b}: {r:.2f}" for b, r in ratios.items()))  # fmt: skip
+    table = summarise(args, w, names, res, fractions)
+    btable = summarise(args, w, names, base, fractions) if base else {}
+    js = dict(widths=w, device=dev, cpu_count=os.cpu_count(), args=vars(args),
+              rows=[dict(mode=k[0], batch=k[1], **v) for k, v in table.items()],
+              baseline_rows=[dict(mode=k[0], batch=k[1], **v) for k, v in btable.items()])  # fmt: skip
+    (out / "bench_hybrid_e2e.json").write_text(json.dumps(js, indent=1))
+    print(f"\n# hybrid decode, {dev}, cpu-server --threads {args.cpu_threads}, depth {args.depth}, "
+          f"{w['real_depth']} layers extrapolated, {args.repeat} passes")  # fmt: skip
+    for title, t in (("this branch", table), ("baseline " + args.baseline_root, btable)):
+        if not t:
+            continue
+        print(f"\n## {title}\n")
+        print("| mode | batch | per-layer ms | fixed ms | tok/s | vs all-GPU | vs all-CPU | overlap ratio (per pass) "
+              "| route+send / wait / segment ms | round trip cpu / gpu ms | server cpu / gpu ms |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for (name, b), r in t.items():
+            ratio = ""
+            if "overlap_ratio" in r:
+                ratio = f"{r['overlap_ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['overlap_by_pass'])})"
+            p = r["passes"][-1]
+            rt, sv = p["round_trip_ms"], p["server_ms"]
+            print(f"| {name} | {b} | {r['layer_ms']:.3f} | {r['fixed_ms']:.2f} | {r['tok_s']:.1f} | "
+                  f"{r['vs_gpu_all']:.2f} | {r['vs_cpu_all']:.2f} | {ratio} | {r['route_send_ms']:.3f} / "
+                  f"{r['wait_ms']:.3f} / {r['segment_ms']:.3f} | {rt.get('cpu0', float('nan')):.2f} / "
+                  f"{rt.get('gpu0', float('nan')):.2f} | {sv.get('cpu0', float('nan')):.2f} / "
+                  f"{sv.get('gpu0', float('nan')):.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

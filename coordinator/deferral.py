@@ -13,7 +13,10 @@ so layer ``l + 1``'s attention and MoE never see ``D_l``; layer ``l + 2`` does. 
 last layer is added to the residual stream before the final norm (nothing is lost). A dense
 layer in between still counts as "the next layer". Pairs on GPU servers are never deferred, nor
 any pair of a step that runs wholly on the GPU server (``--gpu-prefill-token-threshold``).
-Deferral applies to every step, prefill and decode.
+Deferral applies to every step, prefill and decode, eager or replayed from the piecewise decode
+graphs of a CUDA coordinator (coordinator/remote_graphs.py adds ``D_l`` to layer ``l + 1``'s
+routed output between two segments; a model with a dense layer between two MoE layers decodes
+eagerly instead).
 
 Why it helps: an expert server computes its requests in arrival order, so while the coordinator
 runs layer ``l + 1``'s attention and router, the CPU server is still busy with ``D_l`` instead of

@@ -67,7 +67,11 @@ class RemoteDispatcher(Dispatcher):
         # issue 14h: --cpu-defer-experts (coordinator/deferral.py); [servers] bool: a CPU server
         n = cluster.cpu_defer_experts
         self._deferred = DeferredSums(n) if n else None
-        if self._deferred is not None:  # NOTE: deferred sums cross layers outside the MoE block: eager
+        ids = model_config.moe_layer_ids
+        if self._deferred is not None and ids and ids != list(range(ids[0], ids[-1] + 1)):
+            # NOTE (issue 14h2): the piecewise graphs add a held-back sum to the next MoE layer's
+            # output (coordinator/remote_graphs.py), which is the next decoder layer's only
+            # when no dense layer sits between two MoE layers: otherwise eager
             self.graph_mode = "none"
         self._cpu_server = torch.tensor([s.kind == "cpu" for s in cluster.servers])
         self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
@@ -219,13 +223,18 @@ class RemoteDispatcher(Dispatcher):
         conns = self.conns
 
         def wait() -> torch.Tensor:
+            # --- issue 14h2: the GPU servers' answers are awaited first, each summed as it comes ---
+            # NOTE: in a hybrid layer the GPU share answers first: summing it at once switches
+            # the GPU back to this process's context (a same-GPU server ran last; ~0.1-0.2 ms on
+            # the lent H100) while the CPU server still computes. A CPU answer that comes first
+            # waits in its ring until the GPU answers are in, so no copy or add of ours lands
+            # inside a same-GPU server's share (a context switch there). Sends stay CPU first.
             dst = torch.empty_like(x) if out is None else out  # [T, H]
-            whole = len(sent) == 1 and sent[0][0].rows.numel() == x.shape[0]
-            zeroed = not whole
-            if zeroed:  # several servers (or some rows on none): a sum from zero
-                dst.zero_()
             first = time.monotonic() + self.cluster.timeout_s
-            todo = [(b, reply, first) for b, reply in sent]
+            todo = sorted(
+                ((b, r, first) for b, r in sent), key=lambda s: conns[s[0].server].spec.kind == "cpu"
+            )
+            started = False  # dst holds a partial sum
             i = 0
             try:
                 while i < len(todo):
@@ -242,29 +251,25 @@ class RemoteDispatcher(Dispatcher):
                         again = time.monotonic() + self.cluster.timeout_s
                         resent = self._resend(tables, layer, x, ids, w, phys, b.server, e, adapters, only)
                         todo += [(b2, r2, again) for b2, r2 in resent]
-                        if not zeroed:  # the re-sent shares are summed
-                            dst.zero_()
-                            zeroed = True
                         continue
+                    try:
+                        _accumulate(dst, b, part, started)
+                        started = True
+                    finally:
+                        reply.release()
                     if self.on_round_trip is not None:
                         self.on_round_trip(conns[b.server].spec.name, time.perf_counter() - t0)
                     ms = getattr(reply, "compute_ms", None)
                     if ms is not None and self.server_time_hook is not None:
                         self.server_time_hook(b.server, layer, ms, int((b.slot_ids >= 0).sum()))
-                    if not zeroed:  # the one answer is the sum: one copy, any device
-                        dst.copy_(part)
-                    else:
-                        part = part.to(device=x.device, dtype=x.dtype)
-                        if b.rows.numel() == x.shape[0]:  # every row, in order: no index to upload
-                            dst.add_(part)
-                        else:
-                            dst.index_add_(0, b.rows.to(x.device), part)
-                    reply.release()
             finally:
                 # NOTE: answers still due are freed when they arrive, never before: the server
                 # may be writing them into the ring right now.
                 for _, reply, _ in todo[i:]:
                     reply.abandon()
+            if not started:  # no pair of the layer went anywhere
+                dst.zero_()
+            # --- end issue 14h2 ---
             if (
                 self.probe is not None and sent
             ):  # the server's own time: the fast path's descriptor, gRPC's field
@@ -392,3 +397,20 @@ class RemoteDispatcher(Dispatcher):
                 )
             )
         return part
+
+
+def _accumulate(dst: torch.Tensor, b: pl.ServerBatch, part: torch.Tensor, started: bool) -> None:
+    """issue 14h2: adds one server's answer ``part [T_s, H]`` (rows ``b.rows``) into ``dst [T, H]``;
+    the first answer, if it holds every row (rows are sorted and unique), is copied instead of
+    added to zeros: a one-server layer costs one copy."""
+    t = dst.shape[0]
+    if not started and b.rows.numel() == t:
+        dst.copy_(part)  # any device
+        return
+    if not started:
+        dst.zero_()
+    part = part.to(device=dst.device, dtype=dst.dtype)
+    if b.rows.numel() == t:  # every row, in order: no index to upload
+        dst.add_(part)
+    else:
+        dst.index_add_(0, b.rows.to(dst.device), part)

@@ -149,6 +149,8 @@ class RemoteDecodeGraphs(DecodeGraphs):
             views = self._views[(bucket, b)] = [
                 (c.layer, c.x[:b], c.ids[:b], c.ids_host[:b], c.weights_host[:b], c.routed[:b]) for c in cuts
             ]
+        take = self.dispatcher.take_deferred  # issue 14h2: --cpu-defer-experts
+        held: Pending | None = None  # issue 14h2: the previous MoE layer's held-back sum
         clock, timings, hook, ready = time.perf_counter, self.timings, self.load_hook, self.ready
         submit = self.dispatcher.submit
         for seg, (layer, x, ids, ids_host, weights_host, routed) in zip(segments, views):
@@ -162,6 +164,15 @@ class RemoteDecodeGraphs(DecodeGraphs):
             pending = submit(layer, x, ids_host, weights_host, out=routed)
             t2 = clock()
             pending.wait()
+            # --- issue 14h2: --cpu-defer-experts (coordinator/deferral.py): the layer before's
+            # held-back sum joins this layer's routed output, which the next segment adds to
+            # the residual stream (the eager path's Carry.after_layer) ---
+            if held is not None:
+                routed.add_(held.wait())
+            held = take()
+            # --- end issue 14h2 ---
             if timings is not None:
                 timings.append((t1 - t0, t2 - t1, clock() - t2))
+        if held is not None:  # issue 14h2: the last layer's own, before the final norm (Carry.finish)
+            routed.add_(held.wait())
         segments[-1].replay()

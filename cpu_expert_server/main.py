@@ -8,8 +8,10 @@ import sys
 
 from cpu_expert_server import numa
 from cpu_expert_server.backend import make_backend
+from cpu_expert_server.numa_backend import make_numa_backend
 from cpu_expert_server.packing import WEIGHT_DTYPES
 from expertmesh import cores
+from expertmesh.experts import ExpertBackend
 from expertmesh.worker.server import WorkerConfig, serve
 
 DEFAULT_PORT = 50061
@@ -18,13 +20,15 @@ DEFAULT_PORT = 50061
 def add_arguments(p: argparse.ArgumentParser) -> None:
     WorkerConfig.add_arguments(p, DEFAULT_PORT)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument(  # issue 14h: cpu_expert_server/numa.py
+    p.add_argument(  # issue 14h: cpu_expert_server/numa.py; issue 14n: "all"
         "--numa-node",
-        type=int,
+        type=numa_node_arg,
         default=None,
-        metavar="K",
-        help="run on NUMA node K's CPUs only (threads default to their count), so the experts this "
-        "server packs land in K's memory; on a multi-node host run one cpu-server per node",
+        metavar="K|all",
+        help="K: run on NUMA node K's CPUs only (threads default to their count), so the experts "
+        "this server packs land in K's memory (one cpu-server per node); all: one server over every "
+        "node, each node's share of the experts in its memory and computed by its own threads "
+        "(--threads is then the total, shared by the nodes); on one node both change nothing",
     )
     p.add_argument(
         "--weight-dtype",
@@ -35,6 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def numa_node_arg(text: str) -> int | str:
+    """``--numa-node``: a node id, or ``all`` (issue 14n)."""
+    if text == "all":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a node id (0, 1, ...) or 'all', got {text!r}")
+    return int(text)
+
+
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig.from_args(args, kind="cpu", device="cpu")
 
@@ -43,6 +56,17 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: before make_backend, whose log line says which decode kernel runs (C or the torch
     # fallback); serve() configures the same format again, a no-op then
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # --- issue 14n: one server over every node (cpu_expert_server/numa_backend.py) ---
+    if args.numa_node == "all":
+        try:
+            backend = numa_backend_from_args(args, numa.read_nodes())
+        except (ValueError, OSError) as e:  # too few threads; a group's CPUs refused (sched_setaffinity)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if backend is not None:
+            return serve(config_from_args(args), backend)
+        args.numa_node = None  # one node: exactly the server without the flag
+    # --- end issue 14n ---
     # --- issue 14h: NUMA binding before any thread pool starts (threads inherit the mask) ---
     if args.numa_node is not None:
         try:
@@ -58,3 +82,21 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         cores.set_torch_threads(args.threads)  # intra- and inter-op pools
     return serve(config_from_args(args), make_backend(args.threads, args.weight_dtype))
+
+
+def numa_backend_from_args(args: argparse.Namespace, nodes: list[numa.Node]) -> ExpertBackend | None:
+    """``--numa-node all`` (issue 14n): the node-split backend over ``nodes``, or None for one
+    node (the plain backend then, unchanged). ValueError for a ``--threads`` below the nodes."""
+    if len(nodes) == 1:
+        print("NUMA: --numa-node all on one node: the plain server", flush=True)
+        return None
+    groups = numa.plan_groups(nodes, args.threads)
+    # torch work outside the groups (and the groups' MKL, whose count is process-wide) gets at
+    # most one node's share
+    cores.set_torch_threads(max(g.threads for g in groups))
+    print(
+        f"NUMA: one server over {len(groups)} nodes: "
+        + "; ".join(f"node {g.node}: {g.threads} threads on CPUs {numa.cpulist(g.cpus)}" for g in groups),
+        flush=True,
+    )
+    return make_numa_backend(groups, args.weight_dtype)

@@ -18,6 +18,13 @@ coordinator (``--cpu-server`` per node). Then:
 
 On a one-node host all of this is a no-op (``--numa-node 0`` binds to the CPUs the process had).
 
+The other layout: ONE server over every node, ``cpu-server --numa-node all``
+(cpu_expert_server/numa_backend.py). :func:`plan_groups` gives each node a group of compute
+threads (its allowed CPUs, or its share of ``--threads``) and :func:`split_slots` gives each group
+a contiguous run of every layer's slots, balanced by bytes; each run's weights live in its node's
+memory and are computed by its group. It keeps one server's placement and connection per host
+but cannot balance load between the nodes (the coordinator's EPLB balances servers, not nodes).
+
 Sysfs: ``/sys/devices/system/node/node<K>/cpulist`` lists node K's CPUs (``0-7,16-23``); nodes
 with memory but no CPUs have an empty list and are skipped.
 """
@@ -93,8 +100,63 @@ def describe(nodes: list[Node]) -> str:
         return f"1 NUMA node ({parts[0]}): nothing to split"
     return (
         f"{len(nodes)} NUMA nodes ({'; '.join(parts)}): run one cpu-server per node with "
-        "--numa-node K and give each to the coordinator as --cpu-server"
+        "--numa-node K and give each to the coordinator as --cpu-server, or one server over all "
+        "of them with --numa-node all"
     )
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """The compute threads of one node in a server that spans several (``--numa-node all``)."""
+
+    node: int
+    cpus: tuple[int, ...]  # the thread group runs on these only
+    threads: int  # the kernels' thread count for this group's experts
+
+    def __post_init__(self) -> None:
+        assert self.cpus and self.threads >= 1, f"{self}"
+
+
+def plan_groups(nodes: list[Node], threads: int | None = None) -> list[NodeGroup]:
+    """One thread group per node. ``threads=None``: each node's allowed CPUs (the groups run
+    concurrently, so that is every allowed CPU once: no oversubscription); else ``threads``
+    shared in proportion to the nodes' CPU counts (largest remainder, ties to the lower node),
+    at least one per node. Raises ValueError when ``threads`` is fewer than the nodes."""
+    if threads is None:
+        return [NodeGroup(n.id, n.cpus, len(n.cpus)) for n in nodes]
+    if threads < len(nodes):
+        raise ValueError(
+            f"--threads {threads} with --numa-node all: fewer threads than the {len(nodes)} nodes "
+            f"({describe(nodes)}); give at least one per node, or bind to one node"
+        )
+    total = sum(len(n.cpus) for n in nodes)
+    # one thread each first, the rest by CPU share
+    spare = threads - len(nodes)
+    exact = [spare * len(n.cpus) / total for n in nodes]
+    share = [int(e) for e in exact]
+    by_remainder = sorted(range(len(nodes)), key=lambda i: (-(exact[i] - share[i]), i))
+    for i in by_remainder[: spare - sum(share)]:
+        share[i] += 1
+    return [NodeGroup(n.id, n.cpus, 1 + s) for n, s in zip(nodes, share, strict=True)]
+
+
+def split_slots(num_slots: int, groups: list[NodeGroup]) -> list[tuple[int, int]]:
+    """A layer's slots ``0..S-1`` -> one contiguous ``[a, b)`` per group, in group order.
+
+    Balanced by bytes: every slot of a layer holds the same number of bytes, so the counts differ
+    by at most one, the spare slots going to the groups with more threads (ties: lower node).
+    Contiguous, so each group's experts are a view of the layer's stacked tensors (the kernels
+    take a base pointer and a slot count) and one memory range per node. A pure function of S:
+    the slot table's stacking and every forward agree on it without sharing state."""
+    assert num_slots >= 0 and groups, f"{num_slots=} {groups=}"
+    base, spare = divmod(num_slots, len(groups))
+    first = sorted(range(len(groups)), key=lambda i: (-groups[i].threads, groups[i].node))[:spare]
+    out, a = [], 0
+    for i in range(len(groups)):
+        b = a + base + (i in first)
+        out.append((a, b))
+        a = b
+    return out
 
 
 def bind_to_node(

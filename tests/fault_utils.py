@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import grpc
 from expertmesh import health
 from expertmesh.client import AsyncClient
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
-from tests.cluster_utils import ROOT
+from tests.cluster_utils import ROOT, spawn
 
 _LISTEN = re.compile(r"coordinator listening on (\S+):(\d+)")
 
@@ -55,84 +54,9 @@ class CoordProc:
                 self.proc.wait(10)
 
 
-@dataclass
-class LoggedServer:
-    """An expert server subprocess whose output is kept (``lines``)."""
-
-    kind: str
-    proc: subprocess.Popen
-    port: int
-    lines: list[str]
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-def start_logged_server(kind: str, model: str | Path, port: int = 0, *extra: str) -> LoggedServer:
-    cmd = [
-        sys.executable,
-        "-m",
-        "expertmesh.cli",
-        f"{kind}-server",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-    ]
-    if kind == "gpu":
-        cmd += ["--device", "cpu"]
-    proc, lines, m = _start([*cmd, *extra], re.compile(r"listening on (\S+):(\d+)"), 60.0)
-    return LoggedServer(kind, proc, int(m.group(2)), lines)
-
-
-def _start(
-    cmd: list[str], pattern: re.Pattern, timeout: float
-) -> tuple[subprocess.Popen, list[str], re.Match]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = pattern.search(line)
-        if m:
-            # NOTE: keep draining the pipe (a full pipe would block the process)
-            threading.Thread(target=_drain, args=(proc.stdout, lines), daemon=True).start()
-            return proc, lines, m
-    proc.kill()
-    raise RuntimeError(f"{cmd[3]} did not start:\n" + "".join(lines))
-
-
-def _drain(pipe, lines: list[str]) -> None:
-    lines.extend(iter(pipe.readline, ""))
-
-
 def start_coordinator(model: str | Path, *flags: str, timeout: float = 90.0) -> CoordProc:
     cmd = [sys.executable, "-m", "expertmesh.cli", "coordinator", "--model", str(model), "--port", "0"]
-    proc, lines, m = _start([*cmd, "--threads", "1", *flags], _LISTEN, timeout)
+    proc, lines, m = spawn([*cmd, "--threads", "1", *flags], _LISTEN, timeout)
     return CoordProc(proc, int(m.group(2)), lines)
 
 

@@ -85,6 +85,40 @@ def test_config_is_validated():
     assert ClusterConfig((gpu, cpu)).cpu_defer_experts == 0
 
 
+def test_deferral_keeps_the_piecewise_decode_graphs_unless_a_dense_layer_sits_between():
+    """A CUDA coordinator replays deferral from its piecewise graphs (tests/test_deferral_gpu.py
+    checks the numbers); a dense layer between two MoE layers would take the held-back sum one
+    layer late there, so that model decodes eagerly."""
+    from coordinator.remote import RemoteDispatcher
+    from expertmesh.config import ModelConfig
+
+    raw = dict(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=64,
+    )  # fmt: skip
+    servers = (ServerSpec("g", "127.0.0.1:1", "gpu"), ServerSpec("c", "127.0.0.1:2", "cpu"))
+    modes = {}
+    for name, dense, n in (
+        ("plain", [], 0),
+        ("deferred", [], 1),
+        ("dense first", [0], 1),
+        ("dense between", [1], 1),
+    ):
+        cfg = ModelConfig.from_dict(dict(raw, mlp_only_layers=dense))
+        d = RemoteDispatcher(
+            cfg, ClusterConfig(servers, num_gpu_experts=2, cpu_defer_experts=n), torch.float32
+        )
+        modes[name] = d.graph_mode
+        d.close()
+    assert modes == {
+        "plain": "piecewise",
+        "deferred": "piecewise",
+        "dense first": "piecewise",
+        "dense between": "none",
+    }
+
+
 # ------------------------------------------------------------------ the reference
 
 
@@ -97,9 +131,11 @@ class _DeferringMoE(nn.Module):
         flat = h.reshape(-1, h.shape[-1])  # [T, H]
         _, w, ids = self.block.gate(flat)  # [T, K]
         held = loop_mask(w, ids >= self.ref.num_gpu_experts, self.ref.n)
-        skip = self.block.experts.num_experts  # HF's experts skip this id
-        now = self.block.experts(flat, torch.where(held, skip, ids), w)  # [T, H]
-        later = self.block.experts(flat, torch.where(held, ids, skip), w)
+        # NOTE: a pair is left out by a zero weight (its product adds exactly 0): an out-of-range
+        # id to skip it is accepted by some transformers releases and refused by others
+        zero = torch.zeros_like(w)
+        now = self.block.experts(flat, ids, torch.where(held, zero, w))  # [T, H]
+        later = self.block.experts(flat, ids, torch.where(held, w, zero))
         out = now if self.ref.carry is None else now + self.ref.carry
         self.ref.carry = later
         return out.view_as(h)

@@ -27,13 +27,13 @@ from expertmesh.client import Client
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
 from expertmesh.worker_api import ExpertRequest
+from tests.cluster_utils import start_server
 from tests.fault_utils import (
     Job,
     placement_file,
     run_load,
     server_states,
     start_coordinator,
-    start_logged_server,
     wait_health,
     wait_states,
 )
@@ -76,8 +76,8 @@ def layer_request(model) -> pb.ForwardRequest:
 def test_sigterm_on_an_expert_server_drains_it_without_failing_requests(model):
     every = list(range(8))
     p = placement_file(model / "both.json", {"*": {"gpu0": every, "cpu0": every}}, ["gpu0", "cpu0"])
-    gpu = start_logged_server("gpu", model, 0, "--drain-timeout", "30")
-    cpu = start_logged_server("cpu", model, 0, "--drain-timeout", "30")
+    gpu = start_server("gpu", model, 0, "--drain-timeout", "30")
+    cpu = start_server("cpu", model, 0, "--drain-timeout", "30")
     co = start_coordinator(
         model, "--gpu-server", gpu.address, "--cpu-server", cpu.address, "--placement", p,
         "--replica-policy", "round_robin", "--expert-timeout", "5", "--kv-memory", "8MiB",
@@ -102,7 +102,7 @@ def test_sigterm_on_an_expert_server_drains_it_without_failing_requests(model):
         assert ok_tokens(run_load(co.addr, jobs)) == want  # on gpu0 alone
 
         # restarted: rejoins; then drained while a stream of another client stays open
-        cpu = start_logged_server("cpu", model, cpu.port, "--drain-timeout", "30")
+        cpu = start_server("cpu", model, cpu.port, "--drain-timeout", "30")
         wait_states(co.addr, BOTH_READY, timeout=30)
         held: queue.Queue = queue.Queue()
         with grpc.insecure_channel(cpu.address) as ch:
@@ -126,8 +126,8 @@ def test_sigterm_on_an_expert_server_drains_it_without_failing_requests(model):
         assert ok_tokens(run_load(co.addr, jobs)) == want
     finally:
         co.stop()
-        gpu.stop()
-        cpu.stop()
+        gpu.stop(40)
+        cpu.stop(40)
 
 
 def test_sigterm_on_the_coordinator_finishes_running_requests_and_refuses_new_ones(model):

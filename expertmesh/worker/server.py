@@ -89,7 +89,8 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     # a backend that keeps experts as stored (FP8) reads them itself (issue 13)
     read = getattr(backend, "read_expert", None)
     hook = (lambda layer, e: read(reader, layer, e, device)) if read is not None else None
-    slots = SlotTable(reader, config.torch_dtype, device, capacity, backend.pack_weights, hook)
+    stack = getattr(backend, "stack_slots", None)  # issue 14n: NUMA placement of the stacked slots
+    slots = SlotTable(reader, config.torch_dtype, device, capacity, backend.pack_weights, hook, stack)
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
         kind=config.kind,

@@ -66,6 +66,8 @@ class SlotTable:
         capacity: int,
         pack: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
         read_expert: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        stack: Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+        | None = None,
     ) -> None:
         self.reader, self.dtype, self.device, self.capacity = reader, dtype, device, capacity
         # ExpertBackend.pack_weights: applied once per expert as it is read, so reuse and stacking
@@ -74,6 +76,9 @@ class SlotTable:
         # (layer, expert) -> the backend's own per-slot rows, read as stored (FP8 experts, issue
         # 13); replaces both the float read and pack. None: float weights, then pack
         self.read_expert = read_expert
+        # issue 14n: a layer's slots -> its stacked w13, w2; a backend that places memory (NUMA
+        # nodes, cpu_expert_server/numa_backend.py) allocates them itself. None: torch.stack
+        self.stack = stack or (lambda w13, w2: (torch.stack(w13), torch.stack(w2)))
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
         self._staged: SlotSet | None = None
@@ -118,7 +123,7 @@ class SlotTable:
             read += 1
         if not experts:
             return self._empty(), 0
-        return LayerSlots(tuple(experts), torch.stack(w13), torch.stack(w2)), read
+        return LayerSlots(tuple(experts), *self.stack(w13, w2)), read
 
     def preload(self, experts: list[int]) -> int:
         """Generation 0: the same experts in every MoE layer (start-up, before any placement)."""
