@@ -79,7 +79,6 @@ typedef struct {
     float *tmp;        /* [max(H, I)] */
     uint16_t *wq;      /* [32, max(H, I)] quantised rows as bf16 (bf16 tiles only) */
     uint8_t *nib;      /* [32, max(H, I)] int4 nibbles */
-    const float *wsc[32];
 } Scratch;
 
 static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
@@ -94,38 +93,39 @@ static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
 
 static void scratch_free(Scratch *sc) { free(sc->c), free(sc->cb), free(sc->tmp), free(sc->wq), free(sc->nib); }
 
-/* 32 packed rows (c inputs, group g) -> the A tiles' first row a0 and row stride sa (a1 = a0 + 16
- * rows), and the rows' group scales for int8 tiles */
-__attribute__((target(AMX_TARGET))) static const uint8_t *a_rows(const AmxCall *cl, const uint8_t *base,
-                                                                 long rowbytes, int c, int g, Scratch *sc,
-                                                                 long *sa) {
-    *sa = rowbytes;
+/* 32 packed rows from base (c inputs, group g) -> where the A tiles read them (in place, or
+ * bf16-dequantised / int4-unpacked into this thread's scratch) and their int8 group scales */
+__attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const uint8_t *base, long rowbytes,
+                                                        int c, int g, Scratch *sc) {
+    ARows ar = {{base, base + 16 * rowbytes}, rowbytes, 64, {NULL, NULL}, 1, 0};
     if (cl->kind == TILES_BF16) {
-        if (cl->wdtype == 0) return base;
-        rows_to_bf16(base, rowbytes, 32, c, cl->wdtype, g, sc->tmp, sc->wq);
-        *sa = 2L * c;
-        return (const uint8_t *)sc->wq;
+        if (cl->wdtype != 0) {
+            rows_to_bf16(base, rowbytes, 32, c, cl->wdtype, g, sc->tmp, sc->wq);
+            ar.a[0] = (const uint8_t *)sc->wq, ar.a[1] = (const uint8_t *)(sc->wq + (size_t)16 * c), ar.sa = 2L * c;
+        }
+        return ar;
     }
+    /* row format: C int8 (or C/2 bytes of int4) then C/G fp32 scales per row */
     const long body = cl->kind == TILES_U8 ? c / 2 : c;
-    for (int r = 0; r < 32; r++) sc->wsc[r] = (const float *)(base + r * rowbytes + body);
-    if (cl->kind == TILES_S8) return base;
-    unpack_nibbles(base, rowbytes, 32, c, g, sc->nib);
-    *sa = c;
-    return sc->nib;
+    ar.s[0] = (const float *)(base + body), ar.s[1] = (const float *)(base + 16 * rowbytes + body);
+    ar.sr = rowbytes / 4;
+    if (cl->kind == TILES_U8) {
+        unpack_nibbles(base, rowbytes, 32, c, g, sc->nib);
+        ar.a[0] = sc->nib, ar.a[1] = sc->nib + (size_t)16 * c, ar.sa = c;
+    }
+    return ar;
 }
 
-/* the 4 x 16 x 16 fp32 result of rows (a0, a0 + 16 rows) x token tiles (tl, tl + 1 if two) */
-__attribute__((target(AMX_TARGET))) static void run_block(int kind, const uint8_t *a0, long sa, const QTiles *q,
-                                                          int tl, int two, const Prefetch *pf, Scratch *sc) {
-    const uint8_t *a1 = a0 + 16 * sa;
+/* the 4 x 16 x 16 fp32 result of the 32 rows of ar x token tiles (tl, tl + 1 if two) */
+__attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows *ar, const QTiles *q, int tl, int two,
+                                                          const Prefetch *pf, Scratch *sc) {
     if (kind == TILES_BF16) {
         const uint32_t *b0 = q->b + (size_t)tl * q->ksteps * 256;
-        tile_steps(TILES_BF16, a0, a1, sa, b0, b0 + (size_t)q->ksteps * 256, two, 0, q->ksteps, pf, q->ksteps,
-                   sc->c);
+        tile_steps(TILES_BF16, ar, b0, b0 + (size_t)q->ksteps * 256, two, 0, q->ksteps, pf, q->ksteps, sc->c);
     } else if (kind == TILES_S8) {
-        q_block(TILES_S8, a0, a1, sa, sc->wsc, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
+        q_block(TILES_S8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
     } else {
-        q_block(TILES_U8, a0, a1, sa, sc->wsc, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
+        q_block(TILES_U8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
     }
 }
 
@@ -166,11 +166,10 @@ __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long
         const int a2 = (int)((it + 1) / nblk1), b2 = (int)((it + 1) % nblk1);
         pf.p = cl->w13 + ((size_t)so->active[a2] * 2 * i_ + (size_t)b2 * 32) * cl->row13;
     }
-    long sa;
-    const uint8_t *a0 = a_rows(cl, base, cl->row13, cl->h, cl->g13, sc, &sa);
+    const ARows ar = a_rows(cl, base, cl->row13, cl->h, cl->g13, sc);
     for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
         const int two = tl + 1 < pl->tile0[a + 1];
-        run_block(cl->kind, a0, sa, cx->bx, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
+        run_block(cl->kind, &ar, cx->bx, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
         for (int u = 0; u < 1 + two; u++) {
             float *g = sc->c + u * 512; /* [16 gate rows][16 tokens], then the up rows */
             silu_mul_tile(g, g + 256);
@@ -201,12 +200,10 @@ __attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long 
             Prefetch pf = {cx->pf, base + 32 * cl->row2, 32 * cl->row2 / 64};
             if (hb + 1 == hb1)
                 pf.p = a + 1 < so->na ? cl->w2 + ((size_t)so->active[a + 1] * h_ + (size_t)hb0 * 32) * cl->row2 : NULL;
-            long sa;
-            const uint8_t *a0 = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc, &sa);
+            const ARows ar = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc);
             for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
                 const int two = tl + 1 < pl->tile0[a + 1];
-                run_block(cl->kind, a0, sa, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0},
-                          sc);
+                run_block(cl->kind, &ar, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
                 for (int u = 0; u < 1 + two; u++) {
                     int n;
                     const int q0 = tile_first(pl, tl + u, &n);
