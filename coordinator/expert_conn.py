@@ -12,6 +12,7 @@ Shapes: T_s rows sent to the server, H hidden.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -29,10 +30,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.cluster_config import ClusterConfig, ServerSpec
 from expertmesh import auth, errors, status, tls, wire
-from expertmesh.net import grpc_options
-from expertmesh.transport import negotiate
+from expertmesh.net import device_uuid, grpc_options
+from expertmesh.transport import cuda_ipc, negotiate
 from expertmesh.transport.client import Reply, ShmClient
-from expertmesh.transport.cuda_ipc import CudaIpcError
 from expertmesh.transport.errors import Rejected
 from expertmesh.transport.handshake import Ack, HandshakeError
 from expertmesh.v1 import expert_worker_pb2 as pb
@@ -164,6 +164,14 @@ class ServerConnection:
     def plan_transport(self, info: WorkerInfo, local: negotiate.Side) -> None:
         """Chooses this server's data path from its description (the next stream uses it)."""
         offer = negotiate.Side(info.host_id, info.device_uuid, info.fast_paths)
+        if (
+            local.device_uuid
+            and info.device_uuid
+            and info.device_uuid != local.device_uuid
+            and not local.peers
+        ):
+            # a server on another GPU of this host: CUDA IPC if our GPU reaches its by peer access
+            local = dataclasses.replace(local, peers=cuda_ipc.peer_uuids(self.device))
         try:
             choice = negotiate.choose(self.cluster.transport, local, offer, self.spec.name)
         except negotiate.NegotiationError as e:
@@ -262,9 +270,17 @@ class ServerConnection:
 
     def _handshake(self, st: _Stream) -> None:
         """Offers the planned fast path on a new stream and settles for the server's answer."""
+        # NOTE: two GPUs order their work by synchronising each side's stream ("local"): no
+        # interprocess event has to cross between the devices
+        theirs = self.info.device_uuid if self.info is not None else ""
+        sync = (
+            "local" if self.plan == "cuda_ipc" and theirs and theirs != device_uuid(self.device) else "host"
+        )
         try:
-            fast = ShmClient(self.plan, self.cluster.shm_ring_bytes, self.device, self.cluster.shm_spin_us)
-        except (OSError, CudaIpcError) as e:
+            fast = ShmClient(
+                self.plan, self.cluster.shm_ring_bytes, self.device, self.cluster.shm_spin_us, cuda_sync=sync
+            )
+        except (OSError, cuda_ipc.CudaIpcError) as e:
             self._settle(st, None, Ack("grpc", f"cannot create the shared-memory channel here: {e}"))
             return
         fut: Future = Future()
@@ -302,7 +318,7 @@ class ServerConnection:
         assert fast is not None
         try:
             fast.accept(ack)
-        except CudaIpcError as e:
+        except cuda_ipc.CudaIpcError as e:
             if requested == "auto":
                 self.plan = "shm"  # the next stream asks for less
             self._refuse(st, fast, f"{self.describe_self()}: cannot map its CUDA IPC output ring: {e}")
@@ -386,6 +402,13 @@ class ServerConnection:
     def next_seq(self) -> int:
         """The sequence number for the next request to this server (seq 0 is the handshake)."""
         return next(self._seq)
+
+    def stage(self, x: torch.Tensor, top_k: int) -> None:
+        """Copies ``x [T, H]`` into the fast path's ring ahead of the request that sends all of
+        it (ShmClient.stage); nothing without a fast stream."""
+        st = self._stream
+        if st is not None and st.fast is not None and st.dead is None:
+            st.fast.stage(x, self.dtype or x.dtype, top_k)
 
     def submit(self, req: ExpertRequest) -> ExpertReply:
         """Sends one layer's request over the live stream (fast path if it has room); the

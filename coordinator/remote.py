@@ -63,6 +63,10 @@ class RemoteDispatcher(Dispatcher):
         # layer -> (server, [E] int32 local slot of each logical expert) for the layers whose
         # live experts all sit once on one server (rebuilt with _live): routing is one gather
         self._single: dict[int, tuple[int, np.ndarray]] = {}
+        # layer -> ([E] physical slot, [E] owner server, [E] int32 local slot) for the layers whose
+        # live experts sit once each on several servers (a static split, e.g. --num-gpu-experts):
+        # the split is a few numpy gathers (issue 14h2)
+        self._spread: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]] = {}
         self._rows = torch.arange(0)  # [T] every row of the step, in order
         # issue 14h: --cpu-defer-experts (coordinator/deferral.py); [servers] bool: a CPU server
         n = cluster.cpu_defer_experts
@@ -135,6 +139,9 @@ class RemoteDispatcher(Dispatcher):
         lt = lt if lt is not None else tables.placement.tables[layer]
         # NOTE: not with --cpu-defer-experts (issue 14h), whose split needs the physical slots
         single = self._single.get(layer) if tables is self._step and self._deferred is None else None
+        spread = self._spread.get(layer) if tables is self._step else None
+        if spread is not None:  # NOTE: every replica policy picks the only replica
+            return _spread_route(spread, topk_ids, topk_weights)
         if single is not None:  # NOTE: every replica policy picks the only replica
             server, local = single
             t = topk_ids.shape[0]
@@ -160,6 +167,16 @@ class RemoteDispatcher(Dispatcher):
             )
             sent.append((b, conn.submit(req)))
         return sent
+
+    def stage(self, layer: int, x: torch.Tensor) -> None:
+        """The piecewise graphs' hint, right after a segment's replay: ``x [T, H]`` goes whole
+        to one server this layer (no failover, no deferral, no full-server step), so its copy to
+        that server's fast path starts now, overlapping the segment (coordinator/remote_graphs.py)."""
+        if self._deferred is not None or self._all_on_gpu or self._lost or self._step is None:
+            return
+        single = self._single.get(layer)
+        if single is not None:
+            self.conns[single[0]].stage(x, self.cfg.top_k)
 
     def submit(
         self,
@@ -302,12 +319,17 @@ class RemoteDispatcher(Dispatcher):
     def _route_around(self, tables: pl.ServerTables, down: frozenset[int]) -> None:
         self._live_key, self._down = (tables.generation, down), down
         self._live = {layer: pl.live_tables(lt, down) for layer, lt in tables.placement.tables.items()}
-        self._single = {}
+        self._single, self._spread = {}, {}
         for layer, lt in self._live.items():
             owners = lt.owner[lt.log2phy[:, 0]]  # [E] (-1 rows: lost experts, excluded by logcnt)
-            if bool((lt.logcnt == 1).all()) and bool((owners == owners[0]).all()):
-                local = lt.local_slot[lt.log2phy[:, 0]].to(torch.int32).numpy()  # [E]
+            if not bool((lt.logcnt == 1).all()):
+                continue
+            local = lt.local_slot[lt.log2phy[:, 0]].to(torch.int32).numpy()  # [E]
+            if bool((owners == owners[0]).all()):
                 self._single[layer] = (int(owners[0]), local)
+            else:
+                servers = sorted(set(owners.tolist()))
+                self._spread[layer] = (lt.log2phy[:, 0].contiguous().numpy(), owners.numpy(), local, servers)
         self._lost = {  # per layer, the experts no live server holds [E_lost]
             layer: torch.tensor(ex, dtype=torch.long)
             for layer, ex in pl.uncovered(tables.placement.tables, down).items()
@@ -414,3 +436,29 @@ def _accumulate(dst: torch.Tensor, b: pl.ServerBatch, part: torch.Tensor, starte
         dst.add_(part)
     else:
         dst.index_add_(0, b.rows.to(dst.device), part)
+
+
+def _spread_route(
+    spread: tuple[np.ndarray, np.ndarray, np.ndarray, list[int]],
+    topk_ids: torch.Tensor,  # [T, K] logical, on the host
+    topk_weights: torch.Tensor,  # [T, K]
+) -> tuple[list[pl.ServerBatch], torch.Tensor]:
+    """issue 14h2: ``split_by_server`` for a layer whose experts sit once each, in numpy (on a
+    few dozen ids torch's per-op overhead is most of the cost): the per-server batches (servers
+    in ascending order) and the physical slots ``[T, K]``."""
+    phys, owner, local, servers = spread
+    ids = topk_ids.numpy()
+    wts = topk_weights.float().numpy()  # no copy when already float32
+    own, loc = owner[ids], local[ids]  # [T, K]
+    out = []
+    for s in servers:
+        mine = own == s  # [T, K]
+        rows = np.flatnonzero(mine.any(axis=1))  # [T_s]
+        if rows.size:
+            slots = np.where(mine[rows], loc[rows], np.int32(-1))  # [T_s, K] int32
+            out.append(
+                pl.ServerBatch(
+                    s, torch.from_numpy(rows), torch.from_numpy(slots), torch.from_numpy(wts[rows])
+                )
+            )
+    return out, torch.from_numpy(phys[ids])

@@ -152,10 +152,11 @@ class RemoteDecodeGraphs(DecodeGraphs):
         take = self.dispatcher.take_deferred  # issue 14h2: --cpu-defer-experts
         held: Pending | None = None  # issue 14h2: the previous MoE layer's held-back sum
         clock, timings, hook, ready = time.perf_counter, self.timings, self.load_hook, self.ready
-        submit = self.dispatcher.submit
+        submit, stage = self.dispatcher.submit, self.dispatcher.stage
         for seg, (layer, x, ids, ids_host, weights_host, routed) in zip(segments, views):
             t0 = clock()
             seg.replay()
+            stage(layer, x)  # the hidden states' copy to the server, queued behind the segment
             ready.record()
             if hook is not None:
                 hook(layer, ids)

@@ -87,3 +87,41 @@ def test_server_graphs_match_the_kernels_and_plain_torch():
         assert rel_err(got, inner.forward(xp, w13, w2, idp, wp)[:t]) < 1e-6, t
         assert rel_err(got, torch_moe(x, w13, w2, ids, w)) < 2e-3, t
     assert len(graphed._graphs) == 3  # buckets 1, 4, 8 (9 tokens ran eagerly)
+
+
+def test_server_graphs_write_straight_into_the_ring():
+    """GraphedBackend.forward_into (the fast paths): routing from host numpy arrays (uploaded by
+    the graph), hidden on the GPU or in pinned host memory, answer into a GPU or host buffer;
+    equal to the same kernels at the bucket's size, across re-padding and staging reuse."""
+    import numpy as np
+
+    from gpu_server.backend import make_backend
+    from gpu_server.graphs import GraphedBackend
+
+    inner = make_backend("cuda")
+    graphed = GraphedBackend(inner, buckets=(1, 4, 8))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    s, h, i, k = 6, 64, 32, 2
+    w13 = torch.randn(s, 2 * i, h, device="cuda", generator=g) / h**0.5
+    w2 = torch.randn(s, h, i, device="cuda", generator=g) / i**0.5
+    w13b, w2b = w13.flip(0).contiguous(), w2.flip(0).contiguous()  # another layer, same bucket
+    for n, t in enumerate((3, 1, 4, 2, 8, 3, 9)):
+        x = torch.randn(t, h, device="cuda", generator=g)
+        ids = torch.randint(-1, s, (t, k), device="cuda", generator=g, dtype=torch.int32)
+        w = torch.rand(t, k, device="cuda", generator=g)
+        a13, a2 = (w13, w2) if n % 2 else (w13b, w2b)
+        want = inner.forward(x, a13, a2, ids, w)
+        on_host = n % 3 == 2
+        xin = x.cpu().pin_memory() if on_host else x
+        out = torch.full((t, h), float("nan"), device="cpu" if on_host else "cuda")
+        done = graphed.forward_into(xin, a13, a2, ids.cpu().numpy(), w.cpu().numpy(), out)
+        assert done == (t <= 8), t
+        if done:
+            torch.cuda.synchronize()
+            assert rel_err(out.cuda(), want) < 1e-6, (n, t)
+    # the gRPC path's forward (routing handed over on the GPU) still agrees after all that
+    x = torch.randn(2, h, device="cuda", generator=g)
+    ids = torch.tensor([[0, -1], [5, 2]], dtype=torch.int32, device="cuda")
+    w = torch.rand(2, k, device="cuda", generator=g)
+    assert rel_err(graphed.forward(x, w13, w2, ids, w), inner.forward(x, w13, w2, ids, w)) < 1e-6
+    assert np.isfinite(graphed._staging[(4, k)].np[1].view(np.float32)).all()

@@ -9,11 +9,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
+from expertmesh.transport import cuda_ipc, negotiate, segment
 from expertmesh.transport import descriptor as dsc
-from expertmesh.transport import negotiate, segment
 from expertmesh.transport.handshake import Ack, HandshakeError, Hello
 from expertmesh.transport.negotiate import Side
 from expertmesh.transport.ring import Ring
@@ -190,6 +191,11 @@ COORD_GPU = Side(HOST, GPU)
         ("shm", COORD_GPU, GPU_SRV, "shm"),
         ("grpc", COORD_GPU, GPU_SRV, "grpc"),
         ("cuda_ipc", COORD_GPU, GPU_SRV, "cuda_ipc"),
+        # a server on another GPU of the host: CUDA IPC only where ours reaches it by peer access
+        ("auto", Side(HOST, GPU, peers=("GPU-2",)), Side(HOST, "GPU-2", ("shm", "cuda_ipc")), "cuda_ipc"),
+        ("cuda_ipc", Side(HOST, GPU, peers=("GPU-2",)), Side(HOST, "GPU-2", ("shm", "cuda_ipc")), "cuda_ipc"),
+        ("auto", Side(HOST, GPU, peers=("GPU-3",)), Side(HOST, "GPU-2", ("shm", "cuda_ipc")), "shm"),
+        ("auto", Side("boot-b", GPU, peers=("GPU-2",)), Side(HOST, "GPU-2", ("shm", "cuda_ipc")), "grpc"),
     ],
 )
 def test_negotiation_picks_the_fastest_common_path(requested, coord, server, want):
@@ -203,6 +209,12 @@ def test_negotiation_picks_the_fastest_common_path(requested, coord, server, wan
         ("shm", COORD_CPU, Side(HOST, "", ()), "--no-shm"),
         ("cuda_ipc", COORD_CPU, GPU_SRV, "does not run on CUDA"),
         ("cuda_ipc", COORD_GPU, Side(HOST, "GPU-2", ("shm", "cuda_ipc")), "another GPU"),
+        (
+            "cuda_ipc",
+            Side(HOST, GPU, peers=("GPU-3",)),
+            Side(HOST, "GPU-2", ("shm", "cuda_ipc")),
+            "peer access",
+        ),
         ("cuda_ipc", COORD_GPU, CPU_SRV, "offers no CUDA IPC"),
     ],
 )
@@ -216,6 +228,20 @@ def test_auto_accepts_a_slower_answer_required_does_not():
     assert negotiate.acceptable("shm", "shm", "shm")
     assert not negotiate.acceptable("shm", "shm", "grpc")
     assert not negotiate.acceptable("cuda_ipc", "cuda_ipc", "shm")
+
+
+def test_wrapped_memory_is_an_alias_not_a_copy():
+    """cuda_ipc.wrap (how a peer GPU's memory becomes a tensor of ours) on host memory: the
+    tensor reads and writes the same bytes, and outlives the wrapper call."""
+    buf = np.zeros(4096, dtype=np.uint8)
+    t = cuda_ipc.wrap(buf.ctypes.data, buf.nbytes, torch.device("cpu"))
+    assert t.shape == (4096,) and t.dtype == torch.uint8 and t.data_ptr() == buf.ctypes.data
+    buf[7] = 42
+    assert int(t[7]) == 42
+    view = t[64:128].view(torch.int32)
+    del t
+    view.fill_(-1)
+    assert (buf[64:128] == 255).all() and buf[63] == 0 and buf[128] == 0
 
 
 # ---------------------------------------------------------------------- segments

@@ -80,6 +80,17 @@ class Reply:
         self.channel.abandon(self)
 
 
+@dataclass
+class _Staged:
+    """Hidden states copied into the ring ahead of their request (ShmClient.stage)."""
+
+    ptr: int  # data_ptr of the source [T, H]
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    top_k: int
+    region: tuple[Ring, Region]  # the GPU ring's payload, or the host ring's whole request
+
+
 class ShmClient:
     def __init__(
         self,
@@ -109,6 +120,9 @@ class ShmClient:
         )
         self._ring = Ring(ring_bytes)
         self._size, self._ring_bytes = size, ring_bytes
+        # shm from a GPU: hidden states and answers cross between the ring and our GPU by DMA
+        # once the ring is pinned (cuda_ipc only puts the routing block there)
+        self._pinned = not self.gpu and cuda_ipc.register_host(self._host.ring, self.device)
         self._poll = select.poll()
         self._poll.register(self._resp_fd, select.POLLIN)
         self._words = header_words(self._mm)
@@ -120,6 +134,7 @@ class ShmClient:
         self._state = threading.Lock()  # guards _dead/_closed against kill() from other threads
         self._dead: Rejected | None = None
         self._closed = False
+        self._staged: _Staged | None = None  # hidden states copied ahead of their send (stage())
         self._cuda: CudaHello | None = None
         if self.gpu:
             self._in_ring = Views(torch.empty(ring_bytes, dtype=torch.uint8, device=device))
@@ -148,24 +163,102 @@ class ShmClient:
         if self.gpu and ack.transport == "cuda_ipc":
             self._out_map = cuda_ipc.Mapped.open(ack.cuda["out_ring"], self.device)
             self._out_ring = Views(self._out_map.tensor)
-            self.done_event = cuda_ipc.open_event(ack.cuda["done_event"], self.device)
+            assert self._cuda is not None
+            if self._cuda.sync != "local":  # NOTE: "local" (two GPUs) shares no event
+                self.done_event = cuda_ipc.open_event(ack.cuda["done_event"], self.device)
         elif self.gpu:  # the server could serve shm only
             self.gpu, self.transport = False, "shm"
             del self._in_ring, self._gpu_ring, self.ready_event
+            self._pinned = cuda_ipc.register_host(self._host.ring, self.device)
         assert ack.transport == self.transport, f"{ack.transport=} {self.transport=}"
 
     # ------------------------------------------------------------ data path
 
+    def stage(self, x: torch.Tensor, dtype: torch.dtype, top_k: int) -> bool:
+        """Queues the copy of ``x [T, H]`` (on our GPU) into the ring on the current stream now,
+        for the next :meth:`send` of every row of this same ``x`` (no adapters): that send then
+        launches nothing on the GPU. The piecewise decode graphs call this right after a
+        segment's replay, so the copy's launch overlaps the segment's GPU work and the host's
+        wait for the routing covers it (coordinator/remote_graphs.py). False when there is no
+        room or nothing to gain (a send not matching it copies as usual)."""
+        self._unstage()
+        if x.device.type != "cuda" or not (self.gpu or self._pinned):
+            return False
+        t, h = x.shape
+        payload = t * h * dtype.itemsize
+        if self.gpu:
+            gpu_r = self._gpu_ring.alloc(payload)
+            if gpu_r is None:
+                return False
+            self._in_ring.tensor(gpu_r.offset, (t, h), dtype).copy_(x)
+            if self._cuda is not None and self._cuda.sync != "local":
+                self.ready_event.record(torch.cuda.current_stream(self.device))
+            self._staged = _Staged(x.data_ptr(), (t, h), dtype, top_k, (self._gpu_ring, gpu_r))
+            return True
+        n_h, n_r = aligned(payload), aligned(dsc.route_nbytes(t, top_k))
+        host_r = self._ring.alloc(n_h + n_r + payload)
+        if host_r is None:
+            return False
+        # NOTE: a DMA into the pinned ring, finished before the caller's next synchronisation
+        self._host.tensor(host_r.offset, (t, h), dtype).copy_(x, non_blocking=True)
+        self._staged = _Staged(x.data_ptr(), (t, h), dtype, top_k, (self._ring, host_r))
+        return True
+
+    def _unstage(self) -> None:
+        st, self._staged = self._staged, None
+        if st is not None:  # never sent: its copy may still be queued
+            torch.cuda.current_stream(self.device).synchronize()
+            st.region[0].free(st.region[1])
+
+    def _take_staged(self, req: ExpertRequest, dtype: torch.dtype) -> _Staged | None:
+        st = self._staged
+        if st is None:
+            return None
+        x, k = req.hidden, req.slot_ids.shape[1]
+        if (
+            x.data_ptr() == st.ptr
+            and tuple(x.shape) == st.shape
+            and dtype == st.dtype
+            and k == st.top_k
+            and req.adapter_slots is None
+            and (req.rows is None or req.rows.numel() == x.shape[0])
+        ):
+            self._staged = None
+            return st
+        self._unstage()
+        return None
+
     def send(self, req: ExpertRequest, dtype: torch.dtype) -> Reply | None:
         """This path's codec: queues ``req`` (hidden cast to the server's compute ``dtype``);
         None when the ring has no room for it (send it over gRPC)."""
-        x, rows, slot_ids, weights = req.hidden, req.rows, req.slot_ids, req.weights
+        x, rows, slot_ids = req.hidden, req.rows, req.slot_ids
         t, k = slot_ids.shape
         h = x.shape[1]
         payload = t * h * dtype.itemsize
         adapters = req.adapter_slots
         route = dsc.route_nbytes(t, k, adapters is not None)
         regions: tuple[tuple[Ring, Region], ...]
+        staged = self._take_staged(req, dtype) if self._staged is not None else None
+        if staged is not None:  # the hidden states are (being) copied already
+            ring, region = staged.region
+            if not self.gpu or (self._cuda is not None and self._cuda.sync == "local"):
+                # NOTE: in the ring before the descriptor (the caller has usually waited already)
+                torch.cuda.current_stream(self.device).synchronize()
+            if self.gpu:
+                host_r = self._ring.alloc(route)
+                if host_r is None:
+                    ring.free(region)
+                    return None
+                regions = ((self._ring, host_r), (ring, region))
+                h_off = o_off = region.offset
+                r_off = host_r.offset
+                out = self._out_ring.tensor(o_off, (t, h), dtype)
+            else:
+                regions = ((ring, region),)
+                n_h = aligned(payload)
+                h_off, r_off, o_off = region.offset, region.offset + n_h, region.offset + n_h + aligned(route)
+                out = self._host.tensor(o_off, (t, h), dtype)
+            return self._post(req, dtype, regions, out, h_off, r_off, o_off)
         if self.gpu:  # hidden [T, H] at the same offset of both GPU rings, routing on the host
             host_r = self._ring.alloc(route)
             if host_r is None:
@@ -194,16 +287,33 @@ class ShmClient:
             torch.index_select(x, 0, rows if x.device.type == "cpu" else rows.to(x.device), out=hidden)
         else:
             hidden.copy_(x.index_select(0, rows.to(x.device)))
-        block = self._host.block(r_off, t, k)  # [2, T, K]
-        block[0] = slot_ids.numpy()
-        block[1] = weights.numpy().view(np.int32)
-        if adapters is not None:
-            self._host.adapters(r_off, t, k)[:] = adapters.numpy()
         if self.gpu:
             if self._cuda is not None and self._cuda.sync == "local":
                 torch.cuda.current_stream(self.device).synchronize()
             else:
                 self.ready_event.record(torch.cuda.current_stream(self.device))
+        return self._post(req, dtype, regions, out, h_off, r_off, o_off)
+
+    def _post(
+        self,
+        req: ExpertRequest,
+        dtype: torch.dtype,
+        regions: tuple[tuple[Ring, Region], ...],
+        out: torch.Tensor,
+        h_off: int,
+        r_off: int,
+        o_off: int,
+    ) -> Reply:
+        """Writes the routing block and the descriptor of a request whose hidden states are in
+        the ring (or on their way there, ordered before the server reads them)."""
+        slot_ids, weights, adapters = req.slot_ids, req.weights, req.adapter_slots
+        t, k = slot_ids.shape
+        h = req.hidden.shape[1]
+        block = self._host.block(r_off, t, k)  # [2, T, K]
+        block[0] = slot_ids.numpy()
+        block[1] = weights.numpy().view(np.int32)
+        if adapters is not None:
+            self._host.adapters(r_off, t, k)[:] = adapters.numpy()
         flags = (dsc.FLAG_GPU if self.gpu else 0) | (dsc.FLAG_ADAPTERS if adapters is not None else 0)
         desc = dsc.Request(
             req.seq, req.generation, req.layer, t, h, k, dtype, dtype, h_off, r_off, o_off, flags
@@ -315,6 +425,11 @@ class ShmClient:
                 self._out_ring.clear()
                 del self._out_ring
                 self._out_map.close()
+            if self._pinned:
+                self._pinned = False
+                # NOTE: a refused unpin leaves the pages pinned until exit: nothing else to do
+                with contextlib.suppress(cuda_ipc.CudaIpcError):
+                    cuda_ipc.unregister_host(self._host.ring, self.device)
             self._host.clear()
             del self._host, self._words
             with contextlib.suppress(BufferError):  # a caller still holds a view: it goes with that

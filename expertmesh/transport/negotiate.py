@@ -4,8 +4,9 @@
 
 - ``grpc``: tensors inside the gRPC messages, always possible.
 - ``shm``: payloads in a shared-memory ring on this host; required, an error if impossible.
-- ``cuda_ipc``: hidden states and outputs stay in the GPU both use (CUDA IPC), small routing
-  data in the host ring; required.
+- ``cuda_ipc``: hidden states and outputs stay in GPU memory (CUDA IPC): the GPU both use, or
+  two GPUs of the host when the coordinator's reaches the server's by peer access; small
+  routing data in the host ring; required.
 - ``auto``: the fastest path both sides offer.
 
 The choice here rests on what the server says in ``Describe`` (its boot id, the fast paths it
@@ -30,6 +31,7 @@ class Side:
     host_id: str  # boot id ("" = unknown)
     device_uuid: str = ""  # GPU UUID when this side computes on CUDA
     fast_paths: tuple[str, ...] = ()  # offered besides gRPC (the server's; the coordinator's own)
+    peers: tuple[str, ...] = ()  # UUIDs of other GPUs this side's GPU addresses by peer access
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,11 @@ def choose(requested: str, coordinator: Side, server: Side, name: str = "the ser
             why_not_cuda = "the coordinator does not run on CUDA"
         elif "cuda_ipc" not in server.fast_paths or not server.device_uuid:
             why_not_cuda = f"{name} does not compute on CUDA or offers no CUDA IPC"
-        elif coordinator.device_uuid != server.device_uuid:
-            why_not_cuda = f"{name} uses another GPU ({server.device_uuid}, ours {coordinator.device_uuid})"
+        elif coordinator.device_uuid != server.device_uuid and server.device_uuid not in coordinator.peers:
+            why_not_cuda = (
+                f"{name} uses another GPU ({server.device_uuid}, ours {coordinator.device_uuid}) "
+                "without peer access from ours"
+            )
     if not why_not_cuda and requested in ("auto", "cuda_ipc"):
         return Choice("cuda_ipc")
     if requested == "cuda_ipc":

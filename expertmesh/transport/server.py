@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -53,8 +55,11 @@ class ShmServer:
         forward: Callable[[ExpertRequest], torch.Tensor],  # [T, H] on device; raises ExpertMeshError
         on_error: Callable[[], None] = lambda: None,
         spin_us: float = 300.0,  # how long to poll for the next request before sleeping
+        # check + compute writing the answer straight into the ring (ExpertWorker.forward_into)
+        forward_into: Callable[[ExpertRequest, torch.Tensor], None] | None = None,
     ) -> None:
         self.hello, self.forward, self.on_error = hello, forward, on_error
+        self.forward_into = forward_into
         self.device = cuda_ipc.indexed(device)
         self.spin_us = spin_us
         self.ack: Future[Ack] = Future()
@@ -62,6 +67,12 @@ class ShmServer:
         self._stop = False
         self._fds: tuple[int, int] | None = None
         self._gpu_bytes = 0
+        self._pinned = False  # the host ring is registered with CUDA (register_host)
+        # per request (the last 4096): seconds of decode (the ready wait included), the ready
+        # wait alone, forward (checks + compute launched), answer (GPU event); medians logged
+        # when the channel closes (what a remote layer's server side costs)
+        self.times: deque[tuple[float, float, float, float]] = deque(maxlen=4096)
+        self._ready_s = 0.0
         self._thread = threading.Thread(target=self._run, daemon=True, name="expert-fast-path")
 
     def start(self) -> Future[Ack]:
@@ -101,18 +112,26 @@ class ShmServer:
             torch.frombuffer(self._mm, dtype=torch.uint8, offset=h.ring_offset, count=h.ring_bytes)
         )
         if h.cuda is None:
+            # payloads cross between the host ring and our GPU: DMA once the ring is pinned
+            self._pinned = cuda_ipc.register_host(self._host.ring, self.device)
             return Ack("shm")
         try:
             if self.device.type != "cuda":
                 raise cuda_ipc.CudaIpcError("this server computes on the CPU")
             ours = device_uuid(self.device)
-            if h.cuda.device_uuid != ours:
-                raise cuda_ipc.CudaIpcError(
-                    f"the coordinator's GPU {h.cuda.device_uuid} is not ours ({ours})"
-                )
+            if h.cuda.device_uuid != ours:  # two GPUs of this host: peer access or nothing
+                theirs = cuda_ipc.device_of(h.cuda.device_uuid)
+                if theirs is None or not torch.cuda.can_device_access_peer(self.device.index, theirs):
+                    raise cuda_ipc.CudaIpcError(
+                        f"the coordinator's GPU {h.cuda.device_uuid} is not ours ({ours}) and we "
+                        "have no peer access to it"
+                    )
+                if h.cuda.sync != "local":
+                    raise cuda_ipc.CudaIpcError("two GPUs order their work with sync 'local' only")
             self._in_map = cuda_ipc.Mapped.open(h.cuda.in_ring, self.device)
             self._in = Views(self._in_map.tensor)
-            self._ready = cuda_ipc.open_event(h.cuda.ready_event, self.device)
+            if h.cuda.sync != "local":
+                self._ready = cuda_ipc.open_event(h.cuda.ready_event, self.device)
             self._out = Views(torch.empty(self._in.ring.numel(), dtype=torch.uint8, device=self.device))
             self._done, done = cuda_ipc.new_event(self.device)
         except cuda_ipc.CudaIpcError as e:
@@ -163,7 +182,7 @@ class ShmServer:
             try:
                 req = dsc.Request.parse(raw, host_bytes, self._gpu_bytes)
                 seq = req.seq
-                self._one(req)
+                self._one(req, t0)
                 resp = dsc.Response(seq, 0, (time.perf_counter() - t0) * 1e3)
             except dsc.DescriptorError as e:
                 self.on_error()
@@ -184,17 +203,26 @@ class ShmServer:
     def _error(seq: int, err: errors.ExpertMeshError) -> dsc.Response:
         return dsc.Response(seq, err.status, 0.0, err.message)
 
-    def _one(self, req: dsc.Request) -> None:
+    def _one(self, req: dsc.Request, t0: float) -> None:
+        clock = time.perf_counter
+        self._ready_s = 0.0
         out_ring = self._out if req.on_gpu else self._host
         out = out_ring.tensor(req.out_off, (req.tokens, req.hidden), req.out_dtype)
-        y = self.forward(self._decode(req))
-        out.copy_(y)
+        decoded = self._decode(req)
+        t1 = clock()
+        if self.forward_into is not None:
+            # NOTE: a host ``out`` is written synchronously: the answer is there before its descriptor
+            self.forward_into(decoded, out)
+        else:
+            out.copy_(self.forward(decoded))
+        t2 = clock()
         if req.on_gpu:
             assert self.hello.cuda is not None
             if self.hello.cuda.sync == "local":
                 torch.cuda.current_stream(self.device).synchronize()
             else:
-                self._done.record(torch.cuda.current_stream(self.device))
+                self._done.record()  # NOTE: this thread's current stream of our device
+        self.times.append((t1 - t0, self._ready_s, t2 - t1, clock() - t2))
 
     def _decode(self, req: dsc.Request) -> ExpertRequest:
         """This path's codec: a descriptor and the ring contents -> the one request type."""
@@ -202,33 +230,46 @@ class ShmServer:
         data = self._in if req.on_gpu else self._host
         hidden = data.tensor(req.hidden_off, (t, h), req.hidden_dtype)  # read, never written
         # NOTE: our own copy of the routing block: what was validated is what gets computed,
-        # whatever the other side writes meanwhile (pinned on a GPU: its upload is asynchronous).
-        shared = self._host.block(req.route_off, t, k)  # [2, T, K]
+        # whatever the other side writes meanwhile (uploaded by the server's graph from a pinned
+        # block of its own, or synchronously from this pageable copy)
+        mine = self._host.block(req.route_off, t, k).copy()  # [2, T, K]
+        slot_ids, weights = torch.from_numpy(mine[0]), torch.from_numpy(mine[1].view(np.float32))
         if req.on_gpu:
-            block = torch.empty((2, t, k), dtype=torch.int32, pin_memory=True)
-            block.numpy()[...] = shared
-            slot_ids, weights = block[0], block[1].view(torch.float32)
             assert self.hello.cuda is not None
             if self.hello.cuda.sync == "host":
+                t0 = time.perf_counter()
                 self._ready.synchronize()
+                self._ready_s = time.perf_counter() - t0
             elif self.hello.cuda.sync == "stream":
                 torch.cuda.current_stream(self.device).wait_event(self._ready)
             # "local": the coordinator finished writing before it sent the descriptor
-        else:
-            mine = shared.copy()
-            slot_ids, weights = torch.from_numpy(mine[0]), torch.from_numpy(mine[1].view(np.float32))
         adapters = None
         if req.has_adapters:
             adapters = torch.from_numpy(self._host.adapters(req.route_off, t, k).copy())  # [T] int32
         return ExpertRequest(req.seq, req.generation, req.layer, hidden, slot_ids, weights, adapters)
 
     def _release(self) -> None:
+        if self.times:
+            us = [f"{statistics.median(c) * 1e6:.0f}" for c in zip(*self.times)]
+            log.info(
+                "fast-path channel %s closed: median us of its last %d requests: decode %s "
+                "(waiting for the coordinator's GPU %s), forward %s, answer %s",
+                self.hello.segment,
+                len(self.times),
+                *us,
+            )
         with self._state:
             self._stop = True
             fds, self._fds = self._fds, None
         if fds is not None:
             for fd in fds:
                 os.close(fd)
+        if self._pinned:
+            self._pinned = False
+            try:
+                cuda_ipc.unregister_host(self._host.ring, self.device)
+            except cuda_ipc.CudaIpcError:
+                log.exception("could not unpin the fast-path ring")
         for name in ("_in", "_out", "_host"):
             views = self.__dict__.pop(name, None)
             if views is not None:

@@ -11,6 +11,7 @@ Shapes: T tokens, K top-k, H hidden, S local slots.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -126,7 +127,13 @@ class ExpertWorker:
             )
         n_slots = len(live.layers[layer].experts)
         if t:
-            lo, hi = (int(v) for v in torch.aminmax(slot_ids))
+            # NOTE: numpy on the host: on a few dozen ids its min/max cost a fraction of torch's
+            ids = slot_ids.numpy() if slot_ids.device.type == "cpu" else None
+            lo, hi = (
+                (int(ids.min()), int(ids.max()))
+                if ids is not None
+                else (int(v) for v in torch.aminmax(slot_ids))
+            )
             if lo < -1 or hi >= n_slots:
                 raise InvalidRequest(
                     f"slot ids must be -1 or in [0, {n_slots}) for layer {layer}; got range [{lo}, {hi}]"
@@ -195,27 +202,78 @@ class ExpertWorker:
             self.count_error(e)
             raise
 
+    def forward_into(self, req: ExpertRequest, out: torch.Tensor) -> None:
+        """Check + compute for a fast-path request, the answer written into ``out [T, H]`` (the
+        ring the coordinator reads; on the GPU: queued on this device's stream, not waited for)."""
+        try:
+            with self._serial:
+                loaded = self._load_input(req)
+                self.check(req)
+                self._compute_locked(req, False, out, loaded)
+        except ExpertMeshError as e:
+            self.count_error(e)
+            raise
+
+    def _load_input(self, req: ExpertRequest) -> object | None:
+        """The hidden states' copy into a graphed backend's input, issued before the checks:
+        the first GPU work of the request (gpu_server/graphs.py ``load_input``); harmless when
+        the checks then refuse the request (nothing reads that input until a replay)."""
+        load = getattr(self.backend, "load_input", None)
+        live = self.slots.live
+        layer = live.layers.get(req.layer)
+        x = req.hidden
+        if (
+            load is None
+            or layer is None
+            or req.adapter_slots is not None
+            or req.generation != live.generation
+            or x.dtype != self.slots.dtype
+            or x.dim() != 2
+            or x.shape[1] != self.cfg.hidden_size
+            or req.slot_ids.dim() != 2
+        ):
+            return None
+        return load(x, layer.w13, layer.w2, req.slot_ids.shape[1])
+
     def count_error(self, err: ExpertMeshError | None = None) -> None:
         self.stats.errors += 1
         self.metrics.reject(err)
 
-    def _compute_locked(self, req: ExpertRequest, to_host: bool) -> torch.Tensor:
+    def _compute_locked(
+        self, req: ExpertRequest, to_host: bool, into: torch.Tensor | None = None, loaded: object = None
+    ) -> torch.Tensor:
         live = self.slots.live
         if live.generation != req.generation:  # a commit ran between check and compute
             raise StaleGeneration(f"placement generation {req.generation} was replaced by {live.generation}")
         layer = live.layers[req.layer]
         t0 = time.perf_counter()
         dev = self.slots.device
-        out = self.backend.forward(
-            req.hidden.to(dev, non_blocking=True),
-            layer.w13,
-            layer.w2,
-            req.slot_ids.to(dev, non_blocking=True),
-            req.weights.to(dev, non_blocking=True),
-            self._lora(req, layer.experts),
-        )
-        if to_host:
-            out = out.cpu()
+        # NOTE: the gRPC path runs on threads whose current GPU is cuda:0: a server on cuda:1
+        # launches its Triton kernels with its own device current
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            lora = self._lora(req, layer.experts)
+            x = req.hidden
+            direct = getattr(self.backend, "forward_into", None)  # gpu_server/graphs.py
+            dst: torch.Tensor | None = None
+            if direct is not None and lora is None and req.slot_ids.device.type == "cpu":
+                # the graphed path: routing stays on the host (the graph uploads it), the answer
+                # goes straight to ``into`` (the fast path's ring) when there is one
+                dst = into if into is not None else torch.empty(x.shape, dtype=x.dtype, device=dev)
+                if not direct(x, layer.w13, layer.w2, req.slot_ids.numpy(), req.weights.numpy(), dst, loaded):
+                    dst = None
+            if dst is None:
+                dst = self.backend.forward(
+                    x.to(dev, non_blocking=True),
+                    layer.w13,
+                    layer.w2,
+                    req.slot_ids.to(dev, non_blocking=True),
+                    req.weights.to(dev, non_blocking=True),
+                    lora,
+                )
+                if into is not None:
+                    into.copy_(dst)
+                    dst = into
+        out = dst.cpu() if to_host and into is None else dst
         dt = time.perf_counter() - t0
         self.stats.compute_seconds += dt
         self.metrics.compute(req.layer, dt)

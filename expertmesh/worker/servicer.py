@@ -121,7 +121,9 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         if "shm" not in self.worker.identity.fast_paths:
             return None, Ack("grpc", "this server offers no shared-memory fast path (--no-shm)")
         w = self.worker
-        fast = ShmServer(hello, w.slots.device, w.forward, w.count_error, self.shm_spin_us)
+        fast = ShmServer(
+            hello, w.slots.device, w.forward, w.count_error, self.shm_spin_us, forward_into=w.forward_into
+        )
         ack = await asyncio.wrap_future(fast.start())
         return (fast if ack.transport != "grpc" else None), ack
 
