@@ -118,11 +118,12 @@ typedef struct {
 } Prefetch;
 
 static inline __attribute__((always_inline)) void prefetch_part(const Prefetch *pf, const uint8_t *a0,
-                                                                const uint8_t *a1, long sa, int ks, int ksteps) {
+                                                                const uint8_t *a1, long sa, long kstep, int ks,
+                                                                int ksteps) {
     if (pf->mode == PF_ROWS && ks + AMX_PF_DIST < ksteps)
         for (int r = 0; r < 16; r++) {
-            _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + AMX_PF_DIST) * 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + AMX_PF_DIST) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + AMX_PF_DIST) * kstep), _MM_HINT_T0);
+            _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + AMX_PF_DIST) * kstep), _MM_HINT_T0);
         }
     if (pf->mode != PF_NEXT || !pf->p) return;
     const long per = (pf->lines + ksteps - 1) / ksteps;
@@ -132,21 +133,34 @@ static inline __attribute__((always_inline)) void prefetch_part(const Prefetch *
 
 enum { TILES_BF16, TILES_S8, TILES_U8 };
 
-/* One block: C tiles 0..3 = A(a0, a1; 16 rows each, row stride sa, k step = 64 bytes) x B(b0, b1;
- * 1 KiB per k step), k steps [k0, k1), C tiles stored to c (4 x 16 x 16: a0 x b0, a1 x b0, a0 x b1,
+/* Where a block's 32 weight rows are for the A tiles: k step ks of rows 16h .. 16h + 15 starts at
+ * a[h] + ks * kstep, rows sa bytes apart (the packed row format: kstep 64, sa = row bytes; a
+ * layout with 1 KiB tiles would give kstep 1024, sa 64). int8 tiles: the scale of row 16h + r in
+ * group gi is s[h][gi * sg + r * sr]. */
+typedef struct {
+    const uint8_t *a[2];
+    long sa, kstep;
+    const float *s[2];
+    long sg, sr;
+} ARows;
+
+/* One block: C tiles 0..3 = A (the 32 rows of ar: a0 = rows 0-15, a1 = rows 16-31) x B(b0, b1; 1 KiB
+ * per k step), k steps [k0, k1), C tiles stored to c (4 x 16 x 16: a0 x b0, a1 x b0, a0 x b1,
  * a1 x b1; two = whether b1 is used). Always inlined with a constant kind. */
 static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps(
-    int kind, const uint8_t *a0, const uint8_t *a1, long sa, const uint32_t *b0, const uint32_t *b1, int two, int k0,
-    int k1, const Prefetch *pf, int ksteps, void *c) {
+    int kind, const ARows *ar, const uint32_t *b0, const uint32_t *b1, int two, int k0, int k1, const Prefetch *pf,
+    int ksteps, void *c) {
+    const uint8_t *a0 = ar->a[0], *a1 = ar->a[1];
+    const long sa = ar->sa, kstep = ar->kstep;
     TILE_ZERO(0);
     TILE_ZERO(1);
     TILE_ZERO(2);
     TILE_ZERO(3);
     COMPILER_FENCE();
     for (int ks = k0; ks < k1; ks++) {
-        prefetch_part(pf, a0, a1, sa, ks, ksteps);
-        TILE_LOAD(4, a0 + (size_t)ks * 64, sa);
-        TILE_LOAD(5, a1 + (size_t)ks * 64, sa);
+        prefetch_part(pf, a0, a1, sa, kstep, ks, ksteps);
+        TILE_LOAD(4, a0 + (size_t)ks * kstep, sa);
+        TILE_LOAD(5, a1 + (size_t)ks * kstep, sa);
         TILE_LOAD(6, b0 + (size_t)ks * 256, 64);
         if (two) TILE_LOAD(7, b1 + (size_t)ks * 256, 64);
 #define TILE_PRODUCTS(OP) \

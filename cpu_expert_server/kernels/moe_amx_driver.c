@@ -78,9 +78,7 @@ typedef struct {
     int32_t *cb;       /* [1024] int tiles of one group */
     float *tmp;        /* [max(H, I)] */
     uint16_t *wq;      /* [32, max(H, I)] quantised rows as bf16 (bf16 tiles only) */
-    uint8_t *nib;      /* [32, max(H, I)] int4 nibbles, or tiled int8 rows in row order (issue 14q) */
-    float *wsc_rows;   /* [32, max(H, I) / 64] the scales of tiled rows (issue 14q) */
-    const float *wsc[32];
+    uint8_t *nib;      /* [32, max(H, I)] int4 nibbles */
 } Scratch;
 
 static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
@@ -90,55 +88,56 @@ static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
     sc->cb = aligned_alloc(64, sizeof(int32_t) * 1024);
     sc->tmp = malloc(sizeof(float) * cmax);
     sc->wq = cl->kind == TILES_BF16 && quant ? malloc(sizeof(uint16_t) * 32 * cmax) : NULL;
-    sc->nib = cl->kind != TILES_BF16 ? malloc(32 * cmax) : NULL;
-    sc->wsc_rows = cl->kind != TILES_BF16 ? malloc(sizeof(float) * 32 * (cmax / 64 + 1)) : NULL;
+    sc->nib = cl->kind == TILES_U8 ? malloc(32 * cmax) : NULL;
 }
 
-static void scratch_free(Scratch *sc) {
-    free(sc->c), free(sc->cb), free(sc->tmp), free(sc->wq), free(sc->nib), free(sc->wsc_rows);
-}
+static void scratch_free(Scratch *sc) { free(sc->c), free(sc->cb), free(sc->tmp), free(sc->wq), free(sc->nib); }
 
-/* 32 packed rows (c inputs, group g) -> the A tiles' first row a0 and row stride sa (a1 = a0 + 16
- * rows), and the rows' group scales for int8 tiles */
-__attribute__((target(AMX_TARGET))) static const uint8_t *a_rows(const AmxCall *cl, const uint8_t *base,
-                                                                 long rowbytes, int c, int g, Scratch *sc,
-                                                                 long *sa) {
-    *sa = rowbytes;
+/* 32 packed rows from base (c inputs, group g) -> where the A tiles read them (in place, or
+ * bf16-dequantised / int4-unpacked into this thread's scratch) and their int8 group scales */
+__attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const uint8_t *base, long rowbytes,
+                                                        int c, int g, Scratch *sc) {
+    ARows ar = {{base, base + 16 * rowbytes}, rowbytes, 64, {NULL, NULL}, 1, 0};
     if (cl->kind == TILES_BF16) {
-        if (cl->wdtype == 0) return base;
-        rows_to_bf16(base, rowbytes, 32, c, cl->wdtype, g, sc->tmp, sc->wq);
-        *sa = 2L * c;
-        return (const uint8_t *)sc->wq;
+        if (cl->wdtype != 0) {
+            rows_to_bf16(base, rowbytes, 32, c, cl->wdtype, g, sc->tmp, sc->wq);
+            ar.a[0] = (const uint8_t *)sc->wq, ar.a[1] = (const uint8_t *)(sc->wq + (size_t)16 * c), ar.sa = 2L * c;
+        }
+        return ar;
     }
     const long body = cl->kind == TILES_U8 ? c / 2 : c;
     if (q_tiled(cl->wdtype, 32, g)) {
-        /* issue 14q: int8/int4 with G % 64 == 0 are tiled (packing.py): the 32 rows (two blocks) go
-         * to row order in scratch, so the tiles below read them as before. TODO(14p): int8 could
-         * read the tiles in place (step ks of a block at block + ks * 1024, row stride 64). */
-        tiles_to_rows(base, rowbytes, 32, c, g, cl->kind == TILES_U8, sc->nib, sc->wsc_rows);
-        for (int r = 0; r < 32; r++) sc->wsc[r] = sc->wsc_rows + (size_t)r * (c / g);
-        *sa = c;
-        return sc->nib;
+        /* issue 14q: tiled blocks (packing.py): k step ks of block h at a[h] + ks * 1024 (int8 read
+         * in place; int4 unpacked to the same order), rows 64 bytes apart, scales after each
+         * block's weights as [groups][16] */
+        ar.sa = 64, ar.kstep = 1024, ar.sg = 16, ar.sr = 1;
+        ar.s[0] = (const float *)(base + 16 * body), ar.s[1] = (const float *)(base + 16 * rowbytes + 16 * body);
+        if (cl->kind == TILES_U8) {
+            tiles_unpack_u4(base, rowbytes, 32, c, sc->nib);
+            ar.a[0] = sc->nib, ar.a[1] = sc->nib + (size_t)16 * c;
+        }
+        return ar;
     }
-    for (int r = 0; r < 32; r++) sc->wsc[r] = (const float *)(base + r * rowbytes + body);
-    if (cl->kind == TILES_S8) return base;
-    unpack_nibbles(base, rowbytes, 32, c, g, sc->nib);
-    *sa = c;
-    return sc->nib;
+    /* row format: C int8 (or C/2 bytes of int4) then C/G fp32 scales per row */
+    ar.s[0] = (const float *)(base + body), ar.s[1] = (const float *)(base + 16 * rowbytes + body);
+    ar.sr = rowbytes / 4;
+    if (cl->kind == TILES_U8) {
+        unpack_nibbles(base, rowbytes, 32, c, g, sc->nib);
+        ar.a[0] = sc->nib, ar.a[1] = sc->nib + (size_t)16 * c, ar.sa = c;
+    }
+    return ar;
 }
 
-/* the 4 x 16 x 16 fp32 result of rows (a0, a0 + 16 rows) x token tiles (tl, tl + 1 if two) */
-__attribute__((target(AMX_TARGET))) static void run_block(int kind, const uint8_t *a0, long sa, const QTiles *q,
-                                                          int tl, int two, const Prefetch *pf, Scratch *sc) {
-    const uint8_t *a1 = a0 + 16 * sa;
+/* the 4 x 16 x 16 fp32 result of the 32 rows of ar x token tiles (tl, tl + 1 if two) */
+__attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows *ar, const QTiles *q, int tl, int two,
+                                                          const Prefetch *pf, Scratch *sc) {
     if (kind == TILES_BF16) {
         const uint32_t *b0 = q->b + (size_t)tl * q->ksteps * 256;
-        tile_steps(TILES_BF16, a0, a1, sa, b0, b0 + (size_t)q->ksteps * 256, two, 0, q->ksteps, pf, q->ksteps,
-                   sc->c);
+        tile_steps(TILES_BF16, ar, b0, b0 + (size_t)q->ksteps * 256, two, 0, q->ksteps, pf, q->ksteps, sc->c);
     } else if (kind == TILES_S8) {
-        q_block(TILES_S8, a0, a1, sa, sc->wsc, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
+        q_block(TILES_S8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
     } else {
-        q_block(TILES_U8, a0, a1, sa, sc->wsc, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
+        q_block(TILES_U8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
     }
 }
 
@@ -179,11 +178,10 @@ __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long
         const int a2 = (int)((it + 1) / nblk1), b2 = (int)((it + 1) % nblk1);
         pf.p = cl->w13 + ((size_t)so->active[a2] * 2 * i_ + (size_t)b2 * 32) * cl->row13;
     }
-    long sa;
-    const uint8_t *a0 = a_rows(cl, base, cl->row13, cl->h, cl->g13, sc, &sa);
+    const ARows ar = a_rows(cl, base, cl->row13, cl->h, cl->g13, sc);
     for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
         const int two = tl + 1 < pl->tile0[a + 1];
-        run_block(cl->kind, a0, sa, cx->bx, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
+        run_block(cl->kind, &ar, cx->bx, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
         for (int u = 0; u < 1 + two; u++) {
             float *g = sc->c + u * 512; /* [16 gate rows][16 tokens], then the up rows */
             silu_mul_tile(g, g + 256);
@@ -214,12 +212,10 @@ __attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long 
             Prefetch pf = {cx->pf, base + 32 * cl->row2, 32 * cl->row2 / 64};
             if (hb + 1 == hb1)
                 pf.p = a + 1 < so->na ? cl->w2 + ((size_t)so->active[a + 1] * h_ + (size_t)hb0 * 32) * cl->row2 : NULL;
-            long sa;
-            const uint8_t *a0 = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc, &sa);
+            const ARows ar = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc);
             for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
                 const int two = tl + 1 < pl->tile0[a + 1];
-                run_block(cl->kind, a0, sa, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0},
-                          sc);
+                run_block(cl->kind, &ar, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
                 for (int u = 0; u < 1 + two; u++) {
                     int n;
                     const int q0 = tile_first(pl, tl + u, &n);

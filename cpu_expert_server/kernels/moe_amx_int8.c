@@ -73,16 +73,17 @@ __attribute__((target(AMX_TARGET))) static void unpack_nibbles(const uint8_t *ro
 }
 
 /* One block on int8 tiles, result as tile_steps' c but fp32 and scaled: acc[4][16][16] = sum over
- * groups of (C_int - token correction) * weight scale * token scale. wsc[32]: the 32 rows' scale
- * arrays; q: the token tiles' B buffer, tl / t1 the two tiles (t1 == tl when two == 0). */
-static inline __attribute__((always_inline, target(AMX_TARGET))) void q_block(
-    int kind, const uint8_t *a0, const uint8_t *a1, long sa, const float *const *wsc, const QTiles *q, size_t tl,
-    size_t t1, int two, const Prefetch *pf, int32_t *cb, float *acc) {
+ * groups of (C_int - token correction) * weight scale (ar->s) * token scale. q: the token tiles' B
+ * buffer, tl / t1 the two tiles (t1 == tl when two == 0). */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void q_block(int kind, const ARows *ar,
+                                                                              const QTiles *q, size_t tl, size_t t1,
+                                                                              int two, const Prefetch *pf, int32_t *cb,
+                                                                              float *acc) {
     memset(acc, 0, sizeof(float) * 1024);
     const int kpg = q->ksteps / q->groups;
     const uint32_t *b0 = q->b + tl * q->ksteps * 256, *b1 = q->b + t1 * q->ksteps * 256;
     for (int gi = 0; gi < q->groups; gi++) {
-        tile_steps(kind, a0, a1, sa, b0, b1, two, gi * kpg, (gi + 1) * kpg, pf, q->ksteps, cb);
+        tile_steps(kind, ar, b0, b1, two, gi * kpg, (gi + 1) * kpg, pf, q->ksteps, cb);
         for (int t = 0; t < 2 + 2 * two; t++) {
             const int u = t / 2, half = t % 2; /* token tile, weight half (a0 / a1) */
             const size_t o = ((u ? t1 : tl) * q->groups + gi) * 16;
@@ -95,7 +96,7 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void q_block(
                 v16f_a a;
                 memcpy(&ci, cb + t * 256 + r * 16, 64);
                 memcpy(&a, acc + t * 256 + r * 16, 64);
-                a += __builtin_convertvector(ci - xc, v16f_a) * (xs * wsc[half * 16 + r][gi]);
+                a += __builtin_convertvector(ci - xc, v16f_a) * (xs * ar->s[half][gi * ar->sg + r * ar->sr]);
                 memcpy(acc + t * 256 + r * 16, &a, 64);
             }
         }

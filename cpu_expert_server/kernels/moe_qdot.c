@@ -65,24 +65,14 @@ static inline __attribute__((always_inline)) void qrow_to_f32(const uint8_t *row
         row_to_f32(rows + (size_t)r * rowbytes, wdtype, c, g, buf);
 }
 
-/* r_ / 16 tiled blocks -> rows in the row-major order of the AMX A tiles: out [r_][c] bytes
- * (int8 values, or int4 nibbles 0..15 when u4) and sc [r_][c/g] scales (the row format's) */
-static void tiles_to_rows(const uint8_t *blk, long rowbytes, int r_, int c, int g, int u4, uint8_t *out, float *sc) {
-    const int step = u4 ? 512 : 1024, ng = c / g;
+/* r_ / 16 tiled int4 blocks -> nibbles 0..15 in int8's tiled order (per k step 16 rows x 64
+ * bytes), out [r_ / 16][c / 64][16][64] (the AMX int8 tiles' A operand) */
+static void tiles_unpack_u4(const uint8_t *blk, long rowbytes, int r_, int c, uint8_t *out) {
     for (int bl = 0; bl < r_ / 16; bl++) {
         const uint8_t *src = blk + (size_t)bl * 16 * rowbytes;
-        const float *wsc = (const float *)(src + (u4 ? (size_t)8 * c : (size_t)16 * c));
-        for (int r = 0; r < 16; r++) {
-            uint8_t *dst = out + (size_t)(bl * 16 + r) * c;
-            for (int ks = 0; ks < c / 64; ks++) {
-                const uint8_t *w = src + (size_t)ks * step + (size_t)r * (u4 ? 32 : 64);
-                if (u4)
-                    for (int j = 0; j < 32; j++) dst[ks * 64 + j] = w[j] & 15, dst[ks * 64 + 32 + j] = w[j] >> 4;
-                else
-                    memcpy(dst + ks * 64, w, 64);
-            }
-            for (int gi = 0; gi < ng; gi++) sc[(size_t)(bl * 16 + r) * ng + gi] = wsc[gi * 16 + r];
-        }
+        uint8_t *dst = out + (size_t)bl * 16 * c;
+        for (int i = 0; i < 8 * c; i += 32) /* 32 bytes = one row of one k step */
+            for (int j = 0; j < 32; j++) dst[2 * i + j] = src[i + j] & 15, dst[2 * i + 32 + j] = src[i + j] >> 4;
     }
 }
 
