@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,44 @@ def timeit(
         if sum(times) > budget_s and len(times) >= 3:
             break
     return sorted(times)[len(times) // 2]
+
+
+def timeit_interleaved(fns: list[Callable[[int], object]], reps: int) -> list[float]:
+    """Median seconds of each of ``fns`` timed round robin (rep r of every fn before rep r + 1 of
+    any), each call after the cache flush, so that drift of the host's speed within the run hits
+    every variant alike; up to ``reps`` rounds within the time budget."""
+    for fn in fns:
+        fn(0)
+    times: list[list[float]] = [[] for _ in fns]
+    spent = 0.0
+    for r in range(reps):
+        for fn, ts in zip(fns, times, strict=True):
+            if FLUSH is not None:
+                FLUSH.sum()
+            t0 = time.perf_counter()
+            fn(r + 1)
+            ts.append(time.perf_counter() - t0)
+            spent += ts[-1]
+        if spent > BUDGET_S * len(fns) and r >= 2:
+            break
+    return [sorted(ts)[len(ts) // 2] for ts in times]
+
+
+def with_split(fn: Callable[[int], object], split: int | None) -> Callable[[int], object]:
+    """``fn`` run with EXPERTMESH_QDOT_SPLIT=split (the int8/int4 decode kernel's work split,
+    read at every call; None: the kernel's default)."""
+
+    def run(r: int) -> object:
+        if split is None:
+            os.environ.pop("EXPERTMESH_QDOT_SPLIT", None)
+        else:
+            os.environ["EXPERTMESH_QDOT_SPLIT"] = str(split)
+        try:
+            return fn(r)
+        finally:
+            os.environ.pop("EXPERTMESH_QDOT_SPLIT", None)
+
+    return run
 
 
 def host_info() -> dict:
@@ -167,7 +206,13 @@ def torch_gemv(h: int, i: int, e: int, k: int) -> dict:
 
 
 def bench_model(
-    name: str, tokens: list[int], dtypes: list[str], threads: int, bw: float, reps: int
+    name: str,
+    tokens: list[int],
+    dtypes: list[str],
+    threads: int,
+    bw: float,
+    reps: int,
+    splits: list[int] | None = None,
 ) -> list[dict]:
     h, i, e, k = MODELS[name]
     g = torch.Generator().manual_seed(0)
@@ -227,6 +272,46 @@ def bench_model(
                     }  # fmt: skip
                 )
                 print(json.dumps(rows[-1]), flush=True)
+        if splits:
+            rows += split_rows(name, t, backends, splits, amx, x, routes, ref, n_active, bw, reps)
+    return rows
+
+
+def split_rows(name, t, backends, splits, amx, x, routes, ref, n_active, bw, reps) -> list[dict]:
+    """The int8/int4 decode kernel's work splits (EXPERTMESH_QDOT_SPLIT) timed round robin with
+    the bf16 default path ("bfloat16/il") in one interleaved group, each with the backend's own
+    path choice: rows "<dtype>/split<N>"."""
+    group = []
+    for label, (backend, a, b) in backends.items():
+        if not isinstance(backend, CpuExpertBackend):
+            continue
+        force(backend, "", amx)
+        variants = [None] if label == "bfloat16" else splits
+        for sp in variants:
+            fn = with_split(lambda r, f=backend.forward, a=a, b=b, rs=routes: f(x, a, b, *rs[r % 16]), sp)
+            tag = label + ("/il" if sp is None else f"/split{sp}")
+            per_expert = a[0].numel() * a.element_size() + b[0].numel() * b.element_size()
+            err = ((fn(0).float() - ref).norm() / ref.norm()).item()  # type: ignore[attr-defined]
+            group.append((tag, fn, per_expert, err))
+    secs = timeit_interleaved([fn for _, fn, _, _ in group], reps)
+    rows = []
+    for (tag, _, per_expert, err), s in zip(group, secs, strict=True):
+        gbps = n_active * per_expert / s / 1e9
+        h, i, _, k = MODELS[name]
+        rows.append(
+            {
+                "model": name,
+                "T": t,
+                "weights": tag,
+                "ms": s * 1e3,
+                "GBps": gbps,
+                "pct_bw": 100 * gbps / bw,
+                "TFLOPs": 2 * t * k * 3 * h * i / s / 1e12,
+                "tok_s": t / s,
+                "rel_err": err,
+            }  # fmt: skip
+        )
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -269,6 +354,12 @@ def main() -> None:
         action="store_true",
         help="no GEMM peak (minutes in bf16 on CPUs without bf16 instructions)",
     )
+    p.add_argument(
+        "--qdot-splits",
+        default="",
+        help="also time these int8/int4 decode work splits (EXPERTMESH_QDOT_SPLIT values, e.g. "
+        "0,1,2,3) round robin with the bf16 default path",
+    )
     args = p.parse_args()
     global BUDGET_S, CAPS, FLUSH
     BUDGET_S = args.budget_s
@@ -288,7 +379,8 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
     for m in models:
-        rows += bench_model(m, tokens, args.dtypes.split(","), threads, info["read_GBps"], args.reps)
+        splits = [int(v) for v in args.qdot_splits.split(",") if v]
+        rows += bench_model(m, tokens, args.dtypes.split(","), threads, info["read_GBps"], args.reps, splits)
     print(table(rows))
     if args.out:
         Path(args.out).write_text(json.dumps({"host": info, "rows": rows}, indent=1))

@@ -393,20 +393,29 @@ def test_tiled_matches_dequantised_reference(use_kernel, wdtype, t):
 
 
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
-def test_tiled_decode_split_modes_agree_bit_for_bit(monkeypatch, wdtype):
-    """The dynamic work split (EXPERTMESH_QDOT_SPLIT=1, for benchmarks) hands blocks to other
-    threads but sums every output element in the same order as the static split."""
+@pytest.mark.parametrize("t", [1, 3, 40])  # 1, 3: fused mode quantises privately; 40: shared
+def test_tiled_decode_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
+    """The work splits (EXPERTMESH_QDOT_SPLIT: 1 dynamic, 2 fused, 3 fused + guided) hand blocks
+    to other threads and, in the fused modes, let every thread quantise small activations itself,
+    but each output element is summed in the same order as the static split, so the results are
+    equal bit for bit (and the static split matches the activation-quantising reference)."""
     if kernels.load() is None:
         pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
-    x, w13, w2, slot_ids, weights = inputs(40, torch.float32, seed=600, h=256, i=128)
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=600 + t, h=256, i=128)
     b = CpuExpertBackend(threads=3, weight_dtype=wdtype, group=128, caps=caps_of("avx2"))
     b.gemv_max_tokens = 10**9
     p13, p2 = b.pack_weights(w13, w2)
+    monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", "0")
     static = b.forward(x, p13, p2, slot_ids, weights)
     static_b = b.forward(x.bfloat16(), p13, p2, slot_ids, weights)  # bf16 in and out
-    monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", "1")
-    assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static)
-    assert torch.equal(b.forward(x.bfloat16(), p13, p2, slot_ids, weights), static_b)
+    assert b.fmt is not None
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    ref = qact_reference(x, d13, d2, slot_ids, weights, 128, 128)
+    assert rel(static, ref) < 1e-3, rel(static, ref)
+    for mode in ("1", "2", "3"):
+        monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", mode)
+        assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static), mode
+        assert torch.equal(b.forward(x.bfloat16(), p13, p2, slot_ids, weights), static_b), mode
 
 
 @DEVICE_HOST
@@ -434,3 +443,22 @@ def test_tiled_vnni_and_amx_match_reference(wdtype, t):
     b.amx, b.gemv_max_tokens = True, 0
     amx = b.forward(x, p13, p2, slot_ids, weights)
     assert rel(amx, ref) < 2e-3, rel(amx, ref)
+
+
+def test_decode_sized_int_calls_skip_amx_on_amx_hosts(monkeypatch):
+    """Issue 14q2: on an AMX host the default int8/int4 path at decode sizes (a few tokens per
+    expert) is the same decode-kernel call as the forced "/kernel" path of the benchmark, so the
+    two rows may differ only by timing noise. AMX is pretended here: calling it would fail."""
+    if kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    x, w13, w2, slot_ids, weights = inputs(1, torch.float32, seed=700, h=256, i=128)
+    b = CpuExpertBackend(threads=2, weight_dtype="int8", caps=caps_of("avx2"))
+    p13, p2 = b.pack_weights(w13, w2)
+    forced = b.forward(x, p13, p2, slot_ids, weights)  # no AMX: the decode kernel
+    b.amx = True
+
+    def no_amx(*args, **kwargs):
+        raise AssertionError("a decode-sized int8 call went to the AMX kernel")
+
+    monkeypatch.setattr(b, "_amx", no_amx)
+    assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), forced)

@@ -49,14 +49,40 @@ static QAct qrows_at(const QRows *a, int r) {
     return (QAct){a->q + (size_t)r * a->c, a->s + r * ng, a->n + r * ng};
 }
 
-/* EXPERTMESH_QDOT_SPLIT (benchmarks): 0 = the static split described above (the default, the one
- * measured in RESULTS.md), 1 = dynamic: phase 1 items in chunks of 4 and phase 2 output blocks in
- * pairs handed out as threads free up (the T=1 profile showed 20-90 us per phase between the first
- * and the last thread of the static split; untimed on the device so far). Same results bit for
- * bit: each output element is summed in the same order either way. */
+/* Work split (EXPERTMESH_QDOT_SPLIT overrides QDOT_SPLIT_DEFAULT; benchmarks time them side by
+ * side): 0 = the static split described above; 1 = dynamic: phase 1 items in chunks of 4 and
+ * phase 2 output blocks in pairs handed out as threads free up (14q's T=1 profile showed 20-90 us
+ * per phase between the first and the last thread of the static split); 2 = "fused" (issue 14q2):
+ * phase 1 items and phase 2 output blocks one at a time from the shared counter (dynamic, 1),
+ * and at small sizes the barriers around the two activation quantisations are gone: every thread
+ * quantises the few tokens (T <= QDOT_PRIVATE_T) and, after phase 1, the few intermediate rows
+ * (n * I <= QDOT_PRIVATE_ACT) itself, so the threads that wake first start streaming at once;
+ * 3 = as 2 with phase 1 guided (large contiguous runs first, single items at the end).
+ * Same results bit for bit in every mode: each row is quantised the same way whoever does it,
+ * and each output element is summed in the same order. */
+#ifndef QDOT_SPLIT_DEFAULT
+#define QDOT_SPLIT_DEFAULT 0
+#endif
+#define QDOT_PRIVATE_T 4
+#define QDOT_PRIVATE_ACT 16384
 static int qdot_split(void) {
     const char *e = getenv("EXPERTMESH_QDOT_SPLIT");
-    return e ? atoi(e) : 0;
+    return e ? atoi(e) : QDOT_SPLIT_DEFAULT;
+}
+
+/* token t's activations (bf16 or fp32) -> int8 row t of qx; xrow: fp32 scratch [H] */
+static void qdecode_quant_x(const void *x, int xbf16, int t, int h_, int g13, const QRows *qx, float *xrow) {
+    const float *xt = (const float *)x + (size_t)t * h_;
+    if (xbf16) {
+        const uint16_t *xb = (const uint16_t *)x + (size_t)t * h_;
+        for (int c = 0; c < h_; c++) {
+            const uint32_t u = (uint32_t)xb[c] << 16;
+            memcpy(xrow + c, &u, sizeof u);
+        }
+        xt = xrow;
+    }
+    const size_t ng = (size_t)(h_ / g13);
+    quant_act_n(xt, h_, g13, qx->q + (size_t)t * h_, qx->s + (size_t)t * ng, qx->n + (size_t)t * ng);
 }
 
 /* phase 2 for output blocks [hb0, hb1): every active expert's rows of them, summed into o32 [T, H]
@@ -123,7 +149,13 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
     const long items1 = (long)so.na * nblk;
     const size_t np = (size_t)(n > 0 ? n : 1);
     const int split = qdot_split();
-    omp_set_schedule(split ? omp_sched_dynamic : omp_sched_static, split ? 4 : 0); /* phase 1 */
+    /* fused mode: private quantisations where they are cheaper than a barrier */
+    const int priv_x = split >= 2 && t_ <= QDOT_PRIVATE_T;
+    const int priv_a = split >= 2 && (long)so.start[s_] * i_ <= QDOT_PRIVATE_ACT;
+    static const omp_sched_t sched1[4] = {omp_sched_static, omp_sched_dynamic, omp_sched_dynamic, omp_sched_guided};
+    static const int chunk1[4] = {0, 4, 1, 1};
+    const int sm = split < 0 || split > 3 ? 0 : split;
+    omp_set_schedule(sched1[sm], chunk1[sm]); /* phase 1 */
     if (prof) ts1 = omp_get_wtime();
     int nthr = 1;
 #pragma omp parallel num_threads(nthreads)
@@ -133,18 +165,15 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
         QAct *xa = malloc(sizeof(QAct) * np);
         float *rg = malloc(sizeof(float) * 16 * np), *ru = malloc(sizeof(float) * 16 * np);
         float *xrow = malloc(sizeof(float) * (size_t)h_);
+        QRows qxp, qap; /* this thread's own copies (fused mode, small sizes) */
+        const QRows *qxs = &qx, *qas = &qa;
+        if (priv_x) {
+            qrows_alloc(&qxp, t_, h_, g13);
+            for (int t = 0; t < t_; t++) qdecode_quant_x(x, xbf16, t, h_, g13, &qxp, xrow);
+            qxs = &qxp;
+        } else {
 #pragma omp for schedule(static)
-        for (int t = 0; t < t_; t++) {
-            const float *xt = (const float *)x + (size_t)t * h_;
-            if (xbf16) {
-                const uint16_t *xb = (const uint16_t *)x + (size_t)t * h_;
-                for (int c = 0; c < h_; c++) {
-                    const uint32_t u = (uint32_t)xb[c] << 16;
-                    memcpy(xrow + c, &u, sizeof u);
-                }
-                xt = xrow;
-            }
-            quant_act_n(xt, h_, g13, qx.q + (size_t)t * h_, qx.s + (size_t)t * (h_ / g13), qx.n + (size_t)t * (h_ / g13));
+            for (int t = 0; t < t_; t++) qdecode_quant_x(x, xbf16, t, h_, g13, &qx, xrow);
         }
         if (prof && tid0 == 0) ts3 = omp_get_wtime();
         /* phase 1: the gate and up blocks of one (expert, 16-feature block) -> act */
@@ -153,7 +182,7 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
             const int s = so.active[it / nblk], b = (int)(it % nblk);
             const int q0 = so.start[s], m = so.start[s + 1] - q0;
             const uint8_t *gate = w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * row13;
-            for (int j = 0; j < m; j++) xa[j] = qrows_at(&qx, so.tok[q0 + j]);
+            for (int j = 0; j < m; j++) xa[j] = qrows_at(qxs, so.tok[q0 + j]);
             blk(gate, u4, h_, g13, xa, m, rg, pf);
             blk(gate + 16 * row13, u4, h_, g13, xa, m, ru, pf);
             for (int j = 0; j < m; j++) {
@@ -168,21 +197,33 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
 #pragma omp barrier
         /* act is complete */
         /* only the first start[S] rows are pairs of local experts (sorted order) */
+        if (priv_a) {
+            qrows_alloc(&qap, so.start[s_], i_, g2);
+            for (int p = 0; p < so.start[s_]; p++) qrows_put(&qap, act, p);
+            qas = &qap;
+        } else {
 #pragma omp for schedule(static)
-        for (int p = 0; p < so.start[s_]; p++) qrows_put(&qa, act, p);
+            for (int p = 0; p < so.start[s_]; p++) qrows_put(&qa, act, p);
+            /* implicit barrier: every pair's intermediate is quantised */
+        }
         if (prof && tid0 == 0) ts5 = omp_get_wtime();
-        /* implicit barrier: every pair's intermediate is quantised */
-        if (split) {
+        if (sm >= 2) {
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int hb = 0; hb < hblk; hb++)
+                qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, hb, hb + 1);
+        } else if (sm == 1) {
 #pragma omp for schedule(dynamic, 1) nowait
             for (int hc = 0; hc < (hblk + 1) / 2; hc++)
-                qdecode_p2(&so, &qa, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, 2 * hc,
+                qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, 2 * hc,
                            2 * hc + 2 < hblk ? 2 * hc + 2 : hblk);
         } else {
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-            qdecode_p2(&so, &qa, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_,
+            qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_,
                        (int)((long)hblk * tid / nt), (int)((long)hblk * (tid + 1) / nt));
         }
         if (prof && tid0 < QPROF_THREADS) g_t2[tid0] = omp_get_wtime();
+        if (priv_x) qrows_free(&qxp);
+        if (priv_a) qrows_free(&qap);
         free(xa), free(rg), free(ru), free(xrow);
     }
     if (obf16) free(o32);
