@@ -395,8 +395,9 @@ def test_tiled_matches_dequantised_reference(use_kernel, wdtype, t):
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 @pytest.mark.parametrize("t", [1, 3, 40])  # 1, 3: fused mode quantises privately; 40: shared
 def test_tiled_decode_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
-    """The work splits (EXPERTMESH_QDOT_SPLIT: 1 dynamic, 2 fused, 3 fused + guided) hand blocks
-    to other threads and, in the fused modes, let every thread quantise small activations itself,
+    """The work splits (EXPERTMESH_QDOT_SPLIT: 1 dynamic, 2 fused, 3 fused + guided, 4 flow: no
+    barrier between the phases) hand blocks to other threads and, in the fused modes, let every
+    thread quantise small activations itself,
     but each output element is summed in the same order as the static split, so the results are
     equal bit for bit (and the static split matches the activation-quantising reference)."""
     if kernels.load() is None:
@@ -412,7 +413,7 @@ def test_tiled_decode_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
     d13, d2 = unpack_reference(b.fmt, p13, p2)
     ref = qact_reference(x, d13, d2, slot_ids, weights, 128, 128)
     assert rel(static, ref) < 1e-3, rel(static, ref)
-    for mode in ("1", "2", "3"):
+    for mode in ("1", "2", "3", "4"):
         monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", mode)
         assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static), mode
         assert torch.equal(b.forward(x.bfloat16(), p13, p2, slot_ids, weights), static_b), mode
@@ -468,7 +469,7 @@ def test_decode_sized_int_calls_skip_amx_on_amx_hosts(monkeypatch):
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 @pytest.mark.parametrize("t", [1, 40])
 def test_vnni_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
-    """The AVX512-VNNI block kernel under every work split (EXPERTMESH_QDOT_SPLIT 0-3; 2 and 3
+    """The AVX512-VNNI block kernel under every work split (EXPERTMESH_QDOT_SPLIT 0-4; 2 and 3
     quantise privately at t=1) with 16 threads: equal bit for bit, and the static split matches
     the activation-quantising reference."""
     x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=800 + t, h=256, i=128)
@@ -481,7 +482,7 @@ def test_vnni_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
     monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", "0")
     static = b.forward(x, p13, p2, slot_ids, weights)
     assert rel(static, ref) < 1e-3, rel(static, ref)
-    for mode in ("1", "2", "3"):
+    for mode in ("1", "2", "3", "4"):
         monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", mode)
         for _ in range(3):  # dynamic splits differ from call to call
             assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static), mode

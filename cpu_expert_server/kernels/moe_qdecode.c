@@ -12,6 +12,7 @@
  * active expert's rows of that range (one writer per output element, no atomics).
  */
 #include <omp.h>
+#include <sched.h>
 
 /* bytes ahead of the rows being read that the block kernels prefetch: the hardware prefetchers
  * stop at 4 KiB pages, one block step is 512-1024 bytes; EXPERTMESH_QDOT_PF overrides (0 = off) */
@@ -57,7 +58,8 @@ static QAct qrows_at(const QRows *a, int r) {
  * and at small sizes the barriers around the two activation quantisations are gone: every thread
  * quantises the few tokens (T <= QDOT_PRIVATE_T) and, after phase 1, the few intermediate rows
  * (n * I <= QDOT_PRIVATE_ACT) itself, so the threads that wake first start streaming at once;
- * 3 = as 2 with phase 1 guided (large contiguous runs first, single items at the end).
+ * 3 = as 2 with phase 1 guided (large contiguous runs first, single items at the end);
+ * 4 = "flow": no barrier between the phases (qdecode_flow below).
  * Same results bit for bit in every mode: each row is quantised the same way whoever does it,
  * and each output element is summed in the same order. */
 #ifndef QDOT_SPLIT_DEFAULT
@@ -83,6 +85,88 @@ static void qdecode_quant_x(const void *x, int xbf16, int t, int h_, int g13, co
     }
     const size_t ng = (size_t)(h_ / g13);
     quant_act_n(xt, h_, g13, qx->q + (size_t)t * h_, qx->s + (size_t)t * ng, qx->n + (size_t)t * ng);
+}
+
+/* phase 1 item `it`: the gate and up blocks of one (expert, 16-feature block) -> act */
+static void qdecode_p1(const Sorted *so, const QRows *qx, BlkFn blk, const uint8_t *w13, long row13, int h_, int i_,
+                       int u4, int g13, int pf, QAct *xa, float *rg, float *ru, float *act, int nblk, long it) {
+    const int s = so->active[it / nblk], b = (int)(it % nblk);
+    const int q0 = so->start[s], m = so->start[s + 1] - q0;
+    const uint8_t *gate = w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * row13;
+    for (int j = 0; j < m; j++) xa[j] = qrows_at(qx, so->tok[q0 + j]);
+    blk(gate, u4, h_, g13, xa, m, rg, pf);
+    blk(gate + 16 * row13, u4, h_, g13, xa, m, ru, pf);
+    for (int j = 0; j < m; j++) {
+        float *a = act + (size_t)(q0 + j) * i_ + b * 16;
+        for (int r = 0; r < 16; r++) {
+            const float gt = rg[j * 16 + r];
+            a[r] = gt / (1.0f + expf(-gt)) * ru[j * 16 + r]; /* silu(gate) * up */
+        }
+    }
+}
+
+/* Mode 4 ("flow", issue 14q2): no barrier between the phases. One shared counter hands out the
+ * phase 1 items (expert-major) and then the phase 2 items (expert, QDOT_FLOW_HB output blocks);
+ * the thread that finishes an expert's last phase 1 item quantises that expert's intermediate
+ * rows and flags it ready; a phase 2 item waits for its expert's flag (by then every phase 1
+ * item is handed out, so it waits only on running work) and writes the expert's unweighted
+ * outputs y [pairs, H]; after one barrier each output block sums its experts' y in the order of
+ * the other modes (same results bit for bit). */
+#define QDOT_FLOW_HB 4
+typedef struct {
+    long next;   /* the shared counter */
+    int *done1;  /* [na] phase 1 items finished per active expert */
+    int *ready;  /* [na] intermediate rows quantised */
+    float *y;    /* [start[S], H] */
+} Flow;
+
+static void qdecode_flow(const Sorted *so, Flow *fl, const QRows *qx, QRows *qa, BlkFn blk, const uint8_t *w13,
+                         long row13, const uint8_t *w2, long row2, int h_, int i_, int u4, int g13, int g2, int pf,
+                         QAct *xa, float *rg, float *ru, float *act, int nblk, long items1) {
+    const int hblk = h_ / 16, nh2 = (hblk + QDOT_FLOW_HB - 1) / QDOT_FLOW_HB;
+    const long items = items1 + (long)so->na * nh2;
+    for (;;) {
+        const long it = __atomic_fetch_add(&fl->next, 1, __ATOMIC_RELAXED);
+        if (it >= items) break;
+        if (it < items1) {
+            qdecode_p1(so, qx, blk, w13, row13, h_, i_, u4, g13, pf, xa, rg, ru, act, nblk, it);
+            const int ai = (int)(it / nblk), s = so->active[ai];
+            if (__atomic_add_fetch(&fl->done1[ai], 1, __ATOMIC_ACQ_REL) == nblk) {
+                for (int p = so->start[s]; p < so->start[s + 1]; p++) qrows_put(qa, act, p);
+                __atomic_store_n(&fl->ready[ai], 1, __ATOMIC_RELEASE);
+            }
+            continue;
+        }
+        const int ai = (int)((it - items1) / nh2), hc = (int)((it - items1) % nh2);
+        for (int spin = 1; !__atomic_load_n(&fl->ready[ai], __ATOMIC_ACQUIRE); spin++) {
+            _mm_pause();
+            if (spin % 256 == 0) sched_yield(); /* oversubscribed hosts: let the producer run */
+        }
+        const int s = so->active[ai], q0 = so->start[s], m = so->start[s + 1] - q0;
+        for (int j = 0; j < m; j++) xa[j] = qrows_at(qa, q0 + j);
+        const int hb1 = (hc + 1) * QDOT_FLOW_HB < hblk ? (hc + 1) * QDOT_FLOW_HB : hblk;
+        for (int hb = hc * QDOT_FLOW_HB; hb < hb1; hb++) {
+            blk(w2 + ((size_t)s * h_ + (size_t)hb * 16) * row2, u4, i_, g2, xa, m, rg, pf);
+            for (int j = 0; j < m; j++) memcpy(fl->y + (size_t)(q0 + j) * h_ + (size_t)hb * 16, rg + j * 16, 64);
+        }
+    }
+}
+
+/* mode 4's sum of output block hb: every active expert's y rows, weighted, in expert order */
+static void qdecode_flow_sum(const Sorted *so, const float *y, float *o32, void *out, int obf16, int t_, int h_,
+                             int hb) {
+    for (int ai = 0; ai < so->na; ai++) {
+        const int s = so->active[ai], q0 = so->start[s], m = so->start[s + 1] - q0;
+        for (int j = 0; j < m; j++) {
+            float *o = o32 + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 16;
+            const float w = so->wt[q0 + j], *v = y + (size_t)(q0 + j) * h_ + (size_t)hb * 16;
+            for (int r = 0; r < 16; r++) o[r] += w * v[r];
+        }
+    }
+    if (obf16)
+        for (int t = 0; t < t_; t++)
+            for (int c = hb * 16; c < hb * 16 + 16; c++)
+                ((uint16_t *)out)[(size_t)t * h_ + c] = to_bf16(o32[(size_t)t * h_ + c]);
 }
 
 /* phase 2 for output blocks [hb0, hb1): every active expert's rows of them, summed into o32 [T, H]
@@ -149,12 +233,20 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
     const long items1 = (long)so.na * nblk;
     const size_t np = (size_t)(n > 0 ? n : 1);
     const int split = qdot_split();
-    /* fused mode: private quantisations where they are cheaper than a barrier */
-    const int priv_x = split >= 2 && t_ <= QDOT_PRIVATE_T;
-    const int priv_a = split >= 2 && (long)so.start[s_] * i_ <= QDOT_PRIVATE_ACT;
-    static const omp_sched_t sched1[4] = {omp_sched_static, omp_sched_dynamic, omp_sched_dynamic, omp_sched_guided};
-    static const int chunk1[4] = {0, 4, 1, 1};
-    const int sm = split < 0 || split > 3 ? 0 : split;
+    static const omp_sched_t sched1[5] = {omp_sched_static, omp_sched_dynamic, omp_sched_dynamic, omp_sched_guided,
+                                          omp_sched_dynamic};
+    static const int chunk1[5] = {0, 4, 1, 1, 1};
+    const int sm = split < 0 || split > 4 ? 0 : split;
+    /* fused modes: private quantisations where they are cheaper than a barrier (mode 4 quantises
+     * the intermediate rows per expert as they complete) */
+    const int priv_x = sm >= 2 && t_ <= QDOT_PRIVATE_T;
+    const int priv_a = (sm == 2 || sm == 3) && (long)so.start[s_] * i_ <= QDOT_PRIVATE_ACT;
+    Flow fl = {0, NULL, NULL, NULL};
+    if (sm == 4) {
+        fl.done1 = calloc((size_t)so.na + 1, sizeof(int));
+        fl.ready = calloc((size_t)so.na + 1, sizeof(int));
+        fl.y = malloc(sizeof(float) * (size_t)(so.start[s_] > 0 ? so.start[s_] : 1) * h_);
+    }
     omp_set_schedule(sched1[sm], chunk1[sm]); /* phase 1 */
     if (prof) ts1 = omp_get_wtime();
     int nthr = 1;
@@ -176,56 +268,55 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
             for (int t = 0; t < t_; t++) qdecode_quant_x(x, xbf16, t, h_, g13, &qx, xrow);
         }
         if (prof && tid0 == 0) ts3 = omp_get_wtime();
-        /* phase 1: the gate and up blocks of one (expert, 16-feature block) -> act */
-#pragma omp for schedule(runtime) nowait
-        for (long it = 0; it < items1; it++) {
-            const int s = so.active[it / nblk], b = (int)(it % nblk);
-            const int q0 = so.start[s], m = so.start[s + 1] - q0;
-            const uint8_t *gate = w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * row13;
-            for (int j = 0; j < m; j++) xa[j] = qrows_at(qxs, so.tok[q0 + j]);
-            blk(gate, u4, h_, g13, xa, m, rg, pf);
-            blk(gate + 16 * row13, u4, h_, g13, xa, m, ru, pf);
-            for (int j = 0; j < m; j++) {
-                float *a = act + (size_t)(q0 + j) * i_ + b * 16;
-                for (int r = 0; r < 16; r++) {
-                    const float gt = rg[j * 16 + r];
-                    a[r] = gt / (1.0f + expf(-gt)) * ru[j * 16 + r]; /* silu(gate) * up */
-                }
-            }
-        }
-        if (prof && tid0 < QPROF_THREADS) g_t1[tid0] = omp_get_wtime();
+        if (sm == 4) {
+            qdecode_flow(&so, &fl, qxs, &qa, blk, w13, row13, w2, row2, h_, i_, u4, g13, g2, pf, xa, rg, ru, act, nblk,
+                         items1);
+            if (prof && tid0 < QPROF_THREADS) g_t1[tid0] = omp_get_wtime();
+            if (prof && tid0 < QPROF_THREADS) g_t2[tid0] = g_t1[tid0];
 #pragma omp barrier
-        /* act is complete */
-        /* only the first start[S] rows are pairs of local experts (sorted order) */
-        if (priv_a) {
-            qrows_alloc(&qap, so.start[s_], i_, g2);
-            for (int p = 0; p < so.start[s_]; p++) qrows_put(&qap, act, p);
-            qas = &qap;
-        } else {
+            if (prof && tid0 == 0) ts5 = omp_get_wtime();
 #pragma omp for schedule(static)
-            for (int p = 0; p < so.start[s_]; p++) qrows_put(&qa, act, p);
-            /* implicit barrier: every pair's intermediate is quantised */
-        }
-        if (prof && tid0 == 0) ts5 = omp_get_wtime();
-        if (sm >= 2) {
-#pragma omp for schedule(dynamic, 1) nowait
-            for (int hb = 0; hb < hblk; hb++)
-                qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, hb, hb + 1);
-        } else if (sm == 1) {
-#pragma omp for schedule(dynamic, 1) nowait
-            for (int hc = 0; hc < (hblk + 1) / 2; hc++)
-                qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, 2 * hc,
-                           2 * hc + 2 < hblk ? 2 * hc + 2 : hblk);
+            for (int hb = 0; hb < hblk; hb++) qdecode_flow_sum(&so, fl.y, o32, out, obf16, t_, h_, hb);
         } else {
-            const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-            qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_,
-                       (int)((long)hblk * tid / nt), (int)((long)hblk * (tid + 1) / nt));
+            /* phase 1: the gate and up blocks of one (expert, 16-feature block) -> act */
+#pragma omp for schedule(runtime) nowait
+            for (long it = 0; it < items1; it++)
+                qdecode_p1(&so, qxs, blk, w13, row13, h_, i_, u4, g13, pf, xa, rg, ru, act, nblk, it);
+            if (prof && tid0 < QPROF_THREADS) g_t1[tid0] = omp_get_wtime();
+#pragma omp barrier
+            /* act is complete */
+            /* only the first start[S] rows are pairs of local experts (sorted order) */
+            if (priv_a) {
+                qrows_alloc(&qap, so.start[s_], i_, g2);
+                for (int p = 0; p < so.start[s_]; p++) qrows_put(&qap, act, p);
+                qas = &qap;
+            } else {
+#pragma omp for schedule(static)
+                for (int p = 0; p < so.start[s_]; p++) qrows_put(&qa, act, p);
+                /* implicit barrier: every pair's intermediate is quantised */
+            }
+            if (prof && tid0 == 0) ts5 = omp_get_wtime();
+            if (sm >= 2) {
+#pragma omp for schedule(dynamic, 1) nowait
+                for (int hb = 0; hb < hblk; hb++)
+                    qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, hb, hb + 1);
+            } else if (sm == 1) {
+#pragma omp for schedule(dynamic, 1) nowait
+                for (int hc = 0; hc < (hblk + 1) / 2; hc++)
+                    qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, 2 * hc,
+                               2 * hc + 2 < hblk ? 2 * hc + 2 : hblk);
+            } else {
+                const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+                qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_,
+                           (int)((long)hblk * tid / nt), (int)((long)hblk * (tid + 1) / nt));
+            }
+            if (prof && tid0 < QPROF_THREADS) g_t2[tid0] = omp_get_wtime();
         }
-        if (prof && tid0 < QPROF_THREADS) g_t2[tid0] = omp_get_wtime();
         if (priv_x) qrows_free(&qxp);
         if (priv_a) qrows_free(&qap);
         free(xa), free(rg), free(ru), free(xrow);
     }
+    free(fl.done1), free(fl.ready), free(fl.y);
     if (obf16) free(o32);
     free(act_own);
     qrows_free(&qx), qrows_free(&qa);
