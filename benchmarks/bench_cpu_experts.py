@@ -213,6 +213,7 @@ def bench_model(
     bw: float,
     reps: int,
     splits: list[int] | None = None,
+    only_modes: set[str] | None = None,
 ) -> list[dict]:
     h, i, e, k = MODELS[name]
     g = torch.Generator().manual_seed(0)
@@ -250,6 +251,8 @@ def bench_model(
                     modes.append("/amx")
                 if t <= 4 and backend.dot_kind() != "fp32":
                     modes.append("/fp32dot")
+                if only_modes is not None:
+                    modes = [m for m in modes if m in only_modes]
             for suffix in modes:
                 if isinstance(backend, CpuExpertBackend):
                     force(backend, suffix, amx)
@@ -360,6 +363,11 @@ def main() -> None:
         help="also time these int8/int4 decode work splits (EXPERTMESH_QDOT_SPLIT values, e.g. "
         "0,1,2,3) round robin with the bf16 default path",
     )
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="only these forced paths besides the default one, e.g. kernel,amx (default: all)",
+    )
     args = p.parse_args()
     global BUDGET_S, CAPS, FLUSH
     BUDGET_S = args.budget_s
@@ -380,7 +388,10 @@ def main() -> None:
     rows = []
     for m in models:
         splits = [int(v) for v in args.qdot_splits.split(",") if v]
-        rows += bench_model(m, tokens, args.dtypes.split(","), threads, info["read_GBps"], args.reps, splits)
+        only = None if args.modes is None else {""} | {"/" + v for v in args.modes.split(",") if v}
+        rows += bench_model(
+            m, tokens, args.dtypes.split(","), threads, info["read_GBps"], args.reps, splits, only
+        )
     print(table(rows))
     if args.out:
         Path(args.out).write_text(json.dumps({"host": info, "rows": rows}, indent=1))
