@@ -417,6 +417,8 @@ def test_tiled_decode_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
         monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", mode)
         assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static), mode
         assert torch.equal(b.forward(x.bfloat16(), p13, p2, slot_ids, weights), static_b), mode
+    monkeypatch.delenv("EXPERTMESH_QDOT_SPLIT")  # the kernel's default split (mode 3)
+    assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static)
 
 
 @DEVICE_HOST

@@ -5,11 +5,12 @@
  * come interleaved in blocks of 16 gate then 16 up rows (RB = 16), so the gate and up halves of
  * 16 intermediate features are two consecutive tiled blocks.
  *
- * Each token's activations are quantised once (per group of the weights); phase 1 splits
- * (expert, 16-feature block) items statically, so a thread's items are one contiguous run of
- * the experts' rows, and writes silu(gate) * up; the intermediate rows are quantised once per
- * pair; phase 2 gives each thread a contiguous range of 16-row output blocks and streams every
- * active expert's rows of that range (one writer per output element, no atomics).
+ * Each token's activations are quantised (per group of the weights); phase 1 runs (expert,
+ * 16-feature block) items and writes silu(gate) * up; the intermediate rows are quantised once
+ * per pair; phase 2 runs 16-row output blocks, each streaming every active expert's rows of that
+ * block (one writer per output element, no atomics). How the items are split over the threads
+ * is the work split below: by default (mode 3, measured) phase 1 guided, phase 2 one block at a
+ * time from a shared counter, small activations quantised by every thread without a barrier.
  */
 #include <omp.h>
 #include <sched.h>
@@ -51,7 +52,8 @@ static QAct qrows_at(const QRows *a, int r) {
 }
 
 /* Work split (EXPERTMESH_QDOT_SPLIT overrides QDOT_SPLIT_DEFAULT; benchmarks time them side by
- * side): 0 = the static split described above; 1 = dynamic: phase 1 items in chunks of 4 and
+ * side): 0 = static: a thread's phase 1 items are one contiguous run of the experts' rows, its
+ * phase 2 blocks one contiguous range (the split before issue 14q2); 1 = dynamic: phase 1 items in chunks of 4 and
  * phase 2 output blocks in pairs handed out as threads free up (14q's T=1 profile showed 20-90 us
  * per phase between the first and the last thread of the static split); 2 = "fused" (issue 14q2):
  * phase 1 items and phase 2 output blocks one at a time from the shared counter (dynamic, 1),
@@ -62,8 +64,11 @@ static QAct qrows_at(const QRows *a, int r) {
  * 4 = "flow": no barrier between the phases (qdecode_flow below).
  * Same results bit for bit in every mode: each row is quantised the same way whoever does it,
  * and each output element is summed in the same order. */
+/* the default, mode 3: the lent 16-core host (issue 14q2, RESULTS.md), 12 int8/int4 cells (two
+ * models, T = 1/4/16) timed round robin: time vs the static split, geometric mean, 1: 0.906,
+ * 2: 0.925, 3: 0.887, 4: 0.904; mode 3 within 4% of the fastest mode in every cell */
 #ifndef QDOT_SPLIT_DEFAULT
-#define QDOT_SPLIT_DEFAULT 0
+#define QDOT_SPLIT_DEFAULT 3
 #endif
 #define QDOT_PRIVATE_T 4
 #define QDOT_PRIVATE_ACT 16384
