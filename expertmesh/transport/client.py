@@ -32,7 +32,7 @@ from expertmesh import errors
 from expertmesh.net import device_uuid
 from expertmesh.transport import cuda_ipc, segment
 from expertmesh.transport import descriptor as dsc
-from expertmesh.transport.errors import Rejected
+from expertmesh.transport.errors import MalformedAnswer, Rejected
 from expertmesh.transport.handshake import Ack, CudaHello, Hello
 from expertmesh.transport.layout import (
     HEADER,
@@ -358,7 +358,8 @@ class ShmClient:
                 try:
                     r = dsc.Response.parse(raw)
                 except dsc.DescriptorError as e:
-                    self.kill(Rejected(errors.Internal(f"bad response from the server: {e}")))
+                    # issue 15h: a server fault (its rows fail over), not a refused request
+                    self.kill(Rejected(MalformedAnswer(f"bad response descriptor: {e}")))
                     continue
                 if r.code:  # the server stops serving the channel after any error
                     self.kill(Rejected(errors.from_status(r.code, r.message)))
