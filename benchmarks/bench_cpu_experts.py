@@ -1,8 +1,10 @@
 """Per-layer routed-expert time on the CPU: the CPU backend (bf16/int8/int4) vs the torch reference.
 
-One MoE layer with every expert resident (so the weights dwarf the L3), fresh random top-k
-routing per repetition (so the active experts are not cache-warm), real model widths, random
-weights. Alongside: the host's measured DRAM bandwidth (threaded torch copy and read of 1 GiB)
+One MoE layer with every expert resident, fresh random top-k routing per repetition, real model
+widths, random weights. Before each timed call a buffer of twice the L3 is read (untimed), so the
+active experts come from DRAM as in a real model, whose other layers pass through the caches
+between two uses of this one (the lent host's 300 MiB L3 holds most of an int4 Qwen3-30B-A3B
+layer; without the flush, smaller formats would be timed partly from cache; --warm turns it off). Alongside: the host's measured DRAM bandwidth (threaded torch copy and read of 1 GiB)
 and GEMM peak (a large torch matmul), torch's own decode-shaped GEMV per expert in bf16 and
 fp32, and the CPU's ISA flags.
 
@@ -40,19 +42,36 @@ MODELS = {  # name: (H, I, experts, top-k)
 
 BUDGET_S = 2.0
 CAPS = kernels.cpu_caps()
+FLUSH: torch.Tensor | None = None  # read before each timed call (None: --warm)
 
 
-def timeit(fn: Callable[[int], object], reps: int, budget_s: float | None = None) -> float:
-    """Median seconds of ``fn(rep)`` over up to ``reps`` calls (fewer when past ``budget_s``)."""
+def l3_bytes() -> int:
+    """The largest L3 of this host per sysfs (256 MiB when it does not say)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        if (f.parent / "level").read_text().strip() == "3":
+            v = f.read_text().strip()
+            sizes.append(
+                int(v[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[v[-1]] if v[-1] in "KMG" else int(v)
+            )
+    return max(sizes, default=256 * 2**20)
+
+
+def timeit(
+    fn: Callable[[int], object], reps: int, budget_s: float | None = None, flush: bool = True
+) -> float:
+    """Median seconds of ``fn(rep)`` over up to ``reps`` calls (fewer when their time passes
+    ``budget_s``), each after the cache flush unless ``flush`` is off or --warm."""
     budget_s = BUDGET_S if budget_s is None else budget_s
     fn(0)
     times: list[float] = []
-    start = time.perf_counter()
     for r in range(reps):
+        if flush and FLUSH is not None:
+            FLUSH.sum()
         t0 = time.perf_counter()
         fn(r + 1)
         times.append(time.perf_counter() - t0)
-        if time.perf_counter() - start > budget_s and len(times) >= 3:
+        if sum(times) > budget_s and len(times) >= 3:
             break
     return sorted(times)[len(times) // 2]
 
@@ -72,23 +91,66 @@ def host_info() -> dict:
 def dram_bandwidth() -> dict:
     a = torch.ones(2**28)  # 1 GiB of fp32: far past any L3
     b = torch.empty_like(a)
-    copy = timeit(lambda _: b.copy_(a), 10)
-    read = timeit(lambda _: a.sum(), 10)
+    copy = timeit(lambda _: b.copy_(a), 10, flush=False)
+    read = timeit(lambda _: a.sum(), 10, flush=False)
     nbytes = a.numel() * 4
     return {"copy_GBps": 2 * nbytes / copy / 1e9, "read_GBps": nbytes / read / 1e9}
 
 
-def gemm_peak() -> dict:
-    """torch GEMM throughput: square 2048 and 4096 (the host's peak), and one expert's prefill
-    shape (32 tokens x [2048 -> 1536], Qwen3-30B-A3B at T=512) to show the small-GEMM cost."""
-    out = {}
+# torch GEMM shapes (m, n, k) for the peak: square ones, a wide one, and one with few rows
+PEAK_SHAPES = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 2048), (512, 8192, 4096))
+
+
+def gemm_peak(threads: int, rounds: int = 3) -> dict:
+    """The host's bf16 (and fp32) GEMM peak, measured in this run: torch GEMMs (oneDNN / MKL) at
+    several shapes and at all and half the threads, each timed ``rounds`` times interleaved (the
+    VM's rate moves between runs and within one); ``peak_bf16_TFLOPs`` is the best of all, with
+    the spread of the best configuration's rounds and of the configurations' bests. Then the AMX
+    tiles' own arithmetic rate (:func:`amx_peak`), which no GEMM with memory traffic reaches.
+    Also one expert's prefill shape (32 tokens x [2048 -> 1536]) to show the small-GEMM cost."""
+    out: dict = {}
+    runs: dict[str, list[float]] = {}
     for dt in (torch.bfloat16, torch.float32):
-        for m, n, k in ((2048, 2048, 2048), (4096, 4096, 4096), (32, 1536, 2048)):
-            a, b = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
-            s = timeit(lambda _, a=a, b=b: a @ b, 5)
-            tag = f"{m}" if m == n == k else f"{m}x{n}x{k}"
-            out[f"gemm_{str(dt)[6:]}_{tag}_TFLOPs"] = 2 * m * n * k / s / 1e12
-        out[f"peak_{str(dt)[6:]}_TFLOPs"] = max(v for key, v in out.items() if str(dt)[6:] in key)
+        name = str(dt)[6:]
+        shapes = PEAK_SHAPES if dt == torch.bfloat16 else PEAK_SHAPES[1:2]
+        for _ in range(rounds if dt == torch.bfloat16 else 1):
+            for nt in sorted({threads, max(1, threads // 2)}, reverse=True):
+                torch.set_num_threads(nt)
+                for m, n, k in shapes:
+                    a, b = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
+                    sec = timeit(lambda _, a=a, b=b: a @ b, 5, 1.0)
+                    runs.setdefault(f"gemm_{name}_{m}x{n}x{k}_t{nt}", []).append(2 * m * n * k / sec / 1e12)
+        torch.set_num_threads(threads)
+        a, b = torch.randn(32, 2048).to(dt), torch.randn(2048, 1536).to(dt)
+        sec = timeit(lambda _, a=a, b=b: a @ b, 20, 0.5)
+        out[f"gemm_{name}_32x1536x2048_TFLOPs"] = 2 * 32 * 1536 * 2048 / sec / 1e12
+        mine = {key: v for key, v in runs.items() if key.startswith(f"gemm_{name}_")}
+        best = max(mine, key=lambda key: max(mine[key]))
+        out[f"peak_{name}_TFLOPs"] = max(mine[best])
+        out[f"peak_{name}_config"] = best
+        out[f"peak_{name}_rounds_TFLOPs"] = [round(v, 3) for v in mine[best]]
+        out[f"peak_{name}_config_bests_TFLOPs"] = sorted(round(max(v), 3) for v in mine.values())
+    out["gemm_runs_TFLOPs"] = {key: [round(v, 3) for v in vals] for key, vals in runs.items()}
+    return out | amx_peak(threads)
+
+
+def amx_peak(threads: int) -> dict:
+    """TFLOP/s (int8: TOP/s) of back-to-back tile products on this CPU's AMX units (the C
+    kernels' moe_amx_peak): 4 independent accumulators, operands in tile registers ("regs") or
+    reloaded from L1 before every step as the kernel's inner loop does ("l1"); 1, half and all
+    threads. Empty without AMX."""
+    lib = kernels.load()
+    if lib is None or not CAPS & kernels.CAPS["amx"][0] or lib.moe_amx_init() != 0:
+        return {}
+    out = {}
+    for int8 in (0, 1):
+        for reload in (0, 1):
+            for nt in sorted({1, max(1, threads // 2), threads}):
+                iters = 1 << 20
+                sec = lib.moe_amx_peak(int8, reload, iters, nt)
+                ops = nt * iters * 4 * 16 * 16 * (64 if int8 else 32) * 2
+                tag = f"amx_{'int8' if int8 else 'bf16'}_{'l1' if reload else 'regs'}_t{nt}"
+                out[tag + ("_TOPs" if int8 else "_TFLOPs")] = ops / sec / 1e12
     return out
 
 
@@ -201,20 +263,24 @@ def main() -> None:
     p.add_argument("--no-amx", action="store_true", help="leave the AMX prefill kernel out")
     p.add_argument("--budget-s", type=float, default=2.0, help="time cap per row (>= 3 reps)")
     p.add_argument("--out", default=None, help="write all measurements as JSON here")
+    p.add_argument("--warm", action="store_true", help="no cache flush before the timed calls")
     p.add_argument(
         "--skip-peak",
         action="store_true",
         help="no GEMM peak (minutes in bf16 on CPUs without bf16 instructions)",
     )
     args = p.parse_args()
-    global BUDGET_S, CAPS
+    global BUDGET_S, CAPS, FLUSH
     BUDGET_S = args.budget_s
+    if not args.warm:
+        FLUSH = torch.ones(2 * l3_bytes() // 4)  # fp32: twice the L3
     if args.no_amx:
         CAPS &= ~kernels.CAPS["amx"][0]
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    info = host_info() | dram_bandwidth() | ({} if args.skip_peak else gemm_peak())
+    info = host_info() | dram_bandwidth() | ({} if args.skip_peak else gemm_peak(threads))
+    info["flush_MiB"] = 0 if FLUSH is None else FLUSH.numel() * 4 // 2**20
     print(json.dumps(info), flush=True)
     models = args.models.split(",")
     info |= torch_gemv(*MODELS[models[0]])

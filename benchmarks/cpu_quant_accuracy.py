@@ -31,10 +31,10 @@ from expertmesh.demo.tokenizer import encode_document
 
 
 def logits_for(
-    model_dir: str, weight_dtype: str, docs: list[list[int]], qact: bool = True
+    model_dir: str, weight_dtype: str, docs: list[list[int]], qact: bool = True, group: int | None = None
 ) -> list[torch.Tensor]:
     reader = CheckpointReader(model_dir)
-    backend = CpuExpertBackend(weight_dtype=weight_dtype, qact=qact)
+    backend = CpuExpertBackend(weight_dtype=weight_dtype, qact=qact, group=group)
     backend.gemv_max_tokens = 10**9  # every call through the decode kernel, as decode steps go
     dispatcher = LocalDispatcher(reader, torch.float32, torch.device("cpu"), backend)
     # the worker packs at load; the in-process dispatcher does not, so pack its slots here
@@ -69,6 +69,7 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=64)
     p.add_argument("--seed", type=int, default=1234, help="corpus seed (0 = the training documents)")
     p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--int4-group", type=int, default=None, help="int4 group size (default: the backend's)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_demo_model(Path(tmp) / "model"))
@@ -77,7 +78,7 @@ def main() -> None:
         base = logits_for(model_dir, "bfloat16", docs)
         rows = {}
         for wd, qact in (("int8", True), ("int8", False), ("int4", True), ("int4", False)):
-            quant = logits_for(model_dir, wd, docs, qact)
+            quant = logits_for(model_dir, wd, docs, qact, args.int4_group if wd == "int4" else None)
             if not qact:
                 wd += "+exact"
             lp, lq = torch.cat(base).log_softmax(-1), torch.cat(quant).log_softmax(-1)  # [N, V]

@@ -42,8 +42,10 @@ log = logging.getLogger("expertmesh.cpu_backend")
 # (bench_cpu_experts.py measures both)
 GEMV_MAX_TOKENS = 16
 KERNEL_DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 3}
-# (token, expert) pairs from which int4 takes the AMX path rather than the VNNI decode kernel
-AMX_INT4_MIN_PAIRS = 64
+# mean tokens per expert above which int8/int4 take the AMX path rather than the decode kernel's
+# integer dots over tiled blocks (issue 14q, lent host: the kernel won up to 4 (Qwen3 T=64: int8
+# 7.3 vs 7.6 ms, int4 8.1 vs 8.9), AMX from 6 (DeepSeek-V2-Lite T=64: 6.8 vs 8.1, 8.3 vs 11.4))
+AMX_INT_MIN_TOKENS = 4
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -121,15 +123,14 @@ class CpuExpertBackend(ExpertBackend):
         fmt = self.fmt
         if not self.amx or fmt is None or fmt.rb != 16 or fmt.hidden % 64 or fmt.inter % 64:
             return False
-        # tile loads stream the rows faster than the decode kernel even at T=1 (bench_cpu_experts
-        # "/amx" vs "/kernel"), so AMX takes every call it covers without changing the numerics:
-        # bf16 servers with bf16 weights, and int8 with activation quantisation on. int4 must
-        # unpack its nibbles for the tiles first: the decode kernel's VNNI dots measured faster
-        # below ~64 (token, expert) pairs (T=1: 0.52 vs 0.72 ms at Qwen3 widths), AMX above
-        if (wcode == 0 and x.dtype == torch.bfloat16) or (self._amx_int() and wcode == 1):
+        # bf16: tile loads stream the rows faster than the decode kernel even at T=1
+        # (bench_cpu_experts "/amx" vs "/kernel"), so AMX takes every call it covers. int8/int4
+        # with activation quantisation (the same numerics either way): the decode kernel's
+        # integer dots over tiled blocks up to AMX_INT_MIN_TOKENS tokens per expert, AMX above
+        if wcode == 0 and x.dtype == torch.bfloat16:
             return True
         if self._amx_int():
-            return pairs >= AMX_INT4_MIN_PAIRS or per_expert > self.gemv_max_tokens
+            return per_expert > min(AMX_INT_MIN_TOKENS, self.gemv_max_tokens)
         # quantised weights dequantised to bf16 tiles: prefill only (a bf16 server)
         return fmt.quantised and x.dtype == torch.bfloat16 and per_expert > self.gemv_max_tokens
 
@@ -146,6 +147,25 @@ class CpuExpertBackend(ExpertBackend):
         fmt = self.fmt
         assert fmt is not None and self.lib is not None
         t, k = slot_ids.shape
+        if fmt.quantised and self.qact and x.dtype in (torch.bfloat16, torch.float32):
+            # issue 14q: the integer-dot kernel takes bf16/fp32 in and out and its own scratch
+            # (~10 us of torch calls less per layer, a few % of an int4 decode layer)
+            xc = x.contiguous()  # [T, H]
+            sid = slot_ids.to(torch.int64).contiguous()  # [T, K]
+            wts = weights.to(torch.float32).contiguous()  # [T, K]
+            out = torch.empty_like(xc)  # [T, H]
+            bf = int(x.dtype == torch.bfloat16)
+            rc = self.lib.moe_decode_q(
+                xc.data_ptr(), bf, sid.data_ptr(), wts.data_ptr(), t, k, w13.shape[0],
+                w13.data_ptr(), w13.stride(1) * w13.element_size(),
+                w2.data_ptr(), w2.stride(1) * w2.element_size(),
+                fmt.hidden, fmt.inter, wcode, fmt.g13, fmt.g2, out.data_ptr(), bf, self.threads, self.caps,
+            )  # fmt: skip
+            if rc == -1:
+                raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
+            if rc == 0:
+                return out
+            # rc == -2: no integer dots for this format on this CPU: the general kernel below
         x32 = x.to(torch.float32).contiguous()  # [T, H]
         sid = slot_ids.to(torch.int64).contiguous()  # [T, K]
         wts = weights.to(torch.float32).contiguous()  # [T, K]

@@ -10,6 +10,17 @@ Row formats (one row = one output feature):
   int4         C/2 bytes, then C/G float32 scales; in each group the low nibble of byte j holds
                element j and the high nibble element j + G/2                 w = (nibble - 8) * s
 Scales follow their row so one row is one contiguous read.
+
+Tiled format (int8/int4 matrices whose group G % 64 == 0 and whose row count R % 16 == 0, see
+:func:`tiled`; every Qwen3/DeepSeek/Mixtral width): rows go in blocks of 16, and a block's
+16 * (row bytes) are, instead of 16 rows one after the other,
+  for each step of 64 input features: 16 rows x 64 int8 (int4: 16 rows x 32 bytes, the low
+    nibble of byte j is feature j of the step, the high nibble feature j + 32)
+  then for each group: the 16 rows' float32 scales.
+A step is an AMX A tile (16 rows x 64 bytes, read in place), and the VNNI/AVX2 decode kernels
+stream a block as one contiguous read, reducing 16 rows' integer sums into one vector per group
+so a group's 16 scales apply as one vector multiply. The tensor keeps its [..., R, row bytes]
+shape (same bytes per row); only whole blocks are meaningful.
 """
 
 from __future__ import annotations
@@ -32,6 +43,12 @@ def pick_group(c: int, group: int, wdtype: str) -> int:
         if c % g == 0 and g % step == 0:
             return g
     raise ValueError(f"no {wdtype} group divides {c=}")
+
+
+def tiled(wdtype: str, rows: int, g: int) -> bool:
+    """Whether a quantised [rows, C] matrix with groups of ``g`` is stored in the tiled format
+    (the C kernels apply the same rule, moe_gemv.c q_tiled)."""
+    return wdtype in QUANT_DTYPES and g % 64 == 0 and rows % 16 == 0
 
 
 def pick_block(inter: int) -> int:
@@ -85,7 +102,15 @@ def split_gate_up(gu: torch.Tensor, rb: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_rows(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
-    """[..., C] float -> [..., row bytes] uint8 in the row format above."""
+    """[..., R, C] float -> [..., R, row bytes] uint8, tiled when :func:`tiled` says so, else in
+    the row format above."""
+    *lead, c = w.shape
+    if len(lead) >= 1 and tiled(wdtype, lead[-1], g):
+        return _to_tiles(_quantize(w, wdtype, g), wdtype, c, g)
+    return _quantize(w, wdtype, g)
+
+
+def _quantize(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
     *lead, c = w.shape
     wg = w.float().reshape(*lead, c // g, g)  # [..., C/G, G]
     scale = (wg.abs().amax(-1) / QMAX[wdtype]).clamp_min(1e-12)  # [..., C/G]
@@ -98,8 +123,53 @@ def quantize_rows(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
     return torch.cat([body, scale.contiguous().view(torch.uint8)], dim=-1)
 
 
+def _to_tiles(rows: torch.Tensor, wdtype: str, c: int, g: int) -> torch.Tensor:
+    """[..., R, row bytes] in the row format (G % 64 == 0) -> the same bytes tiled."""
+    *lead, r, nbytes = rows.shape
+    step = 64 if wdtype == "int8" else 32  # bytes of one row per 64 input features
+    body = c if wdtype == "int8" else c // 2
+    # [..., R/16, C/64, 16, step]
+    w = rows[..., :body].reshape(*lead, r // 16, 16, c // 64, step).transpose(-3, -2)
+    if wdtype == "int4" and g != 64:
+        # the row format pairs j with j + G/2 inside a group; tiles pair j with j + 32 per step
+        q = _nibbles(rows[..., :body], c, g)  # [..., R, C] 0..15
+        q = q.reshape(*lead, r // 16, 16, c // 64, 2, 32)
+        w = (q[..., 0, :] | (q[..., 1, :] << 4)).transpose(-3, -2)
+    sc = rows[..., body:].reshape(*lead, r // 16, 16, c // g, 4).transpose(-3, -2)  # [.., R/16, C/G, 16, 4]
+    blocks = torch.cat(
+        [w.reshape(*lead, r // 16, 16 * body), sc.reshape(*lead, r // 16, 64 * (c // g))], dim=-1
+    )
+    return blocks.reshape(*lead, r, nbytes)
+
+
+def _from_tiles(tiles: torch.Tensor, wdtype: str, c: int, g: int) -> torch.Tensor:
+    """Inverse of :func:`_to_tiles`: [..., R, row bytes] tiled -> the row format."""
+    *lead, r, nbytes = tiles.shape
+    step = 64 if wdtype == "int8" else 32
+    body = c if wdtype == "int8" else c // 2
+    b = tiles.reshape(*lead, r // 16, 16 * nbytes)
+    # [..., R/16, 16, C/64, step]
+    w = b[..., : 16 * body].reshape(*lead, r // 16, c // 64, 16, step).transpose(-3, -2)
+    if wdtype == "int4" and g != 64:
+        lo, hi = w & 15, w >> 4  # [.., R/16, 16, C/64, 32] each
+        q = torch.stack([lo, hi], dim=-2).reshape(*lead, r, c // g, 2, g // 2)
+        w = q[..., 0, :] | (q[..., 1, :] << 4)
+    sc = b[..., 16 * body :].reshape(*lead, r // 16, c // g, 16, 4).transpose(-3, -2)
+    return torch.cat([w.reshape(*lead, r, body), sc.reshape(*lead, r, 4 * (c // g))], dim=-1)
+
+
+def _nibbles(body: torch.Tensor, c: int, g: int) -> torch.Tensor:
+    """int4 row-format bodies [..., C/2] -> nibbles [..., C] (0..15) in feature order."""
+    *lead, _ = body.shape
+    b = body.reshape(*lead, c // g, g // 2)
+    return torch.cat([(b & 15), (b >> 4)], dim=-1).reshape(*lead, c)
+
+
 def dequantize_rows(rows: torch.Tensor, wdtype: str, c: int, g: int) -> torch.Tensor:
-    """[..., row bytes] uint8 -> [..., C] float32 (the torch fallback and the tests use this)."""
+    """[..., R, row bytes] uint8 -> [..., R, C] float32 (the torch fallback and the tests use
+    this); tiled matrices (:func:`tiled`) are recognised by their shape."""
+    if rows.dim() >= 2 and tiled(wdtype, rows.shape[-2], g):
+        rows = _from_tiles(rows, wdtype, c, g)
     *lead, nbytes = rows.shape
     body_len = c if wdtype == "int8" else c // 2
     scale = rows[..., body_len:].contiguous().view(torch.float32)  # [..., C/G]

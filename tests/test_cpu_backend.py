@@ -262,9 +262,13 @@ def test_bf16_dot_matches_reference():
 def test_amx_matches_reference(wdtype, t):
     """bf16 tiles within bf16 rounding; int8 tiles (activations quantised) as the integer dots."""
     caps = caps_of("amx")
-    x, w13, w2, slot_ids, weights = inputs(t, torch.bfloat16, seed=300 + t, h=128, i=64)
     b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=64, caps=caps)
     assert b.amx
+    check_amx(b, wdtype, t)
+
+
+def check_amx(b: CpuExpertBackend, wdtype: str, t: int) -> None:
+    x, w13, w2, slot_ids, weights = inputs(t, torch.bfloat16, seed=300 + t, h=128, i=64)
     b.gemv_max_tokens = 0  # AMX for every call it covers (int4 decode otherwise takes the VNNI kernel)
     p13, p2 = b.pack_weights(w13, w2)
     assert b.fmt is not None
@@ -287,6 +291,40 @@ def test_amx_matches_reference(wdtype, t):
         out32 = b.forward(x32, p13, p2, slot_ids, weights)
         ref32 = qact_reference(x32, w13, w2, slot_ids, weights, b.fmt.g13, b.fmt.g2)
         assert rel(out32, ref32) < 2e-3, rel(out32, ref32)
+        # a bf16 server with quantised weights and exact activations: rows dequantised to bf16 tiles
+        b.qact = False
+        out = b.forward(x, p13, p2, slot_ids, weights)
+        assert rel(out, exact) < 1e-2, rel(out, exact)
+        b.qact = True
+
+
+@pytest.fixture(scope="module")
+def emulated_amx():
+    """The kernel built with the AMX tile instructions emulated in C (EXPERTMESH_AMX_EMULATE)."""
+    lib = kernels.load(("EXPERTMESH_AMX_EMULATE",))
+    if lib is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    return lib
+
+
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("t", [1, 40, 120])
+def test_amx_tile_logic_emulated(emulated_amx, wdtype, t):
+    """The AMX kernel's logic (token tiles, both phases, thread ranges, epilogues, group scales) on
+    every x86-64 CI machine, the tile instructions emulated; the device run checks the real ones."""
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=64, caps=caps_of("avx2"))
+    b.lib, b.caps, b.amx = emulated_amx, b.caps | kernels.CAPS["amx"][0], True
+    check_amx(b, wdtype, t)
+
+
+def test_amx_uneven_threads_emulated(emulated_amx):
+    """More threads than blocks, and H not a multiple of the threads' row ranges."""
+    x, w13, w2, slot_ids, weights = inputs(37, torch.bfloat16, seed=401, h=96, i=32)
+    b = CpuExpertBackend(threads=7, caps=caps_of("avx2"))
+    b.lib, b.caps, b.amx = emulated_amx, b.caps | kernels.CAPS["amx"][0], True
+    out = b.forward(x, *b.pack_weights(w13, w2), slot_ids, weights)
+    ref = torch_moe(x.double(), w13.double(), w2.double(), slot_ids, weights.double())
+    assert rel(out, ref) < 1e-2, rel(out, ref)
 
 
 def test_split_gate_up_inverts_interleave():
@@ -294,3 +332,105 @@ def test_split_gate_up_inverts_interleave():
     rb = PackedFormat.for_shape("bfloat16", 3, 32).rb
     gate, up = split_gate_up(interleave(w13, rb)[0].t(), rb)  # [H, I] each
     assert torch.equal(gate, w13[0, :32].t()) and torch.equal(up, w13[0, 32:].t())
+
+
+# ---- the tiled int8/int4 format (issue 14q): blocks of 16 rows, 64-feature steps, scales last ----
+
+
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("g", [64, 128])
+def test_tiled_format_holds_the_row_format_values(wdtype, g):
+    """The tiled bytes dequantise to exactly what the row format gives, and sit where the C
+    kernels read them: step ks of row r of a block at ks * step bytes + r * (step / 16), the
+    block's scales after its weights as [groups][16]."""
+    w = torch.randn(2, 32, 256)  # [S, R, C]: two blocks of 16 rows
+    tiles = quantize_rows(w, wdtype, g)
+    rows = quantize_rows(w[:, :5], wdtype, g)  # 5 rows: not a whole block, so the row format
+    assert tiles.shape == (2, 32, rows.shape[-1])
+    deq = dequantize_rows(tiles, wdtype, 256, g)
+    assert torch.equal(deq[:, :5], dequantize_rows(rows, wdtype, 256, g))
+    blk = tiles[1, 16:].reshape(-1)  # slot 1, second block
+    r, ks = 3, 2
+    if wdtype == "int8":
+        q = blk[ks * 1024 + r * 64 : ks * 1024 + r * 64 + 64].view(torch.int8).float()
+    else:
+        b = blk[ks * 512 + r * 32 : ks * 512 + r * 32 + 32]
+        q = torch.cat([b & 15, b >> 4]).float() - 8  # features ks*64 + j, then ks*64 + 32 + j
+    body = 256 if wdtype == "int8" else 128
+    scales = blk[16 * body :].view(torch.float32).view(256 // g, 16)  # [groups, 16 rows]
+    assert torch.equal(q * scales[ks * 64 // g, r], deq[1, 16 + r, ks * 64 : ks * 64 + 64])
+
+
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("t", [1, 40, 120])  # 40: ~20 tokens per expert through the decode kernel
+def test_tiled_matches_dequantised_reference(use_kernel, wdtype, t):
+    """Tiled weights (group 128: two steps per group) through every path of the backend: the
+    integer dots (checked against the activation-quantising reference), the fp32 dots and the
+    GEMM path (against the dequantised reference to fp32 rounding), the C kernel and torch."""
+    h, i = 256, 128  # noqa: E741
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=400 + t, h=h, i=i)
+    b = CpuExpertBackend(
+        threads=2, weight_dtype=wdtype, group=128, use_kernel=use_kernel, caps=caps_of("avx2")
+    )
+    b.gemv_max_tokens = 10**9 if t == 40 else 16  # t=40: the decode kernel; t=120: GEMMs
+    p13, p2 = b.pack_weights(w13, w2)
+    assert b.fmt is not None and b.fmt.g13 == b.fmt.g2 == 128
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    exact = torch_moe(x.double(), d13.double(), d2.double(), slot_ids, weights.double())
+    out = b.forward(x, p13, p2, slot_ids, weights)
+    if use_kernel and t <= 40:
+        assert b.dot_kind() == "int8-dot avx2"
+        ref = qact_reference(x, d13, d2, slot_ids, weights, 128, 128)
+        assert rel(out, ref) < 1e-3, rel(out, ref)
+        # bf16 activations in and out: the fp32 result rounded once (the kernel converts itself)
+        xb = x.bfloat16()
+        out_b = b.forward(xb, p13, p2, slot_ids, weights)
+        assert out_b.dtype == torch.bfloat16
+        assert torch.equal(out_b, b.forward(xb.float(), p13, p2, slot_ids, weights).bfloat16())
+        b.qact = False
+        out = b.forward(x, p13, p2, slot_ids, weights)
+    assert rel(out, exact) < 1e-5, rel(out, exact)
+
+
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+def test_tiled_decode_split_modes_agree_bit_for_bit(monkeypatch, wdtype):
+    """The dynamic work split (EXPERTMESH_QDOT_SPLIT=1, for benchmarks) hands blocks to other
+    threads but sums every output element in the same order as the static split."""
+    if kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    x, w13, w2, slot_ids, weights = inputs(40, torch.float32, seed=600, h=256, i=128)
+    b = CpuExpertBackend(threads=3, weight_dtype=wdtype, group=128, caps=caps_of("avx2"))
+    b.gemv_max_tokens = 10**9
+    p13, p2 = b.pack_weights(w13, w2)
+    static = b.forward(x, p13, p2, slot_ids, weights)
+    static_b = b.forward(x.bfloat16(), p13, p2, slot_ids, weights)  # bf16 in and out
+    monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", "1")
+    assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static)
+    assert torch.equal(b.forward(x.bfloat16(), p13, p2, slot_ids, weights), static_b)
+
+
+@DEVICE_HOST
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_tiled_vnni_and_amx_match_reference(wdtype, t):
+    """The AVX512-VNNI block kernel and the AMX int8 tiles on tiled weights with group 128 (two
+    k steps per group) and up to ~20 tokens per expert, against the activation-quantising
+    reference; and the two paths agree with each other."""
+    h, i = 256, 128  # noqa: E741
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=500 + t, h=h, i=i)
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=128, caps=caps_of("amx"))
+    p13, p2 = b.pack_weights(w13, w2)
+    assert b.fmt is not None and b.dot_kind() == "int8-dot avx512-vnni"
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    ref = qact_reference(x, d13, d2, slot_ids, weights, 128, 128)
+    b.amx, b.gemv_max_tokens = False, 10**9
+    vnni = b.forward(x, p13, p2, slot_ids, weights)
+    assert rel(vnni, ref) < 1e-3, rel(vnni, ref)
+    xb = x.bfloat16()  # bf16 in and out: the fp32 result rounded once
+    assert torch.equal(
+        b.forward(xb, p13, p2, slot_ids, weights),
+        b.forward(xb.float(), p13, p2, slot_ids, weights).bfloat16(),
+    )
+    b.amx, b.gemv_max_tokens = True, 0
+    amx = b.forward(x, p13, p2, slot_ids, weights)
+    assert rel(amx, ref) < 2e-3, rel(amx, ref)

@@ -76,13 +76,20 @@ def test_bind_restricts_a_real_process():
         "t = threading.Thread(target=lambda: out.append(sorted(os.sched_getaffinity(0)))); t.start(); t.join(); "
         "print(sorted(os.sched_getaffinity(0)), out[0])"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = _child_env()
     res = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
     )
     assert res.returncode == 0, res.stderr
     cpus = str(list(first.cpus))
     assert res.stdout.strip() == f"{cpus} {cpus}"
+
+
+def _child_env() -> dict[str, str]:
+    """The repo first on the child's path, what this process's path holds kept after it (the
+    device machine brings grpc's health/reflection wheels on PYTHONPATH)."""
+    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
 
 
 def test_cpu_server_refuses_an_unknown_node(tmp_path):
@@ -100,7 +107,7 @@ def test_cpu_server_refuses_an_unknown_node(tmp_path):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=_child_env(),
         timeout=120,
     )
     assert res.returncode == 2 and "--numa-node 4096" in res.stderr, res.stderr

@@ -86,9 +86,7 @@ def test_host_ring_registration_makes_copies_dma():
     mm.close()
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs of one host"
-)
+@pytest.mark.gpu2
 def test_cuda_ipc_between_two_gpus(tmp_path, monkeypatch):
     """A GPU expert server on cuda:1, the coordinator on cuda:0: with peer access ``auto`` is
     CUDA IPC (answers read on cuda:0 from the server's GPU ring, never a stale copy), every

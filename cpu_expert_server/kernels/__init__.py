@@ -62,14 +62,20 @@ def _cache_dir() -> Path:
     return Path(base) / "cpu_kernels"
 
 
-def build() -> Path:
-    """Compiles moe_gemv.c (or reuses the cached build); raises OSError/CalledProcessError."""
+def build(defines: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
+    """Compiles moe_gemv.c (or reuses the cached build); raises OSError/CalledProcessError.
+
+    ``defines``: extra ``-D`` macros for a variant build (tests and benchmarks only):
+    EXPERTMESH_AMX_EMULATE runs the AMX tile logic as plain C on any x86-64 CPU, AMX_PROFILE adds
+    ``moe_amx_profile`` (seconds per stage of the AMX kernel). ``source``: another copy of the
+    kernels (a benchmark's baseline)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc/gcc) on PATH")
-    src = b"".join(p.read_bytes() for p in sorted(SOURCE.parent.glob("*.c")))
+    flags = [*FLAGS, *(f"-D{d}" for d in defines)]
+    src = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.c")))
     key = hashlib.sha256(
-        src + cc.encode() + " ".join(FLAGS).encode() + platform.machine().encode()
+        src + cc.encode() + " ".join(flags).encode() + platform.machine().encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"moe_gemv-{key}.so"
     if out.exists():
@@ -77,15 +83,15 @@ def build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        subprocess.run([cc, *FLAGS, "-o", str(tmp_so), str(SOURCE), "-lm"], check=True, capture_output=True)
+        subprocess.run([cc, *flags, "-o", str(tmp_so), str(source), "-lm"], check=True, capture_output=True)
         os.replace(tmp_so, out)  # atomic: concurrent servers never load a half-written file
     return out
 
 
-def load() -> ctypes.CDLL | None:
+def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | None:
     """The kernel library, or None (with the reason logged) when it cannot be built here."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(defines, source)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = (
             e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else ""
@@ -95,10 +101,20 @@ def load() -> ctypes.CDLL | None:
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.moe_decode.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i, i, i]
     lib.moe_decode.restype = i
+    lib.moe_decode_q.argtypes = [p, i, p, p, i, i, i, p, L, p, L, i, i, i, i, i, p, i, i, i]  # issue 14q
+    lib.moe_decode_q.restype = i
+    lib.moe_qdot_profile.argtypes = [p]
+    lib.moe_qdot_profile.restype = None
     lib.moe_amx.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, i]
     lib.moe_amx.restype = i
     lib.moe_amx_q.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i]
     lib.moe_amx_q.restype = i
+    if hasattr(lib, "moe_amx_peak"):  # a baseline copy of the kernels may predate it
+        lib.moe_amx_peak.argtypes = [i, i, L, i]
+        lib.moe_amx_peak.restype = ctypes.c_double
+    if "AMX_PROFILE" in defines:
+        lib.moe_amx_profile.argtypes = [p]
+        lib.moe_amx_profile.restype = None
     lib.moe_amx_init.argtypes = []
     lib.moe_amx_init.restype = i
     lib.moe_dot_kind.argtypes = [i, i, i, i, i, i, i]

@@ -1,29 +1,83 @@
-/* Prefill-shaped MoE with AMX bf16 tiles: one call per layer runs every active expert's two GEMMs
- * (included by moe_gemv.c; called only when the CPU has AMX and moe_amx_init() succeeded).
+/* AMX tiles for prefill-shaped MoE (included by moe_gemv.c; the driver that runs them is
+ * moe_amx_driver.c, the int8 tiles moe_amx_int8.c). Called only when the CPU has AMX and
+ * moe_amx_init() succeeded.
  *
- * Tiles (all 16 rows x 64 bytes): A = 16 weight rows x 32 inputs, read in place from the packed
- * rows (bf16; int8/int4 rows are first dequantised to bf16 in a per-thread scratch); B = 16 input
- * pairs x 16 tokens in the VNNI pair layout, built once per call from the tokens gathered per
- * expert; C = 16 rows x 16 tokens fp32. Per A pair (16 gate + 16 up rows, one interleave block
- * with RB = 16) two token tiles at a time: 4 C, 2 A, 2 B = the 8 tile registers.
- * Phase 1 splits (expert, row block) items and writes silu(gate) * up as bf16 straight into the B
- * layout of phase 2; phase 2 splits output rows in blocks of 32 over all experts, so every output
- * element has one writer. Needs RB == 16, H % 32 == 0, I % 32 == 0.
+ * Tiles (all 16 rows x 64 bytes): A = 16 weight rows x 64 bytes of one k step, read in place from
+ * the packed rows; B = one token tile (16 tokens) of one k step in the VNNI layout (bf16: 16 input
+ * pairs x 16 tokens x 2; int8: 16 quads x 16 tokens x 4), 1 KiB per k step, k steps consecutive;
+ * C = 16 rows x 16 tokens, fp32 (bf16) or int32 (int8). A block is 32 weight rows (two A tiles,
+ * one gate/up interleave block with RB = 16 in phase 1) against two token tiles: 4 C, 2 A, 2 B =
+ * the 8 tile registers, and every A tile load feeds two products, every B load two.
+ *
+ * EXPERTMESH_AMX_EMULATE (tests only): the tile instructions become plain C on per-thread arrays
+ * and the target drops to AVX2, so the tile logic runs and is checked on any x86-64 CI machine.
  */
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_TARGET "amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,fma"
-/* k steps to prefetch A rows ahead: each tile row is its own stream (one 4 KiB page per row at
- * H = 2048), 32 at once, more than the hardware prefetchers follow */
-#ifndef AMX_PREFETCH
-#define AMX_PREFETCH 8
-#endif
+/* fp32 vectors of one C tile row (16 tokens); AVX-512 registers under AMX_TARGET */
+typedef float v16f_a __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i_a __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t v16u_a __attribute__((vector_size(64), aligned(4)));
 
-/* a row to bf16 for B tiles (target: the conversion loop vectorises) */
-__attribute__((target(AMX_TARGET))) static void row_to_bf16_amx(const float *x, int c, uint16_t *out) {
-    row_to_bf16(x, c, out);
+#ifdef EXPERTMESH_AMX_EMULATE
+#define AMX_TARGET "avx2,fma"
+typedef struct {
+    uint8_t b[16][64];
+} EmuTile;
+static __thread EmuTile emu_tile[8];
+static void emu_load(int t, const void *p, long stride) {
+    for (int r = 0; r < 16; r++) memcpy(emu_tile[t].b[r], (const uint8_t *)p + r * stride, 64);
 }
+static void emu_store(int t, void *p, long stride) {
+    for (int r = 0; r < 16; r++) memcpy((uint8_t *)p + r * stride, emu_tile[t].b[r], 64);
+}
+static float emu_bf16(const uint8_t *p) {
+    uint32_t u = (uint32_t)(p[0] | p[1] << 8) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* C[m][n] += sum over k of A[m][k] * B[k / per][n][k % per], per = 2 (bf16) or 4 (int8) */
+static void emu_dp(int c, int a, int b, int kind /* 0 bf16, 1 s8 x s8, 2 u8 x s8 */) {
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++) {
+            uint8_t *cp = emu_tile[c].b[m] + 4 * n;
+            if (kind == 0) {
+                float s;
+                memcpy(&s, cp, 4);
+                for (int k = 0; k < 32; k++)
+                    s += emu_bf16(emu_tile[a].b[m] + 2 * k) * emu_bf16(emu_tile[b].b[k / 2] + 4 * n + 2 * (k % 2));
+                memcpy(cp, &s, 4);
+            } else {
+                int32_t s;
+                memcpy(&s, cp, 4);
+                for (int k = 0; k < 64; k++) {
+                    const int av = kind == 1 ? (int8_t)emu_tile[a].b[m][k] : emu_tile[a].b[m][k];
+                    s += av * (int8_t)emu_tile[b].b[k / 4][4 * n + k % 4];
+                }
+                memcpy(cp, &s, 4);
+            }
+        }
+}
+#define TILE_LOAD(t, p, stride) emu_load(t, p, stride)
+#define TILE_STORE(t, p, stride) emu_store(t, p, stride)
+#define TILE_ZERO(t) memset(&emu_tile[t], 0, sizeof(EmuTile))
+#define TILE_BF16(c, a, b) emu_dp(c, a, b, 0)
+#define TILE_SS(c, a, b) emu_dp(c, a, b, 1)
+#define TILE_US(c, a, b) emu_dp(c, a, b, 2)
+int moe_amx_init(void) { return 0; }
+static void amx_config(void) {}
+static void amx_release(void) {}
+#else
+#define AMX_TARGET "amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,fma"
+#define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
+#define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
+#define TILE_SS(c, a, b) _tile_dpbssd(c, a, b)
+#define TILE_US(c, a, b) _tile_dpbusd(c, a, b)
 
 /* Linux keeps AMX state off until the process asks (arch_prctl, kernel >= 5.16). 0 = granted. */
 int moe_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) ? -1 : 0; }
@@ -43,173 +97,218 @@ __attribute__((target(AMX_TARGET))) static void amx_config(void) {
 }
 
 __attribute__((target(AMX_TARGET))) static void amx_release(void) { _tile_release(); }
+#endif
 
 /* NOTE: GCC's tile intrinsics are asm statements without a memory clobber: fence the compiler
  * around them wherever C code reads what a tile store wrote or writes what a tile load reads */
 #define COMPILER_FENCE() __asm__ volatile("" ::: "memory")
 
-/* rows of one format -> bf16 [r, c] (quantised rows for the tiles) */
-__attribute__((target(AMX_TARGET))) static void rows_to_bf16(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype, int g, float *tmp,
-                         uint16_t *out) {
+/* Software prefetch of the weight rows, per block: PF_ROWS each of the block's 32 rows
+ * AMX_PF_DIST k steps ahead, to L1 (the rows are 32 streams, 4 KiB apart at H = 2048, more than
+ * the hardware prefetchers follow); PF_NEXT the next block's rows, spread over this block's k steps
+ * as one linear stream, to L2. The driver picks per call (moe_amx_driver.c). */
+#ifndef AMX_PF_DIST
+#define AMX_PF_DIST 8
+#endif
+enum { PF_NONE, PF_NEXT, PF_ROWS };
+typedef struct {
+    int mode;
+    const uint8_t *p; /* PF_NEXT: the next block's first byte (NULL: none) */
+    long lines;       /* its 64-byte lines */
+} Prefetch;
+
+static inline __attribute__((always_inline)) void prefetch_part(const Prefetch *pf, const uint8_t *a0,
+                                                                const uint8_t *a1, long sa, long kstep, int ks,
+                                                                int ksteps) {
+    if (pf->mode == PF_ROWS && ks + AMX_PF_DIST < ksteps)
+        for (int r = 0; r < 16; r++) {
+            _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + AMX_PF_DIST) * kstep), _MM_HINT_T0);
+            _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + AMX_PF_DIST) * kstep), _MM_HINT_T0);
+        }
+    if (pf->mode != PF_NEXT || !pf->p) return;
+    const long per = (pf->lines + ksteps - 1) / ksteps;
+    for (long l = ks * per; l < (ks + 1) * per && l < pf->lines; l++)
+        _mm_prefetch((const char *)(pf->p + l * 64), _MM_HINT_T1);
+}
+
+enum { TILES_BF16, TILES_S8, TILES_U8 };
+
+/* Where a block's 32 weight rows are for the A tiles: k step ks of rows 16h .. 16h + 15 starts at
+ * a[h] + ks * kstep, rows sa bytes apart (the packed row format: kstep 64, sa = row bytes; a
+ * layout with 1 KiB tiles would give kstep 1024, sa 64). int8 tiles: the scale of row 16h + r in
+ * group gi is s[h][gi * sg + r * sr]. */
+typedef struct {
+    const uint8_t *a[2];
+    long sa, kstep;
+    const float *s[2];
+    long sg, sr;
+} ARows;
+
+/* One block: C tiles 0..3 = A (the 32 rows of ar: a0 = rows 0-15, a1 = rows 16-31) x B(b0, b1; 1 KiB
+ * per k step), k steps [k0, k1), C tiles stored to c (4 x 16 x 16: a0 x b0, a1 x b0, a0 x b1,
+ * a1 x b1; two = whether b1 is used). Always inlined with a constant kind. */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps(
+    int kind, const ARows *ar, const uint32_t *b0, const uint32_t *b1, int two, int k0, int k1, const Prefetch *pf,
+    int ksteps, void *c) {
+    const uint8_t *a0 = ar->a[0], *a1 = ar->a[1];
+    const long sa = ar->sa, kstep = ar->kstep;
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    COMPILER_FENCE();
+    for (int ks = k0; ks < k1; ks++) {
+        prefetch_part(pf, a0, a1, sa, kstep, ks, ksteps);
+        TILE_LOAD(4, a0 + (size_t)ks * kstep, sa);
+        TILE_LOAD(5, a1 + (size_t)ks * kstep, sa);
+        TILE_LOAD(6, b0 + (size_t)ks * 256, 64);
+        if (two) TILE_LOAD(7, b1 + (size_t)ks * 256, 64);
+#define TILE_PRODUCTS(OP) \
+    OP(0, 4, 6);          \
+    OP(1, 5, 6);          \
+    if (two) {            \
+        OP(2, 4, 7);      \
+        OP(3, 5, 7);      \
+    }
+        if (kind == TILES_BF16) {
+            TILE_PRODUCTS(TILE_BF16)
+        } else if (kind == TILES_S8) {
+            TILE_PRODUCTS(TILE_SS)
+        } else {
+            TILE_PRODUCTS(TILE_US)
+        }
+#undef TILE_PRODUCTS
+    }
+    uint8_t *cb = c;
+    TILE_STORE(0, cb, 64);
+    TILE_STORE(1, cb + 1024, 64);
+    if (two) {
+        TILE_STORE(2, cb + 2048, 64);
+        TILE_STORE(3, cb + 3072, 64);
+    }
+    COMPILER_FENCE();
+}
+
+/* m ? a : b per lane (m from a vector comparison: all ones or zero) */
+static inline __attribute__((always_inline)) v16f_a fsel(v16i_a m, v16f_a a, v16f_a b) {
+    v16i_a ai, bi;
+    memcpy(&ai, &a, 64);
+    memcpy(&bi, &b, 64);
+    ai = (ai & m) | (bi & ~m);
+    memcpy(&a, &ai, 64);
+    return a;
+}
+
+/* exp(x) for the silu epilogue: 2^n * e^r, |r| <= ln2 / 2, degree-6 Taylor (rel err ~2e-7; the
+ * result is rounded to bf16 or int8 next); x is clamped to +-87, where silu is -0 or x anyway */
+static inline __attribute__((always_inline)) v16f_a exp_v(v16f_a x) {
+    x = fsel(x < -87.0f, (v16f_a){0} - 87.0f, x);
+    x = fsel(x > 87.0f, (v16f_a){0} + 87.0f, x);
+    /* round to nearest through a positive truncation (no float trick that -ffast-math folds) */
+    const v16i_a n = __builtin_convertvector(x * 1.44269504f + 128.5f, v16i_a) - 128;
+    const v16f_a nf = __builtin_convertvector(n, v16f_a);
+    const v16f_a r = x - nf * 0.693145752f - nf * 1.42860677e-6f;
+    v16f_a p = (v16f_a){0} + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v16i_a e = (n + 127) << 23;
+    v16f_a scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+/* gate rows g and up rows u of a C tile pair ([16 rows][16 tokens] each) -> silu(g) * u in g */
+static inline __attribute__((always_inline)) void silu_mul_tile(float *g, const float *u) {
+    for (int r = 0; r < 16; r++) {
+        v16f_a gv, uv;
+        memcpy(&gv, g + r * 16, 64);
+        memcpy(&uv, u + r * 16, 64);
+        gv = gv / (1.0f + exp_v(-gv)) * uv;
+        memcpy(g + r * 16, &gv, 64);
+    }
+}
+
+/* fp32 [16 rows][16 tokens] -> bf16 rows (f0, f0 + 1), (f0 + 2, f0 + 3), ... of one token tile of a
+ * bf16 B buffer (k step = 16 pairs x 16 tokens); f0 % 16 == 0 */
+static inline __attribute__((always_inline)) void tile_to_bf16_pairs(const float *v, int f0, uint32_t *bt) {
+    for (int r = 0; r < 16; r += 2) {
+        v16u_a lo, hi;
+        memcpy(&lo, v + r * 16, 64);
+        memcpy(&hi, v + (r + 1) * 16, 64);
+        /* round to nearest even, as to_bf16 */
+        lo = (lo + 0x7fffu + ((lo >> 16) & 1u)) >> 16;
+        hi = (hi + 0x7fffu + ((hi >> 16) & 1u)) >> 16;
+        const v16u_a pair = lo | (hi << 16);
+        const int f = f0 + r;
+        memcpy(bt + (size_t)(f / 32) * 256 + ((f % 32) / 2) * 16, &pair, 64);
+    }
+}
+
+/* a row to bf16 for B tiles (target: the conversion loop vectorises) */
+__attribute__((target(AMX_TARGET))) static void row_to_bf16_amx(const float *x, int c, uint16_t *out) {
+    row_to_bf16(x, c, out);
+}
+
+/* rows of one format -> bf16 [r, c] (quantised rows for the bf16 tiles) */
+__attribute__((target(AMX_TARGET))) static void rows_to_bf16(const uint8_t *rows, long rowbytes, int r_, int c,
+                                                             int wdtype, int g, float *tmp, uint16_t *out) {
     for (int r = 0; r < r_; r++) {
-        row_to_f32(rows + (size_t)r * rowbytes, wdtype, c, g, tmp);
+        /* issue 14q: tiled int8/int4 (r_ = 32 rows = two whole blocks here) */
+        qrow_to_f32(rows, rowbytes, r, q_tiled(wdtype, r_, g), wdtype, c, g, tmp);
         row_to_bf16(tmp, c, out + (size_t)r * c);
     }
 }
 
-/* C[0..3] = sum over k steps of A (rows at a0 / a1, stride sa bytes) x B tiles b0 / b1 (1 KiB per
- * k step each, consecutive k steps 1 KiB apart); two = whether b1 is used; stores to c (4 x 16 x 16). */
-__attribute__((target(AMX_TARGET))) static void amx_block(const uint8_t *a0, const uint8_t *a1, long sa,
-                                                          const uint32_t *b0, const uint32_t *b1, int two,
-                                                          int ksteps, float *c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    COMPILER_FENCE();
-    for (int ks = 0; ks < ksteps; ks++) {
-        if (ks + AMX_PREFETCH < ksteps)
-            for (int r = 0; r < 16; r++) {
-                _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + AMX_PREFETCH) * 64), _MM_HINT_T0);
-                _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + AMX_PREFETCH) * 64), _MM_HINT_T0);
-            }
-        _tile_loadd(4, a0 + (size_t)ks * 64, sa);
-        _tile_loadd(5, a1 + (size_t)ks * 64, sa);
-        _tile_loadd(6, b0 + (size_t)ks * 256, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 5, 6);
-        if (two) {
-            _tile_loadd(7, b1 + (size_t)ks * 256, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, c, 64);
-    _tile_stored(1, c + 256, 64);
-    if (two) {
-        _tile_stored(2, c + 512, 64);
-        _tile_stored(3, c + 768, 64);
-    }
-    COMPILER_FENCE();
-}
-
-/* Same arguments as moe_decode (act unused). Returns 0, -1 for a bad slot id, -2 for a shape the
- * tiles do not cover. */
-__attribute__((target(AMX_TARGET))) int moe_amx(const float *x, const int64_t *slot_ids, const float *weights,
-                                                int t_, int k_, int s_, const uint8_t *w13, long row13,
-                                                const uint8_t *w2, long row2, int h_, int i_, int rb, int wdtype,
-                                                int g13, int g2, float *out, int nthreads) {
-    if (rb != 16 || h_ % 32 || i_ % 32) return -2;
-    Sorted so;
-    if (sort_pairs(slot_ids, weights, t_, k_, s_, &so)) return -1;
-    /* token tiles: expert a's pairs fill tiles tile0[a] .. tile0[a + 1] - 1, padded with zeros */
-    int *tile0 = malloc(sizeof(int) * ((size_t)so.na + 1));
-    int ntiles = 0;
-    for (int a = 0; a < so.na; a++) {
-        tile0[a] = ntiles;
-        ntiles += (so.start[so.active[a] + 1] - so.start[so.active[a]] + 15) / 16;
-    }
-    tile0[so.na] = ntiles;
-    const int kx = h_ / 32, ka = i_ / 32; /* k steps along H and I */
-    uint32_t *xb = calloc((size_t)ntiles * kx * 256 + 1, 4); /* [tiles][kx][16 pairs][16 tok] */
-    uint32_t *ab = calloc((size_t)ntiles * ka * 256 + 1, 4); /* [tiles][ka][16 pairs][16 tok] */
-    int *tile_expert = malloc(sizeof(int) * ((size_t)ntiles + 1));
-    for (int a = 0; a < so.na; a++)
-        for (int tl = tile0[a]; tl < tile0[a + 1]; tl++) tile_expert[tl] = a;
-    memset(out, 0, sizeof(float) * (size_t)t_ * h_);
-    const int quant = wdtype == 1 || wdtype == 2;
-    const int nblk = i_ / 16;
-    const long items1 = (long)so.na * nblk;
-#pragma omp parallel num_threads(nthreads)
+/* The tiles' arithmetic rate, for the benchmark's peak: per thread `iters` steps of 4 tile products
+ * (bf16 TDPBF16PS, 16 x 16 x 32 multiply-adds each; int8 TDPBSSD, 16 x 16 x 64) on 4 independent
+ * accumulators, with the 2 A and 2 B tiles loaded once (reload = 0) or reloaded from L1 every step
+ * as the kernel's inner loop does (reload = 1). Returns the seconds of the slowest thread. */
+__attribute__((target(AMX_TARGET))) double moe_amx_peak(int int8, int reload, long iters, int nthreads) {
+    double worst = 0.0;
+#pragma omp parallel num_threads(nthreads) reduction(max : worst)
     {
         amx_config();
-        float *c = aligned_alloc(64, sizeof(float) * 1024);
-        float *tmp = malloc(sizeof(float) * (size_t)(h_ > i_ ? h_ : i_));
-        uint16_t *wq = quant ? malloc(sizeof(uint16_t) * 32 * (size_t)(h_ > i_ ? h_ : i_)) : NULL;
-        uint16_t *xr = malloc(sizeof(uint16_t) * (size_t)h_);
-        /* gather: token rows -> bf16 pair layout, one token tile per iteration */
-#pragma omp for schedule(static)
-        for (int tl = 0; tl < ntiles; tl++) {
-            const int a = tile_expert[tl], s = so.active[a];
-            for (int j = 0; j < 16; j++) {
-                const int q = so.start[s] + (tl - tile0[a]) * 16 + j;
-                if (q >= so.start[s + 1]) break; /* padding stays zero */
-                row_to_bf16_amx(x + (size_t)so.tok[q] * h_, h_, xr);
-                const uint32_t *xp = (const uint32_t *)xr;
-                uint32_t *dst = xb + (size_t)tl * kx * 256 + j;
-                for (int p = 0; p < h_ / 2; p++) dst[(size_t)(p / 16) * 256 + (p % 16) * 16] = xp[p];
-            }
-        }
+        uint8_t *buf = aligned_alloc(64, 4096);
+        for (int k = 0; k < 4096; k++) buf[k] = (uint8_t)(k * 37 % 61); /* small finite bf16 / int8 values */
+        TILE_ZERO(0);
+        TILE_ZERO(1);
+        TILE_ZERO(2);
+        TILE_ZERO(3);
+        TILE_LOAD(4, buf, 64);
+        TILE_LOAD(5, buf + 1024, 64);
+        TILE_LOAD(6, buf + 2048, 64);
+        TILE_LOAD(7, buf + 3072, 64);
         COMPILER_FENCE();
-        /* phase 1: gate/up for one (expert, 16-feature block) */
-#pragma omp for schedule(dynamic, 4)
-        for (long it = 0; it < items1; it++) {
-            const int a = (int)(it / nblk), b = (int)(it % nblk), s = so.active[a];
-            const uint8_t *base = w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * row13;
-            const uint8_t *a0 = base, *a1 = base + 16 * row13;
-            long sa = row13;
-            if (quant) {
-                rows_to_bf16(base, row13, 32, h_, wdtype, g13, tmp, wq);
-                a0 = (const uint8_t *)wq, a1 = (const uint8_t *)(wq + (size_t)16 * h_), sa = 2L * h_;
+#pragma omp barrier
+        const double t0 = omp_get_wtime();
+        for (long it = 0; it < iters; it++) {
+            if (reload) {
+                TILE_LOAD(4, buf, 64);
+                TILE_LOAD(5, buf + 1024, 64);
+                TILE_LOAD(6, buf + 2048, 64);
+                TILE_LOAD(7, buf + 3072, 64);
             }
-            const int m = so.start[s + 1] - so.start[s];
-            for (int tl = tile0[a]; tl < tile0[a + 1]; tl += 2) {
-                const int two = tl + 1 < tile0[a + 1];
-                const uint32_t *b0 = xb + (size_t)tl * kx * 256;
-                amx_block(a0, a1, sa, b0, b0 + (size_t)kx * 256, two, kx, c);
-                for (int u = 0; u < 1 + two; u++) {
-                    const float *cg = c + u * 512, *cu = cg + 256; /* [16 rows][16 tokens] */
-                    const int jn = m - (tl + u - tile0[a]) * 16;
-                    uint16_t *dst = (uint16_t *)(ab + (size_t)(tl + u) * ka * 256);
-                    for (int r = 0; r < 16; r++) {
-                        const int f = b * 16 + r; /* intermediate feature */
-                        uint16_t *d = dst + (size_t)(f / 32) * 512 + ((f % 32) / 2) * 32 + (f % 2);
-                        for (int j = 0; j < 16 && j < jn; j++) {
-                            const float gt = cg[r * 16 + j];
-                            d[j * 2] = to_bf16(gt / (1.0f + expf(-gt)) * cu[r * 16 + j]);
-                        }
-                    }
-                }
+            if (int8) {
+                TILE_SS(0, 4, 6);
+                TILE_SS(1, 5, 6);
+                TILE_SS(2, 4, 7);
+                TILE_SS(3, 5, 7);
+            } else {
+                TILE_BF16(0, 4, 6);
+                TILE_BF16(1, 5, 6);
+                TILE_BF16(2, 4, 7);
+                TILE_BF16(3, 5, 7);
             }
         }
-        /* implicit barrier: ab is complete */
+        TILE_STORE(0, buf, 64); /* keeps the products live */
         COMPILER_FENCE();
-        /* phase 2: 32 output rows over every expert */
-#pragma omp for schedule(dynamic, 1)
-        for (int hb = 0; hb < h_ / 32; hb++) {
-            for (int a = 0; a < so.na; a++) {
-                const int s = so.active[a];
-                const uint8_t *base = w2 + ((size_t)s * h_ + (size_t)hb * 32) * row2;
-                const uint8_t *a0 = base, *a1 = base + 16 * row2;
-                long sa = row2;
-                if (quant) {
-                    rows_to_bf16(base, row2, 32, i_, wdtype, g2, tmp, wq);
-                    a0 = (const uint8_t *)wq, a1 = (const uint8_t *)(wq + (size_t)16 * i_), sa = 2L * i_;
-                }
-                const int m = so.start[s + 1] - so.start[s];
-                for (int tl = tile0[a]; tl < tile0[a + 1]; tl += 2) {
-                    const int two = tl + 1 < tile0[a + 1];
-                    const uint32_t *b0 = ab + (size_t)tl * ka * 256;
-                    amx_block(a0, a1, sa, b0, b0 + (size_t)ka * 256, two, ka, c);
-                    for (int u = 0; u < 1 + two; u++) {
-                        const int j0 = (tl + u - tile0[a]) * 16;
-                        for (int j = 0; j < 16 && j0 + j < m; j++) {
-                            const int q = so.start[s] + j0 + j;
-                            float *o = out + (size_t)so.tok[q] * h_ + (size_t)hb * 32;
-                            const float w = so.wt[q];
-                            for (int r = 0; r < 16; r++) {
-                                o[r] += w * c[u * 512 + r * 16 + j];
-                                o[16 + r] += w * c[u * 512 + 256 + r * 16 + j];
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        worst = omp_get_wtime() - t0;
         amx_release();
-        free(c), free(tmp), free(wq), free(xr);
+        free(buf);
     }
-    free(tile0), free(xb), free(ab), free(tile_expert);
-    sorted_free(&so);
-    return 0;
+    return worst;
 }

@@ -9,16 +9,20 @@
  *   wdtype 1 int8: C int8, then C/G fp32 scales                         w = q * s
  *   wdtype 2 int4: C/2 bytes, then C/G fp32 scales; in a group of G the low nibble of byte j
  *                  holds element j and the high nibble element j + G/2   w = (nib - 8) * s
+ * int8/int4 matrices with G % 64 == 0 and a multiple of 16 rows are tiled instead (packing.py,
+ * moe_qdot.c q_tiled): blocks of 16 rows stored step by step of 64 inputs, then their scales.
  * w13 rows come interleaved: blocks of RB gate rows then the RB matching up rows, so a thread
  * that owns one block has silu(gate) * up for its RB features without waiting on others.
  *
  * Dot products, chosen at run time from `caps` (the CPU's flags, read by the caller):
  *   int8/int4 with G % 64 == 0 and qact: activations quantised to int8 per group, integer dots
- *     (moe_qdot.c: AVX512-VNNI or AVX2); bf16 with AVX512_BF16: vdpbf16ps on bf16 activations;
+ *     over whole 16-row blocks (moe_qdecode.c, moe_qdot.c: AVX512-VNNI or AVX2); bf16 with
+ *     AVX512_BF16: vdpbf16ps on bf16 activations;
  *   otherwise fp32: each weight converted in registers and FMAed (AVX-512, AVX2 or SSE2 code
- *     from the same vector-extension source, per-function target attributes).
- * On CPUs with AMX, bf16 calls go to moe_amx() (moe_amx.c) and int8/int4 ones to moe_amx_q()
- * (moe_amx_int8.c) instead, at every T: tile loads stream the rows faster than this kernel.
+ *     from the same vector-extension source, per-function target attributes); tiled rows are
+ *     first dequantised to an fp32 row.
+ * On CPUs with AMX, bf16 calls go to moe_amx() (moe_amx.c) at every T, and int8/int4 ones past
+ * decode sizes to moe_amx_q() (moe_amx_int8.c); the backend picks (backend.py _use_amx).
  *
  * Threads: phase 1 splits (expert, row block) pairs, phase 2 splits output rows; each output
  * element is written by one thread, so there are no atomics. Built with -fopenmp and without
@@ -74,138 +78,35 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return acc;
 }
 
-/* ---- vector path: GCC vector extensions (AVX-512 where -march=native has it, 2x AVX2 elsewhere).
- * Weights are converted 32 at a time in registers and FMAed into MAXM tokens' accumulators at
- * once, two independent chains per token so the FMA latency does not bound the row rate. */
-#define MAXM 8
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
-typedef int32_t v16i32 __attribute__((vector_size(64)));
-typedef int16_t v16i16 __attribute__((vector_size(32)));
-typedef int8_t v16i8 __attribute__((vector_size(16)));
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
-
-static inline __attribute__((always_inline)) v16f ldf(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline __attribute__((always_inline)) v16f cvt_bf16(const uint8_t *p) {
-    v16u16 u;
-    memcpy(&u, p, sizeof u);
-    v16u32 w = __builtin_convertvector(u, v16u32) << 16;
-    v16f f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-/* NOTE: int8 -> int32 goes through 16 bits: GCC 12/13 scalarise a direct 8 -> 32 bit
- * __builtin_convertvector of loaded bytes (one movsbl per byte: int8 ran at ~10 GB/s) */
-static inline __attribute__((always_inline)) v16f widen(v16i8 q) {
-    return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(q, v16i16), v16i32), v16f);
-}
-static inline __attribute__((always_inline)) v16f cvt_i8(const uint8_t *p) {
-    v16i8 q;
-    memcpy(&q, p, sizeof q);
-    return widen(q);
-}
-static inline __attribute__((always_inline)) void cvt_i4(const uint8_t *p, v16f *lo, v16f *hi) {
-    v16u8 b;
-    memcpy(&b, p, sizeof b);
-    /* NOTE: here the direct widening of the masked bytes vectorises, and measured faster on the
-     * device host than going through widen() (0.7 vs 1.2 ms per Qwen3 layer at T=1) */
-    *lo = __builtin_convertvector(__builtin_convertvector(b & 15, v16i32) - 8, v16f);
-    *hi = __builtin_convertvector(__builtin_convertvector(b >> 4, v16i32) - 8, v16f);
-}
-static inline __attribute__((always_inline)) float hsum(v16f v) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
-
-/* res[j] = row . xs[j] for j < m <= MAXM; needs c % 32 == 0 and (quantised) g % 32 == 0.
- * Always inlined with a constant m (see row_dots) so the accumulators live in registers: with a
- * run-time m they live on the stack and every FMA waits on a store-to-load round trip. */
-static inline __attribute__((always_inline)) void row_dots_vec(const uint8_t *row, int wdtype, int c, int g,
-                                                               const float *const *xs, const int m,
-                                                               float *res) {
-    v16f a[MAXM], b[MAXM];
-    for (int j = 0; j < m; j++) a[j] = b[j] = (v16f){0};
-    if (wdtype == 0 || wdtype == 3) {
-        for (int i = 0; i < c; i += 32) {
-            v16f w0 = wdtype == 0 ? cvt_bf16(row + 2 * i) : ldf((const float *)row + i);
-            v16f w1 = wdtype == 0 ? cvt_bf16(row + 2 * i + 32) : ldf((const float *)row + i + 16);
-            for (int j = 0; j < m; j++) {
-                a[j] += w0 * ldf(xs[j] + i);
-                b[j] += w1 * ldf(xs[j] + i + 16);
-            }
-        }
-    } else if (wdtype == 1) {
-        const float *sc = (const float *)(row + c);
-        for (int i = 0; i < c; i += 32) {
-            const float s = sc[i / g];
-            v16f w0 = cvt_i8(row + i) * s, w1 = cvt_i8(row + i + 16) * s;
-            for (int j = 0; j < m; j++) {
-                a[j] += w0 * ldf(xs[j] + i);
-                b[j] += w1 * ldf(xs[j] + i + 16);
-            }
-        }
-    } else {
-        const float *sc = (const float *)(row + c / 2);
-        const int h = g / 2;
-        for (int gi = 0; gi < c / g; gi++) {
-            const float s = sc[gi];
-            for (int jj = 0; jj < h; jj += 16) {
-                v16f lo, hi;
-                cvt_i4(row + gi * h + jj, &lo, &hi);
-                lo *= s, hi *= s;
-                const int e = gi * g + jj;
-                for (int j = 0; j < m; j++) {
-                    a[j] += lo * ldf(xs[j] + e);
-                    b[j] += hi * ldf(xs[j] + e + h);
-                }
-            }
-        }
-    }
-    for (int j = 0; j < m; j++) res[j] = hsum(a[j] + b[j]);
-}
-
-/* res[j] = row . xs[j] for any m: the vector path where the shape allows, else convert + dot.
- * Instantiated below per ISA: the same vector-extension code becomes AVX-512, AVX2 or SSE2. */
-static inline __attribute__((always_inline)) void row_dots_body(const uint8_t *row, int wdtype, int c, int g,
-                                                                const float *const *xs, int m, float *res,
-                                                                float *buf) {
-    const int vec = c % 32 == 0 && (wdtype == 0 || wdtype == 3 || g % 32 == 0);
-    if (vec) {
-        for (int j0 = 0; j0 < m; j0 += MAXM) {
-            const float *const *x = xs + j0;
-            float *r = res + j0;
-            switch (m - j0 < MAXM ? m - j0 : MAXM) {
-                case 1: row_dots_vec(row, wdtype, c, g, x, 1, r); break;
-                case 2: row_dots_vec(row, wdtype, c, g, x, 2, r); break;
-                case 3: row_dots_vec(row, wdtype, c, g, x, 3, r); break;
-                case 4: row_dots_vec(row, wdtype, c, g, x, 4, r); break;
-                case 5: row_dots_vec(row, wdtype, c, g, x, 5, r); break;
-                case 6: row_dots_vec(row, wdtype, c, g, x, 6, r); break;
-                case 7: row_dots_vec(row, wdtype, c, g, x, 7, r); break;
-                default: row_dots_vec(row, wdtype, c, g, x, 8, r); break;
-            }
-        }
-        return;
-    }
-    row_to_f32(row, wdtype, c, g, buf);
-    for (int j = 0; j < m; j++) res[j] = dot(buf, xs[j], c);
-}
-
-#define ROW_DOTS_ARGS                                                                                  \
-    const uint8_t *row, int wdtype, int c, int g, const float *const *xs, int m, float *res, float *buf
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void row_dots_avx512(ROW_DOTS_ARGS) {
-    row_dots_body(row, wdtype, c, g, xs, m, res, buf);
-}
-__attribute__((target("avx2,fma"))) static void row_dots_avx2(ROW_DOTS_ARGS) {
-    row_dots_body(row, wdtype, c, g, xs, m, res, buf);
-}
-static void row_dots_generic(ROW_DOTS_ARGS) { row_dots_body(row, wdtype, c, g, xs, m, res, buf); }
+/* ---- vector path: GCC vector extensions, one register wide per ISA (moe_fdot_body.c) */
+#define MAXM 8 /* tokens per pass over a row where registers are 512 bits wide */
+#define FNAME(x) x##_avx512
+#define FTARGET "avx512f,avx512bw,avx512vl,avx2,fma"
+#define FL 16
+#define FM MAXM
+#include "moe_fdot_body.c"
+#undef FNAME
+#undef FTARGET
+#undef FL
+#undef FM
+#define FNAME(x) x##_avx2
+#define FTARGET "avx2,fma"
+#define FL 8
+#define FM 4
+#include "moe_fdot_body.c"
+#undef FNAME
+#undef FTARGET
+#undef FL
+#undef FM
+#define FNAME(x) x##_generic
+#define FTARGET "sse2"
+#define FL 4
+#define FM 4
+#include "moe_fdot_body.c"
+#undef FNAME
+#undef FTARGET
+#undef FL
+#undef FM
 
 #include "moe_qdot.c"
 
@@ -253,13 +154,30 @@ static int sort_pairs(const int64_t *slot_ids, const float *weights, int t_, int
     return 0;
 }
 
+#include "moe_qdecode.c"
+
+/* row r of a quantised matrix (tiled or not) -> fp32, compiled per ISA (the loops vectorise) */
+#define QROW_ARGS const uint8_t *rows, long rowbytes, long r, int tiled, int wdtype, int c, int g, float *buf
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void qrow_to_f32_avx512(QROW_ARGS) {
+    qrow_to_f32(rows, rowbytes, r, tiled, wdtype, c, g, buf);
+}
+__attribute__((target("avx2,fma"))) static void qrow_to_f32_avx2(QROW_ARGS) {
+    qrow_to_f32(rows, rowbytes, r, tiled, wdtype, c, g, buf);
+}
+static void qrow_to_f32_any(int fisa, QROW_ARGS) {
+    if (fisa == 2)
+        qrow_to_f32_avx512(rows, rowbytes, r, tiled, wdtype, c, g, buf);
+    else if (fisa == 1)
+        qrow_to_f32_avx2(rows, rowbytes, r, tiled, wdtype, c, g, buf);
+    else
+        qrow_to_f32(rows, rowbytes, r, tiled, wdtype, c, g, buf);
+}
+
 enum { DOT_F32, DOT_QAVX2, DOT_QVNNI, DOT_BF16 };
 
 /* One side's activations ([rows, C], one row per token or per pair) in the form the dot wants. */
 typedef struct {
     const float *f; /* fp32 [rows, C] */
-    int8_t *q;      /* int8 [rows, C] */
-    float *qs, *qc; /* [rows, C/G] scale, scale * sum(q) */
     uint16_t *b;    /* bf16 [rows, C] */
     int c, g;
 } Acts;
@@ -267,48 +185,34 @@ typedef struct {
 static void acts_alloc(Acts *a, int kind, const float *f, int rows, int c, int g) {
     memset(a, 0, sizeof *a);
     a->f = f, a->c = c, a->g = g;
-    if (kind == DOT_QAVX2 || kind == DOT_QVNNI) {
-        a->q = malloc((size_t)rows * c);
-        a->qs = malloc(sizeof(float) * (size_t)rows * (c / g));
-        a->qc = malloc(sizeof(float) * (size_t)rows * (c / g));
-    } else if (kind == DOT_BF16) {
-        a->b = malloc(sizeof(uint16_t) * (size_t)rows * c);
-    }
+    if (kind == DOT_BF16) a->b = malloc(sizeof(uint16_t) * (size_t)rows * c);
 }
 
-static void acts_free(Acts *a) { free(a->q), free(a->qs), free(a->qc), free(a->b); }
+static void acts_free(Acts *a) { free(a->b); }
 
 static void acts_prep_row(const Acts *a, int r) {
-    if (a->q) quant_act(a->f + (size_t)r * a->c, a->c, a->g, a->q + (size_t)r * a->c, a->qs + (size_t)r * (a->c / a->g),
-                        a->qc + (size_t)r * (a->c / a->g));
     if (a->b) row_to_bf16(a->f + (size_t)r * a->c, a->c, a->b + (size_t)r * a->c);
 }
 
 /* per-thread pointer arrays to the m activation rows of one expert */
 typedef struct {
     const float **f;
-    const int8_t **q;
-    const float **qs, **qc;
     const uint16_t **b;
 } Rows;
 
 static void rows_set(Rows *rw, const Acts *a, const int *idx, int m) {
-    const int ng = a->c / a->g;
     for (int j = 0; j < m; j++) {
         const size_t r = (size_t)idx[j];
         rw->f[j] = a->f + r * a->c;
-        if (a->q) rw->q[j] = a->q + r * a->c, rw->qs[j] = a->qs + r * ng, rw->qc[j] = a->qc + r * ng;
         if (a->b) rw->b[j] = a->b + r * a->c;
     }
 }
 
 static void dots(int kind, int fisa, const uint8_t *row, int wdtype, const Acts *a, const Rows *rw, int m,
                  float *res, float *buf) {
-    switch (kind) {
-        case DOT_QVNNI: dots_vnni(row, wdtype, a->c, a->g, rw->q, rw->qs, rw->qc, m, res); return;
-        case DOT_QAVX2: dots_avx2(row, wdtype, a->c, a->g, rw->q, rw->qs, rw->qc, m, res); return;
-        case DOT_BF16: dots_bf16(row, a->c, rw->b, m, res); return;
-        default: break;
+    if (kind == DOT_BF16) {
+        dots_bf16(row, a->c, rw->b, m, res);
+        return;
     }
     if (fisa == 2)
         row_dots_avx512(row, wdtype, a->c, a->g, rw->f, m, res, buf);
@@ -332,17 +236,34 @@ int moe_dot_kind(int caps, int wdtype, int h_, int i_, int g13, int g2, int qact
     return dot_kind(caps, wdtype, h_, i_, g13, g2, qact);
 }
 
+/* moe_decode for the integer dot kinds only, with bf16 or fp32 activations in (xbf16) and out
+ * (obf16) and its own scratch: no conversions around the call. Returns -2 when the format and
+ * CPU do not take integer dots (moe_dot_kind), else as moe_decode. */
+int moe_decode_q(const void *x, int xbf16, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
+                 const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int wdtype, int g13,
+                 int g2, void *out, int obf16, int nthreads, int caps) {
+    const int kind = dot_kind(caps, wdtype, h_, i_, g13, g2, 1);
+    if (kind != DOT_QVNNI && kind != DOT_QAVX2) return -2;
+    return moe_decode_tiles(x, xbf16, slot_ids, weights, t_, k_, s_, w13, row13, w2, row2, h_, i_, wdtype == 2, g13,
+                            g2, NULL, out, obf16, nthreads, kind == DOT_QVNNI);
+}
+
 /* x [T, H] fp32; slot_ids [T, K] int64 (-1 = not here); weights [T, K] fp32; out [T, H] fp32.
  * w13 [S, 2I, row13 bytes], w2 [S, H, row2 bytes]; act scratch [T*K, I] fp32.
  * Returns 0, or -1 when a slot id is out of range (nothing written then). */
 int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
                const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int rb,
                int wdtype, int g13, int g2, float *act, float *out, int nthreads, int caps, int qact) {
+    const int kind = dot_kind(caps, wdtype, h_, i_, g13, g2, qact);
+    if (kind == DOT_QVNNI || kind == DOT_QAVX2) /* tiled int8/int4 (G % 64 == 0 implies it) */
+        return moe_decode_tiles(x, 0, slot_ids, weights, t_, k_, s_, w13, row13, w2, row2, h_, i_, wdtype == 2, g13,
+                                g2, act, out, 0, nthreads, kind == DOT_QVNNI);
     const int n = t_ * k_;
     Sorted so;
     if (sort_pairs(slot_ids, weights, t_, k_, s_, &so)) return -1;
-    const int kind = dot_kind(caps, wdtype, h_, i_, g13, g2, qact);
     const int fisa = (caps & CAP_AVX512) ? 2 : (caps & CAP_AVX2) ? 1 : 0;
+    /* tiled quantised matrices: each row is dequantised to fp32 first, then dotted as fp32 */
+    const int t13 = q_tiled(wdtype, 2L * i_, g13), t2 = q_tiled(wdtype, h_, g2);
     Acts ax, aa;
     acts_alloc(&ax, kind, x, t_, h_, wdtype == 1 || wdtype == 2 ? g13 : 1);
     acts_alloc(&aa, kind, act, n, i_, wdtype == 1 || wdtype == 2 ? g2 : 1);
@@ -355,9 +276,9 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = malloc(sizeof(float) * (size_t)(h_ > i_ ? h_ : i_));
+        float *rowf = malloc(sizeof(float) * (size_t)(h_ > i_ ? h_ : i_)); /* a tiled row in fp32 */
         const size_t np = (size_t)(n > 0 ? n : 1);
-        Rows rw = {malloc(sizeof(void *) * np), malloc(sizeof(void *) * np), malloc(sizeof(void *) * np),
-                   malloc(sizeof(void *) * np), malloc(sizeof(void *) * np)};
+        Rows rw = {malloc(sizeof(void *) * np), malloc(sizeof(void *) * np)};
         float *res = malloc(sizeof(float) * np);
         if (prep) {
 #pragma omp for schedule(static)
@@ -370,7 +291,13 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
             const int m = so.start[s + 1] - so.start[s];
             rows_set(&rw, &ax, so.tok + so.start[s], m);
             for (int r = 0; r < 2 * rb; r++) {
-                dots(kind, fisa, base + (size_t)r * row13, wdtype, &ax, &rw, m, res, buf);
+                if (t13) {
+                    qrow_to_f32_any(fisa, w13 + (size_t)s * 2 * i_ * row13, row13, (long)b * 2 * rb + r, 1, wdtype, h_,
+                                    g13, rowf);
+                    dots(kind, fisa, (const uint8_t *)rowf, 3, &ax, &rw, m, res, buf);
+                } else {
+                    dots(kind, fisa, base + (size_t)r * row13, wdtype, &ax, &rw, m, res, buf);
+                }
                 for (int j = 0; j < m; j++) {
                     float *a = &act[(size_t)(so.start[s] + j) * i_ + b * rb + (r % rb)];
                     if (r < rb)
@@ -391,45 +318,33 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
                 const int s = so.active[ai];
                 const int m = so.start[s + 1] - so.start[s];
                 rows_set(&rw, &aa, pairs + so.start[s], m);
-                dots(kind, fisa, w2 + ((size_t)s * h_ + h) * row2, wdtype, &aa, &rw, m, res, buf);
+                if (t2) {
+                    qrow_to_f32_any(fisa, w2 + (size_t)s * h_ * row2, row2, h, 1, wdtype, i_, g2, rowf);
+                    dots(kind, fisa, (const uint8_t *)rowf, 3, &aa, &rw, m, res, buf);
+                } else {
+                    dots(kind, fisa, w2 + ((size_t)s * h_ + h) * row2, wdtype, &aa, &rw, m, res, buf);
+                }
                 for (int j = 0; j < m; j++)
                     out[(size_t)so.tok[so.start[s] + j] * h_ + h] += so.wt[so.start[s] + j] * res[j];
             }
         }
-        free(buf), free(res);
-        free(rw.f), free(rw.q), free(rw.qs), free(rw.qc), free(rw.b);
+        free(buf), free(rowf), free(res);
+        free(rw.f), free(rw.b);
     }
     acts_free(&ax), acts_free(&aa), free(pairs);
     sorted_free(&so);
     return 0;
 }
 
-/* one row's dequantisation, compiled per ISA (the conversion loops auto-vectorise) */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void row_to_f32_avx512(const uint8_t *row,
-                                                                                          int wdtype, int c, int g,
-                                                                                          float *buf) {
-    row_to_f32(row, wdtype, c, g, buf);
-}
-__attribute__((target("avx2,fma"))) static void row_to_f32_avx2(const uint8_t *row, int wdtype, int c, int g,
-                                                                 float *buf) {
-    row_to_f32(row, wdtype, c, g, buf);
-}
-
-/* Dequantise rows [R, row bytes] of one format into fp32 [R, C] (the prefill path's GEMM input). */
+/* Dequantise one matrix's rows [R, row bytes] (tiled or not) into fp32 [R, C] (the prefill
+ * path's GEMM input). */
 void dequant_rows(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype, int g, float *out, int nthreads,
                   int caps) {
+    const int fisa = (caps & CAP_AVX512) ? 2 : (caps & CAP_AVX2) ? 1 : 0, tiled = q_tiled(wdtype, r_, g);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int r = 0; r < r_; r++) {
-        const uint8_t *src = rows + (size_t)r * rowbytes;
-        float *dst = out + (size_t)r * c;
-        if (caps & CAP_AVX512)
-            row_to_f32_avx512(src, wdtype, c, g, dst);
-        else if (caps & CAP_AVX2)
-            row_to_f32_avx2(src, wdtype, c, g, dst);
-        else
-            row_to_f32(src, wdtype, c, g, dst);
-    }
+    for (int r = 0; r < r_; r++) qrow_to_f32_any(fisa, rows, rowbytes, r, tiled, wdtype, c, g, out + (size_t)r * c);
 }
 
 #include "moe_amx.c"
 #include "moe_amx_int8.c"
+#include "moe_amx_driver.c"

@@ -2,67 +2,264 @@
  * at run time from the CPU's flags; each function carries its own target attribute, so one
  * library serves every x86-64 CPU).
  *
- * Quantised weights x int8 activations: activations are quantised per token (or per
- * intermediate row) in the weights' groups, symmetric int8, so each group's integer dot product
- * is scaled once by (weight scale * activation scale). The weights stay bytes in the inner loop:
- *   AVX2:        int8: |x| (u8) x sign-transferred w (s8) with vpmaddubsw + vpmaddwd (no
- *                saturation: |w|, |x| <= 127); int4: nibble (u8) x x (s8)
- *   AVX512-VNNI: vpdpbusd (u8 x s8 -> s32): int8 weights become u8 by flipping the top bit
- *                (q + 128), int4 nibbles are already u8 (q + 8); the biases times sum(x) come off
- *                once per row
+ * Quantised weights (the tiled format, packing.py: blocks of 16 rows, per step of 64 input
+ * features 16 rows x 64 int8 or 16 rows x 32 int4 bytes, then the block's scales [groups][16])
+ * x int8 activations, quantised per token (or per intermediate row) in the weights' groups. One
+ * call computes a whole block, 16 output rows, for m tokens:
+ *   per step and row an integer accumulator gathers 64 products (AVX512-VNNI vpdpbusd: int8
+ *   weights made u8 by flipping the top bit (q + 128), int4 nibbles are already u8 (q + 8);
+ *   AVX2: |x| (u8) x sign-transferred w (s8) with vpmaddubsw + vpmaddwd, nibble (u8) x x (s8));
+ *   at a group's end the 16 rows' accumulators reduce to one vector of 16 row sums, the bias
+ *   (128 or 8 times the group's sum of x) comes off as one broadcast, and the group's 16 weight
+ *   scales times the token's activation scale apply as one vector multiply-add.
+ * Weights stay bytes in the inner loop (2-3 instructions per 64 weights); a group's scale
+ * handling is ~50 instructions per 16 rows, not per row.
  * bf16 weights x bf16 activations: vdpbf16ps (AVX512_BF16), 32 products per instruction.
  */
 
-#define QM 4 /* tokens per pass over a row: accumulators stay in registers */
+#define VNNI_TARGET "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"
 
-#define QNAME(x) x##avx2
-#define QTARGET "avx2,fma"
-#define W8_PREP(w) ((void)0)
-#define DOT_I8(a, w, x)                                                                                         \
-    _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)), \
-                                          _mm256_set1_epi16(1)))
-#define DOT_U4(a, n, x) _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(n, x), _mm256_set1_epi16(1)))
-#define K8 0
-#include "moe_qdot_body.c"
-#undef QNAME
-#undef QTARGET
-#undef W8_PREP
-#undef DOT_I8
-#undef DOT_U4
-#undef K8
+/* software prefetch of the weight stream: hint 0 = T0 (L1), 1 = T1 (L2), 2 = T2, 3 = NTA */
+static int g_pfhint;
+static inline __attribute__((always_inline)) void pf_line(const void *p) {
+    switch (g_pfhint) {
+        case 1: _mm_prefetch((const char *)p, _MM_HINT_T1); break;
+        case 2: _mm_prefetch((const char *)p, _MM_HINT_T2); break;
+        case 3: _mm_prefetch((const char *)p, _MM_HINT_NTA); break;
+        default: _mm_prefetch((const char *)p, _MM_HINT_T0); break;
+    }
+}
+#define QAVX2_TARGET "avx2,fma"
 
-#define QNAME(x) x##vnni
-#define QTARGET "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"
-#define W8_PREP(w) ((w) = _mm256_xor_si256((w), _mm256_set1_epi8((char)0x80)))
-#define DOT_I8(a, w, x) _mm256_dpbusd_epi32(a, w, x)
-#define DOT_U4(a, n, x) _mm256_dpbusd_epi32(a, n, x)
-#define K8 128
-#include "moe_qdot_body.c"
-#undef QNAME
-#undef QTARGET
-#undef W8_PREP
-#undef DOT_I8
-#undef DOT_U4
-#undef K8
+/* the rule of packing.tiled: quantised rows with G % 64 == 0 in a matrix of R % 16 == 0 rows */
+static inline int q_tiled(int wdtype, long rows, int g) {
+    return (wdtype == 1 || wdtype == 2) && g % 64 == 0 && rows % 16 == 0;
+}
 
-/* x [c] fp32 -> q [c] int8, sc [c/g] scales, cs [c/g] = scale * sum(q) of each group. Round half
- * away from zero (torch rounds half to even: ties differ, ~never with real data). */
+/* row r (0..15) of a tiled block -> fp32 [c] */
+static inline __attribute__((always_inline)) void tile_row_to_f32(const uint8_t *blk, int r, int wdtype, int c,
+                                                                  int g, float *restrict buf) {
+    const int u4 = wdtype == 2, step = u4 ? 512 : 1024;
+    const float *sc = (const float *)(blk + (u4 ? (size_t)8 * c : (size_t)16 * c));
+    for (int ks = 0; ks < c / 64; ks++) {
+        const float s = sc[(ks * 64 / g) * 16 + r];
+        const uint8_t *w = blk + (size_t)ks * step + (size_t)r * (u4 ? 32 : 64);
+        float *b = buf + ks * 64;
+        if (u4) {
+            for (int j = 0; j < 32; j++) {
+                b[j] = (float)((int)(w[j] & 15) - 8) * s;
+                b[j + 32] = (float)((int)(w[j] >> 4) - 8) * s;
+            }
+        } else {
+            for (int j = 0; j < 64; j++) b[j] = (float)(int8_t)w[j] * s;
+        }
+    }
+}
+
+/* row r of a quantised matrix starting at `rows` (tiled: r's block found from r) -> fp32 [c] */
+static inline __attribute__((always_inline)) void qrow_to_f32(const uint8_t *rows, long rowbytes, long r, int tiled,
+                                                              int wdtype, int c, int g, float *restrict buf) {
+    if (tiled)
+        tile_row_to_f32(rows + (size_t)(r / 16) * 16 * rowbytes, (int)(r % 16), wdtype, c, g, buf);
+    else
+        row_to_f32(rows + (size_t)r * rowbytes, wdtype, c, g, buf);
+}
+
+/* r_ / 16 tiled int4 blocks -> nibbles 0..15 in int8's tiled order (per k step 16 rows x 64
+ * bytes), out [r_ / 16][c / 64][16][64] (the AMX int8 tiles' A operand) */
+static void tiles_unpack_u4(const uint8_t *blk, long rowbytes, int r_, int c, uint8_t *out) {
+    for (int bl = 0; bl < r_ / 16; bl++) {
+        const uint8_t *src = blk + (size_t)bl * 16 * rowbytes;
+        uint8_t *dst = out + (size_t)bl * 16 * c;
+        for (int i = 0; i < 8 * c; i += 32) /* 32 bytes = one row of one k step */
+            for (int j = 0; j < 32; j++) dst[2 * i + j] = src[i + j] & 15, dst[2 * i + 32 + j] = src[i + j] >> 4;
+    }
+}
+
+/* One token's quantised activations in the weights' groups (quant_act fills them). */
+typedef struct {
+    const int8_t *q;  /* [c] */
+    const float *s;   /* [c/g] scale */
+    const int32_t *n; /* [c/g] sum of q */
+} QAct;
+
+/* ---- AVX512-VNNI ---- */
+
+/* 16 vectors of 16 int32 -> one vector whose lane r is the sum of a[r]'s lanes */
+static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum16(const __m512i *a) {
+    __m512i b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: the 4 rows' partial sums, in row order */
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+    const __m512i d0 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i d1 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_i32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* res[j][0..16) = block rows . x_j for j < m; u4: int4 block, else int8. pf: prefetch distance in
+ * bytes (0 = none). Inlined with a constant u4 (blk_vnni), so the accumulators stay in registers. */
+static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_body(const uint8_t *blk, const int u4,
+                                                                                   int c, int g, const QAct *x,
+                                                                                   int m, float *res, int pf) {
+    const int kpg = g / 64, step = u4 ? 512 : 1024;
+    const float *wsc = (const float *)(blk + (u4 ? (size_t)8 * c : (size_t)16 * c));
+    const __m512i flip = _mm512_set1_epi8((char)0x80), lo4 = _mm512_set1_epi8(15);
+    const int bias = u4 ? 8 : 128;
+    if (pf) /* the block's scales: one line per group, read only at each group's end */
+        for (int l = 0; l < c / g; l++) _mm_prefetch((const char *)(wsc + l * 16), _MM_HINT_T0);
+    for (int j = 0; j < m; j++) _mm512_storeu_ps(res + j * 16, _mm512_setzero_ps());
+    for (int gi = 0; gi < c / g; gi++) {
+        const __m512 ws = _mm512_loadu_ps(wsc + gi * 16);
+        for (int j = 0; j < m; j++) {
+            __m512i acc[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_si512();
+            for (int kk = 0; kk < kpg; kk++) {
+                const int ks = gi * kpg + kk;
+                const uint8_t *w = blk + (size_t)ks * step;
+                if (pf && j == 0)
+                    for (int l = 0; l < step; l += 64) pf_line(w + pf + l);
+                const __m512i xv = _mm512_loadu_si512(x[j].q + ks * 64);
+                if (u4) {
+#pragma GCC unroll 8
+                    for (int r = 0; r < 16; r += 2) {
+                        const __m512i v = _mm512_loadu_si512(w + r * 32); /* rows r, r + 1 */
+                        const __m512i lo = _mm512_and_si512(v, lo4);
+                        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                        /* row r: its 32 low nibbles (features 0..31), then its 32 high (32..63) */
+                        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_shuffle_i64x2(lo, hi, 0x44), xv);
+                        acc[r + 1] = _mm512_dpbusd_epi32(acc[r + 1], _mm512_shuffle_i64x2(lo, hi, 0xEE), xv);
+                    }
+                } else {
+#pragma GCC unroll 16
+                    for (int r = 0; r < 16; r++)
+                        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_xor_si512(_mm512_loadu_si512(w + r * 64), flip), xv);
+                }
+            }
+            const __m512i d = _mm512_sub_epi32(hsum16(acc), _mm512_set1_epi32(bias * x[j].n[gi]));
+            const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(x[j].s[gi]));
+            _mm512_storeu_ps(res + j * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, _mm512_loadu_ps(res + j * 16)));
+        }
+    }
+}
+
+__attribute__((target(VNNI_TARGET))) static void blk_vnni(const uint8_t *blk, int u4, int c, int g, const QAct *x,
+                                                          int m, float *res, int pf) {
+    if (u4)
+        blk_vnni_body(blk, 1, c, g, x, m, res, pf);
+    else
+        blk_vnni_body(blk, 0, c, g, x, m, res, pf);
+}
+
+/* ---- AVX2 (8 rows per pass) ---- */
+
+/* 8 vectors of 8 int32 -> one vector whose lane r is the sum of a[r]'s lanes */
+static inline __attribute__((always_inline, target(QAVX2_TARGET))) __m256i hsum8(const __m256i *a) {
+    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+static inline __attribute__((always_inline, target(QAVX2_TARGET))) void blk_avx2_body(const uint8_t *blk,
+                                                                                     const int u4, int c, int g,
+                                                                                     const QAct *x, int m,
+                                                                                     float *res, int pf) {
+    const int kpg = g / 64, step = u4 ? 512 : 1024;
+    const float *wsc = (const float *)(blk + (u4 ? (size_t)8 * c : (size_t)16 * c));
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(15);
+    const int bias = u4 ? 8 : 0; /* the sign trick needs no bias */
+    if (pf)
+        for (int l = 0; l < c / g; l++) _mm_prefetch((const char *)(wsc + l * 16), _MM_HINT_T0);
+    memset(res, 0, sizeof(float) * 16 * (size_t)m);
+    for (int gi = 0; gi < c / g; gi++) {
+        for (int j = 0; j < m; j++) {
+            for (int half = 0; half < 2; half++) {
+                __m256i acc[8];
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_si256();
+                for (int kk = 0; kk < kpg; kk++) {
+                    const int ks = gi * kpg + kk;
+                    const uint8_t *w = blk + (size_t)ks * step;
+                    if (pf && j == 0 && half == 0)
+                        for (int l = 0; l < step; l += 64) pf_line(w + pf + l);
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64));
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64 + 32));
+                    if (u4) {
+#pragma GCC unroll 8
+                        for (int r = 0; r < 8; r++) {
+                            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (8 * half + r) * 32));
+                            const __m256i lo = _mm256_and_si256(v, lo4);
+                            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+                            /* <= 2 * 2 * 15 * 127 per int16: no saturation */
+                            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+                            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));
+                        }
+                    } else {
+                        const __m256i a0 = _mm256_abs_epi8(x0), a1 = _mm256_abs_epi8(x1);
+#pragma GCC unroll 8
+                        for (int r = 0; r < 8; r++) {
+                            const uint8_t *wr = w + (8 * half + r) * 64;
+                            const __m256i w0 = _mm256_loadu_si256((const __m256i *)wr);
+                            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wr + 32));
+                            /* |x| * sign(w, x) = x * w, <= 2 * 127 * 127 per int16: no saturation */
+                            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(w0, x0)), ones);
+                            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(w1, x1)), ones);
+                            acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(p0, p1));
+                        }
+                    }
+                }
+                const __m256i d = _mm256_sub_epi32(hsum8(acc), _mm256_set1_epi32(bias * x[j].n[gi]));
+                const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(wsc + gi * 16 + 8 * half), _mm256_set1_ps(x[j].s[gi]));
+                float *o = res + j * 16 + 8 * half;
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, _mm256_loadu_ps(o)));
+            }
+        }
+    }
+}
+
+__attribute__((target(QAVX2_TARGET))) static void blk_avx2(const uint8_t *blk, int u4, int c, int g, const QAct *x,
+                                                           int m, float *res, int pf) {
+    if (u4)
+        blk_avx2_body(blk, 1, c, g, x, m, res, pf);
+    else
+        blk_avx2_body(blk, 0, c, g, x, m, res, pf);
+}
+
+/* one group of g activations -> q [g] int8 (symmetric, scale amax / 127), its scale, and the sum
+ * of q. Round half away from zero (torch rounds half to even: ties differ, ~never with real data). */
+static inline __attribute__((always_inline)) float quant_group(const float *xg, int g, int8_t *q, int32_t *n) {
+    float amax = 0.0f;
+    for (int i = 0; i < g; i++) amax = fmaxf(amax, fabsf(xg[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < g; i++) {
+        const float y = xg[i] * inv;
+        int v = (int)(y + (y >= 0.0f ? 0.5f : -0.5f));
+        v = v > 127 ? 127 : (v < -127 ? -127 : v);
+        q[i] = (int8_t)v;
+        sum += v;
+    }
+    *n = sum;
+    return amax / 127.0f;
+}
+
+/* x [c] fp32 -> q [c] int8, sc [c/g] scales, n [c/g] sums of q (the tiled decode kernels) */
+static void quant_act_n(const float *x, int c, int g, int8_t *q, float *sc, int32_t *n) {
+    for (int gi = 0; gi < c / g; gi++) sc[gi] = quant_group(x + (size_t)gi * g, g, q + (size_t)gi * g, n + gi);
+}
+
+/* the same with cs [c/g] = scale * sum(q) (the AMX int8 kernel) */
 static void quant_act(const float *x, int c, int g, int8_t *q, float *sc, float *cs) {
     for (int gi = 0; gi < c / g; gi++) {
-        const float *xg = x + (size_t)gi * g;
-        float amax = 0.0f;
-        for (int i = 0; i < g; i++) amax = fmaxf(amax, fabsf(xg[i]));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int i = 0; i < g; i++) {
-            const float y = xg[i] * inv;
-            int v = (int)(y + (y >= 0.0f ? 0.5f : -0.5f));
-            v = v > 127 ? 127 : (v < -127 ? -127 : v);
-            q[(size_t)gi * g + i] = (int8_t)v;
-            sum += v;
-        }
-        sc[gi] = amax / 127.0f;
-        cs[gi] = sc[gi] * (float)sum;
+        int32_t n;
+        sc[gi] = quant_group(x + (size_t)gi * g, g, q + (size_t)gi * g, &n);
+        cs[gi] = sc[gi] * (float)n;
     }
 }
 

@@ -1,0 +1,159 @@
+"""The AMX prefill kernel against builds of itself (a baseline copy of the kernels, compile-time
+variants) and the same run's peaks, one MoE layer at real widths.
+
+Every variant runs the same packed weights and routes, rounds interleaved (A B C A B C ...) so
+that the VM's drift hits all alike; each row gives the median and the spread of the rounds'
+medians. A profile build (AMX_PROFILE) splits the kernel's time into its stages. Floors: the
+active experts' bytes over the measured read bandwidth, the FLOPs over the measured peaks.
+
+    python benchmarks/bench_cpu_prefill.py --threads 16 --baseline /path/to/old/kernels/moe_gemv.c \\
+        --variant t0:AMX_PF_HINT=_MM_HINT_T0 --variant nopf:AMX_NO_PF --out prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_cpu_experts import MODELS, dram_bandwidth, gemm_peak, host_info, timeit
+from cpu_expert_server import kernels
+from cpu_expert_server.backend import CpuExpertBackend
+from expertmesh.experts import TorchExpertBackend
+
+STAGES = ("gather", "phase1", "quant2", "phase2", "setup", "call")
+
+
+def variant_libs(baseline: str | None, variants: list[str]) -> dict[str, ctypes.CDLL]:
+    """name -> library: "new" (this tree), "old" (--baseline), and NAME:DEF[;DEF] builds."""
+    libs: dict[str, ctypes.CDLL | None] = {"new": kernels.load()}
+    if baseline:
+        libs["old"] = kernels.load(source=Path(baseline))
+    for v in variants:
+        name, _, defs = v.partition(":")
+        libs[name] = kernels.load(tuple(d for d in defs.split(";") if d))
+    missing = [n for n, lib in libs.items() if lib is None]
+    assert not missing, f"builds failed: {missing} (see the log)"
+    return {n: lib for n, lib in libs.items() if lib is not None}
+
+
+def padded(p: torch.Tensor) -> torch.Tensor:
+    """The same packed rows [S, R, C] with a row stride 64 bytes longer (a view): rows 4 KiB apart
+    (bf16 at H = 2048) put a tile's 16 rows in one L1 set; one more cache line spreads them."""
+    extra = 64 // p.element_size()
+    buf = torch.zeros(p.shape[0], p.shape[1], p.shape[2] + extra, dtype=p.dtype)
+    buf[:, :, : p.shape[2]] = p
+    return buf[:, :, : p.shape[2]]
+
+
+def runner(
+    b: CpuExpertBackend, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routes: list
+) -> Callable:
+    """forward on the r-th of the 16 routes, for timeit"""
+    return lambda r: b.forward(x, w13, w2, *routes[r % 16])
+
+
+def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) -> list[dict]:
+    prof = kernels.load(("AMX_PROFILE",))
+    assert prof is not None
+    rows = []
+    for name in args.models.split(","):
+        h, i, e, k = MODELS[name]
+        g = torch.Generator().manual_seed(0)
+        w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()  # [E, 2I, H]
+        w2 = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()  # [E, H, I]
+        for wd in args.dtypes.split(","):
+            b = CpuExpertBackend(args.threads, wd)
+            assert b.amx, "no AMX on this CPU (or the kernel refused it)"
+            p13, p2 = b.pack_weights(w13, w2)
+            b.gemv_max_tokens = 0
+            per_expert = p13[0].numel() * p13.element_size() + p2[0].numel() * p2.element_size()
+            for t in [int(v) for v in args.tokens.split(",")]:
+                routes = [
+                    (torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]), torch.rand(t, k))
+                    for _ in range(16)
+                ]
+                x = torch.randn(t, h, generator=g).bfloat16()
+                ref = TorchExpertBackend().forward(x, w13, w2, *routes[0]).float()
+                active = sum(len(torch.unique(r[0])) for r in routes) / len(routes)
+                flops = 2 * t * k * 3 * h * i
+                combos = {n: (lib, p13, p2) for n, lib in libs.items()}
+                if args.pad and wd == "bfloat16":
+                    combos |= {n + "+pad": (lib, padded(p13), padded(p2)) for n, lib in libs.items()}
+                times: dict[str, list[float]] = {n: [] for n in combos}
+                errs = {}
+                for n, (lib, a, c) in combos.items():
+                    b.lib = lib
+                    errs[n] = ((b.forward(x, a, c, *routes[0]).float() - ref).norm() / ref.norm()).item()
+                for _ in range(args.rounds):
+                    for n, (lib, a, c) in combos.items():
+                        b.lib = lib
+                        times[n].append(timeit(runner(b, x, a, c, routes), args.reps, 2.0))
+                b.lib = prof
+                stages = (ctypes.c_double * 6)()
+                timeit(runner(b, x, p13, p2, routes), 1, 0.0)
+                prof.moe_amx_profile(stages)  # drop the warm-up
+                calls = args.reps
+                for r in range(calls):
+                    b.forward(x, p13, p2, *routes[r % 16])
+                prof.moe_amx_profile(stages)
+                stage_ms = {s: v * 1e3 / calls for s, v in zip(STAGES, stages)}
+                floor_bw = active * per_expert / (info["read_GBps"] * 1e9)
+                for n in combos:
+                    med = sorted(times[n])[len(times[n]) // 2]
+                    rows.append(
+                        {
+                            "model": name, "T": t, "weights": wd, "build": n, "ms": med * 1e3,
+                            "ms_rounds": [round(v * 1e3, 3) for v in times[n]],
+                            "TFLOPs": flops / med / 1e12,
+                            "pct_read_bw": 100 * floor_bw / med,
+                            "vs_peak_bf16": info.get("peak_bfloat16_TFLOPs", float("nan")) / (flops / med / 1e12),
+                            "bw_floor_ms": floor_bw * 1e3, "rel_err": errs[n],
+                            "stages_ms(profile build)": stage_ms if n == "new" else None,
+                        }
+                    )  # fmt: skip
+                    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--tokens", default="64,512")
+    p.add_argument("--dtypes", default="bfloat16,int8")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--baseline", default=None, help="moe_gemv.c of another copy of the kernels")
+    p.add_argument("--variant", action="append", default=[], help="NAME:MACRO[=V][;MACRO...] build")
+    p.add_argument("--skip-peak", action="store_true")
+    p.add_argument("--pad", action="store_true", help="also time bf16 rows at a stride one cache line longer")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    info = host_info() | dram_bandwidth() | ({} if args.skip_peak else gemm_peak(args.threads))
+    print(json.dumps(info), flush=True)
+    rows = bench(args, info, variant_libs(args.baseline, args.variant))
+    print(
+        "| model | T | weights | build | ms (rounds) | TFLOP/s | x below bf16 peak | % read BW | stages ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        st = r["stages_ms(profile build)"]
+        print(
+            f"| {r['model']} | {r['T']} | {r['weights']} | {r['build']} | {r['ms']:.2f} {r['ms_rounds']} "
+            f"| {r['TFLOPs']:.2f} | {r['vs_peak_bf16']:.2f} | {r['pct_read_bw']:.0f}% "
+            f"| {' / '.join(f'{v:.2f}' for v in st.values()) if st else ''} |"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"host": info, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

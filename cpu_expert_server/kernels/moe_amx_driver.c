@@ -1,0 +1,383 @@
+/* Prefill-shaped MoE on AMX tiles: one call per layer runs both GEMMs of every active expert, on
+ * bf16 tiles (moe_amx) or int8 tiles (moe_amx_q); included by moe_gemv.c after moe_amx.c and
+ * moe_amx_int8.c, whose tile blocks this driver runs.
+ *
+ * Shapes as moe_gemv.c; a token tile = up to 16 (token, expert) pairs of one expert, zero-padded.
+ *   gather:  each active expert's tokens -> its token tiles (B layout), over all of H
+ *   phase 1: blocks (expert, 16 gate + 16 up rows): silu(gate) * up -> phase 2's B tiles (bf16:
+ *            written straight into the pair layout; int8: fp32 rows, then quantised per pair)
+ *   phase 2: blocks (expert, 32 output rows) -> out += weight * result; each thread owns a range of
+ *            output rows over all experts, so every output element has one writer (no atomics)
+ * Blocks are walked expert-major, so consecutive blocks of a thread are adjacent rows and an
+ * expert's B tiles stay in L2 across its blocks; how the blocks are split and prefetched depends on
+ * the call's shape (below, "Work split").
+ */
+#include <omp.h>
+
+typedef struct {
+    Sorted so;
+    int ntiles;
+    int *tile0;  /* [na + 1] first token tile of each active expert */
+    int *tile_a; /* [ntiles] active expert (index into so.active) of each tile */
+} TilePlan;
+
+static void plan_free(TilePlan *p) { free(p->tile0), free(p->tile_a), sorted_free(&p->so); }
+
+/* Returns -1 (nothing allocated) for a slot id outside [-1, S). */
+static int plan_tiles(const int64_t *slot_ids, const float *weights, int t_, int k_, int s_, TilePlan *p) {
+    if (sort_pairs(slot_ids, weights, t_, k_, s_, &p->so)) return -1;
+    const Sorted *so = &p->so;
+    p->tile0 = malloc(sizeof(int) * ((size_t)so->na + 1));
+    p->ntiles = 0;
+    for (int a = 0; a < so->na; a++) {
+        p->tile0[a] = p->ntiles;
+        p->ntiles += (so->start[so->active[a] + 1] - so->start[so->active[a]] + 15) / 16;
+    }
+    p->tile0[so->na] = p->ntiles;
+    p->tile_a = malloc(sizeof(int) * ((size_t)p->ntiles + 1));
+    for (int a = 0; a < so->na; a++)
+        for (int tl = p->tile0[a]; tl < p->tile0[a + 1]; tl++) p->tile_a[tl] = a;
+    return 0;
+}
+
+/* first sorted pair of token tile tl, and how many of its 16 slots hold pairs */
+static inline int tile_first(const TilePlan *p, int tl, int *n) {
+    const int s = p->so.active[p->tile_a[tl]];
+    const int q0 = p->so.start[s] + (tl - p->tile0[p->tile_a[tl]]) * 16, end = p->so.start[s + 1];
+    *n = end - q0 < 16 ? end - q0 : 16;
+    return q0;
+}
+
+/* B tiles of one side (bf16: a k step = 16 pairs; int8: 16 quads, plus group scales) */
+static void btiles_alloc(QTiles *q, int kind, int ntiles, int c, int g) {
+    if (kind == TILES_BF16) {
+        memset(q, 0, sizeof *q);
+        q->ksteps = c / 32, q->groups = 1;
+        q->b = malloc(((size_t)ntiles * q->ksteps * 256 + 1) * 4);
+    } else {
+        qtiles_alloc(q, ntiles, c, g);
+    }
+}
+
+/* token slot j of tile tl <- a bf16 row [c] */
+static void btiles_put_bf16(const QTiles *q, int tl, int j, int c, const uint16_t *row) {
+    const uint32_t *src = (const uint32_t *)row;
+    uint32_t *dst = q->b + (size_t)tl * q->ksteps * 256 + j;
+    for (int p = 0; p < c / 2; p++) dst[(size_t)(p / 16) * 256 + (p % 16) * 16] = src[p];
+}
+
+/* What a call runs on: kind of tiles, the packed weights, per-thread scratch. */
+typedef struct {
+    int kind, wdtype, h, i, g13, g2;
+    const uint8_t *w13, *w2;
+    long row13, row2;
+} AmxCall;
+
+typedef struct {
+    float *c;          /* [1024] block result */
+    int32_t *cb;       /* [1024] int tiles of one group */
+    float *tmp;        /* [max(H, I)] */
+    uint16_t *wq;      /* [32, max(H, I)] quantised rows as bf16 (bf16 tiles only) */
+    uint8_t *nib;      /* [32, max(H, I)] int4 nibbles */
+} Scratch;
+
+static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
+    const size_t cmax = (size_t)(cl->h > cl->i ? cl->h : cl->i);
+    const int quant = cl->wdtype == 1 || cl->wdtype == 2;
+    sc->c = aligned_alloc(64, sizeof(float) * 1024);
+    sc->cb = aligned_alloc(64, sizeof(int32_t) * 1024);
+    sc->tmp = malloc(sizeof(float) * cmax);
+    sc->wq = cl->kind == TILES_BF16 && quant ? malloc(sizeof(uint16_t) * 32 * cmax) : NULL;
+    sc->nib = cl->kind == TILES_U8 ? malloc(32 * cmax) : NULL;
+}
+
+static void scratch_free(Scratch *sc) { free(sc->c), free(sc->cb), free(sc->tmp), free(sc->wq), free(sc->nib); }
+
+/* 32 packed rows from base (c inputs, group g) -> where the A tiles read them (in place, or
+ * bf16-dequantised / int4-unpacked into this thread's scratch) and their int8 group scales */
+__attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const uint8_t *base, long rowbytes,
+                                                        int c, int g, Scratch *sc) {
+    ARows ar = {{base, base + 16 * rowbytes}, rowbytes, 64, {NULL, NULL}, 1, 0};
+    if (cl->kind == TILES_BF16) {
+        if (cl->wdtype != 0) {
+            rows_to_bf16(base, rowbytes, 32, c, cl->wdtype, g, sc->tmp, sc->wq);
+            ar.a[0] = (const uint8_t *)sc->wq, ar.a[1] = (const uint8_t *)(sc->wq + (size_t)16 * c), ar.sa = 2L * c;
+        }
+        return ar;
+    }
+    const long body = cl->kind == TILES_U8 ? c / 2 : c;
+    if (q_tiled(cl->wdtype, 32, g)) {
+        /* issue 14q: tiled blocks (packing.py): k step ks of block h at a[h] + ks * 1024 (int8 read
+         * in place; int4 unpacked to the same order), rows 64 bytes apart, scales after each
+         * block's weights as [groups][16] */
+        ar.sa = 64, ar.kstep = 1024, ar.sg = 16, ar.sr = 1;
+        ar.s[0] = (const float *)(base + 16 * body), ar.s[1] = (const float *)(base + 16 * rowbytes + 16 * body);
+        if (cl->kind == TILES_U8) {
+            tiles_unpack_u4(base, rowbytes, 32, c, sc->nib);
+            ar.a[0] = sc->nib, ar.a[1] = sc->nib + (size_t)16 * c;
+        }
+        return ar;
+    }
+    /* row format: C int8 (or C/2 bytes of int4) then C/G fp32 scales per row */
+    ar.s[0] = (const float *)(base + body), ar.s[1] = (const float *)(base + 16 * rowbytes + body);
+    ar.sr = rowbytes / 4;
+    if (cl->kind == TILES_U8) {
+        unpack_nibbles(base, rowbytes, 32, c, g, sc->nib);
+        ar.a[0] = sc->nib, ar.a[1] = sc->nib + (size_t)16 * c, ar.sa = c;
+    }
+    return ar;
+}
+
+/* the 4 x 16 x 16 fp32 result of the 32 rows of ar x token tiles (tl, tl + 1 if two) */
+__attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows *ar, const QTiles *q, int tl, int two,
+                                                          const Prefetch *pf, Scratch *sc) {
+    if (kind == TILES_BF16) {
+        const uint32_t *b0 = q->b + (size_t)tl * q->ksteps * 256;
+        tile_steps(TILES_BF16, ar, b0, b0 + (size_t)q->ksteps * 256, two, 0, q->ksteps, pf, q->ksteps, sc->c);
+    } else if (kind == TILES_S8) {
+        q_block(TILES_S8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
+    } else {
+        q_block(TILES_U8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
+    }
+}
+
+/* Work split and prefetch, per call. Prefill-shaped calls (>= 2 token tiles per active expert on
+ * average) split both phases statically (each thread a contiguous range of blocks: the tiles'
+ * time is a large part of a block's, and blocks cost alike) with no row prefetch for bf16 (the
+ * hardware streams rows while the tiles run) and the next block prefetched to L2 for int8;
+ * decode-shaped calls (blocks are nearly pure row streaming) split dynamically (a slow thread
+ * cannot hold the barrier) with the rows prefetched ahead. Measured in bench_cpu_prefill.py runs
+ * (benchmarks/RESULTS.md, issue 14p); AMX_SPLIT (0 dynamic, 1 static) and AMX_PF (PF_*) force one
+ * for benchmark builds. */
+#ifndef AMX_SPLIT
+#define AMX_SPLIT -1
+#endif
+#ifndef AMX_PF
+#define AMX_PF -1
+#endif
+
+/* one call's shared state, read by every thread */
+typedef struct {
+    const AmxCall *cl;
+    const TilePlan *pl;
+    const QTiles *bx, *ba;
+    float *act, *out;
+    int qk, pf;
+} Ctx;
+
+/* phase 1, block it = (active expert a, features b*16 .. b*16 + 15) */
+__attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long it, Scratch *sc) {
+    const AmxCall *cl = cx->cl;
+    const TilePlan *pl = cx->pl;
+    const Sorted *so = &pl->so;
+    const int i_ = cl->i, nblk1 = i_ / 16;
+    const int a = (int)(it / nblk1), b = (int)(it % nblk1), s = so->active[a];
+    const uint8_t *base = cl->w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * cl->row13;
+    Prefetch pf = {cx->pf, NULL, 32 * cl->row13 / 64};
+    if (it + 1 < (long)so->na * nblk1) {
+        const int a2 = (int)((it + 1) / nblk1), b2 = (int)((it + 1) % nblk1);
+        pf.p = cl->w13 + ((size_t)so->active[a2] * 2 * i_ + (size_t)b2 * 32) * cl->row13;
+    }
+    const ARows ar = a_rows(cl, base, cl->row13, cl->h, cl->g13, sc);
+    for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
+        const int two = tl + 1 < pl->tile0[a + 1];
+        run_block(cl->kind, &ar, cx->bx, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
+        for (int u = 0; u < 1 + two; u++) {
+            float *g = sc->c + u * 512; /* [16 gate rows][16 tokens], then the up rows */
+            silu_mul_tile(g, g + 256);
+            if (!cx->qk) {
+                /* padding tokens have zero B columns: silu(0) * 0 = 0 stays a valid pad */
+                tile_to_bf16_pairs(g, b * 16, cx->ba->b + (size_t)(tl + u) * cx->ba->ksteps * 256);
+                continue;
+            }
+            int n;
+            const int q0 = tile_first(pl, tl + u, &n);
+            for (int j = 0; j < n; j++)
+                for (int r = 0; r < 16; r++) cx->act[(size_t)(q0 + j) * i_ + b * 16 + r] = g[r * 16 + j];
+        }
+    }
+}
+
+/* phase 2, output rows [hb0 * 32, hb1 * 32) over every active expert */
+__attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long hb0, long hb1, Scratch *sc) {
+    const AmxCall *cl = cx->cl;
+    const TilePlan *pl = cx->pl;
+    const Sorted *so = &pl->so;
+    const int h_ = cl->h;
+    for (int a = 0; a < so->na; a++) {
+        const int s = so->active[a];
+        for (long hb = hb0; hb < hb1; hb++) {
+            const uint8_t *base = cl->w2 + ((size_t)s * h_ + (size_t)hb * 32) * cl->row2;
+            /* next block: the next 32 rows, or the next expert's first rows of this range */
+            Prefetch pf = {cx->pf, base + 32 * cl->row2, 32 * cl->row2 / 64};
+            if (hb + 1 == hb1)
+                pf.p = a + 1 < so->na ? cl->w2 + ((size_t)so->active[a + 1] * h_ + (size_t)hb0 * 32) * cl->row2 : NULL;
+            const ARows ar = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc);
+            for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
+                const int two = tl + 1 < pl->tile0[a + 1];
+                run_block(cl->kind, &ar, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
+                for (int u = 0; u < 1 + two; u++) {
+                    int n;
+                    const int q0 = tile_first(pl, tl + u, &n);
+                    for (int j = 0; j < n; j++) {
+                        float *o = cx->out + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 32;
+                        const float w = so->wt[q0 + j];
+                        for (int r = 0; r < 16; r++) {
+                            o[r] += w * sc->c[u * 512 + r * 16 + j];
+                            o[16 + r] += w * sc->c[u * 512 + 256 + r * 16 + j];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#ifdef AMX_PROFILE
+/* seconds per stage, summed over calls (thread 0 after each barrier): gather, phase 1, phase-2
+ * B tiles, phase 2; before the threads start (sort, allocations); the whole call */
+static double amx_prof[6];
+void moe_amx_profile(double *out) {
+    memcpy(out, amx_prof, sizeof amx_prof);
+    memset(amx_prof, 0, sizeof amx_prof);
+}
+/* after a barrier */
+#define PROF(k, t0)                                 \
+    do {                                            \
+        if (omp_get_thread_num() == 0) {            \
+            const double now = omp_get_wtime();     \
+            amx_prof[k] += now - t0;                \
+            t0 = now;                               \
+        }                                           \
+    } while (0)
+#define PROF_AT(k, t0) (amx_prof[k] += omp_get_wtime() - (t0))
+#else
+#define PROF(k, t0) ((void)(t0))
+#define PROF_AT(k, t0) ((void)(t0))
+#endif
+
+/* Both entry points. x [T, H] fp32, out [T, H] fp32; act [T*K, I] fp32 scratch (int8 tiles). */
+__attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const float *x, const int64_t *slot_ids,
+                                                       const float *weights, int t_, int k_, int s_, float *act,
+                                                       float *out, int nthreads) {
+    const double t_call = omp_get_wtime();
+    TilePlan pl;
+    if (plan_tiles(slot_ids, weights, t_, k_, s_, &pl)) return -1;
+    const Sorted *so = &pl.so;
+    const int h_ = cl->h, i_ = cl->i, kind = cl->kind, qk = kind != TILES_BF16;
+    const int bias = kind == TILES_U8 ? 8 : 0, ng13 = h_ / cl->g13;
+    QTiles bx, ba; /* B tiles of phase 1 (over H) and phase 2 (over I) */
+    btiles_alloc(&bx, kind, pl.ntiles, h_, cl->g13);
+    btiles_alloc(&ba, kind, pl.ntiles, i_, cl->g2);
+    /* each token converted once (bf16, or int8 with group scales), then copied to its tiles */
+    uint16_t *xh = qk ? NULL : malloc(sizeof(uint16_t) * ((size_t)t_ * h_ + 1));
+    int8_t *xq = qk ? malloc((size_t)t_ * h_ + 1) : NULL;
+    float *xsc = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
+    float *xcs = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
+    const int nblk1 = i_ / 16, nblk2 = h_ / 32;
+    const int prefill = pl.ntiles >= 2 * so->na;
+    const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill;
+    const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? PF_NEXT : PF_NONE;
+    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf};
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_config();
+        Scratch sc;
+        scratch_alloc(&sc, cl);
+        double t0 = omp_get_wtime();
+        if (omp_get_thread_num() == 0) PROF_AT(4, t_call);
+#pragma omp for schedule(static)
+        for (int t = 0; t < t_; t++) {
+            memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
+            if (qk)
+                quant_act(x + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
+                          xcs + (size_t)t * ng13);
+            else
+                row_to_bf16_amx(x + (size_t)t * h_, h_, xh + (size_t)t * h_);
+        }
+#pragma omp for schedule(static)
+        for (int tl = 0; tl < pl.ntiles; tl++) {
+            int n;
+            const int q0 = tile_first(&pl, tl, &n);
+            for (int j = 0; j < n; j++) {
+                const size_t t = (size_t)so->tok[q0 + j];
+                if (qk)
+                    qtiles_put(&bx, tl, j, h_, cl->g13, bias, xq + t * h_, xsc + t * ng13, xcs + t * ng13);
+                else
+                    btiles_put_bf16(&bx, tl, j, h_, xh + t * h_);
+            }
+            for (int j = n; j < 16; j++) qtiles_pad(&bx, tl, j);
+        }
+        COMPILER_FENCE();
+        PROF(0, t0);
+        /* phase 1: blocks (expert, 16 features), expert-major */
+        const long items1 = (long)so->na * nblk1;
+        if (split_static) {
+#pragma omp for schedule(static) nowait
+            for (long it = 0; it < items1; it++) phase1_block(&cx, it, &sc);
+        } else {
+#pragma omp for schedule(dynamic, 4) nowait
+            for (long it = 0; it < items1; it++) phase1_block(&cx, it, &sc);
+        }
+        COMPILER_FENCE();
+#pragma omp barrier
+        PROF(1, t0);
+        if (qk) {
+            /* the pairs' intermediate rows quantised into phase 2's B tiles */
+            int8_t *q8 = malloc((size_t)i_);
+            float *qs = malloc(sizeof(float) * (size_t)i_), *qc = malloc(sizeof(float) * (size_t)i_);
+#pragma omp for schedule(static)
+            for (int tl = 0; tl < pl.ntiles; tl++) {
+                int n;
+                const int q0 = tile_first(&pl, tl, &n);
+                for (int j = 0; j < n; j++) {
+                    quant_act(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8, qs, qc);
+                    qtiles_put(&ba, tl, j, i_, cl->g2, bias, q8, qs, qc);
+                }
+                for (int j = n; j < 16; j++) qtiles_pad(&ba, tl, j);
+            }
+            free(q8), free(qs), free(qc);
+        }
+        COMPILER_FENCE();
+        PROF(2, t0);
+        /* phase 2: ranges of 32-row output blocks, each over every expert */
+        if (split_static) {
+            const int nth = omp_get_num_threads(), per = (nblk2 + nth - 1) / nth;
+#pragma omp for schedule(static) nowait
+            for (int r = 0; r < nth; r++)
+                phase2_rows(&cx, (long)r * per, (r + 1) * per < nblk2 ? (long)(r + 1) * per : nblk2, &sc);
+        } else {
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int hb = 0; hb < nblk2; hb++) phase2_rows(&cx, hb, hb + 1, &sc);
+        }
+#pragma omp barrier
+        PROF(3, t0);
+        amx_release();
+        scratch_free(&sc);
+    }
+    qtiles_free(&bx), qtiles_free(&ba);
+    free(xh), free(xq), free(xsc), free(xcs);
+    plan_free(&pl);
+    PROF_AT(5, t_call);
+    return 0;
+}
+
+/* bf16 tiles (weights bf16, or int8/int4 dequantised per block). Same arguments as moe_decode
+ * without act/caps/qact. Returns 0, -1 for a bad slot id, -2 for a shape the tiles do not cover. */
+int moe_amx(const float *x, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
+            const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int rb, int wdtype, int g13,
+            int g2, float *out, int nthreads) {
+    if (rb != 16 || h_ % 32 || i_ % 32) return -2;
+    const AmxCall cl = {TILES_BF16, wdtype, h_, i_, g13, g2, w13, w2, row13, row2};
+    return amx_moe(&cl, x, slot_ids, weights, t_, k_, s_, NULL, out, nthreads);
+}
+
+/* int8 tiles: wdtype 1 (int8) or 2 (int4) with G % 64 == 0, activations quantised per token and
+ * group; act [T*K, I] fp32 scratch. Returns as moe_amx. */
+int moe_amx_q(const float *x, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
+              const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int rb, int wdtype,
+              int g13, int g2, float *act, float *out, int nthreads) {
+    if (rb != 16 || g13 % 64 || g2 % 64 || h_ % g13 || i_ % g2 || (wdtype != 1 && wdtype != 2)) return -2;
+    const AmxCall cl = {wdtype == 1 ? TILES_S8 : TILES_U8, wdtype, h_, i_, g13, g2, w13, w2, row13, row2};
+    return amx_moe(&cl, x, slot_ids, weights, t_, k_, s_, act, out, nthreads);
+}
