@@ -7,10 +7,13 @@ with one patch chosen by the first argument (no flag of the product misbehaves o
         every gRPC answer's tensor lacks its last byte (it does not decode)
     python tests/hostile_server.py descriptor cpu-server --model DIR ...
         every successful fast-path answer carries a corrupted response descriptor
+    python tests/hostile_server.py seq cpu-server --model DIR ...
+        every successful fast-path answer names a sequence number that was never sent
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -57,6 +60,15 @@ def _corrupt_descriptors() -> None:
     dsc.Response.pack = bad_pack  # type: ignore[method-assign]
 
 
+def _wrong_seqs() -> None:
+    pack = dsc.Response.pack
+
+    def bad_pack(self):
+        return pack(self if self.code else dataclasses.replace(self, seq=self.seq + (1 << 20)))
+
+    dsc.Response.pack = bad_pack  # type: ignore[method-assign]
+
+
 def main() -> int:
     mode, rest = sys.argv[1], sys.argv[2:]
     if mode == "shape":
@@ -66,6 +78,8 @@ def main() -> int:
         _truncated_tensors()
     elif mode == "descriptor":
         _corrupt_descriptors()
+    elif mode == "seq":
+        _wrong_seqs()
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     return cli.main(rest)

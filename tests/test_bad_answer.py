@@ -74,7 +74,8 @@ def record_marks(d) -> list[tuple[int, str]]:
 
 
 @pytest.mark.parametrize(
-    "transport,mode", [("grpc", ("shape", "0")), ("grpc", ("bytes",)), ("shm", ("descriptor",))]
+    "transport,mode",
+    [("grpc", ("shape", "0")), ("grpc", ("bytes",)), ("shm", ("descriptor",)), ("shm", ("seq",))],
 )
 def test_a_malformed_answer_fails_over_to_a_replica(ckpt, good, tmp_path, caplog, transport, mode):
     bad = start_hostile(ckpt, *mode)
