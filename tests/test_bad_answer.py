@@ -173,3 +173,15 @@ def test_without_a_replica_only_the_requests_needing_it_fail(ckpt, good, tmp_pat
         d.close()
     finally:
         bad.stop()
+
+
+def test_the_answer_check_names_what_is_wrong():
+    from coordinator.remote import _malformed
+
+    assert _malformed(torch.zeros(3, 4), 3, 4) == ""
+    assert _malformed(torch.zeros(3, 4, dtype=torch.bfloat16), 3, 4) == ""
+    assert _malformed(torch.zeros(3, 5), 3, 4) == "shape [3, 5] for 3 rows of hidden size 4"
+    assert _malformed(torch.zeros(12), 3, 4).startswith("shape [12]")
+    assert _malformed(torch.zeros(3, 4, dtype=torch.int32), 3, 4).startswith("dtype int32")
+    # NaN/Inf are no malformation: a model can produce them (see _malformed's docstring)
+    assert _malformed(torch.full((3, 4), float("nan")), 3, 4) == ""
