@@ -33,7 +33,7 @@ from expertmesh import auth, errors, status, tls, wire
 from expertmesh.net import device_uuid, grpc_options
 from expertmesh.transport import cuda_ipc, negotiate
 from expertmesh.transport.client import Reply, ShmClient
-from expertmesh.transport.errors import Rejected
+from expertmesh.transport.errors import MalformedAnswer, Rejected
 from expertmesh.transport.handshake import Ack, HandshakeError
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
@@ -74,14 +74,18 @@ class _Stream:
 class GrpcReply:
     """An answer due on the gRPC stream."""
 
-    def __init__(self, fut: Future) -> None:
-        self.fut = fut
+    def __init__(self, fut: Future, conn: ServerConnection | None = None, layer: int = -1) -> None:
+        self.fut, self.conn, self.layer = fut, conn, layer
         self.compute_ms: float | None = None  # the server's own compute time (EPLB speeds)
 
     def result(self, timeout: float) -> torch.Tensor:  # [T_s, H]
         resp = self.fut.result(timeout=timeout)
         self.compute_ms = resp.compute_ms
-        return wire.decode(resp.output, "output")
+        try:
+            return wire.decode(resp.output, "output")
+        except wire.WireError as e:  # issue 15h: the server's fault, not the request's
+            assert self.conn is not None  # a reply with no connection never got an answer
+            raise self.conn.bad_answer(self.layer, e.message) from None
 
     def release(self) -> None:
         pass
@@ -93,8 +97,8 @@ class GrpcReply:
 class FastReply:
     """An answer due on the stream's fast path (its output is a view into the ring)."""
 
-    def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply) -> None:
-        self.conn, self.st, self.reply = conn, st, reply
+    def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply, layer: int = -1) -> None:
+        self.conn, self.st, self.reply, self.layer = conn, st, reply, layer
 
     def result(self, timeout: float) -> torch.Tensor:  # [T_s, H], a view valid until release()
         try:
@@ -102,6 +106,8 @@ class FastReply:
         except Rejected as e:  # the fast channel's failure, with its gRPC status
             if self.st.dead is not None:  # the stream died: its error says why
                 raise self.st.dead from None
+            if isinstance(e.error, MalformedAnswer):  # issue 15h: a server fault, it fails over
+                raise self.conn.bad_answer(self.layer, e.message, self.st) from None
             # the server refused the request: as on the gRPC path, that ends the stream
             err = ExpertServerError(
                 e.code, f"{self.conn.describe_self()}: {e.code.name}: {e.message}", e.error
@@ -150,6 +156,20 @@ class ServerConnection:
 
     def describe_self(self) -> str:
         return f"expert server {self.spec.name} ({self.spec.address})"
+
+    def bad_answer(self, layer: int, what: str, st: _Stream | None = None) -> ExpertServerError:
+        """issue 15h: the server answered ``layer`` with something that is not its output.
+        That is the server failing the layer, as if it had died: its stream ends (the cluster
+        marks it down through ``on_down`` and brings it back as for any loss), and the
+        returned UNAVAILABLE error sends the rows to live replicas (coordinator/remote.py)."""
+        err = ExpertServerError.of(
+            MalformedAnswer(f"{self.describe_self()} answered layer {layer} with a malformed output: {what}")
+        )
+        log.error("%s; marking it down, its rows go to live replicas", err)
+        st = st if st is not None else self._stream
+        if st is not None:
+            self.end_stream(st, err)
+        return err
 
     # ------------------------------------------------------------ control plane
 
@@ -425,9 +445,9 @@ class ServerConnection:
         if st.fast is not None and st.dead is None:
             r = st.fast.send(req, dtype)
             if r is not None:
-                return FastReply(self, st, r)
+                return FastReply(self, st, r, req.layer)
             self.fast_fallbacks += 1
-        return GrpcReply(self._send(st, wire.encode_request(req, dtype)))
+        return GrpcReply(self._send(st, wire.encode_request(req, dtype)), self, req.layer)
 
     def _send(self, st: _Stream, msg: pb.ForwardRequest) -> Future:
         fut: Future = Future()

@@ -31,6 +31,7 @@ from coordinator.expert_conn import ExpertReply, ExpertServerError, FastReply, S
 from expertmesh import errors
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
+from expertmesh.transport.errors import MalformedAnswer
 from expertmesh.worker_api import ExpertRequest
 
 __all__ = ["ClusterConfig", "ExpertServerError", "RemoteDispatcher", "ServerConnection", "ServerSpec"]
@@ -412,13 +413,29 @@ class RemoteDispatcher(Dispatcher):
                     f"within {self.cluster.timeout_s:g}s"
                 )
             ) from None
-        if tuple(part.shape) != (b.rows.numel(), hidden):
-            raise ExpertServerError.of(
-                errors.Internal(
-                    f"{conn.spec.name} returned shape {list(part.shape)} for {b.rows.numel()} rows"
-                )
-            )
+        except ExpertServerError as e:
+            if isinstance(e.error, MalformedAnswer):  # issue 15h: as for a lost server
+                self.expert_cluster.mark_down(b.server, e)
+            raise
+        # issue 15h: an answer of the wrong shape or kind is the server failing the layer (its
+        # rows go to live replicas), never a sum of garbage nor the step's INTERNAL error
+        what = _malformed(part, b.rows.numel(), hidden)
+        if what:
+            err = conn.bad_answer(layer, what)
+            self.expert_cluster.mark_down(b.server, err)
+            raise err
         return part
+
+
+def _malformed(part: torch.Tensor, rows: int, hidden: int) -> str:
+    """issue 15h: why ``part`` cannot be the ``[rows, hidden]`` partial sum sent for ("" if it can).
+    NaN/Inf are not checked: an overflow in the model yields them in process too, and a
+    reduction over every answer would cost the hot path (and mark healthy replicas down)."""
+    if tuple(part.shape) != (rows, hidden):
+        return f"shape {list(part.shape)} for {rows} rows of hidden size {hidden}"
+    if not part.dtype.is_floating_point:
+        return f"dtype {str(part.dtype).removeprefix('torch.')}, expected a floating-point tensor"
+    return ""
 
 
 def _accumulate(dst: torch.Tensor, b: pl.ServerBatch, part: torch.Tensor, started: bool) -> None:

@@ -15,6 +15,14 @@ The cluster is closed to other local users' placement pushes: the children share
 token (``EXPERTMESH_CLUSTER_TOKEN`` if set, else a fresh random one) given to them through their
 environment, not their command lines (which ``ps`` shows every user). The coordinator binds
 loopback by default, where its Admin service needs no admin token.
+
+With ``--tls-cert/--tls-key`` (and usually ``--tls-ca``; the same flags and ``EXPERTMESH_TLS_*``
+variables as the other commands, expertmesh/tls.py) every hop is TLS: both expert servers serve
+that certificate and, given the CA, require a client certificate from it; the coordinator
+serves it on its public port (and HTTPS) and presents it to the expert servers. One certificate
+for the three processes, so it must name 127.0.0.1 (or ``--tls-server-name``'s name) and allow
+both server and client authentication. This process's own health checks and ``--prompt`` are
+TLS clients that trust ``--tls-ca``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expertmesh import auth, cores
+from expertmesh.tls import TLSConfig
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 # issue 16: the coordinator's HTTP port and the expert servers' metrics ports
@@ -163,6 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="print one completion of this prompt once serving, then stop everything",
     )
     p.add_argument("--max-new-tokens", type=int, default=32, help="for --prompt")
+    TLSConfig.add_arguments(p, "coordinator")  # issue 15h: passed on to all three processes
 
 
 def demo_dir() -> Path:
@@ -209,10 +219,31 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, **{auth.CLUSTER_TOKEN_ENV: token})
 
 
+def tls_flags(tls: TLSConfig) -> tuple[list[str], list[str]]:
+    """issue 15h: (the expert servers' TLS flags, the coordinator's). Paths are made absolute;
+    the children get them as flags, so that a flag given to ``up`` wins over their environment
+    exactly as it would for ``up`` itself."""
+    if not tls.server_enabled:
+        return [], []
+    server = []
+    for flag, path in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-ca", tls.ca)):
+        server += [flag, str(Path(path).resolve())] if path else []
+    coord = [*server, *(["--tls-server-name", tls.server_name] if tls.server_name else [])]
+    return server, coord
+
+
+def client_tls(tls: TLSConfig) -> TLSConfig | None:
+    """This process as a client of its coordinator: trusts ``--tls-ca`` (no client certificate:
+    the coordinator's public port never asks for one)."""
+    return TLSConfig(ca=tls.ca, server_name=tls.server_name) if tls.server_enabled else None
+
+
 def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> tuple[Child, Child, list[str]]:
     cli = [sys.executable, "-m", "expertmesh.cli"]
     threads, spin = core_plan(args)
+    server_tls, coord_tls = tls_flags(TLSConfig.from_args(args))
     common = ["--model", str(model), "--dtype", args.dtype, "--port", "0", "--shm-spin-us", f"{spin:g}"]
+    common += server_tls
     if args.http_port >= 0:  # with the coordinator's HTTP on, the servers' metrics too (free ports)
         common += ["--metrics-port", "0"]
     gpu_cmd = [*cli, "gpu-server", *common, "--threads", str(threads["gpu-server"])]
@@ -228,7 +259,7 @@ def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> t
         coord_tail += ["--kv-memory", args.kv_memory]
     if args.http_port >= 0:
         coord_tail += ["--http-port", str(args.http_port)]
-    coord_cmd = [*cli, "coordinator", "--model", str(model), "--dtype", args.dtype, *coord_tail]
+    coord_cmd = [*cli, "coordinator", "--model", str(model), "--dtype", args.dtype, *coord_tail, *coord_tls]
     return Child("gpu-server", gpu_cmd, args.verbose), Child("cpu-server", cpu_cmd, args.verbose), coord_cmd
 
 
@@ -242,7 +273,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = resolve_model(args)
         num_experts = ModelConfig.from_dir(model).num_experts
-    except (ValueError, OSError) as e:  # ConfigError, DemoModelMissing, unreadable directory
+        tls = TLSConfig.from_args(args)  # issue 15h: a missing file or a lone --tls-cert fails here
+        if (tls.ca or tls.server_name) and not tls.server_enabled:
+            raise ValueError(
+                "--tls-ca/--tls-server-name need --tls-cert and --tls-key here: "
+                "one certificate serves all three processes of `expertmesh up`"
+            )
+    except (ValueError, OSError) as e:  # ConfigError, DemoModelMissing, TLSError, unreadable directory
         print(f"error: {e}", file=sys.stderr)
         return 2
     gpu, cpu, coord_cmd = build_children(args, model, num_experts)
@@ -277,6 +314,7 @@ def _wait(children: list[Child], stop: threading.Event, until, timeout: float, w
 def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Child], stop) -> int:
     from expertmesh.health import check
 
+    tls = client_tls(TLSConfig.from_args(args))
     try:
         for c in (gpu, cpu):
             c.start()
@@ -293,7 +331,13 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
         _wait(children, stop, lambda: coord.port, args.startup_timeout, "the coordinator")
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         addr = f"{host}:{coord.port}"
-        _wait(children, stop, lambda: check(addr, 1.0) == "SERVING", args.startup_timeout, "health SERVING")
+        _wait(
+            children,
+            stop,
+            lambda: check(addr, 1.0, tls=tls) == "SERVING",
+            args.startup_timeout,
+            "health SERVING",
+        )
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -306,8 +350,9 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
         flush=True,
     )
     if coord.http_port is not None and args.prompt is None:
+        web = "https" if tls is not None else "http"  # the coordinator's HTTP uses its certificate
         print(
-            f"  OpenAI-compatible API http://{host}:{coord.http_port}/v1, Prometheus http://{host}:{coord.http_port}/metrics",
+            f"  OpenAI-compatible API {web}://{host}:{coord.http_port}/v1, Prometheus {web}://{host}:{coord.http_port}/metrics",
             file=sys.stderr,
             flush=True,
         )
@@ -322,7 +367,7 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
         flush=True,
     )
     if args.prompt is not None:
-        return _complete(addr, args.prompt, args.max_new_tokens)
+        return _complete(addr, args.prompt, args.max_new_tokens, tls)
     while not stop.wait(0.5):
         dead = [c for c in children if not c.alive()]
         if dead:
@@ -332,14 +377,14 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
     return 0
 
 
-def _complete(addr: str, prompt: str, max_new_tokens: int) -> int:
+def _complete(addr: str, prompt: str, max_new_tokens: int, tls: TLSConfig | None = None) -> int:
     """Streams one completion of ``prompt`` to stdout (the ``make demo`` path)."""
     import grpc
 
     from expertmesh.client import Client
 
     try:
-        with Client(addr) as client:
+        with Client(addr, tls=tls) as client:
             sys.stdout.write(prompt)
             for chunk in client.stream(prompt, max_new_tokens=max_new_tokens):
                 sys.stdout.write(chunk.text)

@@ -32,7 +32,7 @@ from expertmesh import errors
 from expertmesh.net import device_uuid
 from expertmesh.transport import cuda_ipc, segment
 from expertmesh.transport import descriptor as dsc
-from expertmesh.transport.errors import Rejected
+from expertmesh.transport.errors import MalformedAnswer, Rejected
 from expertmesh.transport.handshake import Ack, CudaHello, Hello
 from expertmesh.transport.layout import (
     HEADER,
@@ -130,6 +130,7 @@ class ShmClient:
         self._spin = Spin(spin_us)
         self._answers: dict[int, dsc.Response] = {}  # arrived before their waiter asked
         self._orphans: dict[int, Reply] = {}  # abandoned: freed when their answer arrives
+        self._inflight: set[int] = set()  # issue 15h: seqs posted and not answered yet
         self._lock = threading.Lock()  # held by a waiter while it reads the response FIFO
         self._state = threading.Lock()  # guards _dead/_closed against kill() from other threads
         self._dead: Rejected | None = None
@@ -318,6 +319,7 @@ class ShmClient:
         desc = dsc.Request(
             req.seq, req.generation, req.layer, t, h, k, dtype, dtype, h_off, r_off, o_off, flags
         )
+        self._inflight.add(req.seq)  # before the descriptor: the answer may follow at once
         os.write(self._req_fd, desc.pack())
         self._sent = (self._sent + 1) & 0xFFFFFFFF
         self._words[REQUESTS_WORD] = self._sent  # after the write: a spinning server may read it now
@@ -358,11 +360,16 @@ class ShmClient:
                 try:
                     r = dsc.Response.parse(raw)
                 except dsc.DescriptorError as e:
-                    self.kill(Rejected(errors.Internal(f"bad response from the server: {e}")))
+                    # issue 15h: a server fault (its rows fail over), not a refused request
+                    self.kill(Rejected(MalformedAnswer(f"bad response descriptor: {e}")))
                     continue
                 if r.code:  # the server stops serving the channel after any error
                     self.kill(Rejected(errors.from_status(r.code, r.message)))
                     continue
+                if r.seq not in self._inflight:  # issue 15h: would leave the real answer unread
+                    self.kill(Rejected(MalformedAnswer(f"an answer for seq {r.seq}, which is not in flight")))
+                    continue
+                self._inflight.discard(r.seq)
                 orphan = self._orphans.pop(r.seq, None)
                 if orphan is not None:
                     self._retire(orphan)

@@ -6,7 +6,7 @@ given. The server's end (transport/server.py) deals in typed errors and status n
 from __future__ import annotations
 
 from expertmesh import status
-from expertmesh.errors import ExpertMeshError
+from expertmesh.errors import ExpertMeshError, Unavailable
 
 
 class Rejected(Exception):
@@ -17,3 +17,10 @@ class Rejected(Exception):
         super().__init__(error.message)
         self.error, self.message = error, error.message
         self.code = status.grpc_code(error)
+
+
+class MalformedAnswer(Unavailable):
+    """An expert server's answer that is not the layer's output (a tensor that does not decode,
+    a wrong shape or dtype for the rows sent, a corrupted fast-path descriptor): the SERVER
+    failed, not the request, so its status is UNAVAILABLE and the coordinator sends the rows to
+    a live replica (issue 15h)."""
