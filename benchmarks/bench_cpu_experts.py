@@ -260,21 +260,7 @@ def bench_model(
                 s = timeit(
                     lambda r, f=backend.forward, a=a, b=b, x=x, rs=routes: f(x, a, b, *rs[r % 16]), reps
                 )
-                gbps = n_active * per_expert / s / 1e9
-                rows.append(
-                    {
-                        "model": name,
-                        "T": t,
-                        "weights": label + suffix,
-                        "ms": s * 1e3,
-                        "GBps": gbps,
-                        "pct_bw": 100 * gbps / bw,
-                        "TFLOPs": 2 * t * k * 3 * h * i / s / 1e12,
-                        "tok_s": t / s,
-                        "rel_err": err,
-                    }  # fmt: skip
-                )
-                print(json.dumps(rows[-1]), flush=True)
+                rows.append(result_row(name, t, label + suffix, s, n_active * per_expert, bw, err))
         if splits:
             rows += split_rows(name, t, backends, splits, amx, x, routes, ref, n_active, bw, reps)
     return rows
@@ -299,23 +285,28 @@ def split_rows(name, t, backends, splits, amx, x, routes, ref, n_active, bw, rep
     secs = timeit_interleaved([fn for _, fn, _, _ in group], reps)
     rows = []
     for (tag, _, per_expert, err), s in zip(group, secs, strict=True):
-        gbps = n_active * per_expert / s / 1e9
-        h, i, _, k = MODELS[name]
-        rows.append(
-            {
-                "model": name,
-                "T": t,
-                "weights": tag,
-                "ms": s * 1e3,
-                "GBps": gbps,
-                "pct_bw": 100 * gbps / bw,
-                "TFLOPs": 2 * t * k * 3 * h * i / s / 1e12,
-                "tok_s": t / s,
-                "rel_err": err,
-            }  # fmt: skip
-        )
-        print(json.dumps(rows[-1]), flush=True)
+        rows.append(result_row(name, t, tag, s, n_active * per_expert, bw, err))
     return rows
+
+
+def result_row(name: str, t: int, tag: str, s: float, nbytes: int, bw: float, err: float) -> dict:
+    """One timed path: ``s`` seconds per layer reading ``nbytes`` of active expert weights;
+    printed as it is made (a long run shows its progress)."""
+    h, i, _, k = MODELS[name]
+    gbps = nbytes / s / 1e9
+    row = {
+        "model": name,
+        "T": t,
+        "weights": tag,
+        "ms": s * 1e3,
+        "GBps": gbps,
+        "pct_bw": 100 * gbps / bw,
+        "TFLOPs": 2 * t * k * 3 * h * i / s / 1e12,
+        "tok_s": t / s,
+        "rel_err": err,
+    }
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def force(backend: CpuExpertBackend, suffix: str, amx: bool) -> None:

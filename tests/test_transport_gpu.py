@@ -20,10 +20,8 @@ from tests.test_transport_cluster import PROMPT, mapped_segments, wait_until
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def test_cuda_ipc_matches_every_other_path(tmp_path, monkeypatch):
-    make_checkpoint("qwen3_moe", tmp_path)
-    srv = start_server("gpu", tmp_path, 0, "--device", "cuda", timeout=300)
-    servers = (ServerSpec("gpu0", srv.address, "gpu"),)
+def fast_reply_devices(monkeypatch) -> list[torch.device]:
+    """The device of every answer read on the fast path from now on (a list this fills)."""
     seen: list[torch.device] = []
     result = remote._FastReply.result
 
@@ -33,6 +31,14 @@ def test_cuda_ipc_matches_every_other_path(tmp_path, monkeypatch):
         return part
 
     monkeypatch.setattr(remote._FastReply, "result", spy)
+    return seen
+
+
+def test_cuda_ipc_matches_every_other_path(tmp_path, monkeypatch):
+    make_checkpoint("qwen3_moe", tmp_path)
+    srv = start_server("gpu", tmp_path, 0, "--device", "cuda", timeout=300)
+    servers = (ServerSpec("gpu0", srv.address, "gpu"),)
+    seen = fast_reply_devices(monkeypatch)
     try:
         runs = {}
         for transport in ["grpc", "shm", "cuda_ipc", "auto"]:
@@ -95,15 +101,7 @@ def test_cuda_ipc_between_two_gpus(tmp_path, monkeypatch):
     srv = start_server("gpu", tmp_path, 0, "--device", "cuda:1", timeout=300)
     servers = (ServerSpec("gpu1", srv.address, "gpu"),)
     peer = torch.cuda.can_device_access_peer(0, 1)
-    seen: list[torch.device] = []
-    result = remote._FastReply.result
-
-    def spy(self, timeout):
-        part = result(self, timeout)
-        seen.append(part.device)
-        return part
-
-    monkeypatch.setattr(remote._FastReply, "result", spy)
+    seen = fast_reply_devices(monkeypatch)
     try:
         runs = {}
         for transport in ["grpc", "shm", "auto"]:
