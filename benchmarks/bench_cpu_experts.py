@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from cpu_expert_server import kernels
-from cpu_expert_server.backend import GEMV_MAX_TOKENS, CpuExpertBackend
+from cpu_expert_server.backend import CpuExpertBackend
 from expertmesh.experts import TorchExpertBackend
 
 MODELS = {  # name: (H, I, experts, top-k)
@@ -310,8 +310,8 @@ def result_row(name: str, t: int, tag: str, s: float, nbytes: int, bw: float, er
 
 
 def force(backend: CpuExpertBackend, suffix: str, amx: bool) -> None:
-    """Point the backend at one path ("" = its own choice)."""
-    backend.gemv_max_tokens = {"": GEMV_MAX_TOKENS, "/kernel": 10**9, "/fp32dot": 10**9}.get(suffix, 0)
+    """Point the backend at one path ("" = its own choice: gemv_max_tokens None)."""
+    backend.gemv_max_tokens = {"": None, "/kernel": 10**9, "/fp32dot": 10**9}.get(suffix, 0)
     backend.amx = amx and suffix in ("", "/amx")
     backend.qact = suffix != "/fp32dot"
     full = CAPS

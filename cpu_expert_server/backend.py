@@ -46,6 +46,11 @@ KERNEL_DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 3}
 # integer dots over tiled blocks (issue 14q, lent host: the kernel won up to 4 (Qwen3 T=64: int8
 # 7.3 vs 7.6 ms, int4 8.1 vs 8.9), AMX from 6 (DeepSeek-V2-Lite T=64: 6.8 vs 8.1, 8.3 vs 11.4))
 AMX_INT_MIN_TOKENS = 4
+# mean tokens per expert up to which int8/int4 weights with integer dots stay in the decode kernel
+# on CPUs without AMX (issue 14a, 2-core AVX2: at 32-64 tokens per expert the kernel took about
+# half the time of dequantising every active expert to fp32 for torch's GEMMs, and one OpenMP
+# region per call instead of several per expert keeps it steady next to busy neighbours)
+GEMV_INT_MAX_TOKENS = 64
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -67,13 +72,15 @@ class CpuExpertBackend(ExpertBackend):
         threads: int | None = None,
         weight_dtype: str = "bfloat16",
         group: int | None = None,
-        gemv_max_tokens: int = GEMV_MAX_TOKENS,
+        gemv_max_tokens: int | None = None,
         use_kernel: bool = True,
         caps: int | None = None,
         qact: bool = True,
     ) -> None:
         """``caps``: the kernels' CPU capability bits (default: this CPU's, kernels.cpu_caps);
-        ``qact``: int8/int4 decode may quantise activations (integer dot products)."""
+        ``qact``: int8/int4 decode may quantise activations (integer dot products);
+        ``gemv_max_tokens``: mean tokens per expert the decode kernel takes (None: by format and
+        CPU, :meth:`gemv_limit`; a number forces it, as benches and tests do)."""
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         self.threads = threads or torch.get_num_threads()
@@ -110,7 +117,7 @@ class CpuExpertBackend(ExpertBackend):
         per_expert = pairs / max(1, min(w13.shape[0], pairs))  # a lower bound on the mean
         if self.lib is not None and wcode is not None and self._use_amx(x, wcode, pairs, per_expert):
             return self._amx(x, w13, w2, slot_ids, weights, wcode)
-        if self.lib is not None and wcode is not None and per_expert <= self.gemv_max_tokens:
+        if self.lib is not None and wcode is not None and per_expert <= self.gemv_limit():
             return self._decode(x, w13, w2, slot_ids, weights, wcode)
         return self._by_expert(x, w13, w2, slot_ids, weights)
 
@@ -130,9 +137,23 @@ class CpuExpertBackend(ExpertBackend):
         if wcode == 0 and x.dtype == torch.bfloat16:
             return True
         if self._amx_int():
-            return per_expert > min(AMX_INT_MIN_TOKENS, self.gemv_max_tokens)
+            return per_expert > min(AMX_INT_MIN_TOKENS, self.gemv_limit())
         # quantised weights dequantised to bf16 tiles: prefill only (a bf16 server)
-        return fmt.quantised and x.dtype == torch.bfloat16 and per_expert > self.gemv_max_tokens
+        return fmt.quantised and x.dtype == torch.bfloat16 and per_expert > self.gemv_limit()
+
+    def gemv_limit(self) -> int:
+        """Mean tokens per expert up to which calls go to the decode kernel: the forced value,
+        else GEMV_INT_MAX_TOKENS for int8/int4 on integer dots without AMX (dequantising every
+        active expert for torch's GEMMs costs more there than the integer dots save, issue 14a),
+        else GEMV_MAX_TOKENS. AMX hosts keep GEMV_MAX_TOKENS: their dispatch is unchanged."""
+        if self.gemv_max_tokens is not None:
+            return self.gemv_max_tokens
+        fmt = self.fmt
+        if self.amx or self.lib is None or fmt is None or not fmt.quantised or not self.qact:
+            return GEMV_MAX_TOKENS
+        code = kernels.WDTYPE_CODE[fmt.wdtype]
+        kind = self.lib.moe_dot_kind(self.caps, code, fmt.hidden, fmt.inter, fmt.g13, fmt.g2, 1)
+        return GEMV_INT_MAX_TOKENS if kernels.DOT_KINDS[kind].startswith("int8-dot") else GEMV_MAX_TOKENS
 
     def dot_kind(self) -> str:
         """Which dot products the decode kernel uses for the packed format (for logs and benches)."""

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cpu_expert_server import kernels
-from cpu_expert_server.backend import CpuExpertBackend, make_backend
+from cpu_expert_server.backend import GEMV_INT_MAX_TOKENS, GEMV_MAX_TOKENS, CpuExpertBackend, make_backend
 from cpu_expert_server.packing import (
     QMAX,
     PackedFormat,
@@ -488,3 +488,52 @@ def test_vnni_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
         monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", mode)
         for _ in range(3):  # dynamic splits differ from call to call
             assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static), mode
+
+
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+def test_int_prefill_without_amx_stays_in_the_decode_kernel(monkeypatch, wdtype):
+    """Issue 14a: without AMX, int8/int4 on integer dots serve up to GEMV_INT_MAX_TOKENS tokens
+    per expert with the decode kernel (against the activation-quantising reference), above that
+    the dequantise + GEMM path (against the dequantised reference); a forced gemv_max_tokens, AMX,
+    qact=False and groups without integer dots keep the old limit."""
+    if kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    h, i = 256, 128  # noqa: E741
+    x, w13, w2, slot_ids, weights = inputs(200, torch.float32, seed=800, h=h, i=i)
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=128, caps=caps_of("avx2"))
+    p13, p2 = b.pack_weights(w13, w2)
+    assert b.fmt is not None and b.dot_kind() == "int8-dot avx2"
+    assert b.gemv_limit() == GEMV_INT_MAX_TOKENS == 64
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+
+    def refuse(path: str):
+        def call(*args, **kwargs):
+            raise AssertionError(f"the call went to {path}")
+
+        return call
+
+    # 120 tokens x 3 picks over 6 slots: 60 per expert, the decode kernel
+    t = 120
+    xs, sid, wts = x[:t], slot_ids[:t], weights[:t]
+    with monkeypatch.context() as m:
+        m.setattr(b, "_by_expert", refuse("_by_expert"))
+        out = b.forward(xs, p13, p2, sid, wts)
+    ref = qact_reference(xs, d13, d2, sid, wts, 128, 128)
+    assert rel(out, ref) < 1e-3, rel(out, ref)
+    b.gemv_max_tokens = GEMV_MAX_TOKENS  # forced: the GEMMs, to fp32 rounding
+    exact = torch_moe(xs.double(), d13.double(), d2.double(), sid, wts.double())
+    assert rel(b.forward(xs, p13, p2, sid, wts), exact) < 1e-5
+    # 200 tokens: 100 per expert, past the limit: the GEMMs
+    b.gemv_max_tokens = None
+    with monkeypatch.context() as m:
+        m.setattr(b, "_decode", refuse("_decode"))
+        out = b.forward(x, p13, p2, slot_ids, weights)
+    exact = torch_moe(x.double(), d13.double(), d2.double(), slot_ids, weights.double())
+    assert rel(out, exact) < 1e-5, rel(out, exact)
+    b.amx = True  # AMX hosts: dispatch unchanged
+    assert b.gemv_limit() == GEMV_MAX_TOKENS
+    b.amx, b.qact = False, False
+    assert b.gemv_limit() == GEMV_MAX_TOKENS
+    g32 = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=32, caps=caps_of("avx2"))
+    g32.pack_weights(w13, w2)
+    assert g32.dot_kind() == "fp32" and g32.gemv_limit() == GEMV_MAX_TOKENS
