@@ -14,7 +14,9 @@ compute-bound. Prefill is compute-bound: on CPUs with AMX, bf16 calls go to one 
 (kernels/moe_amx.c) that runs every active expert's GEMMs on bf16 tiles; elsewhere, per active
 expert the rows are dequantised and multiplied with torch's GEMM (oneDNN in bf16 where the CPU has
 bf16 instructions, fp32 MKL elsewhere, because torch's bf16 GEMM without them is several times
-slower than converting first).
+slower than converting first). Without AMX, int8/int4 on integer dots stay in the decode kernel
+up to GEMV_INT_MAX_TOKENS tokens per expert (prefill sizes included): there the per-call
+dequantisation and fp32 GEMMs took about twice as long as the integer dots (issue 14a).
 """
 
 from __future__ import annotations
