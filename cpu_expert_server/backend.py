@@ -16,7 +16,7 @@ expert the rows are dequantised and multiplied with torch's GEMM (oneDNN in bf16
 bf16 instructions, fp32 MKL elsewhere, because torch's bf16 GEMM without them is several times
 slower than converting first). Without AMX, int8/int4 on integer dots stay in the decode kernel
 up to GEMV_INT_MAX_TOKENS tokens per expert (prefill sizes included): there the per-call
-dequantisation and fp32 GEMMs took about twice as long as the integer dots (issue 14a).
+dequantisation and fp32 GEMMs took 1.6-3x as long as the integer dots (issue 14a).
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ KERNEL_DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 3}
 # 7.3 vs 7.6 ms, int4 8.1 vs 8.9), AMX from 6 (DeepSeek-V2-Lite T=64: 6.8 vs 8.1, 8.3 vs 11.4))
 AMX_INT_MIN_TOKENS = 4
 # mean tokens per expert up to which int8/int4 weights with integer dots stay in the decode kernel
-# on CPUs without AMX (issue 14a, 2-core AVX2: at 32-64 tokens per expert the kernel took about
-# half the time of dequantising every active expert to fp32 for torch's GEMMs, and one OpenMP
-# region per call instead of several per expert keeps it steady next to busy neighbours)
-GEMV_INT_MAX_TOKENS = 64
+# on CPUs without AMX (issue 14a, 2-core AVX2, interleaved: at 32 and 48 tokens per expert the
+# kernel took 0.33-0.64 of the time of dequantising every active expert to fp32 for torch's GEMMs,
+# at 64 int8 was within noise of them; one OpenMP call per layer instead of several per expert
+# also keeps it steady next to busy neighbours)
+GEMV_INT_MAX_TOKENS = 48
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -119,7 +120,13 @@ class CpuExpertBackend(ExpertBackend):
         per_expert = pairs / max(1, min(w13.shape[0], pairs))  # a lower bound on the mean
         if self.lib is not None and wcode is not None and self._use_amx(x, wcode, pairs, per_expert):
             return self._amx(x, w13, w2, slot_ids, weights, wcode)
-        if self.lib is not None and wcode is not None and per_expert <= self.gemv_limit():
+        limit = self.gemv_limit()
+        if limit > GEMV_MAX_TOKENS and per_expert > GEMV_MAX_TOKENS:
+            # prefill sizes on the int limit: count only this server's pairs (a NUMA group's
+            # slice has the other groups' as -1), so the plain and the split backends agree
+            here = int((slot_ids >= 0).sum())
+            per_expert = here / max(1, min(w13.shape[0], here))
+        if self.lib is not None and wcode is not None and per_expert <= limit:
             return self._decode(x, w13, w2, slot_ids, weights, wcode)
         return self._by_expert(x, w13, w2, slot_ids, weights)
 

@@ -503,7 +503,7 @@ def test_int_prefill_without_amx_stays_in_the_decode_kernel(monkeypatch, wdtype)
     b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=128, caps=caps_of("avx2"))
     p13, p2 = b.pack_weights(w13, w2)
     assert b.fmt is not None and b.dot_kind() == "int8-dot avx2"
-    assert b.gemv_limit() == GEMV_INT_MAX_TOKENS == 64
+    assert b.gemv_limit() == GEMV_INT_MAX_TOKENS == 48
     d13, d2 = unpack_reference(b.fmt, p13, p2)
 
     def refuse(path: str):
@@ -512,8 +512,8 @@ def test_int_prefill_without_amx_stays_in_the_decode_kernel(monkeypatch, wdtype)
 
         return call
 
-    # 120 tokens x 3 picks over 6 slots: 60 per expert, the decode kernel
-    t = 120
+    # 90 tokens x 3 picks over 6 slots: 45 per expert, the decode kernel
+    t = 90
     xs, sid, wts = x[:t], slot_ids[:t], weights[:t]
     with monkeypatch.context() as m:
         m.setattr(b, "_by_expert", refuse("_by_expert"))
