@@ -14,7 +14,7 @@ compute-bound. Prefill is compute-bound: on CPUs with AMX, bf16 calls go to one 
 (kernels/moe_amx.c) that runs every active expert's GEMMs on bf16 tiles; elsewhere, per active
 expert the rows are dequantised and multiplied with torch's GEMM (oneDNN in bf16 where the CPU has
 bf16 instructions, fp32 MKL elsewhere, because torch's bf16 GEMM without them is several times
-slower than converting first). Without AMX, int8/int4 on integer dots stay in the decode kernel
+slower than converting first). Without AMX, int8/int4 on AVX2 integer dots stay in the decode kernel
 up to GEMV_INT_MAX_TOKENS tokens per expert (prefill sizes included): there the per-call
 dequantisation and fp32 GEMMs took 1.6-3x as long as the integer dots (issue 14a).
 """
@@ -152,7 +152,7 @@ class CpuExpertBackend(ExpertBackend):
 
     def gemv_limit(self) -> int:
         """Mean tokens per expert up to which calls go to the decode kernel: the forced value,
-        else GEMV_INT_MAX_TOKENS for int8/int4 on integer dots without AMX (dequantising every
+        else GEMV_INT_MAX_TOKENS for int8/int4 on AVX2 integer dots without AMX (dequantising every
         active expert for torch's GEMMs costs more there than the integer dots save, issue 14a),
         else GEMV_MAX_TOKENS. AMX hosts keep GEMV_MAX_TOKENS: their dispatch is unchanged."""
         if self.gemv_max_tokens is not None:
@@ -162,7 +162,9 @@ class CpuExpertBackend(ExpertBackend):
             return GEMV_MAX_TOKENS
         code = kernels.WDTYPE_CODE[fmt.wdtype]
         kind = self.lib.moe_dot_kind(self.caps, code, fmt.hidden, fmt.inter, fmt.g13, fmt.g2, 1)
-        return GEMV_INT_MAX_TOKENS if kernels.DOT_KINDS[kind].startswith("int8-dot") else GEMV_MAX_TOKENS
+        # NOTE: AVX2 integer dots only: measured against fp32 GEMMs on an AVX2 machine; VNNI
+        # hosts without AMX (and their bf16 GEMMs, where they have them) are unmeasured
+        return GEMV_INT_MAX_TOKENS if kernels.DOT_KINDS[kind] == "int8-dot avx2" else GEMV_MAX_TOKENS
 
     def dot_kind(self) -> str:
         """Which dot products the decode kernel uses for the packed format (for logs and benches)."""

@@ -530,6 +530,9 @@ def test_int_prefill_without_amx_stays_in_the_decode_kernel(monkeypatch, wdtype)
         out = b.forward(x, p13, p2, slot_ids, weights)
     exact = torch_moe(x.double(), d13.double(), d2.double(), slot_ids, weights.double())
     assert rel(out, exact) < 1e-5, rel(out, exact)
+    b.caps = sum(kernels.CAPS[n][0] for n in ("avx2", "avx512", "vnni"))  # only asked, never run
+    assert b.dot_kind() == "int8-dot avx512-vnni" and b.gemv_limit() == GEMV_MAX_TOKENS  # unmeasured
+    b.caps = caps_of("avx2")
     b.amx = True  # AMX hosts: dispatch unchanged
     assert b.gemv_limit() == GEMV_MAX_TOKENS
     b.amx, b.qact = False, False
