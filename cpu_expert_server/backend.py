@@ -22,6 +22,7 @@ dequantisation and fp32 GEMMs took 1.6-3x as long as the integer dots (issue 14a
 from __future__ import annotations
 
 import logging
+import struct
 from pathlib import Path
 
 import torch
@@ -54,6 +55,9 @@ AMX_INT_MIN_TOKENS = 4
 # at 64 int8 was within noise of them; one OpenMP call per layer instead of several per expert
 # also keeps it steady next to busy neighbours)
 GEMV_INT_MAX_TOKENS = 48
+# moe_decode_qa's argument block: moe_decode_q's 20 arguments as int64 (issue 14f)
+_QARGS = struct.Struct("20q")
+_QX_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -98,6 +102,8 @@ class CpuExpertBackend(ExpertBackend):
         self.amx = self.lib is not None and bool(self.caps & amx_bit)
         self.gemm_dtype = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
         self.fmt: PackedFormat | None = None  # fixed by the first pack: one model per server
+        self._qkey: tuple | None = None  # the state _qdec_limit was computed for
+        self._qlim = -1.0
 
     def pack_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[S, 2I, H], [S, H, I] -> packed [S, 2I, row13], [S, H, row2] (see packing.py)."""
@@ -108,6 +114,10 @@ class CpuExpertBackend(ExpertBackend):
         return pack(w13.contiguous(), w2.contiguous(), fmt)
 
     def forward(self, x, w13, w2, slot_ids, weights, lora=None):
+        if lora is None and self._qdec_limit() >= 0:
+            out = self._decode_q_fast(x, w13, w2, slot_ids, weights)
+            if out is not None:
+                return out
         t, h = x.shape
         if t == 0 or w13.shape[0] == 0 or self.fmt is None:
             return torch.zeros_like(x)
@@ -129,6 +139,66 @@ class CpuExpertBackend(ExpertBackend):
         if self.lib is not None and wcode is not None and per_expert <= limit:
             return self._decode(x, w13, w2, slot_ids, weights, wcode)
         return self._by_expert(x, w13, w2, slot_ids, weights)
+
+    def _qdec_limit(self) -> float:
+        """Mean tokens per expert up to which :meth:`forward` sends a call straight to the
+        integer-dot decode kernel (-1: never, the format or CPU has no integer dots): the limit
+        the general dispatch below applies to such calls, computed once per backend state
+        (benchmarks and tests change these attributes on the object)."""
+        key = (self.fmt, self.lib, self.amx, self.qact, self.caps, self.gemv_max_tokens)
+        if key != self._qkey:
+            self._qkey, self._qlim = key, self._qdec_limit_now()
+        return self._qlim
+
+    def _qdec_limit_now(self) -> float:
+        fmt = self.fmt
+        if self.lib is None or fmt is None or not fmt.quantised or not self._amx_int():
+            return -1.0
+        code = kernels.WDTYPE_CODE[fmt.wdtype]
+        kind = kernels.DOT_KINDS[
+            self.lib.moe_dot_kind(self.caps, code, fmt.hidden, fmt.inter, fmt.g13, fmt.g2, 1)
+        ]
+        if not kind.startswith("int8-dot"):
+            return -1.0
+        limit = self.gemv_limit()
+        if self.amx and fmt.rb == 16 and fmt.hidden % 64 == 0 and fmt.inter % 64 == 0:
+            return min(AMX_INT_MIN_TOKENS, limit)  # _use_amx takes what is above
+        return min(limit, GEMV_MAX_TOKENS)  # above: forward's recount of local pairs first
+
+    def _decode_q_fast(self, x, w13, w2, slot_ids, weights) -> torch.Tensor | None:
+        """The decode-sized int8/int4 call with as few Python and torch operations as there can
+        be (issue 14f: under the benchmark's cache flush each costs microseconds; the glue was
+        ~50 us of a 0.38 ms int4 layer): arguments packed into one int64 block for moe_decode_qa.
+        None when the call is not one (the general dispatch then decides, as it always did)."""
+        fmt, lib = self.fmt, self.lib
+        assert fmt is not None and lib is not None  # _qdec_limit() >= 0
+        s = w13.shape[0]
+        if (
+            s == 0
+            or x.dtype not in _QX_DTYPES
+            or slot_ids.dtype != torch.int64
+            or weights.dtype != torch.float32
+            or not (x.is_contiguous() and slot_ids.is_contiguous() and weights.is_contiguous())
+        ):
+            return None
+        t, h = x.shape
+        t2, k = slot_ids.shape
+        pairs = t * k
+        if t == 0 or t2 != t or h != fmt.hidden or pairs / min(s, pairs) > self._qlim:
+            return None
+        out = torch.empty_like(x)  # [T, H]
+        bf = int(x.dtype == torch.bfloat16)
+        args = _QARGS.pack(
+            x.data_ptr(), bf, slot_ids.data_ptr(), weights.data_ptr(), t, k, s,
+            w13.data_ptr(), w13.stride(1) * w13.element_size(), w2.data_ptr(), w2.stride(1) * w2.element_size(),
+            fmt.hidden, fmt.inter, kernels.WDTYPE_CODE[fmt.wdtype], fmt.g13, fmt.g2, out.data_ptr(), bf,
+            self.threads, self.caps,
+        )  # fmt: skip
+        rc = lib.moe_decode_qa(args)
+        if rc == -1:
+            raise ValueError(f"slot ids outside [-1, {s})")
+        assert rc == 0, f"moe_decode_qa: {rc=} for {fmt}"  # -2 (no integer dots) is ruled out above
+        return out
 
     def _amx_int(self) -> bool:
         """int8/int4 on AMX int8 tiles (activations quantised, as the decode kernel's int path)."""

@@ -490,6 +490,92 @@ def test_vnni_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
             assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static), mode
 
 
+@pytest.mark.parametrize("caps", ["avx2", pytest.param("vnni", marks=DEVICE_HOST)])
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("t", [1, 3, 40])
+def test_decode_prefetch_chain_and_claims_agree_bit_for_bit(monkeypatch, caps, wdtype, t):
+    """Issue 14f: phase 2's prefetch chained into the next expert's block
+    (EXPERTMESH_QDOT_CHAIN) and phase 2 blocks claimed and prefetched by threads that finish
+    phase 1 early (EXPERTMESH_QDOT_CLAIM) change only which thread reads what when, and the
+    AVX-512 activation quantisation (VNNI) gives the scalar one's bytes: every split mode's
+    result equals the static split's with the scalar quantisation bit for bit, with 16 threads
+    (claims happen only while other threads still run phase 1) and bf16 in and out."""
+    if kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=900 + t, h=256, i=128)
+    b = CpuExpertBackend(threads=16, weight_dtype=wdtype, group=64, caps=caps_of(caps))
+    b.gemv_max_tokens = 10**9
+    p13, p2 = b.pack_weights(w13, w2)
+    monkeypatch.setenv("EXPERTMESH_QDOT_SPLIT", "0")
+    monkeypatch.setenv("EXPERTMESH_QDOT_CHAIN", "0")
+    monkeypatch.setenv("EXPERTMESH_QDOT_CLAIM", "0")
+    monkeypatch.setenv("EXPERTMESH_QDOT_Q512", "0")  # the scalar activation quantisation
+    static = b.forward(x, p13, p2, slot_ids, weights)
+    static_b = b.forward(x.bfloat16(), p13, p2, slot_ids, weights)
+    assert b.fmt is not None
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    assert rel(static, qact_reference(x, d13, d2, slot_ids, weights, 64, 64)) < 1e-3
+    monkeypatch.delenv("EXPERTMESH_QDOT_Q512")  # AVX-512 where the dots are VNNI: the same bytes
+    for mode, chain, claim in (
+        ("0", "1", "0"),
+        ("1", "1", "0"),
+        ("3", "1", "4"),
+        ("2", "0", "16"),
+        ("4", "1", "2"),
+        ("", "", ""),  # the kernel's defaults
+    ):
+        for var, value in (("SPLIT", mode), ("CHAIN", chain), ("CLAIM", claim)):
+            if value:
+                monkeypatch.setenv(f"EXPERTMESH_QDOT_{var}", value)
+            else:
+                monkeypatch.delenv(f"EXPERTMESH_QDOT_{var}")
+        for _ in range(3):  # who claims what differs from call to call
+            assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static), (mode, chain, claim)
+        assert torch.equal(b.forward(x.bfloat16(), p13, p2, slot_ids, weights), static_b), (
+            mode,
+            chain,
+            claim,
+        )
+
+
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+def test_decode_fast_path_matches_the_general_dispatch(monkeypatch, wdtype):
+    """Issue 14f: decode-sized int8/int4 calls go straight to moe_decode_qa (the arguments in one
+    int64 block) with the general path's (``_decode`` -> moe_decode_q) result bit for bit; what
+    it does not take (int32 ids, bf16 routing weights, a non-contiguous x, more tokens per expert
+    than the limit) goes the general way; a bad slot id is still a ValueError."""
+    if kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    x, w13, w2, slot_ids, weights = inputs(3, torch.float32, seed=950, h=256, i=128)
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=64, caps=caps_of("avx2"))
+    p13, p2 = b.pack_weights(w13, w2)
+    code = kernels.WDTYPE_CODE[wdtype]
+    assert b._qdec_limit() == GEMV_MAX_TOKENS
+    calls = []
+    real = b.lib.moe_decode_qa
+
+    def spy(args):
+        calls.append(len(args))
+        return real(args)
+
+    monkeypatch.setattr(b.lib, "moe_decode_qa", spy)
+    for xx in (x, x.bfloat16()):
+        fast = b.forward(xx, p13, p2, slot_ids, weights)
+        assert calls.pop() == 160 and fast.dtype == xx.dtype
+        assert torch.equal(fast, b._decode(xx, p13, p2, slot_ids, weights, code))
+    wide = torch.cat([x, x], dim=1)[:, :256]  # [T, H], not contiguous
+    for args in ((x, slot_ids.int(), weights), (x, slot_ids, weights.bfloat16()), (wide, slot_ids, weights)):
+        out = b.forward(args[0], p13, p2, args[1], args[2])
+        assert not calls
+        assert torch.equal(out, b._decode(args[0], p13, p2, args[1], args[2], code))
+    with pytest.raises(ValueError, match="slot ids"):
+        b.forward(x, p13, p2, slot_ids.clamp(min=0) + S, weights)
+    assert calls.pop() == 160
+    b.gemv_max_tokens = 1  # 3 tokens x 3 experts over 6 slots: 1.5 per expert, past the limit
+    b.forward(x, p13, p2, slot_ids, weights)
+    assert b._qdec_limit() == 1 and not calls
+
+
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 def test_int_prefill_without_amx_stays_in_the_decode_kernel(monkeypatch, wdtype):
     """Issue 14a: without AMX, int8/int4 on integer dots serve up to GEMV_INT_MAX_TOKENS tokens

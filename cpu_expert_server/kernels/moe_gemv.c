@@ -248,6 +248,15 @@ int moe_decode_q(const void *x, int xbf16, const int64_t *slot_ids, const float 
                             g2, NULL, out, obf16, nthreads, kind == DOT_QVNNI);
 }
 
+/* moe_decode_q with its 20 arguments in one int64 block, in order (issue 14f: ctypes converts one
+ * argument instead of 20 per call; under a cold cache each conversion costs microseconds) */
+int moe_decode_qa(const int64_t *a) {
+    return moe_decode_q((const void *)a[0], (int)a[1], (const int64_t *)a[2], (const float *)a[3], (int)a[4], (int)a[5],
+                        (int)a[6], (const uint8_t *)a[7], (long)a[8], (const uint8_t *)a[9], (long)a[10], (int)a[11],
+                        (int)a[12], (int)a[13], (int)a[14], (int)a[15], (void *)a[16], (int)a[17], (int)a[18],
+                        (int)a[19]);
+}
+
 /* x [T, H] fp32; slot_ids [T, K] int64 (-1 = not here); weights [T, K] fp32; out [T, H] fp32.
  * w13 [S, 2I, row13 bytes], w2 [S, H, row2 bytes]; act scratch [T*K, I] fp32.
  * Returns 0, or -1 when a slot id is out of range (nothing written then). */
@@ -348,3 +357,13 @@ void dequant_rows(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype,
 #include "moe_amx.c"
 #include "moe_amx_int8.c"
 #include "moe_amx_driver.c"
+
+/* The sum of n floats, read by nthreads threads of this library's OpenMP team (issue 14f: the
+ * benchmark's cache flush, so that it wakes this team rather than torch's, which is another
+ * OpenMP runtime where torch ships its own libgomp). */
+double moe_read(const float *p, long n, int nthreads) {
+    double acc = 0.0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : acc)
+    for (long i = 0; i < n; i++) acc += p[i];
+    return acc;
+}

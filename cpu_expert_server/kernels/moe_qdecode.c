@@ -21,7 +21,7 @@
 #define QDOT_PREFETCH 2048
 #endif
 
-typedef void (*BlkFn)(const uint8_t *, int, int, int, const QAct *, int, float *, int);
+typedef void (*BlkFn)(const uint8_t *, int, int, int, const QAct *, int, float *, int, const uint8_t *);
 
 /* quantised activation rows [rows, c] in groups of g */
 typedef struct {
@@ -41,9 +41,13 @@ static void qrows_alloc(QRows *a, int rows, int c, int g) {
 
 static void qrows_free(QRows *a) { free(a->q), free(a->s), free(a->n); }
 
-static void qrows_put(const QRows *a, const float *x, int r) {
+/* row r of x [rows, c] fp32 quantised into row r of a (v512: the AVX-512 quantisation, same bytes) */
+static void qrows_put(const QRows *a, const float *x, int r, int v512) {
     const size_t ng = (size_t)(a->c / a->g);
-    quant_act_n(x + (size_t)r * a->c, a->c, a->g, a->q + (size_t)r * a->c, a->s + r * ng, a->n + r * ng);
+    if (v512)
+        quant_act_n_512(x + (size_t)r * a->c, 0, a->c, a->g, a->q + (size_t)r * a->c, a->s + r * ng, a->n + r * ng);
+    else
+        quant_act_n(x + (size_t)r * a->c, a->c, a->g, a->q + (size_t)r * a->c, a->s + r * ng, a->n + r * ng);
 }
 
 static QAct qrows_at(const QRows *a, int r) {
@@ -78,7 +82,14 @@ static int qdot_split(void) {
 }
 
 /* token t's activations (bf16 or fp32) -> int8 row t of qx; xrow: fp32 scratch [H] */
-static void qdecode_quant_x(const void *x, int xbf16, int t, int h_, int g13, const QRows *qx, float *xrow) {
+static void qdecode_quant_x(const void *x, int xbf16, int t, int h_, int g13, const QRows *qx, float *xrow, int v512) {
+    if (v512) {
+        const size_t ng = (size_t)(h_ / g13);
+        const void *xt = xbf16 ? (const void *)((const uint16_t *)x + (size_t)t * h_)
+                               : (const void *)((const float *)x + (size_t)t * h_);
+        quant_act_n_512(xt, xbf16, h_, g13, qx->q + (size_t)t * h_, qx->s + (size_t)t * ng, qx->n + (size_t)t * ng);
+        return;
+    }
     const float *xt = (const float *)x + (size_t)t * h_;
     if (xbf16) {
         const uint16_t *xb = (const uint16_t *)x + (size_t)t * h_;
@@ -99,8 +110,8 @@ static void qdecode_p1(const Sorted *so, const QRows *qx, BlkFn blk, const uint8
     const int q0 = so->start[s], m = so->start[s + 1] - q0;
     const uint8_t *gate = w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * row13;
     for (int j = 0; j < m; j++) xa[j] = qrows_at(qx, so->tok[q0 + j]);
-    blk(gate, u4, h_, g13, xa, m, rg, pf);
-    blk(gate + 16 * row13, u4, h_, g13, xa, m, ru, pf);
+    blk(gate, u4, h_, g13, xa, m, rg, pf, NULL);
+    blk(gate + 16 * row13, u4, h_, g13, xa, m, ru, pf, NULL);
     for (int j = 0; j < m; j++) {
         float *a = act + (size_t)(q0 + j) * i_ + b * 16;
         for (int r = 0; r < 16; r++) {
@@ -127,7 +138,7 @@ typedef struct {
 
 static void qdecode_flow(const Sorted *so, Flow *fl, const QRows *qx, QRows *qa, BlkFn blk, const uint8_t *w13,
                          long row13, const uint8_t *w2, long row2, int h_, int i_, int u4, int g13, int g2, int pf,
-                         QAct *xa, float *rg, float *ru, float *act, int nblk, long items1) {
+                         int v512, QAct *xa, float *rg, float *ru, float *act, int nblk, long items1) {
     const int hblk = h_ / 16, nh2 = (hblk + QDOT_FLOW_HB - 1) / QDOT_FLOW_HB;
     const long items = items1 + (long)so->na * nh2;
     for (;;) {
@@ -137,7 +148,7 @@ static void qdecode_flow(const Sorted *so, Flow *fl, const QRows *qx, QRows *qa,
             qdecode_p1(so, qx, blk, w13, row13, h_, i_, u4, g13, pf, xa, rg, ru, act, nblk, it);
             const int ai = (int)(it / nblk), s = so->active[ai];
             if (__atomic_add_fetch(&fl->done1[ai], 1, __ATOMIC_ACQ_REL) == nblk) {
-                for (int p = so->start[s]; p < so->start[s + 1]; p++) qrows_put(qa, act, p);
+                for (int p = so->start[s]; p < so->start[s + 1]; p++) qrows_put(qa, act, p, v512);
                 __atomic_store_n(&fl->ready[ai], 1, __ATOMIC_RELEASE);
             }
             continue;
@@ -151,7 +162,7 @@ static void qdecode_flow(const Sorted *so, Flow *fl, const QRows *qx, QRows *qa,
         for (int j = 0; j < m; j++) xa[j] = qrows_at(qa, q0 + j);
         const int hb1 = (hc + 1) * QDOT_FLOW_HB < hblk ? (hc + 1) * QDOT_FLOW_HB : hblk;
         for (int hb = hc * QDOT_FLOW_HB; hb < hb1; hb++) {
-            blk(w2 + ((size_t)s * h_ + (size_t)hb * 16) * row2, u4, i_, g2, xa, m, rg, pf);
+            blk(w2 + ((size_t)s * h_ + (size_t)hb * 16) * row2, u4, i_, g2, xa, m, rg, pf, NULL);
             for (int j = 0; j < m; j++) memcpy(fl->y + (size_t)(q0 + j) * h_ + (size_t)hb * 16, rg + j * 16, 64);
         }
     }
@@ -175,15 +186,18 @@ static void qdecode_flow_sum(const Sorted *so, const float *y, float *o32, void 
 }
 
 /* phase 2 for output blocks [hb0, hb1): every active expert's rows of them, summed into o32 [T, H]
- * fp32, then written to out in bf16 when obf16 (the blocks are final) */
+ * fp32, then written to out in bf16 when obf16 (the blocks are final). chain: the prefetch runs
+ * on from an expert's last block of the range into the next expert's first (pf_at) */
 static void qdecode_p2(const Sorted *so, const QRows *qa, BlkFn blk, const uint8_t *w2, long row2, int h_, int i_,
-                       int u4, int g2, int pf, QAct *xa, float *rg, float *o32, void *out, int obf16, int t_, int hb0,
-                       int hb1) {
+                       int u4, int g2, int pf, int chain, QAct *xa, float *rg, float *o32, void *out, int obf16,
+                       int t_, int hb0, int hb1) {
     for (int ai = 0; ai < so->na; ai++) {
         const int s = so->active[ai], q0 = so->start[s], m = so->start[s + 1] - q0;
+        const uint8_t *nxt =
+            chain && ai + 1 < so->na ? w2 + ((size_t)so->active[ai + 1] * h_ + (size_t)hb0 * 16) * row2 : NULL;
         for (int j = 0; j < m; j++) xa[j] = qrows_at(qa, q0 + j);
         for (int hb = hb0; hb < hb1; hb++) {
-            blk(w2 + ((size_t)s * h_ + (size_t)hb * 16) * row2, u4, i_, g2, xa, m, rg, pf);
+            blk(w2 + ((size_t)s * h_ + (size_t)hb * 16) * row2, u4, i_, g2, xa, m, rg, pf, hb + 1 < hb1 ? NULL : nxt);
             for (int j = 0; j < m; j++) {
                 float *o = o32 + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 16;
                 const float w = so->wt[q0 + j];
@@ -195,6 +209,33 @@ static void qdecode_p2(const Sorted *so, const QRows *qa, BlkFn blk, const uint8
         for (int t = 0; t < t_; t++)
             for (int c = hb0 * 16; c < hb1 * 16; c++)
                 ((uint16_t *)out)[(size_t)t * h_ + c] = to_bf16(o32[(size_t)t * h_ + c]);
+}
+
+/* issue 14f (benchmark switches, read per call): EXPERTMESH_QDOT_CHAIN=0/1 phase 2's prefetch
+ * chained into the next expert's block (qdecode_p2); EXPERTMESH_QDOT_CLAIM=N: in the dynamic
+ * modes (2, 3) a thread that finishes phase 1 while others still run claims up to N phase 2 output
+ * blocks from the shared counter and prefetches their rows into its L2 while it waits at the
+ * barrier (memory bandwidth otherwise idle in the phase 1 tail); it computes them first after it. */
+#ifndef QDOT_CHAIN_DEFAULT
+#define QDOT_CHAIN_DEFAULT 1
+#endif
+#ifndef QDOT_CLAIM_DEFAULT
+#define QDOT_CLAIM_DEFAULT 2
+#endif
+#define QDOT_CLAIM_MAX 16
+static int env_int(const char *name, int dflt) {
+    const char *e = getenv(name);
+    return e ? atoi(e) : dflt;
+}
+
+/* the active experts' rows of output block hb towards this core's L2, expert by expert until
+ * every thread is done with phase 1 (*done1 == nt: the bandwidth is phase 2's again, and the
+ * barrier waits for no prefetching) */
+static void qdecode_pf2(const Sorted *so, const uint8_t *w2, long row2, int h_, int hb, const int *done1, int nt) {
+    for (int ai = 0; ai < so->na && __atomic_load_n(done1, __ATOMIC_ACQUIRE) < nt; ai++) {
+        const uint8_t *b = w2 + ((size_t)so->active[ai] * h_ + (size_t)hb * 16) * row2;
+        for (long l = 0; l < 16 * row2; l += 64) _mm_prefetch((const char *)(b + l), _MM_HINT_T1);
+    }
 }
 
 static int qdot_prefetch(void) {
@@ -238,6 +279,13 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
     const long items1 = (long)so.na * nblk;
     const size_t np = (size_t)(n > 0 ? n : 1);
     const int split = qdot_split();
+    /* the activations' quantisation in AVX-512 where the dots are VNNI (EXPERTMESH_QDOT_Q512=0: the
+     * scalar one; benchmarks) */
+    const int v512 = vnni && env_int("EXPERTMESH_QDOT_Q512", 1);
+    const int chain = env_int("EXPERTMESH_QDOT_CHAIN", QDOT_CHAIN_DEFAULT);
+    const int claim_n = env_int("EXPERTMESH_QDOT_CLAIM", QDOT_CLAIM_DEFAULT);
+    const int claim = claim_n < 0 ? 0 : claim_n > QDOT_CLAIM_MAX ? QDOT_CLAIM_MAX : claim_n;
+    int next2 = 0, done1 = 0; /* the dynamic modes' phase 2 counter; threads done with phase 1 */
     static const omp_sched_t sched1[5] = {omp_sched_static, omp_sched_dynamic, omp_sched_dynamic, omp_sched_guided,
                                           omp_sched_dynamic};
     static const int chunk1[5] = {0, 4, 1, 1, 1};
@@ -266,16 +314,16 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
         const QRows *qxs = &qx, *qas = &qa;
         if (priv_x) {
             qrows_alloc(&qxp, t_, h_, g13);
-            for (int t = 0; t < t_; t++) qdecode_quant_x(x, xbf16, t, h_, g13, &qxp, xrow);
+            for (int t = 0; t < t_; t++) qdecode_quant_x(x, xbf16, t, h_, g13, &qxp, xrow, v512);
             qxs = &qxp;
         } else {
 #pragma omp for schedule(static)
-            for (int t = 0; t < t_; t++) qdecode_quant_x(x, xbf16, t, h_, g13, &qx, xrow);
+            for (int t = 0; t < t_; t++) qdecode_quant_x(x, xbf16, t, h_, g13, &qx, xrow, v512);
         }
         if (prof && tid0 == 0) ts3 = omp_get_wtime();
         if (sm == 4) {
-            qdecode_flow(&so, &fl, qxs, &qa, blk, w13, row13, w2, row2, h_, i_, u4, g13, g2, pf, xa, rg, ru, act, nblk,
-                         items1);
+            qdecode_flow(&so, &fl, qxs, &qa, blk, w13, row13, w2, row2, h_, i_, u4, g13, g2, pf, v512, xa, rg, ru, act,
+                         nblk, items1);
             if (prof && tid0 < QPROF_THREADS) g_t1[tid0] = omp_get_wtime();
             if (prof && tid0 < QPROF_THREADS) g_t2[tid0] = g_t1[tid0];
 #pragma omp barrier
@@ -288,31 +336,49 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
             for (long it = 0; it < items1; it++)
                 qdecode_p1(&so, qxs, blk, w13, row13, h_, i_, u4, g13, pf, xa, rg, ru, act, nblk, it);
             if (prof && tid0 < QPROF_THREADS) g_t1[tid0] = omp_get_wtime();
+            int claimed[QDOT_CLAIM_MAX], nc = 0;
+            if (claim && sm >= 2) {
+                const int nt = omp_get_num_threads();
+                __atomic_add_fetch(&done1, 1, __ATOMIC_ACQ_REL);
+                while (nc < claim && __atomic_load_n(&done1, __ATOMIC_ACQUIRE) < nt) {
+                    const int hb = __atomic_fetch_add(&next2, 1, __ATOMIC_RELAXED);
+                    if (hb >= hblk) break;
+                    claimed[nc++] = hb;
+                    qdecode_pf2(&so, w2, row2, h_, hb, &done1, nt);
+                }
+            }
 #pragma omp barrier
             /* act is complete */
             /* only the first start[S] rows are pairs of local experts (sorted order) */
             if (priv_a) {
                 qrows_alloc(&qap, so.start[s_], i_, g2);
-                for (int p = 0; p < so.start[s_]; p++) qrows_put(&qap, act, p);
+                for (int p = 0; p < so.start[s_]; p++) qrows_put(&qap, act, p, v512);
                 qas = &qap;
             } else {
 #pragma omp for schedule(static)
-                for (int p = 0; p < so.start[s_]; p++) qrows_put(&qa, act, p);
+                for (int p = 0; p < so.start[s_]; p++) qrows_put(&qa, act, p, v512);
                 /* implicit barrier: every pair's intermediate is quantised */
             }
             if (prof && tid0 == 0) ts5 = omp_get_wtime();
             if (sm >= 2) {
-#pragma omp for schedule(dynamic, 1) nowait
-                for (int hb = 0; hb < hblk; hb++)
-                    qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, hb, hb + 1);
+                /* one output block at a time from the shared counter (the claimed ones first) */
+                for (int c = 0; c < nc; c++)
+                    qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, chain, xa, rg, o32, out, obf16, t_,
+                               claimed[c], claimed[c] + 1);
+                for (;;) {
+                    const int hb = __atomic_fetch_add(&next2, 1, __ATOMIC_RELAXED);
+                    if (hb >= hblk) break;
+                    qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, chain, xa, rg, o32, out, obf16, t_, hb,
+                               hb + 1);
+                }
             } else if (sm == 1) {
 #pragma omp for schedule(dynamic, 1) nowait
                 for (int hc = 0; hc < (hblk + 1) / 2; hc++)
-                    qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_, 2 * hc,
-                               2 * hc + 2 < hblk ? 2 * hc + 2 : hblk);
+                    qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, chain, xa, rg, o32, out, obf16, t_,
+                               2 * hc, 2 * hc + 2 < hblk ? 2 * hc + 2 : hblk);
             } else {
                 const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-                qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, xa, rg, o32, out, obf16, t_,
+                qdecode_p2(&so, qas, blk, w2, row2, h_, i_, u4, g2, pf, chain, xa, rg, o32, out, obf16, t_,
                            (int)((long)hblk * tid / nt), (int)((long)hblk * (tid + 1) / nt));
             }
             if (prof && tid0 < QPROF_THREADS) g_t2[tid0] = omp_get_wtime();

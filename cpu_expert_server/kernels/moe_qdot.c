@@ -102,13 +102,26 @@ static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum16
                             _mm512_shuffle_i32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* The address `pf` bytes ahead of w in a thread's stream of blocks: past the end of this block
+ * (its scales included) the stream goes on at nxt, the next block the thread will read (issue
+ * 14f: in phase 2 that is another expert's block, not the bytes after this one; NULL: the bytes
+ * after this one, as in phase 1, where an item's blocks and the next item's are contiguous). */
+static inline __attribute__((always_inline)) const uint8_t *pf_at(const uint8_t *w, int pf, const uint8_t *end,
+                                                                  const uint8_t *nxt) {
+    const uint8_t *p = w + pf;
+    return nxt && p >= end ? nxt + (p - end) : p;
+}
+
 /* res[j][0..16) = block rows . x_j for j < m; u4: int4 block, else int8. pf: prefetch distance in
- * bytes (0 = none). Inlined with a constant u4 (blk_vnni), so the accumulators stay in registers. */
+ * bytes (0 = none), nxt: see pf_at. Inlined with a constant u4 (blk_vnni), so the accumulators
+ * stay in registers. */
 static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_body(const uint8_t *blk, const int u4,
                                                                                    int c, int g, const QAct *x,
-                                                                                   int m, float *res, int pf) {
+                                                                                   int m, float *res, int pf,
+                                                                                   const uint8_t *nxt) {
     const int kpg = g / 64, step = u4 ? 512 : 1024;
     const float *wsc = (const float *)(blk + (u4 ? (size_t)8 * c : (size_t)16 * c));
+    const uint8_t *end = (const uint8_t *)(wsc + (c / g) * 16);
     const __m512i flip = _mm512_set1_epi8((char)0x80), lo4 = _mm512_set1_epi8(15);
     const int bias = u4 ? 8 : 128;
     if (pf) /* the block's scales: one line per group, read only at each group's end */
@@ -124,7 +137,7 @@ static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_
                 const int ks = gi * kpg + kk;
                 const uint8_t *w = blk + (size_t)ks * step;
                 if (pf && j == 0)
-                    for (int l = 0; l < step; l += 64) pf_line(w + pf + l);
+                    for (int l = 0; l < step; l += 64) pf_line(pf_at(w + l, pf, end, nxt));
                 const __m512i xv = _mm512_loadu_si512(x[j].q + ks * 64);
                 if (u4) {
 #pragma GCC unroll 8
@@ -150,11 +163,11 @@ static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_
 }
 
 __attribute__((target(VNNI_TARGET))) static void blk_vnni(const uint8_t *blk, int u4, int c, int g, const QAct *x,
-                                                          int m, float *res, int pf) {
+                                                          int m, float *res, int pf, const uint8_t *nxt) {
     if (u4)
-        blk_vnni_body(blk, 1, c, g, x, m, res, pf);
+        blk_vnni_body(blk, 1, c, g, x, m, res, pf, nxt);
     else
-        blk_vnni_body(blk, 0, c, g, x, m, res, pf);
+        blk_vnni_body(blk, 0, c, g, x, m, res, pf, nxt);
 }
 
 /* ---- AVX2 (8 rows per pass) ---- */
@@ -169,9 +182,11 @@ static inline __attribute__((always_inline, target(QAVX2_TARGET))) __m256i hsum8
 static inline __attribute__((always_inline, target(QAVX2_TARGET))) void blk_avx2_body(const uint8_t *blk,
                                                                                      const int u4, int c, int g,
                                                                                      const QAct *x, int m,
-                                                                                     float *res, int pf) {
+                                                                                     float *res, int pf,
+                                                                                     const uint8_t *nxt) {
     const int kpg = g / 64, step = u4 ? 512 : 1024;
     const float *wsc = (const float *)(blk + (u4 ? (size_t)8 * c : (size_t)16 * c));
+    const uint8_t *end = (const uint8_t *)(wsc + (c / g) * 16);
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(15);
     const int bias = u4 ? 8 : 0; /* the sign trick needs no bias */
     if (pf)
@@ -187,7 +202,7 @@ static inline __attribute__((always_inline, target(QAVX2_TARGET))) void blk_avx2
                     const int ks = gi * kpg + kk;
                     const uint8_t *w = blk + (size_t)ks * step;
                     if (pf && j == 0 && half == 0)
-                        for (int l = 0; l < step; l += 64) pf_line(w + pf + l);
+                        for (int l = 0; l < step; l += 64) pf_line(pf_at(w + l, pf, end, nxt));
                     const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64));
                     const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64 + 32));
                     if (u4) {
@@ -224,11 +239,11 @@ static inline __attribute__((always_inline, target(QAVX2_TARGET))) void blk_avx2
 }
 
 __attribute__((target(QAVX2_TARGET))) static void blk_avx2(const uint8_t *blk, int u4, int c, int g, const QAct *x,
-                                                           int m, float *res, int pf) {
+                                                           int m, float *res, int pf, const uint8_t *nxt) {
     if (u4)
-        blk_avx2_body(blk, 1, c, g, x, m, res, pf);
+        blk_avx2_body(blk, 1, c, g, x, m, res, pf, nxt);
     else
-        blk_avx2_body(blk, 0, c, g, x, m, res, pf);
+        blk_avx2_body(blk, 0, c, g, x, m, res, pf, nxt);
 }
 
 /* one group of g activations -> q [g] int8 (symmetric, scale amax / 127), its scale, and the sum
@@ -252,6 +267,42 @@ static inline __attribute__((always_inline)) float quant_group(const float *xg, 
 /* x [c] fp32 -> q [c] int8, sc [c/g] scales, n [c/g] sums of q (the tiled decode kernels) */
 static void quant_act_n(const float *x, int c, int g, int8_t *q, float *sc, int32_t *n) {
     for (int gi = 0; gi < c / g; gi++) sc[gi] = quant_group(x + (size_t)gi * g, g, q + (size_t)gi * g, n + gi);
+}
+
+/* quant_act_n in AVX-512 (issue 14f: the decode kernel's activations, on every thread's critical
+ * path at small T), from fp32 or bf16 (xbf16) x; g % 16 == 0. The same operations as quant_group
+ * in the same order (the product rounded before the half is added), so the same bytes. */
+static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512 ld16f(const void *x, int xbf16, size_t i) {
+    if (xbf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
+    return _mm512_loadu_ps((const float *)x + i);
+}
+
+__attribute__((target(VNNI_TARGET))) static void quant_act_n_512(const void *x, int xbf16, int c, int g, int8_t *q,
+                                                                 float *sc, int32_t *n) {
+    const __m512 zero = _mm512_setzero_ps(), half = _mm512_set1_ps(0.5f), nhalf = _mm512_set1_ps(-0.5f);
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    for (int gi = 0; gi < c / g; gi++) {
+        const size_t o = (size_t)gi * g;
+        __m512 m = zero;
+        for (int i = 0; i < g; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(ld16f(x, xbf16, o + i)));
+        const float amax = _mm512_reduce_max_ps(m);
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512 vi = _mm512_set1_ps(inv);
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = 0; i < g; i += 16) {
+            __m512 y = _mm512_mul_ps(ld16f(x, xbf16, o + i), vi);
+            __asm__("" : "+v"(y)); /* no fused multiply-add: quant_group rounds the product first */
+            const __mmask16 ge = _mm512_cmp_ps_mask(y, zero, _CMP_GE_OQ);
+            __m512i v = _mm512_cvttps_epi32(_mm512_add_ps(y, _mm512_mask_blend_ps(ge, nhalf, half)));
+            v = _mm512_max_epi32(_mm512_min_epi32(v, lim), nlim);
+            _mm_storeu_si128((__m128i *)(q + o + i), _mm512_cvtepi32_epi8(v));
+            sum = _mm512_add_epi32(sum, v);
+        }
+        n[gi] = _mm512_reduce_add_epi32(sum);
+        sc[gi] = amax / 127.0f;
+    }
 }
 
 /* the same with cs [c/g] = scale * sum(q) (the AMX int8 kernel) */
