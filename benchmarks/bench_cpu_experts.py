@@ -4,7 +4,13 @@ One MoE layer with every expert resident, fresh random top-k routing per repetit
 widths, random weights. Before each timed call a buffer of twice the L3 is read (untimed), so the
 active experts come from DRAM as in a real model, whose other layers pass through the caches
 between two uses of this one (the lent host's 300 MiB L3 holds most of an int4 Qwen3-30B-A3B
-layer; without the flush, smaller formats would be timed partly from cache; --warm turns it off). Alongside: the host's measured DRAM bandwidth (threaded torch copy and read of 1 GiB)
+layer; without the flush, smaller formats would be timed partly from cache; --warm turns it off).
+The flush evicts the code too: the Python, torch and ctypes code of the call and the data they
+touch, which in a server stays warm because every layer runs it. --warm-code makes one untimed
+call of the same path with no local expert (all slot ids -1: no weights read) after the flush,
+so the timed call finds the code and the thread team warm and its weights in DRAM (issue 14f;
+the glue costs ~50 us of a 0.38 ms int4 layer after the plain flush). Alongside: the host's
+measured DRAM bandwidth (threaded torch copy and read of 1 GiB)
 and GEMM peak (a large torch matmul), torch's own decode-shaped GEMV per expert in bf16 and
 fp32, and the CPU's ISA flags.
 
@@ -44,6 +50,7 @@ MODELS = {  # name: (H, I, experts, top-k)
 BUDGET_S = 2.0
 CAPS = kernels.cpu_caps()
 FLUSH: torch.Tensor | None = None  # read before each timed call (None: --warm)
+WARM_CODE = False  # --warm-code: fn(-1) (the same path, no local expert) after the flush
 
 
 def l3_bytes() -> int:
@@ -69,6 +76,8 @@ def timeit(
     for r in range(reps):
         if flush and FLUSH is not None:
             FLUSH.sum()
+            if WARM_CODE:
+                fn(-1)
         t0 = time.perf_counter()
         fn(r + 1)
         times.append(time.perf_counter() - t0)
@@ -89,6 +98,8 @@ def timeit_interleaved(fns: list[Callable[[int], object]], reps: int) -> list[fl
         for fn, ts in zip(fns, times, strict=True):
             if FLUSH is not None:
                 FLUSH.sum()
+                if WARM_CODE:
+                    fn(-1)
             t0 = time.perf_counter()
             fn(r + 1)
             ts.append(time.perf_counter() - t0)
@@ -98,21 +109,29 @@ def timeit_interleaved(fns: list[Callable[[int], object]], reps: int) -> list[fl
     return [sorted(ts)[len(ts) // 2] for ts in times]
 
 
-def with_split(fn: Callable[[int], object], split: int | None) -> Callable[[int], object]:
-    """``fn`` run with EXPERTMESH_QDOT_SPLIT=split (the int8/int4 decode kernel's work split,
-    read at every call; None: the kernel's default)."""
+def with_env(fn: Callable[[int], object], env: dict[str, str]) -> Callable[[int], object]:
+    """``fn`` run with these environment variables set (the int8/int4 decode kernel's switches,
+    EXPERTMESH_QDOT_*, read at every call), then unset."""
 
     def run(r: int) -> object:
-        if split is None:
-            os.environ.pop("EXPERTMESH_QDOT_SPLIT", None)
-        else:
-            os.environ["EXPERTMESH_QDOT_SPLIT"] = str(split)
+        os.environ.update(env)
         try:
             return fn(r)
         finally:
-            os.environ.pop("EXPERTMESH_QDOT_SPLIT", None)
+            for k in env:
+                os.environ.pop(k, None)
 
     return run
+
+
+def parse_variants(splits: str, variants: str) -> dict[str, dict[str, str]]:
+    """--qdot-splits "0,3" and --variants "name:VAR=V,VAR=V;name2:" -> {row tag: environment}
+    ("name:" with nothing after it: the kernel's defaults)."""
+    out = {f"split{v}": {"EXPERTMESH_QDOT_SPLIT": v} for v in splits.split(",") if v}
+    for item in filter(None, variants.split(";")):
+        name, _, env = item.partition(":")
+        out[name] = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+    return out
 
 
 def host_info() -> dict:
@@ -212,7 +231,7 @@ def bench_model(
     threads: int,
     bw: float,
     reps: int,
-    splits: list[int] | None = None,
+    variants: dict[str, dict[str, str]] | None = None,
     only_modes: set[str] | None = None,
 ) -> list[dict]:
     h, i, e, k = MODELS[name]
@@ -236,6 +255,9 @@ def bench_model(
             for _ in range(16)
         ]
         x = torch.randn(t, h, generator=g).bfloat16()
+        # routes[-1 % 16] would be a real one: rep -1 (--warm-code's untimed call) gets no expert
+        none = (torch.full((t, k), -1, dtype=torch.int64), torch.zeros(t, k))
+        routes_of = lambda r, rs=routes, none=none: none if r < 0 else rs[r % 16]  # noqa: E731
         n_active = sum(len(torch.unique(r[0])) for r in routes) / len(routes)
         ref = TorchExpertBackend().forward(x, w13, w2, *routes[0]).float()  # [T, H]
         for label, (backend, a, b) in backends.items():
@@ -257,28 +279,27 @@ def bench_model(
                 if isinstance(backend, CpuExpertBackend):
                     force(backend, suffix, amx)
                 err = ((backend.forward(x, a, b, *routes[0]).float() - ref).norm() / ref.norm()).item()
-                s = timeit(
-                    lambda r, f=backend.forward, a=a, b=b, x=x, rs=routes: f(x, a, b, *rs[r % 16]), reps
-                )
+                s = timeit(lambda r, f=backend.forward, a=a, b=b, x=x, ro=routes_of: f(x, a, b, *ro(r)), reps)
                 rows.append(result_row(name, t, label + suffix, s, n_active * per_expert, bw, err))
-        if splits:
-            rows += split_rows(name, t, backends, splits, amx, x, routes, ref, n_active, bw, reps)
+        if variants:
+            rows += split_rows(name, t, backends, variants, amx, x, routes_of, ref, n_active, bw, reps)
     return rows
 
 
-def split_rows(name, t, backends, splits, amx, x, routes, ref, n_active, bw, reps) -> list[dict]:
-    """The int8/int4 decode kernel's work splits (EXPERTMESH_QDOT_SPLIT) timed round robin with
+def split_rows(name, t, backends, variants, amx, x, routes_of, ref, n_active, bw, reps) -> list[dict]:
+    """The int8/int4 decode kernel's variants (environment switches: work splits
+    EXPERTMESH_QDOT_SPLIT, issue 14f's EXPERTMESH_QDOT_CHAIN/_CLAIM/_Q512) timed round robin with
     the bf16 default path ("bfloat16/il") in one interleaved group, each with the backend's own
-    path choice: rows "<dtype>/split<N>"."""
+    path choice: rows "<dtype>/<variant>" (--qdot-splits N: "split<N>")."""
     group = []
     for label, (backend, a, b) in backends.items():
         if not isinstance(backend, CpuExpertBackend):
             continue
         force(backend, "", amx)
-        variants = [None] if label == "bfloat16" else splits
-        for sp in variants:
-            fn = with_split(lambda r, f=backend.forward, a=a, b=b, rs=routes: f(x, a, b, *rs[r % 16]), sp)
-            tag = label + ("/il" if sp is None else f"/split{sp}")
+        mine = {"il": {}} if label == "bfloat16" else variants
+        for vname, env in mine.items():
+            fn = with_env(lambda r, f=backend.forward, a=a, b=b: f(x, a, b, *routes_of(r)), env)
+            tag = f"{label}/{vname}"
             per_expert = a[0].numel() * a.element_size() + b[0].numel() * b.element_size()
             err = ((fn(0).float() - ref).norm() / ref.norm()).item()  # type: ignore[attr-defined]
             group.append((tag, fn, per_expert, err))
@@ -355,13 +376,26 @@ def main() -> None:
         "0,1,2,3) round robin with the bf16 default path",
     )
     p.add_argument(
+        "--variants",
+        default="",
+        help='int8/int4 decode variants timed like --qdot-splits: "name:VAR=V,VAR=V;name2:" '
+        '(e.g. "default:;nochain:EXPERTMESH_QDOT_CHAIN=0"; "name:" = the kernel defaults)',
+    )
+    p.add_argument(
+        "--warm-code",
+        action="store_true",
+        help="after each flush, one untimed call of the same path with no local expert (code and "
+        "threads warm, weights cold, as after the previous layer in a server)",
+    )
+    p.add_argument(
         "--modes",
         default=None,
         help="only these forced paths besides the default one, e.g. kernel,amx (default: all)",
     )
     args = p.parse_args()
-    global BUDGET_S, CAPS, FLUSH
+    global BUDGET_S, CAPS, FLUSH, WARM_CODE
     BUDGET_S = args.budget_s
+    WARM_CODE = args.warm_code
     if not args.warm:
         FLUSH = torch.ones(2 * l3_bytes() // 4)  # fp32: twice the L3
     if args.no_amx:
@@ -371,17 +405,18 @@ def main() -> None:
     threads = torch.get_num_threads()
     info = host_info() | dram_bandwidth() | ({} if args.skip_peak else gemm_peak(threads))
     info["flush_MiB"] = 0 if FLUSH is None else FLUSH.numel() * 4 // 2**20
+    info["warm_code"] = WARM_CODE
     print(json.dumps(info), flush=True)
     models = args.models.split(",")
     info |= torch_gemv(*MODELS[models[0]])
     print(json.dumps(info), flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
+    variants = parse_variants(args.qdot_splits, args.variants)
     for m in models:
-        splits = [int(v) for v in args.qdot_splits.split(",") if v]
         only = None if args.modes is None else {""} | {"/" + v for v in args.modes.split(",") if v}
         rows += bench_model(
-            m, tokens, args.dtypes.split(","), threads, info["read_GBps"], args.reps, splits, only
+            m, tokens, args.dtypes.split(","), threads, info["read_GBps"], args.reps, variants, only
         )
     print(table(rows))
     if args.out:
