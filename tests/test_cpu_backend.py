@@ -522,6 +522,8 @@ def test_decode_prefetch_chain_and_claims_agree_bit_for_bit(monkeypatch, caps, w
         ("3", "1", "4"),
         ("2", "0", "16"),
         ("4", "1", "2"),
+        ("5", "0", "0"),
+        ("5", "1", "3"),
         ("", "", ""),  # the kernel's defaults
     ):
         for var, value in (("SPLIT", mode), ("CHAIN", chain), ("CLAIM", claim)):

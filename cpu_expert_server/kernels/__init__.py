@@ -103,8 +103,11 @@ def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | 
     lib.moe_decode.restype = i
     lib.moe_decode_q.argtypes = [p, i, p, p, i, i, i, p, L, p, L, i, i, i, i, i, p, i, i, i]  # issue 14q
     lib.moe_decode_q.restype = i
-    lib.moe_decode_qa.argtypes = [ctypes.c_char_p]  # issue 14f: moe_decode_q's arguments as int64 [20]
-    lib.moe_decode_qa.restype = i
+    if hasattr(
+        lib, "moe_decode_qa"
+    ):  # issue 14f: moe_decode_q's arguments as int64 [20]; not in older copies
+        lib.moe_decode_qa.argtypes = [ctypes.c_char_p]
+        lib.moe_decode_qa.restype = i
     lib.moe_qdot_profile.argtypes = [p]
     lib.moe_qdot_profile.restype = None
     lib.moe_amx.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, i]

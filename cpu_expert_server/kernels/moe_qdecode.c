@@ -65,15 +65,20 @@ static QAct qrows_at(const QRows *a, int r) {
  * quantises the few tokens (T <= QDOT_PRIVATE_T) and, after phase 1, the few intermediate rows
  * (n * I <= QDOT_PRIVATE_ACT) itself, so the threads that wake first start streaming at once;
  * 3 = as 2 with phase 1 guided (large contiguous runs first, single items at the end);
- * 4 = "flow": no barrier between the phases (qdecode_flow below).
+ * 4 = "flow": no barrier between the phases (qdecode_flow below);
+ * 5 = "stream" (issue 14f): as 3, but phase 1 hands out one item at a time and each thread claims
+ * its next item as it starts the current one, so its prefetch runs from one item's end into the
+ * next's start (guided's first chunks are a whole static share: on the lent host the first and
+ * the last thread finished phase 1 30 us apart at T=1 and 250 us at Qwen3 T=16).
  * Same results bit for bit in every mode: each row is quantised the same way whoever does it,
  * and each output element is summed in the same order. */
-/* the default, mode 3: the lent 16-core host (issue 14q2, RESULTS.md), 12 int8/int4 cells (two
- * models, T = 1/4/16) timed round robin: time vs the static split, geometric mean, 1: 0.906,
- * 2: 0.925, 3: 0.887, 4: 0.904; mode 3 within 4% of the fastest mode in every cell */
+/* issue 14q2 (RESULTS.md), 12 int8/int4 cells (two models, T = 1/4/16) timed round robin on the
+ * lent 16-core host: time vs the static split, geometric mean, 1: 0.906, 2: 0.925, 3: 0.887,
+ * 4: 0.904. The default is mode 5 since issue 14f (RESULTS.md "Issue 14f"). */
 #ifndef QDOT_SPLIT_DEFAULT
-#define QDOT_SPLIT_DEFAULT 3
+#define QDOT_SPLIT_DEFAULT 5
 #endif
+#define QDOT_AHEAD_MIN 2 /* mode 5 claims no item ahead once fewer than this many per thread remain */
 #define QDOT_PRIVATE_T 4
 #define QDOT_PRIVATE_ACT 16384
 static int qdot_split(void) {
@@ -103,15 +108,23 @@ static void qdecode_quant_x(const void *x, int xbf16, int t, int h_, int g13, co
     quant_act_n(xt, h_, g13, qx->q + (size_t)t * h_, qx->s + (size_t)t * ng, qx->n + (size_t)t * ng);
 }
 
-/* phase 1 item `it`: the gate and up blocks of one (expert, 16-feature block) -> act */
+/* the gate block of phase 1 item `it` (its up block follows it) */
+static inline const uint8_t *qdecode_p1_rows(const Sorted *so, const uint8_t *w13, long row13, int i_, int nblk,
+                                             long it) {
+    return w13 + ((size_t)so->active[it / nblk] * 2 * i_ + (size_t)(it % nblk) * 32) * row13;
+}
+
+/* phase 1 item `it`: the gate and up blocks of one (expert, 16-feature block) -> act; nxt: the
+ * next item's rows, where the prefetch runs on after the up block (NULL: the bytes after it) */
 static void qdecode_p1(const Sorted *so, const QRows *qx, BlkFn blk, const uint8_t *w13, long row13, int h_, int i_,
-                       int u4, int g13, int pf, QAct *xa, float *rg, float *ru, float *act, int nblk, long it) {
+                       int u4, int g13, int pf, QAct *xa, float *rg, float *ru, float *act, int nblk, long it,
+                       const uint8_t *nxt) {
     const int s = so->active[it / nblk], b = (int)(it % nblk);
     const int q0 = so->start[s], m = so->start[s + 1] - q0;
-    const uint8_t *gate = w13 + ((size_t)s * 2 * i_ + (size_t)b * 32) * row13;
+    const uint8_t *gate = qdecode_p1_rows(so, w13, row13, i_, nblk, it);
     for (int j = 0; j < m; j++) xa[j] = qrows_at(qx, so->tok[q0 + j]);
     blk(gate, u4, h_, g13, xa, m, rg, pf, NULL);
-    blk(gate + 16 * row13, u4, h_, g13, xa, m, ru, pf, NULL);
+    blk(gate + 16 * row13, u4, h_, g13, xa, m, ru, pf, nxt);
     for (int j = 0; j < m; j++) {
         float *a = act + (size_t)(q0 + j) * i_ + b * 16;
         for (int r = 0; r < 16; r++) {
@@ -145,7 +158,7 @@ static void qdecode_flow(const Sorted *so, Flow *fl, const QRows *qx, QRows *qa,
         const long it = __atomic_fetch_add(&fl->next, 1, __ATOMIC_RELAXED);
         if (it >= items) break;
         if (it < items1) {
-            qdecode_p1(so, qx, blk, w13, row13, h_, i_, u4, g13, pf, xa, rg, ru, act, nblk, it);
+            qdecode_p1(so, qx, blk, w13, row13, h_, i_, u4, g13, pf, xa, rg, ru, act, nblk, it, NULL);
             const int ai = (int)(it / nblk), s = so->active[ai];
             if (__atomic_add_fetch(&fl->done1[ai], 1, __ATOMIC_ACQ_REL) == nblk) {
                 for (int p = so->start[s]; p < so->start[s + 1]; p++) qrows_put(qa, act, p, v512);
@@ -286,14 +299,15 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
     const int claim_n = env_int("EXPERTMESH_QDOT_CLAIM", QDOT_CLAIM_DEFAULT);
     const int claim = claim_n < 0 ? 0 : claim_n > QDOT_CLAIM_MAX ? QDOT_CLAIM_MAX : claim_n;
     int next2 = 0, done1 = 0; /* the dynamic modes' phase 2 counter; threads done with phase 1 */
-    static const omp_sched_t sched1[5] = {omp_sched_static, omp_sched_dynamic, omp_sched_dynamic, omp_sched_guided,
+    long next1 = 0;           /* mode 5's phase 1 counter */
+    static const omp_sched_t sched1[6] = {omp_sched_static, omp_sched_dynamic, omp_sched_dynamic, omp_sched_guided,
                                           omp_sched_dynamic};
-    static const int chunk1[5] = {0, 4, 1, 1, 1};
-    const int sm = split < 0 || split > 4 ? 0 : split;
+    static const int chunk1[6] = {0, 4, 1, 1, 1, 1};
+    const int sm = split < 0 || split > 5 ? 0 : split;
     /* fused modes: private quantisations where they are cheaper than a barrier (mode 4 quantises
      * the intermediate rows per expert as they complete) */
     const int priv_x = sm >= 2 && t_ <= QDOT_PRIVATE_T;
-    const int priv_a = (sm == 2 || sm == 3) && (long)so.start[s_] * i_ <= QDOT_PRIVATE_ACT;
+    const int priv_a = (sm == 2 || sm == 3 || sm == 5) && (long)so.start[s_] * i_ <= QDOT_PRIVATE_ACT;
     Flow fl = {0, NULL, NULL, NULL};
     if (sm == 4) {
         fl.done1 = calloc((size_t)so.na + 1, sizeof(int));
@@ -332,9 +346,23 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
             for (int hb = 0; hb < hblk; hb++) qdecode_flow_sum(&so, fl.y, o32, out, obf16, t_, h_, hb);
         } else {
             /* phase 1: the gate and up blocks of one (expert, 16-feature block) -> act */
+            if (sm == 5) {
+                /* one item at a time from the shared counter, the next one claimed when the
+                 * current one starts (while more than QDOT_AHEAD_MIN per thread remain), so the
+                 * prefetch runs from one item's end into the next */
+                const long ahead_to = items1 - (long)QDOT_AHEAD_MIN * omp_get_num_threads();
+                long cur = __atomic_fetch_add(&next1, 1, __ATOMIC_RELAXED);
+                while (cur < items1) {
+                    const long nx = cur < ahead_to ? __atomic_fetch_add(&next1, 1, __ATOMIC_RELAXED) : items1;
+                    const uint8_t *nxt = nx < items1 ? qdecode_p1_rows(&so, w13, row13, i_, nblk, nx) : NULL;
+                    qdecode_p1(&so, qxs, blk, w13, row13, h_, i_, u4, g13, pf, xa, rg, ru, act, nblk, cur, nxt);
+                    cur = nx < items1 ? nx : __atomic_fetch_add(&next1, 1, __ATOMIC_RELAXED);
+                }
+            } else {
 #pragma omp for schedule(runtime) nowait
-            for (long it = 0; it < items1; it++)
-                qdecode_p1(&so, qxs, blk, w13, row13, h_, i_, u4, g13, pf, xa, rg, ru, act, nblk, it);
+                for (long it = 0; it < items1; it++)
+                    qdecode_p1(&so, qxs, blk, w13, row13, h_, i_, u4, g13, pf, xa, rg, ru, act, nblk, it, NULL);
+            }
             if (prof && tid0 < QPROF_THREADS) g_t1[tid0] = omp_get_wtime();
             int claimed[QDOT_CLAIM_MAX], nc = 0;
             if (claim && sm >= 2) {
