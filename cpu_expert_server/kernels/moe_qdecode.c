@@ -225,15 +225,18 @@ static void qdecode_p2(const Sorted *so, const QRows *qa, BlkFn blk, const uint8
 }
 
 /* issue 14f (benchmark switches, read per call): EXPERTMESH_QDOT_CHAIN=0/1 phase 2's prefetch
- * chained into the next expert's block (qdecode_p2); EXPERTMESH_QDOT_CLAIM=N: in the dynamic
- * modes (2, 3) a thread that finishes phase 1 while others still run claims up to N phase 2 output
- * blocks from the shared counter and prefetches their rows into its L2 while it waits at the
- * barrier (memory bandwidth otherwise idle in the phase 1 tail); it computes them first after it. */
+ * chained into the next expert's block (qdecode_p2; default on: int4 1-5% faster in 5 of 6 cells
+ * on the lent host, RESULTS.md "Issue 14f"); EXPERTMESH_QDOT_CLAIM=N: in the dynamic modes (2, 3,
+ * 5) a thread that finishes phase 1 while others still run claims up to N phase 2 output blocks
+ * from the shared counter and prefetches their rows into its L2 while it waits at the barrier
+ * (memory bandwidth otherwise idle in the phase 1 tail); it computes them first after it. Off by
+ * default: with 2 claims int4 was 3% faster at Qwen3 T=1 but 5% slower at T=4 and T=16, the
+ * geometric mean within 1% of none. */
 #ifndef QDOT_CHAIN_DEFAULT
 #define QDOT_CHAIN_DEFAULT 1
 #endif
 #ifndef QDOT_CLAIM_DEFAULT
-#define QDOT_CLAIM_DEFAULT 2
+#define QDOT_CLAIM_DEFAULT 0
 #endif
 #define QDOT_CLAIM_MAX 16
 static int env_int(const char *name, int dflt) {
