@@ -192,11 +192,9 @@ static inline __attribute__((always_inline, target(QAVX2_TARGET))) __m256i hsum8
 static inline __attribute__((always_inline, target(QAVX2_TARGET))) void blk_avx2_body(const uint8_t *blk,
                                                                                      const int u4, int c, int g,
                                                                                      const QAct *x, int m,
-                                                                                     float *res, int pf,
-                                                                                     const uint8_t *nxt) {
+                                                                                     float *res, int pf) {
     const int kpg = g / 64, step = u4 ? 512 : 1024;
     const float *wsc = (const float *)(blk + (u4 ? (size_t)8 * c : (size_t)16 * c));
-    const uint8_t *end = (const uint8_t *)(wsc + (c / g) * 16);
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(15);
     const int bias = u4 ? 8 : 0; /* the sign trick needs no bias */
     if (pf)
@@ -211,7 +209,8 @@ static inline __attribute__((always_inline, target(QAVX2_TARGET))) void blk_avx2
                 for (int kk = 0; kk < kpg; kk++) {
                     const int ks = gi * kpg + kk;
                     const uint8_t *w = blk + (size_t)ks * step;
-                    if (pf && j == 0 && half == 0) pf_step(w, step, pf, end, nxt);
+                    if (pf && j == 0 && half == 0)
+                        for (int l = 0; l < step; l += 64) pf_line(w + pf + l);
                     const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64));
                     const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64 + 32));
                     if (u4) {
@@ -247,12 +246,16 @@ static inline __attribute__((always_inline, target(QAVX2_TARGET))) void blk_avx2
     }
 }
 
+/* nxt (the prefetch chained into the next block) is not used on AVX2: any change to this loop
+ * (even the redirection test once per step) cost the 2-core CI machine's int4 decode 5-10%, where
+ * the dots, not the bandwidth, bound it (issue 14f) */
 __attribute__((target(QAVX2_TARGET))) static void blk_avx2(const uint8_t *blk, int u4, int c, int g, const QAct *x,
                                                            int m, float *res, int pf, const uint8_t *nxt) {
+    (void)nxt;
     if (u4)
-        blk_avx2_body(blk, 1, c, g, x, m, res, pf, nxt);
+        blk_avx2_body(blk, 1, c, g, x, m, res, pf);
     else
-        blk_avx2_body(blk, 0, c, g, x, m, res, pf, nxt);
+        blk_avx2_body(blk, 0, c, g, x, m, res, pf);
 }
 
 /* one group of g activations -> q [g] int8 (symmetric, scale amax / 127), its scale, and the sum
