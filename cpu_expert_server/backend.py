@@ -184,7 +184,7 @@ class CpuExpertBackend(ExpertBackend):
         t, h = x.shape
         t2, k = slot_ids.shape
         pairs = t * k
-        if t == 0 or t2 != t or h != fmt.hidden or pairs / min(s, pairs) > self._qlim:
+        if t == 0 or t2 != t or h != fmt.hidden or pairs / max(1, min(s, pairs)) > self._qlim:
             return None
         out = torch.empty_like(x)  # [T, H]
         bf = int(x.dtype == torch.bfloat16)

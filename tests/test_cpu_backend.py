@@ -573,6 +573,8 @@ def test_decode_fast_path_matches_the_general_dispatch(monkeypatch, wdtype):
     with pytest.raises(ValueError, match="slot ids"):
         b.forward(x, p13, p2, slot_ids.clamp(min=0) + S, weights)
     assert calls.pop() == 160
+    assert torch.equal(b.forward(x, p13, p2, slot_ids[:, :0], weights[:, :0]), torch.zeros_like(x))  # K = 0
+    calls.clear()
     b.gemv_max_tokens = 1  # 3 tokens x 3 experts over 6 slots: 1.5 per expert, past the limit
     b.forward(x, p13, p2, slot_ids, weights)
     assert b._qdec_limit() == 1 and not calls
