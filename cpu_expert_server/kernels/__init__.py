@@ -126,7 +126,4 @@ def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | 
     lib.moe_dot_kind.restype = i
     lib.dequant_rows.argtypes = [p, L, i, i, i, i, p, i, i]
     lib.dequant_rows.restype = None
-    if hasattr(lib, "moe_read"):  # issue 14f: the benchmark's cache flush (not in older copies)
-        lib.moe_read.argtypes = [p, L, i]
-        lib.moe_read.restype = ctypes.c_double
     return lib

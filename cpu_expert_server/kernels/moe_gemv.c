@@ -357,13 +357,3 @@ void dequant_rows(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype,
 #include "moe_amx.c"
 #include "moe_amx_int8.c"
 #include "moe_amx_driver.c"
-
-/* The sum of n floats, read by nthreads threads of this library's OpenMP team (issue 14f: the
- * benchmark's cache flush, so that it wakes this team rather than torch's, which is another
- * OpenMP runtime where torch ships its own libgomp). */
-double moe_read(const float *p, long n, int nthreads) {
-    double acc = 0.0;
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : acc)
-    for (long i = 0; i < n; i++) acc += p[i];
-    return acc;
-}

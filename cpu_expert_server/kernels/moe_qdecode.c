@@ -9,8 +9,9 @@
  * 16-feature block) items and writes silu(gate) * up; the intermediate rows are quantised once
  * per pair; phase 2 runs 16-row output blocks, each streaming every active expert's rows of that
  * block (one writer per output element, no atomics). How the items are split over the threads
- * is the work split below: by default (mode 3, measured) phase 1 guided, phase 2 one block at a
- * time from a shared counter, small activations quantised by every thread without a barrier.
+ * is the work split below: by default (mode 5, measured) phase 1 one item at a time with the next
+ * one claimed ahead, phase 2 one block at a time from a shared counter, small activations
+ * quantised by every thread without a barrier.
  */
 #include <omp.h>
 #include <sched.h>
