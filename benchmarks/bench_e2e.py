@@ -387,7 +387,7 @@ def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str]]:
     modes = [(name, key, t, graphs, "") for name, key, t, graphs in out]
     if args.no_link_too:
         for name, key, t, graphs, _ in list(modes):
-            if graphs and not key.pin and key.spin is None:
+            if graphs and not key.pin and key.spin is None and t in ("auto", "cuda_ipc"):
                 modes.append((f"{name} (EXPERTMESH_LINK=0)", key, t, graphs, "off"))
     if args.link_force_same and args.remote:
         t = args.remote[-1]
@@ -525,6 +525,11 @@ def main() -> None:
                             pieces[name][depth][b] = us
                     print(name, depth, res[name][depth], pieces[name][depth], flush=True)
                     linked[name] = (d.linked_steps, d.link_reruns)  # issue 10
+                    if d.linked_steps:
+                        print(
+                            f"linked graphs of {name}: pool {eng.graphs.link_pool_bytes / 2**20:.0f} MiB",
+                            flush=True,
+                        )  # type: ignore[union-attr]
                     if (
                         args.profile
                         and graphs

@@ -220,6 +220,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
         self.timings: list[tuple[float, float, float]] | None = None
         self._link: _LinkState | None = None  # issue 10: the graphs of the current device link
         self._link_note = ""  # the last reason a step did not link (logged when it changes)
+        self.link_pool_bytes = 0  # what the current link's graphs added to the allocator's reserve
         ids = model.config.moe_layer_ids
         self._moe_index = {layer: i for i, layer in enumerate(ids)}
         super().__init__(model, cache, max_pages_per_seq, load_hook, buckets)
@@ -250,10 +251,16 @@ class RemoteDecodeGraphs(DecodeGraphs):
                 return None
             st = self._link
             if st is None or st.link is not lnk:  # a new link: the old one's graphs go
+                self._link = None
                 st = self._link = _LinkState.new(lnk, self.cache.k.device, self.buckets[-1])
+                self.link_pool_bytes = 0
             linked = st.steps.get(bucket)
             if linked is None:
+                dev = self.cache.k.device
+                torch.cuda.empty_cache()  # NOTE: the capture empties it too: measure from the same state
+                reserved = torch.cuda.memory_reserved(dev)
                 linked = st.steps[bucket] = self._capture_linked(st, bucket)
+                self.link_pool_bytes += torch.cuda.memory_reserved(dev) - reserved
             step = lnk.next_step
             lnk.next_step += 1
             why = d.launch_link_step(server, conn, step, b, bucket)
