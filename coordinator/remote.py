@@ -95,14 +95,15 @@ class RemoteDispatcher(Dispatcher):
         # [L_moe, E] int32 on our GPU: the local slot of each logical expert per MoE layer (in
         # moe_layer_ids order) on the one server every layer routes to; refreshed in place when
         # the placement or the down servers change. Its address is captured in the linked graphs.
-        self.link_table: torch.Tensor | None = None
+        self.link_table: torch.Tensor
         self._link_server: int | None = None  # that server (None: this placement cannot link)
         self.linked_steps = 0  # decode steps run over the link
         self.link_reruns = 0  # linked steps that failed (error bits) and ran again without it
+        # NOTE: made on any device (tested on the CPU); only a CUDA coordinator offers a link
+        self.link_table = torch.full(
+            (len(ids), model_config.num_experts), -1, dtype=torch.int32, device=self.device
+        )
         if self.device.type == "cuda":
-            self.link_table = torch.full(
-                (len(ids), model_config.num_experts), -1, dtype=torch.int32, device=self.device
-            )
             for c in self.conns:
                 if isinstance(c, ServerConnection):
                     c.link_shape = (LINK_ROWS, model_config.hidden_size, model_config.top_k)
@@ -364,7 +365,7 @@ class RemoteDispatcher(Dispatcher):
         ids = self.cfg.moe_layer_ids
         servers = {self._single[layer][0] for layer in ids if layer in self._single}
         self._link_server = None
-        if self.link_table is None or len(servers) != 1 or any(layer not in self._single for layer in ids):
+        if len(servers) != 1 or any(layer not in self._single for layer in ids):
             return
         table = torch.from_numpy(np.stack([self._single[layer][1] for layer in ids]))  # [L_moe, E]
         # NOTE: between steps (begin_step): no linked graph reads it now

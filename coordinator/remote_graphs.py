@@ -293,7 +293,6 @@ class RemoteDecodeGraphs(DecodeGraphs):
         """Captures ``bucket``'s whole step over ``st``'s link: a warm-up run first (every op
         once, outside any capture, with no flag kernel: link.py's NOTE on lazy loading), on
         padding metadata (K/V writes go to the scratch row); the step's metadata is restored."""
-        assert self.dispatcher.link_table is not None
         blocks = self.model.moe_blocks()
         saved = [(blk.dispatcher, blk.load_hook) for blk in blocks]
         meta = self.meta.clone()

@@ -12,9 +12,11 @@ GPUs with the default mode (no force)."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -107,6 +109,44 @@ def test_a_refused_link_step_keeps_the_channel():
         os.close(resp_fd)
 
 
+def test_the_slot_table_follows_the_placement(tmp_path):
+    """RemoteDispatcher's GPU slot table (here on the CPU): with every expert of every MoE
+    layer once on one server it holds each logical expert's local slot (what the server's step
+    graph indexes), and the step may link to that server; a placement split across two servers,
+    or that server down, links nothing."""
+    from coordinator.remote import RemoteDispatcher
+    from tests.test_cluster_state import MODEL, FakeServer, make
+
+    model = SimpleNamespace(**vars(MODEL), top_k=2)
+    spec = {"servers": ["gpu0"], "layers": {"0": {"gpu0": [3, 1, 0, 2]}, "1": {"gpu0": [2, 0, 3, 1]}}}
+    (tmp_path / "p.json").write_text(json.dumps(spec))
+    c, _ = make(FakeServer(), placement_file=str(tmp_path / "p.json"))  # every expert once on gpu0
+    d = RemoteDispatcher(model, c.config, torch.float32, "cpu", expert_cluster=c)  # type: ignore[arg-type]
+    try:
+        d.connect(5)
+        d.begin_step(1)
+        assert d._link_server == 0
+        tables = c.tables.placement.tables
+        for i, layer in enumerate(model.moe_layer_ids):
+            lt = tables[layer]
+            want = lt.local_slot[lt.log2phy[:, 0]].to(torch.int32)  # [E]
+            assert torch.equal(d.link_table[i], want), (layer, d.link_table[i], want)
+        assert d.link_table.tolist() == [[2, 1, 3, 0], [1, 3, 0, 2]]  # expert e -> its slot
+        c.members[0].conn.die()
+        d.begin_step(1)
+        assert d._link_server is None and d.link_plan(1) is None
+    finally:
+        d.close()
+    c, _ = make(FakeServer(), FakeServer())  # experts split over gpu0 and cpu0
+    d = RemoteDispatcher(model, c.config, torch.float32, "cpu", expert_cluster=c)  # type: ignore[arg-type]
+    try:
+        d.connect(5)
+        d.begin_step(1)
+        assert d._link_server is None and d.link_plan(1) is None
+    finally:
+        d.close()
+
+
 # ---------------------------------------------------------------------------- on a GPU
 
 
@@ -185,7 +225,6 @@ def test_an_error_bit_is_never_sampled_and_a_killed_server_fails_clearly(tmp_pat
     try:
         _decode(eng, 1, 3)
         assert d.linked_steps == 2 and d.link_reruns == 0
-        assert d.link_table is not None
         d.link_table[0].fill_(1 << 20)  # every slot id of the first MoE layer outside the server's slots
         seq, rseq = eng.new_seq(), ref.new_seq()
         eng.step([(seq, [1, 2, 3])])  # prefill: never linked
