@@ -221,6 +221,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
         self._link: _LinkState | None = None  # issue 10: the graphs of the current device link
         self._link_note = ""  # the last reason a step did not link (logged when it changes)
         self.link_pool_bytes = 0  # what the current link's graphs added to the allocator's reserve
+        self._broken: LinkAreas | None = None  # a link whose capture failed: its steps go piecewise
         ids = model.config.moe_layer_ids
         self._moe_index = {layer: i for i, layer in enumerate(ids)}
         super().__init__(model, cache, max_pages_per_seq, load_hook, buckets)
@@ -247,7 +248,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
             return None
         server, conn, lnk = plan
         with lnk.lock:  # NOTE: the channel's close() waits for it before unmapping the answer area
-            if lnk.closed or lnk.ans is None:
+            if lnk.closed or lnk.ans is None or lnk is self._broken:
                 return None
             st = self._link
             if st is None or st.link is not lnk:  # a new link: the old one's graphs go
@@ -259,7 +260,13 @@ class RemoteDecodeGraphs(DecodeGraphs):
                 dev = self.cache.k.device
                 torch.cuda.empty_cache()  # NOTE: the capture empties it too: measure from the same state
                 reserved = torch.cuda.memory_reserved(dev)
-                linked = st.steps[bucket] = self._capture_linked(st, bucket)
+                try:
+                    linked = st.steps[bucket] = self._capture_linked(st, bucket)
+                except RuntimeError as e:  # NOTE: torch's CUDA errors (capture, out of memory)
+                    log.error("%s: cannot capture the linked decode step (bucket %d): %s; this "
+                              "link is not used", conn.spec.name, bucket, e)  # fmt: skip
+                    self._broken, self._link = lnk, None
+                    return None
                 self.link_pool_bytes += torch.cuda.memory_reserved(dev) - reserved
             step = lnk.next_step
             lnk.next_step += 1
