@@ -13,6 +13,7 @@
  * the call's shape (below, "Work split").
  */
 #include <omp.h>
+#include <sched.h>
 
 typedef struct {
     Sorted so;
@@ -59,11 +60,15 @@ static void btiles_alloc(QTiles *q, int kind, int ntiles, int c, int g) {
     }
 }
 
-/* token slot j of tile tl <- a bf16 row [c] */
-static void btiles_put_bf16(const QTiles *q, int tl, int j, int c, const uint16_t *row) {
-    const uint32_t *src = (const uint32_t *)row;
-    uint32_t *dst = q->b + (size_t)tl * q->ksteps * 256 + j;
-    for (int p = 0; p < c / 2; p++) dst[(size_t)(p / 16) * 256 + (p % 16) * 16] = src[p];
+/* token tile tl of q <- the 16 rows src[j] (bf16 pairs or int8 quads as 32-bit words, ksteps * 16
+ * words each; padding slots point at a zero row), k step by k step: each 1 KiB step is written
+ * whole while it sits in L1 (token by token, a 64 KiB tile's lines were written 16 times over
+ * from L2: the gather was ~1.2 ms of a 21 ms Qwen3 T=512 call) */
+__attribute__((target(AMX_TARGET))) static void btiles_fill(const QTiles *q, int tl, const uint32_t *const *src) {
+    uint32_t *dst = q->b + (size_t)tl * q->ksteps * 256;
+    for (int ks = 0; ks < q->ksteps; ks++, dst += 256)
+        for (int p = 0; p < 16; p++)
+            for (int j = 0; j < 16; j++) dst[p * 16 + j] = src[j][ks * 16 + p];
 }
 
 /* What a call runs on: kind of tiles, the packed weights, per-thread scratch. */
@@ -79,6 +84,7 @@ typedef struct {
     float *tmp;        /* [max(H, I)] */
     uint16_t *wq;      /* [32, max(H, I)] quantised rows as bf16 (bf16 tiles only) */
     uint8_t *nib;      /* [32, max(H, I)] int4 nibbles */
+    double wait;       /* seconds waited in phase 2 (AMX_OVERLAP) */
 } Scratch;
 
 static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
@@ -156,6 +162,19 @@ __attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows 
 #define AMX_PF -1
 #endif
 
+/* Phase-1 split of a static call: AMX_BAL 0 = equal block counts per thread; c > 0 = equal cost,
+ * a block of expert a costing c + its token tiles (its rows' streaming, in units of one token
+ * tile's work, plus the tiles). AMX_OVERLAP 1 (bf16 tiles, static calls): no barrier between the
+ * phases; each expert counts its finished phase-1 blocks and a thread's phase 2 takes the experts
+ * in the order they are expected to finish, waiting on each count (one writer per output element
+ * still; the sum over experts runs in that order). */
+#ifndef AMX_BAL
+#define AMX_BAL 0
+#endif
+#ifndef AMX_OVERLAP
+#define AMX_OVERLAP 0
+#endif
+
 /* one call's shared state, read by every thread */
 typedef struct {
     const AmxCall *cl;
@@ -163,7 +182,63 @@ typedef struct {
     const QTiles *bx, *ba;
     float *act, *out;
     int qk, pf;
+    int *done;         /* [na] finished phase-1 blocks per active expert (AMX_OVERLAP), or NULL */
+    const int *order2; /* [na] phase 2's expert order (AMX_OVERLAP), or NULL: 0, 1, ... */
 } Ctx;
+
+/* the first phase-1 block before which the blocks' cost sums to >= target (see AMX_BAL) */
+static long cost_item(const TilePlan *pl, int nblk1, int c0, long target) {
+    long cum = 0;
+    for (int a = 0; a < pl->so.na; a++) {
+        const long per = c0 + pl->tile0[a + 1] - pl->tile0[a];
+        if (cum + per * nblk1 > target) return (long)a * nblk1 + (target - cum + per - 1) / per;
+        cum += per * nblk1;
+    }
+    return (long)pl->so.na * nblk1;
+}
+
+/* thread id's phase-1 blocks [*lo, *hi) of nth (contiguous, expert-major) */
+static void phase1_range(const TilePlan *pl, int nblk1, int c0, int id, int nth, long *lo, long *hi) {
+    const long items = (long)pl->so.na * nblk1;
+    if (c0 <= 0) {
+        *lo = items * id / nth, *hi = items * (id + 1) / nth;
+        return;
+    }
+    const long total = ((long)c0 * pl->so.na + pl->ntiles) * nblk1;
+    *lo = cost_item(pl, nblk1, c0, total * id / nth);
+    *hi = cost_item(pl, nblk1, c0, total * (id + 1) / nth);
+}
+
+/* phase 2's expert order under AMX_OVERLAP: by the expected finishing time of each expert's last
+ * phase-1 block (its position in its thread's range), so waits are short */
+static int *phase2_order(const TilePlan *pl, int nblk1, int nth) {
+    const int na = pl->so.na;
+    int *order = malloc(sizeof(int) * ((size_t)na + 1));
+    double *when = malloc(sizeof(double) * ((size_t)na + 1));
+    int q = 0;
+    long lo, hi;
+    phase1_range(pl, nblk1, AMX_BAL, 0, nth, &lo, &hi);
+    for (int a = 0; a < na; a++) {
+        const long last = (long)(a + 1) * nblk1 - 1;
+        while (last >= hi && q + 1 < nth) phase1_range(pl, nblk1, AMX_BAL, ++q, nth, &lo, &hi);
+        when[a] = (double)(last - lo + 1) / (double)(hi > lo ? hi - lo : 1);
+        /* insertion sort by when (stable: ties keep expert order) */
+        int k = a;
+        for (; k > 0 && when[order[k - 1]] > when[a]; k--) order[k] = order[k - 1];
+        order[k] = a;
+    }
+    free(when);
+    return order;
+}
+
+static void wait_done(const int *done, int a, int want) {
+    for (long spins = 0; __atomic_load_n(done + a, __ATOMIC_ACQUIRE) < want; spins++) {
+        if (spins < 4096)
+            _mm_pause();
+        else
+            sched_yield(); /* a descheduled phase-1 thread on an oversubscribed machine */
+    }
+}
 
 /* phase 1, block it = (active expert a, features b*16 .. b*16 + 15) */
 __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long it, Scratch *sc) {
@@ -196,6 +271,7 @@ __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long
                 for (int r = 0; r < 16; r++) cx->act[(size_t)(q0 + j) * i_ + b * 16 + r] = g[r * 16 + j];
         }
     }
+    if (cx->done) __atomic_fetch_add(cx->done + a, 1, __ATOMIC_RELEASE);
 }
 
 /* phase 2, output rows [hb0 * 32, hb1 * 32) over every active expert */
@@ -204,14 +280,21 @@ __attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long 
     const TilePlan *pl = cx->pl;
     const Sorted *so = &pl->so;
     const int h_ = cl->h;
-    for (int a = 0; a < so->na; a++) {
-        const int s = so->active[a];
+    for (int ai = 0; ai < so->na; ai++) {
+        const int a = cx->order2 ? cx->order2[ai] : ai, s = so->active[a];
+        if (cx->done && hb0 < hb1) {
+            const double tw = omp_get_wtime();
+            wait_done(cx->done, a, cl->i / 16);
+            sc->wait += omp_get_wtime() - tw;
+            COMPILER_FENCE(); /* the tile loads below read what the wait published */
+        }
+        const int an = ai + 1 < so->na ? (cx->order2 ? cx->order2[ai + 1] : ai + 1) : -1;
         for (long hb = hb0; hb < hb1; hb++) {
             const uint8_t *base = cl->w2 + ((size_t)s * h_ + (size_t)hb * 32) * cl->row2;
             /* next block: the next 32 rows, or the next expert's first rows of this range */
             Prefetch pf = {cx->pf, base + 32 * cl->row2, 32 * cl->row2 / 64};
             if (hb + 1 == hb1)
-                pf.p = a + 1 < so->na ? cl->w2 + ((size_t)so->active[a + 1] * h_ + (size_t)hb0 * 32) * cl->row2 : NULL;
+                pf.p = an >= 0 ? cl->w2 + ((size_t)so->active[an] * h_ + (size_t)hb0 * 32) * cl->row2 : NULL;
             const ARows ar = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc);
             for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
                 const int two = tl + 1 < pl->tile0[a + 1];
@@ -235,8 +318,11 @@ __attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long 
 
 #ifdef AMX_PROFILE
 /* seconds per stage, summed over calls (thread 0 after each barrier): gather, phase 1, phase-2
- * B tiles, phase 2; before the threads start (sort, allocations); the whole call */
-static double amx_prof[6];
+ * B tiles, phase 2; before the threads start (sort, allocations); the whole call; then the
+ * threads' phase-1 work (mean, max: the imbalance the barrier waits out) and their mean wait in
+ * phase 2 (AMX_OVERLAP) */
+static double amx_prof[9];
+static double amx_busy[1024];
 void moe_amx_profile(double *out) {
     memcpy(out, amx_prof, sizeof amx_prof);
     memset(amx_prof, 0, sizeof amx_prof);
@@ -274,18 +360,23 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     int8_t *xq = qk ? malloc((size_t)t_ * h_ + 1) : NULL;
     float *xsc = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
     float *xcs = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
+    const uint32_t *zrow = calloc((size_t)(h_ > i_ ? h_ : i_) / 2 + 16, 4); /* padding slots' row */
     const int nblk1 = i_ / 16, nblk2 = h_ / 32;
     const int prefill = pl.ntiles >= 2 * so->na;
     const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill;
     const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? PF_NEXT : PF_NONE;
-    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf};
+    const int overlap = AMX_OVERLAP && split_static && !qk && so->na > 0;
+    int *done = overlap ? calloc((size_t)so->na, sizeof(int)) : NULL;
+    int *order2 = overlap ? phase2_order(&pl, nblk1, nthreads) : NULL;
+    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf, done, order2};
 #pragma omp parallel num_threads(nthreads)
     {
         amx_config();
         Scratch sc;
         scratch_alloc(&sc, cl);
+        const int id = omp_get_thread_num(), nth = omp_get_num_threads();
         double t0 = omp_get_wtime();
-        if (omp_get_thread_num() == 0) PROF_AT(4, t_call);
+        if (id == 0) PROF_AT(4, t_call);
 #pragma omp for schedule(static)
         for (int t = 0; t < t_; t++) {
             memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
@@ -299,64 +390,91 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         for (int tl = 0; tl < pl.ntiles; tl++) {
             int n;
             const int q0 = tile_first(&pl, tl, &n);
-            for (int j = 0; j < n; j++) {
-                const size_t t = (size_t)so->tok[q0 + j];
-                if (qk)
-                    qtiles_put(&bx, tl, j, h_, cl->g13, bias, xq + t * h_, xsc + t * ng13, xcs + t * ng13);
-                else
-                    btiles_put_bf16(&bx, tl, j, h_, xh + t * h_);
+            const uint32_t *src[16];
+            for (int j = 0; j < 16; j++) {
+                const size_t t = j < n ? (size_t)so->tok[q0 + j] : 0;
+                src[j] = j >= n ? zrow : qk ? (const uint32_t *)(xq + t * h_) : (const uint32_t *)(xh + t * h_);
+                if (qk && j < n) qtiles_scales(&bx, tl, j, h_, cl->g13, bias, xsc + t * ng13, xcs + t * ng13);
+                if (qk && j >= n) qtiles_pad_scales(&bx, tl, j);
             }
-            for (int j = n; j < 16; j++) qtiles_pad(&bx, tl, j);
+            btiles_fill(&bx, tl, src);
         }
         COMPILER_FENCE();
         PROF(0, t0);
         /* phase 1: blocks (expert, 16 features), expert-major */
-        const long items1 = (long)so->na * nblk1;
+        const double tb = omp_get_wtime();
         if (split_static) {
-#pragma omp for schedule(static) nowait
-            for (long it = 0; it < items1; it++) phase1_block(&cx, it, &sc);
+            long lo, hi;
+            phase1_range(&pl, nblk1, AMX_BAL, id, nth, &lo, &hi);
+            for (long it = lo; it < hi; it++) phase1_block(&cx, it, &sc);
         } else {
 #pragma omp for schedule(dynamic, 4) nowait
-            for (long it = 0; it < items1; it++) phase1_block(&cx, it, &sc);
+            for (long it = 0; it < (long)so->na * nblk1; it++) phase1_block(&cx, it, &sc);
         }
+#ifdef AMX_PROFILE
+        amx_busy[id < 1024 ? id : 1023] = omp_get_wtime() - tb;
+#else
+        (void)tb;
+#endif
         COMPILER_FENCE();
+        if (!overlap) {
 #pragma omp barrier
+        }
         PROF(1, t0);
         if (qk) {
             /* the pairs' intermediate rows quantised into phase 2's B tiles */
-            int8_t *q8 = malloc((size_t)i_);
+            int8_t *q8 = malloc((size_t)16 * i_);
             float *qs = malloc(sizeof(float) * (size_t)i_), *qc = malloc(sizeof(float) * (size_t)i_);
 #pragma omp for schedule(static)
             for (int tl = 0; tl < pl.ntiles; tl++) {
                 int n;
                 const int q0 = tile_first(&pl, tl, &n);
-                for (int j = 0; j < n; j++) {
-                    quant_act(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8, qs, qc);
-                    qtiles_put(&ba, tl, j, i_, cl->g2, bias, q8, qs, qc);
+                const uint32_t *src[16];
+                for (int j = 0; j < 16; j++) {
+                    src[j] = j < n ? (const uint32_t *)(q8 + (size_t)j * i_) : zrow;
+                    if (j >= n) {
+                        qtiles_pad_scales(&ba, tl, j);
+                        continue;
+                    }
+                    quant_act(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8 + (size_t)j * i_, qs, qc);
+                    qtiles_scales(&ba, tl, j, i_, cl->g2, bias, qs, qc);
                 }
-                for (int j = n; j < 16; j++) qtiles_pad(&ba, tl, j);
+                btiles_fill(&ba, tl, src);
             }
             free(q8), free(qs), free(qc);
         }
         COMPILER_FENCE();
         PROF(2, t0);
         /* phase 2: ranges of 32-row output blocks, each over every expert */
+        sc.wait = 0.0;
         if (split_static) {
-            const int nth = omp_get_num_threads(), per = (nblk2 + nth - 1) / nth;
-#pragma omp for schedule(static) nowait
-            for (int r = 0; r < nth; r++)
-                phase2_rows(&cx, (long)r * per, (r + 1) * per < nblk2 ? (long)(r + 1) * per : nblk2, &sc);
+            const int per = (nblk2 + nth - 1) / nth;
+            phase2_rows(&cx, (long)id * per < nblk2 ? (long)id * per : nblk2,
+                        (long)(id + 1) * per < nblk2 ? (long)(id + 1) * per : nblk2, &sc);
         } else {
 #pragma omp for schedule(dynamic, 1) nowait
             for (int hb = 0; hb < nblk2; hb++) phase2_rows(&cx, hb, hb + 1, &sc);
         }
+#ifdef AMX_PROFILE
+        amx_busy[512 + (id < 512 ? id : 511)] = sc.wait;
+#endif
 #pragma omp barrier
         PROF(3, t0);
+#ifdef AMX_PROFILE
+        if (id == 0) {
+            double sum = 0.0, mx = 0.0, wsum = 0.0;
+            for (int r = 0; r < nth && r < 512; r++) {
+                sum += amx_busy[r], wsum += amx_busy[512 + r];
+                mx = amx_busy[r] > mx ? amx_busy[r] : mx;
+            }
+            amx_prof[6] += sum / nth, amx_prof[7] += mx, amx_prof[8] += wsum / nth;
+        }
+#endif
         amx_release();
         scratch_free(&sc);
     }
     qtiles_free(&bx), qtiles_free(&ba);
-    free(xh), free(xq), free(xsc), free(xcs);
+    free(xh), free(xq), free(xsc), free(xcs), free((void *)zrow), free(done), free(order2);
     plan_free(&pl);
     PROF_AT(5, t_call);
     return 0;
