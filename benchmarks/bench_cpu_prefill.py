@@ -4,7 +4,7 @@ variants) and the same run's peaks, one MoE layer at real widths.
 Every variant runs the same packed weights and routes, rounds interleaved (A B C A B C ...) so
 that the VM's drift hits all alike; each row gives the median and the spread of the rounds'
 medians. A profile build (AMX_PROFILE) of each build of this tree splits its time into stages
-(and the threads' phase-1 work, mean and slowest). Builds compile in parallel. Floors: the active
+(and the threads' work per phase, mean and slowest). Builds compile in parallel. Floors: the active
 experts' bytes over the measured read bandwidth, the FLOPs over the measured peaks.
 
     python benchmarks/bench_cpu_prefill.py --threads 16 --baseline /path/to/old/kernels/moe_gemv.c \\
@@ -28,7 +28,10 @@ from cpu_expert_server import kernels
 from cpu_expert_server.backend import CpuExpertBackend
 from expertmesh.experts import TorchExpertBackend
 
-STAGES = ("gather", "phase1", "quant2", "phase2", "setup", "call", "p1_busy_mean", "p1_busy_max", "p2_wait")
+STAGES = (
+    *("gather", "phase1", "quant2", "phase2", "setup", "call"),
+    *("p1_busy_mean", "p1_busy_max", "p2_busy_mean", "p2_busy_max"),
+)
 
 
 def variant_defines(baseline: str | None, variants: list[str]) -> dict[str, tuple[tuple[str, ...], Path]]:

@@ -13,7 +13,6 @@
  * the call's shape (below, "Work split").
  */
 #include <omp.h>
-#include <sched.h>
 
 typedef struct {
     Sorted so;
@@ -84,7 +83,6 @@ typedef struct {
     float *tmp;        /* [max(H, I)] */
     uint16_t *wq;      /* [32, max(H, I)] quantised rows as bf16 (bf16 tiles only) */
     uint8_t *nib;      /* [32, max(H, I)] int4 nibbles */
-    double wait;       /* seconds waited in phase 2 (AMX_OVERLAP) */
 } Scratch;
 
 static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
@@ -162,17 +160,22 @@ __attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows 
 #define AMX_PF -1
 #endif
 
-/* Phase-1 split of a static call: AMX_BAL 0 = equal block counts per thread; c > 0 = equal cost,
- * a block of expert a costing c + its token tiles (its rows' streaming, in units of one token
- * tile's work, plus the tiles). AMX_OVERLAP 1 (bf16 tiles, static calls): no barrier between the
- * phases; each expert counts its finished phase-1 blocks and a thread's phase 2 takes the experts
- * in the order they are expected to finish, waiting on each count (one writer per output element
- * still; the sum over experts runs in that order). */
+/* Static calls (prefill-shaped): each thread starts on a contiguous range of expert-major items.
+ * AMX_BAL 0 = equal item counts; c > 0 = equal cost, an item of expert a costing c + its token tiles
+ * (its rows' streaming in units of one token tile's work, plus the tiles). AMX_STEAL 1: a thread
+ * that ends its range takes items from the front of the others' (the lent host's threads finish
+ * an equal phase 1 up to 1.35x apart, in a loads-only build too: slow cores, not uneven work), and
+ * phase 2 goes by expert too: items (expert, AMX_CHUNK2 output blocks) store each pair's result in
+ * a pair buffer that a last pass sums per token (in the same order as the direct sum: experts
+ * ascending, so the results do not change). */
 #ifndef AMX_BAL
 #define AMX_BAL 0
 #endif
-#ifndef AMX_OVERLAP
-#define AMX_OVERLAP 0
+#ifndef AMX_STEAL
+#define AMX_STEAL 1
+#endif
+#ifndef AMX_CHUNK2
+#define AMX_CHUNK2 8
 #endif
 
 /* one call's shared state, read by every thread */
@@ -182,62 +185,67 @@ typedef struct {
     const QTiles *bx, *ba;
     float *act, *out;
     int qk, pf;
-    int *done;         /* [na] finished phase-1 blocks per active expert (AMX_OVERLAP), or NULL */
-    const int *order2; /* [na] phase 2's expert order (AMX_OVERLAP), or NULL: 0, 1, ... */
+    float *pb; /* [n pairs, H] phase 2's results (AMX_STEAL), or NULL: summed into out directly */
 } Ctx;
 
-/* the first phase-1 block before which the blocks' cost sums to >= target (see AMX_BAL) */
-static long cost_item(const TilePlan *pl, int nblk1, int c0, long target) {
+/* the first item before which the items' cost sums to >= target (see AMX_BAL) */
+static long cost_item(const TilePlan *pl, int per_expert, int c0, long target) {
     long cum = 0;
     for (int a = 0; a < pl->so.na; a++) {
         const long per = c0 + pl->tile0[a + 1] - pl->tile0[a];
-        if (cum + per * nblk1 > target) return (long)a * nblk1 + (target - cum + per - 1) / per;
-        cum += per * nblk1;
+        if (cum + per * per_expert > target) return (long)a * per_expert + (target - cum + per - 1) / per;
+        cum += per * per_expert;
     }
-    return (long)pl->so.na * nblk1;
+    return (long)pl->so.na * per_expert;
 }
 
-/* thread id's phase-1 blocks [*lo, *hi) of nth (contiguous, expert-major) */
-static void phase1_range(const TilePlan *pl, int nblk1, int c0, int id, int nth, long *lo, long *hi) {
-    const long items = (long)pl->so.na * nblk1;
+/* thread id's items [*lo, *hi) of nth, over na * per_expert expert-major items */
+static void expert_range(const TilePlan *pl, int per_expert, int c0, int id, int nth, long *lo, long *hi) {
+    const long items = (long)pl->so.na * per_expert;
     if (c0 <= 0) {
         *lo = items * id / nth, *hi = items * (id + 1) / nth;
         return;
     }
-    const long total = ((long)c0 * pl->so.na + pl->ntiles) * nblk1;
-    *lo = cost_item(pl, nblk1, c0, total * id / nth);
-    *hi = cost_item(pl, nblk1, c0, total * (id + 1) / nth);
+    const long total = ((long)c0 * pl->so.na + pl->ntiles) * per_expert;
+    *lo = cost_item(pl, per_expert, c0, total * id / nth);
+    *hi = cost_item(pl, per_expert, c0, total * (id + 1) / nth);
 }
 
-/* phase 2's expert order under AMX_OVERLAP: by the expected finishing time of each expert's last
- * phase-1 block (its position in its thread's range), so waits are short */
-static int *phase2_order(const TilePlan *pl, int nblk1, int nth) {
-    const int na = pl->so.na;
-    int *order = malloc(sizeof(int) * ((size_t)na + 1));
-    double *when = malloc(sizeof(double) * ((size_t)na + 1));
-    int q = 0;
-    long lo, hi;
-    phase1_range(pl, nblk1, AMX_BAL, 0, nth, &lo, &hi);
-    for (int a = 0; a < na; a++) {
-        const long last = (long)(a + 1) * nblk1 - 1;
-        while (last >= hi && q + 1 < nth) phase1_range(pl, nblk1, AMX_BAL, ++q, nth, &lo, &hi);
-        when[a] = (double)(last - lo + 1) / (double)(hi > lo ? hi - lo : 1);
-        /* insertion sort by when (stable: ties keep expert order) */
-        int k = a;
-        for (; k > 0 && when[order[k - 1]] > when[a]; k--) order[k] = order[k - 1];
-        order[k] = a;
-    }
-    free(when);
-    return order;
+/* per thread: the next unclaimed item of its range (one cache line each: owners and thieves
+ * claim with an atomic add) */
+typedef struct {
+    long next, hi;
+    char pad[48];
+} Cursor;
+
+static Cursor *cursors(const TilePlan *pl, int per_expert, int n) {
+    Cursor *cur = aligned_alloc(64, sizeof(Cursor) * (size_t)n);
+    for (int r = 0; r < n; r++) expert_range(pl, per_expert, AMX_BAL, r, n, &cur[r].next, &cur[r].hi);
+    return cur;
 }
 
-static void wait_done(const int *done, int a, int want) {
-    for (long spins = 0; __atomic_load_n(done + a, __ATOMIC_ACQUIRE) < want; spins++) {
-        if (spins < 4096)
-            _mm_pause();
-        else
-            sched_yield(); /* a descheduled phase-1 thread on an oversubscribed machine */
+/* the next item for thread id: from its own range, then from the others' in turn; -1 when all are
+ * claimed. *v: the range it takes from (starts at id). */
+static long take(Cursor *cur, int n, int id, int *v) {
+    for (;;) {
+        const long it = __atomic_fetch_add(&cur[*v].next, 1, __ATOMIC_RELAXED);
+        if (it < cur[*v].hi) return it;
+        *v = (*v + 1) % n;
+        if (*v == id) return -1;
     }
+}
+
+/* fp32 [n pairs, H] pair buffer, kept per calling thread across calls: glibc maps a fresh 32 MB
+ * block (Qwen3 widths, T = 512) on every call, and its pages would fault in every time */
+static float *pair_buffer(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        free(buf);
+        buf = malloc(sizeof(float) * floats);
+        cap = buf ? floats : 0;
+    }
+    return buf;
 }
 
 /* phase 1, block it = (active expert a, features b*16 .. b*16 + 15) */
@@ -271,44 +279,39 @@ __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long
                 for (int r = 0; r < 16; r++) cx->act[(size_t)(q0 + j) * i_ + b * 16 + r] = g[r * 16 + j];
         }
     }
-    if (cx->done) __atomic_fetch_add(cx->done + a, 1, __ATOMIC_RELEASE);
 }
 
-/* phase 2, output rows [hb0 * 32, hb1 * 32) over every active expert */
-__attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long hb0, long hb1, Scratch *sc) {
+/* phase 2 of active expert a, output rows [hb0 * 32, hb1 * 32): out += weight * result (pb: each
+ * pair's result stored at its row of the pair buffer); next: the rows to prefetch after the last
+ * block (NULL: none) */
+__attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, int a, long hb0, long hb1,
+                                                            const uint8_t *next, Scratch *sc) {
     const AmxCall *cl = cx->cl;
     const TilePlan *pl = cx->pl;
     const Sorted *so = &pl->so;
-    const int h_ = cl->h;
-    for (int ai = 0; ai < so->na; ai++) {
-        const int a = cx->order2 ? cx->order2[ai] : ai, s = so->active[a];
-        if (cx->done && hb0 < hb1) {
-            const double tw = omp_get_wtime();
-            wait_done(cx->done, a, cl->i / 16);
-            sc->wait += omp_get_wtime() - tw;
-            COMPILER_FENCE(); /* the tile loads below read what the wait published */
-        }
-        const int an = ai + 1 < so->na ? (cx->order2 ? cx->order2[ai + 1] : ai + 1) : -1;
-        for (long hb = hb0; hb < hb1; hb++) {
-            const uint8_t *base = cl->w2 + ((size_t)s * h_ + (size_t)hb * 32) * cl->row2;
-            /* next block: the next 32 rows, or the next expert's first rows of this range */
-            Prefetch pf = {cx->pf, base + 32 * cl->row2, 32 * cl->row2 / 64};
-            if (hb + 1 == hb1)
-                pf.p = an >= 0 ? cl->w2 + ((size_t)so->active[an] * h_ + (size_t)hb0 * 32) * cl->row2 : NULL;
-            const ARows ar = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc);
-            for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
-                const int two = tl + 1 < pl->tile0[a + 1];
-                run_block(cl->kind, &ar, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
-                for (int u = 0; u < 1 + two; u++) {
-                    int n;
-                    const int q0 = tile_first(pl, tl + u, &n);
-                    for (int j = 0; j < n; j++) {
-                        float *o = cx->out + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 32;
-                        const float w = so->wt[q0 + j];
-                        for (int r = 0; r < 16; r++) {
-                            o[r] += w * sc->c[u * 512 + r * 16 + j];
-                            o[16 + r] += w * sc->c[u * 512 + 256 + r * 16 + j];
-                        }
+    const int h_ = cl->h, s = so->active[a];
+    for (long hb = hb0; hb < hb1; hb++) {
+        const uint8_t *base = cl->w2 + ((size_t)s * h_ + (size_t)hb * 32) * cl->row2;
+        Prefetch pf = {cx->pf, hb + 1 < hb1 ? base + 32 * cl->row2 : next, 32 * cl->row2 / 64};
+        const ARows ar = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc);
+        for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
+            const int two = tl + 1 < pl->tile0[a + 1];
+            run_block(cl->kind, &ar, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
+            for (int u = 0; u < 1 + two; u++) {
+                int n;
+                const int q0 = tile_first(pl, tl + u, &n);
+                const float *c = sc->c + u * 512;
+                for (int j = 0; j < n; j++) {
+                    if (cx->pb) {
+                        float *o = cx->pb + (size_t)(q0 + j) * h_ + (size_t)hb * 32;
+                        for (int r = 0; r < 16; r++) o[r] = c[r * 16 + j], o[16 + r] = c[256 + r * 16 + j];
+                        continue;
+                    }
+                    float *o = cx->out + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 32;
+                    const float w = so->wt[q0 + j];
+                    for (int r = 0; r < 16; r++) {
+                        o[r] += w * c[r * 16 + j];
+                        o[16 + r] += w * c[256 + r * 16 + j];
                     }
                 }
             }
@@ -316,13 +319,31 @@ __attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long 
     }
 }
 
+/* the next expert's first rows of [hb0, ...) (phase 2's prefetch across experts) */
+static const uint8_t *rows2(const Ctx *cx, int a, long hb0) {
+    return a < cx->pl->so.na ? cx->cl->w2 + ((size_t)cx->pl->so.active[a] * cx->cl->h + (size_t)hb0 * 32) * cx->cl->row2
+                             : NULL;
+}
+
+/* out[t] = sum over t's pairs (experts ascending) of weight * pair result; tq0 [T + 1], tq: the
+ * pairs of each token */
+__attribute__((target(AMX_TARGET))) static void sum_pairs(const Ctx *cx, const int *tq0, const int *tq, int t) {
+    const int h_ = cx->cl->h;
+    float *o = cx->out + (size_t)t * h_;
+    memset(o, 0, sizeof(float) * (size_t)h_);
+    for (int e = tq0[t]; e < tq0[t + 1]; e++) {
+        const float w = cx->pl->so.wt[tq[e]], *p = cx->pb + (size_t)tq[e] * h_;
+        for (int c = 0; c < h_; c++) o[c] += w * p[c];
+    }
+}
+
 #ifdef AMX_PROFILE
 /* seconds per stage, summed over calls (thread 0 after each barrier): gather, phase 1, phase-2
- * B tiles, phase 2; before the threads start (sort, allocations); the whole call; then the
- * threads' phase-1 work (mean, max: the imbalance the barrier waits out) and their mean wait in
- * phase 2 (AMX_OVERLAP) */
-static double amx_prof[9];
-static double amx_busy[1024];
+ * B tiles, phase 2 (with the pair sums); before the threads start (sort, allocations); the whole
+ * call; then the threads' work in phase 1 and in phase 2, mean and slowest (the imbalance the
+ * barriers wait out) */
+static double amx_prof[10];
+static double amx_busy[2][512];
 void moe_amx_profile(double *out) {
     memcpy(out, amx_prof, sizeof amx_prof);
     memset(amx_prof, 0, sizeof amx_prof);
@@ -365,10 +386,23 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     const int prefill = pl.ntiles >= 2 * so->na;
     const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill;
     const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? PF_NEXT : PF_NONE;
-    const int overlap = AMX_OVERLAP && split_static && !qk && so->na > 0;
-    int *done = overlap ? calloc((size_t)so->na, sizeof(int)) : NULL;
-    int *order2 = overlap ? phase2_order(&pl, nblk1, nthreads) : NULL;
-    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf, done, order2};
+    /* stealing (AMX_STEAL): phase-1 items, and phase-2 items (expert, chunk of output blocks) */
+    const int npairs = so->na ? so->start[so->active[so->na - 1] + 1] : 0;
+    const int steal = AMX_STEAL && split_static && npairs > 0;
+    const int chunk2 = AMX_CHUNK2 < nblk2 ? AMX_CHUNK2 : nblk2, nch2 = (nblk2 + chunk2 - 1) / chunk2;
+    float *pb = steal ? pair_buffer((size_t)npairs * h_) : NULL;
+    Cursor *cur1 = pb ? cursors(&pl, nblk1, nthreads) : NULL, *cur2 = pb ? cursors(&pl, nch2, nthreads) : NULL;
+    int *tq0 = NULL, *tq = NULL; /* pb: each token's pairs, experts ascending */
+    if (pb) {
+        tq0 = calloc((size_t)t_ + 1, sizeof(int)), tq = malloc(sizeof(int) * (size_t)npairs);
+        for (int q = 0; q < npairs; q++) tq0[so->tok[q] + 1]++;
+        for (int t = 0; t < t_; t++) tq0[t + 1] += tq0[t];
+        int *fill = malloc(sizeof(int) * ((size_t)t_ + 1));
+        memcpy(fill, tq0, sizeof(int) * (size_t)t_);
+        for (int q = 0; q < npairs; q++) tq[fill[so->tok[q]]++] = q; /* q ascending = experts ascending */
+        free(fill);
+    }
+    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf, pb};
 #pragma omp parallel num_threads(nthreads)
     {
         amx_config();
@@ -379,7 +413,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         if (id == 0) PROF_AT(4, t_call);
 #pragma omp for schedule(static)
         for (int t = 0; t < t_; t++) {
-            memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
+            if (!pb) memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
             if (qk)
                 quant_act(x + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
                           xcs + (size_t)t * ng13);
@@ -402,24 +436,23 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         COMPILER_FENCE();
         PROF(0, t0);
         /* phase 1: blocks (expert, 16 features), expert-major */
-        const double tb = omp_get_wtime();
-        if (split_static) {
+        double tb = omp_get_wtime();
+        if (pb) {
+            int v = id;
+            for (long it; (it = take(cur1, nthreads, id, &v)) >= 0;) phase1_block(&cx, it, &sc);
+        } else if (split_static) {
             long lo, hi;
-            phase1_range(&pl, nblk1, AMX_BAL, id, nth, &lo, &hi);
+            expert_range(&pl, nblk1, AMX_BAL, id, nth, &lo, &hi);
             for (long it = lo; it < hi; it++) phase1_block(&cx, it, &sc);
         } else {
 #pragma omp for schedule(dynamic, 4) nowait
             for (long it = 0; it < (long)so->na * nblk1; it++) phase1_block(&cx, it, &sc);
         }
 #ifdef AMX_PROFILE
-        amx_busy[id < 1024 ? id : 1023] = omp_get_wtime() - tb;
-#else
-        (void)tb;
+        amx_busy[0][id & 511] = omp_get_wtime() - tb;
 #endif
         COMPILER_FENCE();
-        if (!overlap) {
 #pragma omp barrier
-        }
         PROF(1, t0);
         if (qk) {
             /* the pairs' intermediate rows quantised into phase 2's B tiles */
@@ -445,36 +478,55 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         }
         COMPILER_FENCE();
         PROF(2, t0);
-        /* phase 2: ranges of 32-row output blocks, each over every expert */
-        sc.wait = 0.0;
-        if (split_static) {
+        /* phase 2: output blocks of each expert */
+        tb = omp_get_wtime();
+        if (pb) {
+            int v = id;
+            for (long it; (it = take(cur2, nthreads, id, &v)) >= 0;) {
+                const int a = (int)(it / nch2);
+                const long hb0 = (it % nch2) * chunk2, hb1 = hb0 + chunk2 < nblk2 ? hb0 + chunk2 : nblk2;
+                phase2_rows(&cx, a, hb0, hb1, hb1 < nblk2 ? rows2(&cx, a, hb1) : rows2(&cx, a + 1, 0), &sc);
+            }
+        } else if (split_static) {
+            /* each thread a range of output rows over every expert: one writer per output */
             const int per = (nblk2 + nth - 1) / nth;
-            phase2_rows(&cx, (long)id * per < nblk2 ? (long)id * per : nblk2,
-                        (long)(id + 1) * per < nblk2 ? (long)(id + 1) * per : nblk2, &sc);
+            const long hb0 = (long)id * per < nblk2 ? (long)id * per : nblk2;
+            const long hb1 = (long)(id + 1) * per < nblk2 ? (long)(id + 1) * per : nblk2;
+            for (int a = 0; a < so->na && hb0 < hb1; a++) phase2_rows(&cx, a, hb0, hb1, rows2(&cx, a + 1, hb0), &sc);
         } else {
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int hb = 0; hb < nblk2; hb++) phase2_rows(&cx, hb, hb + 1, &sc);
+            for (int hb = 0; hb < nblk2; hb++)
+                for (int a = 0; a < so->na; a++) phase2_rows(&cx, a, hb, hb + 1, rows2(&cx, a + 1, hb), &sc);
         }
 #ifdef AMX_PROFILE
-        amx_busy[512 + (id < 512 ? id : 511)] = sc.wait;
+        amx_busy[1][id & 511] = omp_get_wtime() - tb;
+#else
+        (void)tb;
 #endif
+        COMPILER_FENCE();
 #pragma omp barrier
+        if (pb) {
+#pragma omp for schedule(static)
+            for (int t = 0; t < t_; t++) sum_pairs(&cx, tq0, tq, t);
+        }
         PROF(3, t0);
 #ifdef AMX_PROFILE
         if (id == 0) {
-            double sum = 0.0, mx = 0.0, wsum = 0.0;
-            for (int r = 0; r < nth && r < 512; r++) {
-                sum += amx_busy[r], wsum += amx_busy[512 + r];
-                mx = amx_busy[r] > mx ? amx_busy[r] : mx;
+            for (int ph = 0; ph < 2; ph++) {
+                double sum = 0.0, mx = 0.0;
+                for (int r = 0; r < nth && r < 512; r++) {
+                    sum += amx_busy[ph][r];
+                    mx = amx_busy[ph][r] > mx ? amx_busy[ph][r] : mx;
+                }
+                amx_prof[6 + 2 * ph] += sum / nth, amx_prof[7 + 2 * ph] += mx;
             }
-            amx_prof[6] += sum / nth, amx_prof[7] += mx, amx_prof[8] += wsum / nth;
         }
 #endif
         amx_release();
         scratch_free(&sc);
     }
     qtiles_free(&bx), qtiles_free(&ba);
-    free(xh), free(xq), free(xsc), free(xcs), free((void *)zrow), free(done), free(order2);
+    free(xh), free(xq), free(xsc), free(xcs), free((void *)zrow), free(cur1), free(cur2), free(tq0), free(tq);
     plan_free(&pl);
     PROF_AT(5, t_call);
     return 0;
