@@ -105,10 +105,14 @@ __attribute__((target(AMX_TARGET))) static void amx_release(void) { _tile_releas
 
 /* Software prefetch of the weight rows, per block: PF_ROWS each of the block's 32 rows
  * AMX_PF_DIST k steps ahead, to L1 (the rows are 32 streams, 4 KiB apart at H = 2048, more than
- * the hardware prefetchers follow); PF_NEXT the next block's rows, spread over this block's k steps
- * as one linear stream, to L2. The driver picks per call (moe_amx_driver.c). */
+ * the hardware prefetchers follow); PF_NEAR the same AMX_PF_NEAR k steps ahead; PF_NEXT the next
+ * block's rows, spread over this block's k steps as one linear stream, to L2. The driver picks per
+ * call (moe_amx_driver.c). */
 #ifndef AMX_PF_DIST
 #define AMX_PF_DIST 8
+#endif
+#ifndef AMX_PF_NEAR
+#define AMX_PF_NEAR 2
 #endif
 /* cache levels the two modes prefetch to (bench variants try others) */
 #ifndef AMX_PF_ROWS_HINT
@@ -117,7 +121,7 @@ __attribute__((target(AMX_TARGET))) static void amx_release(void) { _tile_releas
 #ifndef AMX_PF_NEXT_HINT
 #define AMX_PF_NEXT_HINT _MM_HINT_T1
 #endif
-enum { PF_NONE, PF_NEXT, PF_ROWS };
+enum { PF_NONE, PF_NEXT, PF_ROWS, PF_NEAR };
 typedef struct {
     int mode;
     const uint8_t *p; /* PF_NEXT: the next block's first byte (NULL: none) */
@@ -127,10 +131,11 @@ typedef struct {
 static inline __attribute__((always_inline)) void prefetch_part(const Prefetch *pf, const uint8_t *a0,
                                                                 const uint8_t *a1, long sa, long kstep, int ks,
                                                                 int ksteps) {
-    if (pf->mode == PF_ROWS && ks + AMX_PF_DIST < ksteps)
+    const int dist = pf->mode == PF_NEAR ? AMX_PF_NEAR : AMX_PF_DIST;
+    if ((pf->mode == PF_ROWS || pf->mode == PF_NEAR) && ks + dist < ksteps)
         for (int r = 0; r < 16; r++) {
-            _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + AMX_PF_DIST) * kstep), AMX_PF_ROWS_HINT);
-            _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + AMX_PF_DIST) * kstep), AMX_PF_ROWS_HINT);
+            _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + dist) * kstep), AMX_PF_ROWS_HINT);
+            _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + dist) * kstep), AMX_PF_ROWS_HINT);
         }
     if (pf->mode != PF_NEXT || !pf->p) return;
     const long per = (pf->lines + ksteps - 1) / ksteps;

@@ -146,18 +146,25 @@ __attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows 
 }
 
 /* Work split and prefetch, per call. Prefill-shaped calls (>= 2 token tiles per active expert on
- * average) split both phases statically (each thread a contiguous range of blocks: the tiles'
- * time is a large part of a block's, and blocks cost alike) with no row prefetch for bf16 (the
- * hardware streams rows while the tiles run) and the next block prefetched to L2 for int8;
- * decode-shaped calls (blocks are nearly pure row streaming) split dynamically (a slow thread
- * cannot hold the barrier) with the rows prefetched ahead. Measured in bench_cpu_prefill.py runs
- * (benchmarks/RESULTS.md, issue 14p); AMX_SPLIT (0 dynamic, 1 static) and AMX_PF (PF_*) force one
- * for benchmark builds. */
+ * average) split both phases statically (each thread a contiguous range of items: the tiles' time
+ * is a large part of a block's, and blocks cost alike; then stealing, below) with no row prefetch
+ * for bf16 (the hardware streams rows while the tiles run) and the rows prefetched 2 k steps ahead
+ * for int8 (issue 14r: 10.9 vs 12.0 ms, Qwen3 T=512, next block to L2 before); decode-shaped calls
+ * (blocks are nearly pure row streaming) split dynamically (a slow thread cannot hold the barrier)
+ * with the rows prefetched 8 k steps ahead. Measured in bench_cpu_prefill.py runs
+ * (benchmarks/RESULTS.md, issues 14p, 14r); AMX_SPLIT (0 dynamic, 1 static), AMX_PF (PF_*: every
+ * call) and AMX_PF_PREFILL_BF16 / _Q (prefill-shaped calls) force one for benchmark builds. */
 #ifndef AMX_SPLIT
 #define AMX_SPLIT -1
 #endif
 #ifndef AMX_PF
 #define AMX_PF -1
+#endif
+#ifndef AMX_PF_PREFILL_BF16
+#define AMX_PF_PREFILL_BF16 PF_NONE
+#endif
+#ifndef AMX_PF_PREFILL_Q
+#define AMX_PF_PREFILL_Q PF_NEAR
 #endif
 
 /* Static calls (prefill-shaped): each thread starts on a contiguous range of expert-major items.
@@ -385,7 +392,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     const int nblk1 = i_ / 16, nblk2 = h_ / 32;
     const int prefill = pl.ntiles >= 2 * so->na;
     const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill;
-    const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? PF_NEXT : PF_NONE;
+    const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? AMX_PF_PREFILL_Q : AMX_PF_PREFILL_BF16;
     /* stealing (AMX_STEAL): phase-1 items, and phase-2 items (expert, chunk of output blocks) */
     const int npairs = so->na ? so->start[so->active[so->na - 1] + 1] : 0;
     const int steal = AMX_STEAL && split_static && npairs > 0;
