@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_cpu_experts import MODELS, dram_bandwidth, gemm_peak, host_info, timeit
+from benchmarks import bench_cpu_experts
+from benchmarks.bench_cpu_experts import MODELS, dram_bandwidth, gemm_peak, host_info, l3_bytes, timeit
 from cpu_expert_server import kernels
 from cpu_expert_server.backend import CpuExpertBackend
 from expertmesh.experts import TorchExpertBackend
@@ -36,7 +37,7 @@ STAGES = (
 
 def variant_defines(baseline: str | None, variants: list[str]) -> dict[str, tuple[tuple[str, ...], Path]]:
     """name -> (macros, source): "new" (this tree), "old" (--baseline), and NAME:DEF[;DEF] builds."""
-    builds = {"new": ((), kernels.SOURCE)}
+    builds: dict[str, tuple[tuple[str, ...], Path]] = {"new": ((), kernels.SOURCE)}
     if baseline:
         builds["old"] = ((), Path(baseline))
     for v in variants:
@@ -153,6 +154,9 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[], help="NAME:MACRO[=V][;MACRO...] build")
     p.add_argument("--skip-peak", action="store_true")
     p.add_argument("--no-profile", action="store_true", help="no AMX_PROFILE build of each variant")
+    p.add_argument(
+        "--flush", action="store_true", help="read twice the L3 before each timed call (bench_cpu_experts)"
+    )
     p.add_argument("--pad", action="store_true", help="also time bf16 rows at a stride one cache line longer")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -160,6 +164,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
     info = host_info() | dram_bandwidth() | ({} if args.skip_peak else gemm_peak(args.threads))
+    if args.flush:  # timeit reads it before every timed call, as in bench_cpu_experts' default protocol
+        bench_cpu_experts.FLUSH = torch.ones(2 * l3_bytes() // 4)
+        info["flush_MiB"] = 2 * l3_bytes() // 2**20
     print(json.dumps(info), flush=True)
     libs = variant_libs(variant_defines(args.baseline, args.variant), not args.no_profile)
     rows = bench(args, info, libs)
