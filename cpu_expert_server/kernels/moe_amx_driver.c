@@ -242,11 +242,17 @@ static long take(Cursor *cur, int n, int id, int *v) {
     }
 }
 
-/* fp32 [n pairs, H] pair buffer, kept per calling thread across calls: glibc maps a fresh 32 MB
- * block (Qwen3 widths, T = 512) on every call, and its pages would fault in every time */
-static float *pair_buffer(size_t floats) {
+/* fp32 [n pairs, H] pair buffer, kept per calling thread across calls up to AMX_PB_KEEP floats
+ * (glibc maps a fresh 32 MB block, Qwen3 widths at T = 512, on every call, and its pages would
+ * fault in every time); a larger one is the call's own (*owned = 1: the caller frees it) */
+#ifndef AMX_PB_KEEP
+#define AMX_PB_KEEP (1L << 24) /* 64 MiB */
+#endif
+static float *pair_buffer(size_t floats, int *owned) {
     static __thread float *buf;
     static __thread size_t cap;
+    *owned = floats > (size_t)AMX_PB_KEEP;
+    if (*owned) return malloc(sizeof(float) * floats);
     if (floats > cap) {
         free(buf);
         buf = malloc(sizeof(float) * floats);
@@ -397,7 +403,8 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     const int npairs = so->na ? so->start[so->active[so->na - 1] + 1] : 0;
     const int steal = AMX_STEAL && split_static && npairs > 0;
     const int chunk2 = AMX_CHUNK2 < nblk2 ? AMX_CHUNK2 : nblk2, nch2 = (nblk2 + chunk2 - 1) / chunk2;
-    float *pb = steal ? pair_buffer((size_t)npairs * h_) : NULL;
+    int pb_owned = 0;
+    float *pb = steal ? pair_buffer((size_t)npairs * h_, &pb_owned) : NULL;
     Cursor *cur1 = pb ? cursors(&pl, nblk1, nthreads) : NULL, *cur2 = pb ? cursors(&pl, nch2, nthreads) : NULL;
     int *tq0 = NULL, *tq = NULL; /* pb: each token's pairs, experts ascending */
     if (pb) {
@@ -534,6 +541,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     }
     qtiles_free(&bx), qtiles_free(&ba);
     free(xh), free(xq), free(xsc), free(xcs), free((void *)zrow), free(cur1), free(cur2), free(tq0), free(tq);
+    if (pb_owned) free(pb);
     plan_free(&pl);
     PROF_AT(5, t_call);
     return 0;
