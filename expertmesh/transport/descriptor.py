@@ -28,10 +28,12 @@ FLAG_ADAPTERS = 2  # the routing block ends with [T] int32 adapter slots
 FLAGS = FLAG_GPU | FLAG_ADAPTERS
 
 REQUEST_MAGIC, RESPONSE_MAGIC, KICK_MAGIC = b"EMRQ", b"EMRS", b"EMKI"
+LINK_STEP_MAGIC = b"EMLS"  # a device-link decode step (expertmesh/transport/link.py)
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)  # code = index + 1
 
 _REQ = struct.Struct("<4sHHQQiIIIBB2xQQQ")
 _RESP = struct.Struct("<4sHHQfH")
+_LINK = struct.Struct("<4sH2xQQIIQI")  # magic, version, seq, step, rows, bucket, generation, timeout_ms
 _CRC = struct.Struct("<I")
 _BODY = SIZE - _CRC.size
 MAX_MESSAGE = _BODY - _RESP.size
@@ -177,3 +179,48 @@ class Response:
 
 def is_kick(raw: bytes) -> bool:
     return raw[:4] == KICK_MAGIC
+
+
+@dataclass(frozen=True)
+class LinkStep:
+    """One decode step over the device link (expertmesh/transport/link.py): the server replays
+    its step graph for ``bucket`` rows (``rows`` of them real) and placement ``generation``,
+    whose waits give up after ``timeout_ms``. Answered by a :class:`Response`: code 0 once the
+    graph is launched (not finished); anything else refuses the link for this step."""
+
+    seq: int
+    step: int
+    rows: int  # b: the step's batch; rows >= b carry slot id -1
+    bucket: int  # Tb: the graphs' padded batch
+    generation: int
+    timeout_ms: int
+
+    def pack(self) -> bytes:
+        return _seal(
+            _LINK.pack(
+                LINK_STEP_MAGIC,
+                VERSION,
+                self.seq,
+                self.step,
+                self.rows,
+                self.bucket,
+                self.generation,
+                self.timeout_ms,
+            )
+        )
+
+    @classmethod
+    def parse(cls, raw: bytes) -> LinkStep:
+        body = _open(raw, LINK_STEP_MAGIC)
+        _, version, seq, step, rows, bucket, gen, timeout_ms = _LINK.unpack_from(body)
+        if version != VERSION:
+            raise DescriptorError(f"descriptor version {version}, this server speaks {VERSION}")
+        if not 0 < rows <= bucket:
+            raise DescriptorError(f"link step with {rows} rows in a bucket of {bucket}")
+        if step >= 2**52:  # NOTE: step * STEP_SPAN + index must stay an int64
+            raise DescriptorError(f"link step number {step} out of range")
+        return cls(seq, step, rows, bucket, gen, timeout_ms)
+
+
+def is_link_step(raw: bytes) -> bool:
+    return raw[:4] == LINK_STEP_MAGIC

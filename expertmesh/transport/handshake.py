@@ -31,6 +31,9 @@ class CudaHello:
     in_ring: dict  # cuda_ipc.share(): the coordinator's GPU ring (hidden states)
     ready_event: str  # hex IPC handle: recorded after the hidden states are written
     sync: str = "host"  # how each side orders after the other's GPU work: see cuda_ipc.SYNC_MODES
+    # the device link's offer (expertmesh/transport/link.py): {"area": cuda_ipc.share() of the
+    # request area, "rows": its rows R, "top_k": K}; None: no link on this stream
+    link: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class Hello:
             raise HandshakeError("fast-path handshake: CUDA fields must come with cuda_ipc only")
         if hello.cuda is not None and hello.cuda.sync not in SYNC_MODES:
             raise HandshakeError(f"fast-path handshake: unknown CUDA sync {hello.cuda.sync!r}")
+        if hello.cuda is not None and hello.cuda.link is not None:
+            _check_link(hello.cuda.link)
         return hello
 
 
@@ -76,7 +81,9 @@ class Hello:
 class Ack:
     transport: str  # what the server serves this stream with: may be slower than asked
     reason: str = ""  # why it is slower, if it is
-    cuda: dict = field(default_factory=dict)  # out_ring (cuda_ipc.share()) and done_event (hex)
+    # out_ring (cuda_ipc.share()) and done_event (hex); with a device link offered, link_area
+    # (cuda_ipc.share() of the answer area) when accepted, or link_reason (why not)
+    cuda: dict = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return MAGIC + json.dumps(asdict(self)).encode()
@@ -90,6 +97,15 @@ class Ack:
         if ack.transport not in TRANSPORTS:
             raise HandshakeError(f"unknown transport {ack.transport!r} in the fast-path answer")
         return ack
+
+
+def _check_link(link: object) -> None:
+    ok = isinstance(link, dict) and isinstance(link.get("area"), dict)
+    for name in ("rows", "top_k"):
+        v = link.get(name) if isinstance(link, dict) else None
+        ok = ok and isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 1 << 16
+    if not ok:
+        raise HandshakeError("fast-path handshake: the link offer needs an area and positive rows, top_k")
 
 
 def _load(raw: bytes) -> dict:

@@ -1,0 +1,237 @@
+"""The device link: a decode step's per-layer hand-over between a coordinator and an expert
+server on two GPUs, with no host work per layer.
+
+Without it a remote MoE layer costs ~85 us of GPU work inside ~250-300 us of host work in two
+Python processes (sync, route, send, the server's decode/check/launch, its stream sync, the
+coordinator's wake-up; benchmarks/RESULTS.md, issue 10). With it each side replays ONE graph
+per decode step, and the graphs hand over through flags in GPU memory: one side's graph
+writes its payload, then :func:`signal` publishes a flag; the other side's graph spins on that
+flag with :func:`wait` (over NVLink when the flag is the peer's), then copies the payload.
+
+Pull model: each side writes only its own area (the rule of cuda_ipc.py); the other maps it
+and reads. The coordinator's *request area* holds the layer's hidden states, slot ids and
+weights; the server's *answer area* its output and a status word. Both are laid out for R
+rows (the coordinator's largest decode bucket); a bucket of Tb rows uses the ``[:Tb]`` prefix.
+
+Flag values: MoE layer index ``i`` (its position among the model's MoE layers) of step ``s``
+is ``s * STEP_SPAN + i + 1``; a fresh area holds 0, which no layer ever waits for. Step
+numbers never repeat on a link, so a stale flag from an earlier step never matches.
+
+A wait gives up after a timeout: it records the step in its ``abort`` word and ``ERR_TIMEOUT``
+in its ``errors`` word, and every later wait of that step returns at once, so a dead peer costs
+one timeout, not one per layer. The host reads ``errors`` after the step (the coordinator
+re-runs the step without the link, the server logs it).
+
+Spinning kernels of two processes on ONE GPU time-slice (milliseconds per hand-over): the
+link is meant for two GPUs with peer access (the spinning occupies one SM of each).
+
+NOTE: with CUDA's lazy module loading (torch's default) the first launch of a kernel loads
+its module, which waits for the kernels running on the device, a spinning wait among them.
+A side that launches a never-used kernel while its own graph spins only goes on when the wait
+ends (or times out): :func:`warm_up` loads these kernels, and each side launches its graph's
+kernels once (warm-up, capture) before any link step.
+
+Shapes: R rows, H hidden, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from expertmesh.transport.layout import view
+
+STEP_SPAN = 1024  # > any model's MoE layer count
+ERR_TIMEOUT, ERR_BAD_SLOT = 1, 2
+_WORDS = 256  # bytes of flag/status words at the start of an area (payloads stay 256-aligned)
+_ALIGN = 256
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def request_bytes(rows: int, hidden: int, top_k: int, dtype: torch.dtype) -> int:
+    return _WORDS + _aligned(rows * hidden * dtype.itemsize) + 2 * _aligned(rows * top_k * 4)
+
+
+def answer_bytes(rows: int, hidden: int, dtype: torch.dtype) -> int:
+    return _WORDS + _aligned(rows * hidden * dtype.itemsize)
+
+
+def new_area(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed uint8 area (zero: no flag value yet)."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+@dataclass(frozen=True)
+class RequestViews:
+    flag: torch.Tensor  # [1] int64
+    x: torch.Tensor  # [R, H]
+    ids: torch.Tensor  # [R, K] int32: local slot ids, -1 = none
+    w: torch.Tensor  # [R, K] float32
+
+    @classmethod
+    def of(cls, buf: torch.Tensor, rows: int, hidden: int, top_k: int, dtype: torch.dtype) -> RequestViews:
+        assert buf.dtype == torch.uint8 and buf.numel() >= request_bytes(rows, hidden, top_k, dtype)
+        off_ids = _WORDS + _aligned(rows * hidden * dtype.itemsize)
+        off_w = off_ids + _aligned(rows * top_k * 4)
+        return cls(
+            view(buf, 0, (1,), torch.int64),
+            view(buf, _WORDS, (rows, hidden), dtype),
+            view(buf, off_ids, (rows, top_k), torch.int32),
+            view(buf, off_w, (rows, top_k), torch.float32),
+        )
+
+
+@dataclass(frozen=True)
+class AnswerViews:
+    flag: torch.Tensor  # [1] int64
+    status: torch.Tensor  # [1] int64: ERR_* bits of the last answer
+    out: torch.Tensor  # [R, H]
+
+    @classmethod
+    def of(cls, buf: torch.Tensor, rows: int, hidden: int, dtype: torch.dtype) -> AnswerViews:
+        assert buf.dtype == torch.uint8 and buf.numel() >= answer_bytes(rows, hidden, dtype)
+        return cls(
+            view(buf, 0, (1,), torch.int64),
+            view(buf, 64, (1,), torch.int64),  # NOTE: its own cache line
+            view(buf, _WORDS, (rows, hidden), dtype),
+        )
+
+
+class StepWord:
+    """``(step, rows)`` of the step being replayed: a pinned host pair the host sets before a
+    replay and a device pair the graph fills first (:meth:`copy_in`, a copy node), as
+    gpu_server/graphs.py's routing staging does. ``dev[0:1]`` is the ``step`` of
+    :func:`signal` / :func:`wait`, ``dev[1:2]`` the rows."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
+        self.dev = torch.zeros(2, dtype=torch.int64, device=device)
+        self.step, self.rows = self.dev[0:1], self.dev[1:2]
+        self._used = torch.cuda.Event() if cuda else None
+        self._pending = False
+
+    def copy_in(self) -> None:
+        """Queues the upload (inside a capture: the graph's copy node)."""
+        self.dev.copy_(self.host, non_blocking=True)
+
+    def set(self, step: int, rows: int) -> None:
+        """Before a replay; then :meth:`replayed` after it."""
+        if self._pending and self._used is not None:
+            self._used.synchronize()  # NOTE: the last replay's upload from here may still be queued
+        self.host[0], self.host[1] = step, rows
+
+    def replayed(self) -> None:
+        if self._used is not None:
+            self._used.record()
+            self._pending = True
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _fence_sys():
+    # NOTE: orders this thread's (and, cumulatively, earlier kernels') memory operations at
+    # system scope: the peer GPU reads our area over NVLink
+    return tl.inline_asm_elementwise(
+        "fence.acq_rel.sys;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _now():
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+# NOTE: no specialisation on the layer index or the limit: Triton compiles a variant per value
+# class (1, multiples of 16, int32 vs int64), and a variant first met while the peer spins
+# loads its module then (the module's NOTE). The limit always travels biased into int64.
+_BIAS = 1 << 32
+
+
+@triton.jit(do_not_specialize=["index"])
+def _signal_kernel(flag_ptr, step_ptr, index, SPAN: tl.constexpr, ON_GPU: tl.constexpr):
+    step = tl.load(step_ptr)
+    if ON_GPU:
+        _fence_sys()
+    tl.atomic_xchg(flag_ptr, step * SPAN + index + 1, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["index", "limit"])
+def _wait_kernel(
+    flag_ptr, step_ptr, abort_ptr, err_ptr, index, limit, SPAN: tl.constexpr, ON_GPU: tl.constexpr
+):
+    # ON_GPU: ``limit`` is nanoseconds of the GPU's global timer; under the interpreter (no
+    # inline assembly) it counts polls
+    limit = limit - 4294967296  # _BIAS
+    step = tl.load(step_ptr)
+    want = step * SPAN + index + 1
+    live = tl.load(abort_ptr, volatile=True) != step
+    seen = tl.load(flag_ptr, volatile=True)
+    waited = step * 0
+    if ON_GPU:
+        start = _now()
+    go = live & (seen != want)
+    while go:
+        seen = tl.load(flag_ptr, volatile=True)
+        if ON_GPU:
+            waited = _now() - start
+        else:
+            waited += 1
+        go = (seen != want) & (waited < limit)
+    if live & (seen != want):
+        tl.store(abort_ptr, step)
+        tl.atomic_or(err_ptr, 1)  # ERR_TIMEOUT
+    if ON_GPU:
+        _fence_sys()  # acquire: what the peer wrote before its flag is visible to what follows
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def signal(flag: torch.Tensor, step: torch.Tensor, index: int) -> None:
+    """Publishes MoE layer ``index`` of step ``step[0]`` in ``flag [1] int64`` (this side's own
+    area), after everything this stream did before. Capturable."""
+    _signal_kernel[(1,)](flag, step, index, SPAN=STEP_SPAN, ON_GPU=_on_gpu(flag), num_warps=1)
+
+
+def wait(
+    flag: torch.Tensor,
+    step: torch.Tensor,
+    index: int,
+    abort: torch.Tensor,
+    errors: torch.Tensor,
+    timeout_s: float,
+    max_polls: int | None = None,
+) -> None:
+    """Holds this stream until ``flag [1] int64`` (the peer's area, mapped on our device) shows
+    MoE layer ``index`` of step ``step[0]``; on timeout ``abort[0] = step[0]`` and
+    ``errors[0] |= ERR_TIMEOUT``; returns at once if ``abort[0] == step[0]``. ``abort`` and
+    ``errors`` are int64 ``[1]`` in our own memory. Capturable. ``max_polls``: the limit off
+    the GPU (the interpreter has no clock)."""
+    gpu = _on_gpu(flag)
+    limit = int(timeout_s * 1e9) if gpu else (max_polls if max_polls is not None else 1_000_000)
+    _wait_kernel[(1,)](
+        flag, step, abort, errors, index, limit + _BIAS, SPAN=STEP_SPAN, ON_GPU=gpu, num_warps=1
+    )
+
+
+def warm_up(device: torch.device) -> None:
+    """Compiles and loads both kernels on ``device`` (see the module's NOTE), synchronously."""
+    with torch.cuda.device(device):
+        step = torch.ones(1, dtype=torch.int64, device=device)
+        flag, abort, errors = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(3))
+        signal(flag, step, 0)
+        wait(flag, step, 0, abort, errors, 1.0)
+        torch.cuda.synchronize(device)
+        assert int(errors) == 0, "the link's own flag was not seen"

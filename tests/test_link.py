@@ -1,0 +1,131 @@
+"""The device link's building blocks off the GPU (expertmesh/transport/link.py): area layouts,
+the signal/wait kernels under the Triton interpreter (flag values, timeout, abort), the
+LinkStep descriptor and the handshake's link offer. The GPU hand-over itself: test_link_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertmesh.transport import descriptor as dsc
+from expertmesh.transport import link
+from expertmesh.transport.handshake import CudaHello, HandshakeError, Hello
+
+
+def _words():
+    step = torch.tensor([5, 3], dtype=torch.int64)  # StepWord.dev: (step, rows)
+    return step[0:1], torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+
+
+def test_areas_are_disjoint_aligned_prefix_views():
+    r, h, k, dt = 8, 96, 4, torch.bfloat16
+    buf = link.new_area(link.request_bytes(r, h, k, dt), torch.device("cpu"))
+    v = link.RequestViews.of(buf, r, h, k, dt)
+    spans = []
+    for t in (v.flag, v.x, v.ids, v.w):
+        start = t.data_ptr() - buf.data_ptr()
+        assert start % 8 == 0 and t.is_contiguous()
+        spans.append((start, start + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= buf.numel()
+    assert v.x[:3].is_contiguous() and v.ids[:3].is_contiguous()  # a bucket's prefix
+    a = link.AnswerViews.of(link.new_area(link.answer_bytes(r, h, dt), torch.device("cpu")), r, h, dt)
+    assert a.flag.data_ptr() != a.status.data_ptr() and a.out.shape == (r, h)
+    assert int(a.flag) == 0 and int(v.flag) == 0  # no layer ever waits for 0
+
+
+def test_signal_writes_the_layers_value():
+    step, _, _ = _words()
+    flag = torch.zeros(1, dtype=torch.int64)
+    link.signal(flag, step, 7)
+    assert int(flag) == 5 * link.STEP_SPAN + 7 + 1
+
+
+def test_wait_returns_on_its_value_and_times_out_otherwise():
+    step, abort, errors = _words()
+    flag = torch.zeros(1, dtype=torch.int64)
+    link.signal(flag, step, 2)
+    link.wait(flag, step, 2, abort, errors, 1.0, max_polls=4)
+    assert int(errors) == 0 and int(abort) == 0
+    # another layer's (or an earlier step's) value is not this layer's: a timeout
+    link.wait(flag, step, 3, abort, errors, 1.0, max_polls=4)
+    assert int(errors) == link.ERR_TIMEOUT and int(abort) == 5
+
+
+def test_after_a_timeout_the_rest_of_the_step_runs_through():
+    step, abort, errors = _words()
+    flag = torch.zeros(1, dtype=torch.int64)
+    link.wait(flag, step, 0, abort, errors, 1.0, max_polls=3)
+    assert int(abort) == 5
+    errors.zero_()
+    link.wait(flag, step, 1, abort, errors, 1.0, max_polls=10**9)  # returns at once
+    assert int(errors) == 0
+    nxt = torch.tensor([6], dtype=torch.int64)  # the next step waits again
+    link.wait(flag, nxt, 0, abort, errors, 1.0, max_polls=3)
+    assert int(errors) == link.ERR_TIMEOUT and int(abort) == 6
+
+
+def test_step_word_holds_step_and_rows():
+    w = link.StepWord(torch.device("cpu"))
+    w.set(9, 4)
+    w.copy_in()
+    w.replayed()
+    assert w.step.tolist() == [9] and w.rows.tolist() == [4]
+
+
+# ---------------------------------------------------------------------- LinkStep
+
+
+def test_link_step_round_trip():
+    s = dsc.LinkStep(seq=3, step=12, rows=5, bucket=8, generation=2, timeout_ms=30000)
+    raw = s.pack()
+    assert len(raw) == dsc.SIZE and dsc.is_link_step(raw) and not dsc.is_kick(raw)
+    assert dsc.LinkStep.parse(raw) == s
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda s: dsc.LinkStep(1, 1, 9, 8, 0, 1).pack(), "9 rows in a bucket of 8"),
+        (lambda s: dsc.LinkStep(1, 1, 0, 8, 0, 1).pack(), "0 rows"),
+        (lambda s: dsc.LinkStep(1, 2**53, 1, 1, 0, 1).pack(), "out of range"),
+        (lambda s: s[:100], "truncated"),
+        (lambda s: s[:9] + bytes([s[9] ^ 1]) + s[10:], "checksum"),
+        (lambda s: b"EMRQ" + s[4:], "magic"),
+    ],
+)
+def test_bad_link_step_is_rejected(mutate, words):
+    raw = mutate(dsc.LinkStep(1, 1, 1, 1, 0, 1).pack())
+    with pytest.raises(dsc.DescriptorError, match=words):
+        dsc.LinkStep.parse(raw)
+
+
+# ---------------------------------------------------------------------- handshake
+
+
+def _cuda_hello(link_offer) -> Hello:
+    cuda = CudaHello("GPU-1", {"handle": "00" * 64, "offset": 0, "nbytes": 64}, "00", "local", link_offer)
+    seg = f"expertmesh-1-2-{'ab' * 8}"
+    return Hello("cuda_ipc", seg, 4096 + 8192, 4096, 8192, "0" * 32, cuda)
+
+
+def test_hello_carries_the_link_offer():
+    offer = {"area": {"handle": "11" * 64, "offset": 0, "nbytes": 4096}, "rows": 64, "top_k": 8}
+    h = _cuda_hello(offer)
+    assert Hello.decode(h.encode()) == h
+    assert Hello.decode(_cuda_hello(None).encode()).cuda.link is None
+
+
+@pytest.mark.parametrize(
+    "offer",
+    [
+        {"rows": 64, "top_k": 8},
+        {"area": {}, "rows": 0, "top_k": 8},
+        {"area": {}, "rows": 64, "top_k": True},
+        {"area": {}, "rows": 1 << 20, "top_k": 8},
+        [1, 2],
+    ],
+)
+def test_bad_link_offer_is_rejected(offer):
+    with pytest.raises(HandshakeError, match="link offer"):
+        Hello.decode(_cuda_hello(offer).encode())
