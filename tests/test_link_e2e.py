@@ -147,6 +147,42 @@ def test_the_slot_table_follows_the_placement(tmp_path):
         d.close()
 
 
+def test_a_failed_link_step_marks_the_server_down():
+    """What the dispatcher does when a LinkStep goes unanswered (the connection raised) or a
+    linked step came back with error bits: the server is marked down with a message that says
+    why, its stream reset, the re-run counted."""
+    from coordinator.expert_conn import ExpertServerError
+    from coordinator.remote import RemoteDispatcher
+    from expertmesh import errors
+    from expertmesh.transport import link
+    from tests.test_cluster_state import MODEL, FakeServer, make
+
+    c, _ = make(FakeServer())
+    d = RemoteDispatcher(
+        SimpleNamespace(**vars(MODEL), top_k=2), c.config, torch.float32, "cpu", expert_cluster=c
+    )  # type: ignore[arg-type]
+    resets: list[str] = []
+
+    def hung(*args):
+        raise ExpertServerError.of(errors.DeadlineExceeded("gpu0 did not answer a device-link step"))
+
+    conn = SimpleNamespace(describe_self=lambda: "expert server gpu0", reset=resets.append, link_step=hung)
+    try:
+        d.connect(5)
+        d.begin_step(1)
+        why = d.launch_link_step(0, conn, 1, 1, 1)  # type: ignore[arg-type]
+        assert "did not answer" in why and c.down() == {0}
+        c.ensure_ready(10)  # the maintenance thread brings it back
+        assert c.down() == frozenset()
+        d.link_failed(0, conn, link.ERR_TIMEOUT | link.ERR_BAD_SLOT)  # type: ignore[arg-type]
+        assert d.link_reruns == 1 and c.down() == {0}
+        assert len(resets) == 1 and "no answer within 2s" in resets[0] and "slot ids" in resets[0], resets
+        info = next(i for i in c.server_infos() if i["name"] == "gpu0")
+        assert "device-link step failed" in str(info), info
+    finally:
+        d.close()
+
+
 # ---------------------------------------------------------------------------- on a GPU
 
 
