@@ -48,6 +48,7 @@ from coordinator.models.moe import LoadHook
 if TYPE_CHECKING:
     from coordinator.remote import RemoteDispatcher
     from expertmesh.transport.client import LinkAreas
+    from expertmesh.transport.link import StepWord
 
 log = logging.getLogger("expertmesh.remote")
 
@@ -116,7 +117,7 @@ class _LinkState:
     words (ours), the padding mask, the graphs' own pool and each bucket's step."""
 
     link: LinkAreas
-    step: object  # link.StepWord
+    step: StepWord
     abort: torch.Tensor  # [1] int64
     errors: torch.Tensor  # [1] int64: ERR_* bits of the step (zeroed by the graph)
     rowid: torch.Tensor  # [Bm, 1] int64
@@ -146,22 +147,17 @@ class _Linker(Dispatcher):
     def __init__(
         self, st: _LinkState, table: torch.Tensor, moe_index: dict[int, int], bucket: int, timeout_s: float
     ):
-        self.st, self.table, self.moe_index, self.bucket, self.timeout_s = (
-            st,
-            table,
-            moe_index,
-            bucket,
-            timeout_s,
-        )
+        self.st, self.table, self.moe_index = st, table, moe_index  # table: [L_moe, E] int32
+        self.bucket, self.timeout_s = bucket, timeout_s
         self.capturing = False  # False: the warm-up run (every op once, no flag kernel)
         self.ids: list[tuple[int, torch.Tensor]] = []
 
     def prologue(self) -> None:
         """The step's first nodes: its (step, rows) word, zero errors, the padding mask."""
         st = self.st
-        st.step.copy_in()  # type: ignore[attr-defined]
+        st.step.copy_in()
         st.errors.zero_()
-        torch.ge(st.rowid, st.step.rows, out=st.pad)  # type: ignore[attr-defined]
+        torch.ge(st.rowid, st.step.rows, out=st.pad)
 
     def submit(self, layer, x, topk_ids, topk_weights):
         from expertmesh.transport import link
@@ -169,7 +165,7 @@ class _Linker(Dispatcher):
         st, tb, i = self.st, self.bucket, self.moe_index[layer]
         req, ans = st.link.req, st.link.ans
         assert ans is not None
-        step = st.step.step  # type: ignore[attr-defined]
+        step = st.step.step
         req.x[:tb].copy_(x)
         ids = req.ids[:tb]  # [tb, K] int32: local slot of each (token, k); -1 for padding rows
         torch.index_select(self.table[i], 0, topk_ids.reshape(-1), out=ids.view(-1))
@@ -276,9 +272,9 @@ class RemoteDecodeGraphs(DecodeGraphs):
                     log.info("%s: decode step without the device link: %s", conn.spec.name, why)
                     self._link_note = why
                 return None
-            st.step.set(step, b)  # type: ignore[attr-defined]
+            st.step.set(step, b)
             linked.graph.replay()
-            st.step.replayed()  # type: ignore[attr-defined]
+            st.step.replayed()
             bits = int(st.errors.item())  # the step's one host read
         if bits:
             log.error("%s: device-link step %d failed (error bits %d): running it again without the link",
