@@ -236,8 +236,12 @@ class ShmClient:
             mapped.close()
             self.link_reason = f"the server's link answer area holds {info.get('nbytes')} bytes, need {need}"
             return
-        # NOTE: loads the flag kernels now, while nothing spins (link.py's NOTE on lazy loading)
-        lk.warm_up(self.device)
+        try:  # NOTE: loads the flag kernels now, while nothing spins (link.py's NOTE on lazy loading)
+            lk.warm_up(self.device)
+        except RuntimeError as e:  # Triton could not build or load them here
+            mapped.close()
+            self.link_reason = f"the link's flag kernels do not run here: {e}"
+            return
         lnk.ans, lnk.mapped = lk.AnswerViews.of(mapped.tensor, lnk.rows, lnk.hidden, lnk.dtype), mapped
         self.link_reason = ""
 
