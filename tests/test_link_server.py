@@ -32,6 +32,9 @@ from expertmesh.worker_api import ExpertRequest
 from gpu_server.link_graphs import LinkGraphs, StepInputs, StepReport, Words, run_layer, take_route
 from tests.test_slots import FakeReader, H
 
+# the interpreter without CUDA, the compiled kernels on the device machine
+DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
 
 def reference_moe(x, w13, w2, ids, w) -> torch.Tensor:
     """out[t] = sum_k w[t, k] * w2[s] @ (silu(w13[s, :I] x[t]) * w13[s, I:] x[t]), s = ids[t, k],
@@ -105,7 +108,7 @@ def test_ack_says_why_there_is_no_link(worker, mode, same_gpu, words):
 
 
 def _areas(rows, hidden, top_k, dtype=torch.float32):
-    cpu = torch.device("cpu")
+    cpu = DEV
     req = link.RequestViews.of(
         link.new_area(link.request_bytes(rows, hidden, top_k, dtype), cpu), rows, hidden, top_k, dtype
     )
@@ -114,11 +117,12 @@ def _areas(rows, hidden, top_k, dtype=torch.float32):
 
 
 def test_take_route_makes_bad_ids_minus_one_and_says_so():
-    src = torch.tensor([[0, 3], [-1, 4], [-7, 2], [1, 1]], dtype=torch.int32)
-    w = torch.rand(4, 2)
-    ids, ws = torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2)
-    err, status = torch.zeros(1, dtype=torch.int64), torch.full((1,), 99, dtype=torch.int64)
-    counts = torch.zeros(6, dtype=torch.int64)  # S' = 5 >= S = 4
+    src = torch.tensor([[0, 3], [-1, 4], [-7, 2], [1, 1]], dtype=torch.int32, device=DEV)
+    w = torch.rand(4, 2, device=DEV)
+    ids, ws = torch.zeros(4, 2, dtype=torch.int32, device=DEV), torch.zeros(4, 2, device=DEV)
+    err = torch.zeros(1, dtype=torch.int64, device=DEV)
+    status = torch.full((1,), 99, dtype=torch.int64, device=DEV)
+    counts = torch.zeros(6, dtype=torch.int64, device=DEV)  # S' = 5 >= S = 4
     take_route(src, w, 4, ids, ws, err, status, counts)
     assert ids.tolist() == [[0, 3], [-1, -1], [-1, 2], [1, 1]]  # 4 >= S and -7 < -1 are bad
     assert torch.equal(ws, w) and int(err) == link.ERR_BAD_SLOT and int(status) == link.ERR_BAD_SLOT
@@ -130,33 +134,35 @@ def test_take_route_makes_bad_ids_minus_one_and_says_so():
 
 
 def test_a_linked_layer_waits_computes_and_signals():
-    """run_layer (the step graph's content) on the CPU: the Triton interpreter's wait/signal,
-    the torch backend; against a float64 reference."""
+    """run_layer (the step graph's content) eagerly, with the torch backend: the interpreter's
+    wait/signal without CUDA; against a float64 reference."""
     g = torch.Generator().manual_seed(0)
     rows, tb, hidden, inter, k, s = 4, 2, 8, 4, 2, 3
     w13, w2 = torch.randn(s, 2 * inter, hidden, generator=g), torch.randn(s, hidden, inter, generator=g)
     req, ans = _areas(rows, hidden, k)
-    step = torch.tensor([7], dtype=torch.int64)
-    words = Words(step, torch.full((1,), -1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
-    st = StepInputs.new(tb, hidden, k, torch.float32, torch.device("cpu"))
-    counts = torch.zeros(s + 1, dtype=torch.int64)
+    step = torch.tensor([7], dtype=torch.int64, device=DEV)
+    words = Words(step, torch.full((1,), -1, dtype=torch.int64, device=DEV), torch.zeros_like(step))
+    st = StepInputs.new(tb, hidden, k, torch.float32, DEV)
+    counts = torch.zeros(s + 1, dtype=torch.int64, device=DEV)
     # the coordinator's side: layer 1's request, then its flag
     x = torch.randn(tb, hidden, generator=g)
     ids = torch.tensor([[2, 0], [5, -1]], dtype=torch.int32)  # 5: not a slot of this layer
     wts = torch.rand(tb, k, generator=g)
-    req.x[:tb], req.ids[:tb], req.w[:tb] = x, ids, wts
+    req.x[:tb], req.ids[:tb], req.w[:tb] = x.to(DEV), ids.to(DEV), wts.to(DEV)
     req.ids[tb:] = 1  # rows past the bucket are never read
     link.signal(req.flag, step, 1)
-    run_layer(TorchExpertBackend(), req, ans, words, 1, w13, w2, st, counts, 1.0, max_polls=100)
+    moe = TorchExpertBackend()
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    run_layer(moe, req, ans, words, 1, w13d, w2d, st, counts, 1.0, max_polls=100)
     clean = torch.tensor([[2, 0], [-1, -1]], dtype=torch.int32)
     torch.testing.assert_close(
-        ans.out[:tb].double(), reference_moe(x, w13, w2, clean, wts), rtol=1e-5, atol=1e-5
+        ans.out[:tb].cpu().double(), reference_moe(x, w13, w2, clean, wts), rtol=1e-5, atol=1e-5
     )
     assert int(ans.flag) == 7 * link.STEP_SPAN + 1 + 1
     assert int(ans.status) == link.ERR_BAD_SLOT and int(words.abort) == -1
     assert counts.tolist() == [2, 1, 0, 1]
     # layer 2's flag never comes: the wait times out, the layer runs through and answers
-    run_layer(TorchExpertBackend(), req, ans, words, 2, w13, w2, st, counts, 1.0, max_polls=5)
+    run_layer(moe, req, ans, words, 2, w13d, w2d, st, counts, 0.05, max_polls=5)
     assert int(words.abort) == 7 and int(ans.status) == link.ERR_BAD_SLOT | link.ERR_TIMEOUT
     assert int(ans.flag) == 7 * link.STEP_SPAN + 2 + 1
 
@@ -308,7 +314,10 @@ def test_refused_link_steps_keep_the_channel_a_malformed_one_ends_it(worker):
         assert reply is not None
         w = worker.slots.live.layers[2]
         torch.testing.assert_close(
-            reply.result(10).double(), reference_moe(req.hidden, w.w13, w.w2, req.slot_ids, req.weights)
+            reply.result(10).double(),
+            reference_moe(req.hidden, w.w13, w.w2, req.slot_ids, req.weights),
+            rtol=1e-5,
+            atol=1e-3,  # float32 sums of terms ~1e5 (FakeReader's weights)
         )
         reply.release()
         # a corrupted LinkStep is a malformed descriptor: INVALID_ARGUMENT, the channel ends
@@ -321,3 +330,169 @@ def test_refused_link_steps_keep_the_channel_a_malformed_one_ends_it(worker):
     finally:
         server.close()
         client.close()
+
+
+# ---------------------------------------------------------------------- the step graph (GPU)
+
+GR, GH, GI, GK, GS, GL = 8, 256, 128, 4, 8, 3  # rows R, hidden, intermediate, top-k, slots, MoE layers
+GDT = torch.bfloat16
+
+
+class _Coordinator:
+    """A stand-in for the coordinator's linked graph, eager on a stream of its own: per layer
+    publish the request, wait for the answer, keep it and its status."""
+
+    def __init__(self, req: link.RequestViews, ans: link.AnswerViews) -> None:
+        self.req, self.ans = req, ans
+        self.step = link.StepWord(DEV)
+        self.abort = torch.full((1,), -1, dtype=torch.int64, device=DEV)
+        self.errors = torch.zeros(1, dtype=torch.int64, device=DEV)
+        self.stream = torch.cuda.Stream(DEV)
+
+    def warm(self, tb: int) -> None:
+        """Every kernel of :meth:`run` once, with its waits returning at once (abort = the
+        step): nothing new may load while the server's graph spins (link.py's NOTE)."""
+        self.abort.fill_(0)
+        xs, ids, ws = _inputs(tb, tb, seed=0)
+        self.run(0, tb, xs, ids, ws, self.buffers(tb))
+
+    @staticmethod
+    def buffers(tb: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        return [torch.zeros(tb, GH, dtype=GDT, device=DEV) for _ in range(GL)], torch.zeros(
+            GL, dtype=torch.int64, device=DEV
+        )
+
+    def run(self, step: int, tb: int, xs, ids, ws, bufs) -> tuple[list[torch.Tensor], list[int]]:
+        outs, status = bufs
+        self.step.set(step, tb)
+        with torch.cuda.stream(self.stream):
+            self.step.copy_in()
+            for i in range(GL):
+                self.req.x[:tb].copy_(xs[i])
+                self.req.ids[:tb].copy_(ids[i])
+                self.req.w[:tb].copy_(ws[i])
+                link.signal(self.req.flag, self.step.step, i)
+                link.wait(self.ans.flag, self.step.step, i, self.abort, self.errors, 5.0)
+                outs[i].copy_(self.ans.out[:tb])
+                status[i : i + 1].copy_(self.ans.status)
+            self.step.replayed()
+        torch.cuda.synchronize(DEV)
+        return outs, status.tolist()
+
+
+def _layers(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return [
+        (
+            (torch.randn(GS, 2 * GI, GH, generator=g, device=DEV) * 0.1).to(GDT),
+            (torch.randn(GS, GH, GI, generator=g, device=DEV) * 0.1).to(GDT),
+        )
+        for _ in range(GL)
+    ]
+
+
+def _inputs(tb: int, rows: int, seed: int, bad_layer: int | None = None):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    xs = [torch.randn(tb, GH, generator=g, device=DEV).to(GDT) for _ in range(GL)]
+    ids = [torch.randint(0, GS, (tb, GK), generator=g, device=DEV, dtype=torch.int32) for _ in range(GL)]
+    ws = [torch.rand(tb, GK, generator=g, device=DEV) for _ in range(GL)]
+    for i in ids:
+        i[rows:] = -1  # padding rows
+    if bad_layer is not None:
+        ids[bad_layer][0, 1], ids[bad_layer][rows - 1, 0] = GS + 3, -5
+    return xs, ids, ws
+
+
+def _check(outs, layers, xs, ids, ws) -> None:
+    for out, (w13, w2), x, i, w in zip(outs, layers, xs, ids, ws):
+        clean = torch.where((i < -1) | (i >= GS), -1, i)
+        ref = reference_moe(x.cpu().float(), w13.cpu().float(), w2.cpu().float(), clean.cpu(), w.cpu())
+        torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+def test_step_graph_against_the_moe_with_a_fake_coordinator():
+    """One process, one GPU: the server's step graph (captured on first use, replayed on one
+    stream) and a coordinator on another hand over GL layers per step through link.signal /
+    link.wait: answers = the MoE of each layer's request (float64 reference), bad ids computed
+    as -1 with ERR_BAD_SLOT in the status, a silent coordinator costs the server one timeout
+    and the link goes on; a new generation recaptures with the new weights."""
+    from gpu_server.backend import TritonExpertBackend
+    from gpu_server.graphs import BUCKETS
+
+    area = link.new_area(link.request_bytes(GR, GH, GK, GDT), DEV)
+    graphs = LinkGraphs(TritonExpertBackend.for_device(DEV), area, GR, GH, GK, GDT, BUCKETS)
+    req = link.RequestViews.of(area, GR, GH, GK, GDT)
+    coord = _Coordinator(req, link.AnswerViews.of(graphs.answer, GR, GH, GDT))
+    server = torch.cuda.Stream(DEV)
+    layers = _layers(1)
+    for tb in (4, 8):
+        coord.warm(tb)
+
+    def step(n: int, tb: int, rows: int, seed: int, bad: int | None = None, gen: int = 0, w=layers):
+        xs, ids, ws = _inputs(tb, rows, seed, bad)
+        bufs = coord.buffers(tb)  # NOTE: allocated (a fill kernel) before the server spins
+        with torch.cuda.stream(server):
+            report = graphs.launch(gen, w, tb, n, rows, 5000)
+        outs, status = coord.run(n, tb, xs, ids, ws, bufs)
+        assert int(coord.errors) == 0, "the coordinator's waits timed out"
+        _check(outs, w, xs, ids, ws)
+        return report, status, ids
+
+    report, status, ids = step(1, 4, 3, seed=10)  # capture of bucket 4
+    assert report is None and status == [0] * GL
+    report, status, _ = step(2, 4, 4, seed=11, bad=1)  # a replay; bad ids in layer 1
+    assert status == [0, link.ERR_BAD_SLOT, link.ERR_BAD_SLOT]  # the step's bits so far
+    assert report is not None and (report.step, report.errors) == (1, 0)
+    for i, c in zip(ids, report.counts):  # step 1's pairs per slot, counted on the GPU
+        assert c.tolist() == np.bincount(i[i >= 0].cpu().numpy(), minlength=GS).tolist()
+    report, status, _ = step(3, 8, 8, seed=12)  # another bucket: captured beside the first
+    assert status == [0] * GL and report is not None and report.bad_slots and not report.timed_out
+    assert len(graphs._graphs) == 2
+    # a coordinator that never signals: the server's first wait times out, the rest runs through
+    t0 = time.perf_counter()
+    with torch.cuda.stream(server):
+        graphs.launch(0, layers, 4, 4, 2, 300)
+    server.synchronize()
+    took = time.perf_counter() - t0
+    assert 0.3 <= took < 0.3 * GL + 5.0, took  # one timeout (+ the capture of this timeout's graph)
+    report, status, _ = step(5, 4, 2, seed=13)  # the link goes on
+    assert status == [0] * GL and report is not None and report.step == 4 and report.timed_out
+    # a new placement generation: the old graphs dropped, new weights
+    new = _layers(2)
+    report, status, _ = step(6, 4, 4, seed=14, gen=1, w=new)
+    assert status == [0] * GL and graphs.generation == 1 and len(graphs._graphs) == 1
+    report = graphs.close()
+    assert report is not None and (report.step, report.errors) == (6, 0) and not graphs._graphs
+
+
+@pytest.mark.gpu
+def test_server_accepts_a_forced_link_on_one_gpu(monkeypatch, worker_gpu):
+    """The Ack of a cuda_ipc hello with a link offer: link_area when accepted (EXPERTMESH_LINK
+    force on one GPU), link_reason otherwise. The coordinator's area is mapped in-process here
+    (an IPC handle cannot be opened by the process that made it): Mapped.open is replaced by a
+    view of the same memory; the cross-process path is tests/test_link_e2e.py."""
+    from expertmesh.transport import cuda_ipc
+
+    area = link.new_area(link.request_bytes(GR, H, 2, torch.float32), DEV)
+    monkeypatch.setattr(cuda_ipc.Mapped, "open", classmethod(lambda cls, info, dev: cls(area, 0)))
+    offer = {"area": {"handle": "11" * 64, "offset": 0, "nbytes": area.numel()}, "rows": GR, "top_k": 2}
+    hello = Hello("shm", f"expertmesh-1-2-{'ab' * 8}", 8192, 4096, 4096, "0" * 32)
+    server = ShmServer(hello, DEV, worker_gpu.forward, link=worker_gpu, link_mode="force")
+    ack = server._open_link(offer, same_gpu=True)
+    assert set(ack) == {"link_area"} and ack["link_area"]["nbytes"] == link.answer_bytes(GR, H, torch.float32)
+    assert server._link.buckets == (1, 2, 4, 8)
+    server._close_link()
+    auto = ShmServer(hello, DEV, worker_gpu.forward, link=worker_gpu, link_mode="auto")
+    assert "time-slice" in auto._open_link(offer, same_gpu=True)["link_reason"]
+
+
+@pytest.fixture
+def worker_gpu() -> ExpertWorker:
+    from gpu_server.backend import TritonExpertBackend
+    from gpu_server.graphs import GraphedBackend
+
+    slots = SlotTable(FakeReader(), torch.float32, DEV, 4)  # type: ignore[arg-type]
+    slots.preload([0, 1, 2, 3])
+    backend = GraphedBackend(TritonExpertBackend.for_device(DEV))
+    return ExpertWorker(slots, backend, WorkerIdentity("gpu", str(DEV), "host"))
