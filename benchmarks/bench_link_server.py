@@ -10,8 +10,10 @@ Columns (per MoE layer, microseconds, median over the timed steps):
   both finished) divided by the layers;
 - ``link cost``: linked - moe graph (hand-over, routing take, copies);
 - ``HBM floor``: the experts' weight bytes a layer must read over the measured copy bandwidth.
-Plus the server's host time per step (``LinkGraphs.launch``) and the largest difference between
-the linked answers and the baseline's (same kernels: 0 expected).
+Plus the server's host time per step (``LinkGraphs.launch``: on the coordinator's critical path,
+it waits for the LinkStep's answer), the host time of one replay of the ``moe graph`` (its
+cudaGraphLaunch alone) and the largest difference between the linked answers and the
+baseline's (same kernels: 0 expected).
 
 Two processes on two GPUs add the NVLink reads of the flags and payloads; this isolates the
 server's side. ``python3 benchmarks/bench_link_server.py [--layers 48] [--batches 1 16 64]``
@@ -117,10 +119,11 @@ class Bench:
             self.moe(tb, xs, ids, ws, base)
         torch.cuda.synchronize(dev)
         self.c_abort.fill_(-1)
-        t_moe, t_link, t_host = [], [], []
+        t_moe, t_link, t_host, t_moe_host = [], [], [], []
         for _ in range(a.steps + 3):
             t0 = time.perf_counter()
             gm.replay()
+            t_moe_host.append(time.perf_counter() - t0)
             torch.cuda.synchronize(dev)
             t_moe.append(time.perf_counter() - t0)
         for _ in range(a.steps + 3):
@@ -146,7 +149,8 @@ class Bench:
         )  # experts a layer reads
         floor = used * 3 * a.hidden * a.inter * 2 / self.bw * 1e6
         host = statistics.median(t_host[3:]) * 1e6
-        return f"| {b} | {m:.1f} | {k:.1f} | {k - m:.1f} | {floor:.1f} | {host:.0f} | {diff:.3g} |"
+        moe_host = statistics.median(t_moe_host[3:]) * 1e6
+        return f"| {b} | {m:.1f} | {k:.1f} | {k - m:.1f} | {floor:.1f} | {host:.0f} | {moe_host:.0f} | {diff:.3g} |"
 
 
 def main() -> None:

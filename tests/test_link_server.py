@@ -85,7 +85,8 @@ def test_link_mode_comes_from_the_environment_and_is_validated():
 
 def _server(link_host=None, mode="auto") -> ShmServer:
     hello = Hello("shm", f"expertmesh-1-2-{'ab' * 8}", 8192, 4096, 4096, "0" * 32)
-    return ShmServer(hello, torch.device("cpu"), lambda r: r.hidden, link=link_host, link_mode=mode)
+    # NOTE: the GPU where there is one: the link is only offered to a cuda_ipc channel
+    return ShmServer(hello, DEV, lambda r: r.hidden, link=link_host, link_mode=mode)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +94,8 @@ def _server(link_host=None, mode="auto") -> ShmServer:
     [
         ("off", False, "off on this server"),
         ("auto", True, "time-slice"),
-        ("force", True, "could not be set up"),  # forced, but no CUDA memory to map here
+        # forced, but the handle maps nothing (no CUDA driver here, or not an IPC handle)
+        ("force", True, "could not be set up"),
     ],
 )
 def test_ack_says_why_there_is_no_link(worker, mode, same_gpu, words):
