@@ -7,11 +7,11 @@ layer loop. Here the host launches ONE graph per step, before the coordinator's 
 per MoE layer ``i`` (its position among the model's MoE layers) the graph
 
 1. waits for the coordinator's request flag (``link.wait``, reading its area over NVLink),
-2. takes the routing into static tensors of its own (:func:`take_route`): slot ids outside
-   ``[-1, S)`` become -1 and put ``ERR_BAD_SLOT`` into the step's errors word, the answer's
-   status gets that word, and each slot's token count is added up on the GPU,
-3. copies the hidden states into its static input and runs the fused MoE (the same Triton
-   kernels as graphs.py) straight into the answer area,
+2. takes the request into static tensors of its own (:func:`take_route`, one launch): slot
+   ids outside ``[-1, S)`` become -1 and put ``ERR_BAD_SLOT`` into the step's errors word, the
+   answer's status gets that word, each slot's token count is added up on the GPU, and the
+   hidden states are copied,
+3. runs the fused MoE (the same Triton kernels as graphs.py) straight into the answer area,
 4. signals its answer flag (``link.signal``), which the coordinator's graph waits for.
 
 A wait that times out (a coordinator that died mid-step) marks the step aborted: the rest of
@@ -59,25 +59,46 @@ class LinkBroken(Unavailable):
 # ---------------------------------------------------------------------------- one layer
 
 
-@triton.jit(do_not_specialize=["n", "slots"])
-def _take_route_kernel(
-    src_ids, src_w, dst_ids, dst_w, err_ptr, status_ptr, counts_ptr, n, slots, BLOCK: tl.constexpr
+@triton.jit(do_not_specialize=["n", "slots", "nx"])
+def _take_kernel(
+    src_ids,
+    src_w,
+    dst_ids,
+    dst_w,
+    err_ptr,
+    status_ptr,
+    counts_ptr,
+    n,
+    slots,
+    src_x,
+    dst_x,
+    nx,
+    BLOCK: tl.constexpr,
+    XBLOCK: tl.constexpr,
 ):
-    # one program: n = Tb * K <= 64 * 64 pairs
-    offs = tl.arange(0, BLOCK)
-    m = offs < n
-    ids = tl.load(src_ids + offs, mask=m, other=-1, volatile=True)
-    w = tl.load(src_w + offs, mask=m, other=0.0, volatile=True)
-    bad = m & ((ids < -1) | (ids >= slots))
-    ids = tl.where(bad, -1, ids)
-    tl.store(dst_ids + offs, ids, mask=m)
-    tl.store(dst_w + offs, w, mask=m)
-    # counts[0] collects the -1 pairs: no branch per pair
-    tl.atomic_add(counts_ptr + ids + 1, tl.full([BLOCK], 1, tl.int64), mask=m)
-    nbad = tl.sum(bad.to(tl.int32), axis=0)
-    err = tl.load(err_ptr) | tl.where(nbad > 0, 2, 0).to(tl.int64)  # ERR_BAD_SLOT
-    tl.store(err_ptr, err)
-    tl.store(status_ptr, err)
+    pid = tl.program_id(0)
+    if pid == 0:  # the routing: n = Tb * K <= 64 * 64 pairs, one program (its errors word)
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        ids = tl.load(src_ids + offs, mask=m, other=-1, volatile=True)
+        w = tl.load(src_w + offs, mask=m, other=0.0, volatile=True)
+        bad = m & ((ids < -1) | (ids >= slots))
+        ids = tl.where(bad, -1, ids)
+        tl.store(dst_ids + offs, ids, mask=m)
+        tl.store(dst_w + offs, w, mask=m)
+        # counts[0] collects the -1 pairs: no branch per pair
+        tl.atomic_add(counts_ptr + ids + 1, tl.full([BLOCK], 1, tl.int64), mask=m)
+        nbad = tl.sum(bad.to(tl.int32), axis=0)
+        err = tl.load(err_ptr) | tl.where(nbad > 0, 2, 0).to(tl.int64)  # ERR_BAD_SLOT
+        tl.store(err_ptr, err)
+        tl.store(status_ptr, err)
+    else:  # the hidden states, XBLOCK elements a program
+        offs = (pid - 1) * XBLOCK + tl.arange(0, XBLOCK)
+        m = offs < nx
+        tl.store(dst_x + offs, tl.load(src_x + offs, mask=m, volatile=True), mask=m)
+
+
+XBLOCK = 2048
 
 
 def take_route(
@@ -89,17 +110,27 @@ def take_route(
     errors: torch.Tensor,  # [1] int64: the step's ERR_* bits
     status: torch.Tensor,  # [1] int64: the answer's status word
     counts: torch.Tensor,  # [S' + 1] int64, S' >= S: tokens per slot + 1 (index 0: id -1)
+    src_x: torch.Tensor,  # [Tb, H], the coordinator's
+    x: torch.Tensor,  # [Tb, H], ours
 ) -> None:
-    """Copies the routing into ``ids``/``w`` with ids outside ``[-1, slots)`` made -1 (never an
-    out-of-bounds read in the MoE), ORs ``ERR_BAD_SLOT`` into ``errors`` when there was one,
-    writes ``errors`` into ``status`` and counts each slot's pairs. One launch, capturable."""
-    n = ids.numel()
+    """Takes a layer's request into our own tensors: the routing into ``ids``/``w`` with ids
+    outside ``[-1, slots)`` made -1 (never an out-of-bounds read in the MoE), ``ERR_BAD_SLOT``
+    ORed into ``errors`` when there was one, ``errors`` written into ``status``, each slot's
+    pairs counted; the hidden states into ``x``. One launch (a graph node fewer than a
+    separate copy), capturable."""
+    n, nx = ids.numel(), x.numel()
     assert src_ids.shape == ids.shape == w.shape == src_w.shape and counts.numel() > slots, (
         f"{src_ids.shape=} {ids.shape=} {counts.shape=} {slots=}"
     )
+    assert src_x.shape == x.shape and src_x.dtype == x.dtype and src_x.is_contiguous(), (
+        f"{src_x.shape=} {x.shape=}"
+    )
     assert link.ERR_BAD_SLOT == 2, "the kernel writes the constant"
     block = max(16, triton.next_power_of_2(n))
-    _take_route_kernel[(1,)](src_ids, src_w, ids, w, errors, status, counts, n, slots, BLOCK=block)
+    grid = (1 + triton.cdiv(nx, XBLOCK),)
+    _take_kernel[grid](
+        src_ids, src_w, ids, w, errors, status, counts, n, slots, src_x, x, nx, BLOCK=block, XBLOCK=XBLOCK
+    )
 
 
 def moe_into(inner: ExpertBackend, x, w13, w2, ids, w, out: torch.Tensor) -> None:
@@ -157,8 +188,18 @@ def run_layer(
     """One MoE layer of a linked step, queued on the current stream (the graph's content)."""
     tb = st.x.shape[0]
     link.wait(req.flag, words.step, index, words.abort, words.errors, timeout_s, max_polls)
-    take_route(req.ids[:tb], req.w[:tb], w13.shape[0], st.ids, st.w, words.errors, ans.status, counts)
-    st.x.copy_(req.x[:tb])
+    take_route(
+        req.ids[:tb],
+        req.w[:tb],
+        w13.shape[0],
+        st.ids,
+        st.w,
+        words.errors,
+        ans.status,
+        counts,
+        req.x[:tb],
+        st.x,
+    )
     moe_into(inner, st.x, w13, w2, st.ids, st.w, ans.out[:tb])
     link.signal(ans.flag, words.step, index)
 

@@ -125,13 +125,18 @@ def test_take_route_makes_bad_ids_minus_one_and_says_so():
     err = torch.zeros(1, dtype=torch.int64, device=DEV)
     status = torch.full((1,), 99, dtype=torch.int64, device=DEV)
     counts = torch.zeros(6, dtype=torch.int64, device=DEV)  # S' = 5 >= S = 4
-    take_route(src, w, 4, ids, ws, err, status, counts)
+    xs = torch.randn(4, 3000, device=DEV).to(torch.bfloat16)  # > one XBLOCK: two copy programs
+    x = torch.zeros_like(xs)
+    take_route(src, w, 4, ids, ws, err, status, counts, xs, x)
+    assert torch.equal(x, xs)
     assert ids.tolist() == [[0, 3], [-1, -1], [-1, 2], [1, 1]]  # 4 >= S and -7 < -1 are bad
     assert torch.equal(ws, w) and int(err) == link.ERR_BAD_SLOT and int(status) == link.ERR_BAD_SLOT
     assert counts.tolist() == [3, 1, 2, 1, 1, 0]  # [-1 pairs, slot 0, 1, 2, 3, 4]
     # good ids: nothing added to the errors word, the status repeats it (the step's bits so far)
     err.fill_(link.ERR_TIMEOUT)
-    take_route(src.clamp(-1, 3), w, 4, ids, ws, err, status, counts)
+    take_route(
+        src.clamp(-1, 3), w, 4, ids, ws, err, status, counts, xs[:, :5].contiguous(), x[:, :5].contiguous()
+    )
     assert int(err) == link.ERR_TIMEOUT and int(status) == link.ERR_TIMEOUT
 
 
@@ -192,10 +197,13 @@ class CpuLink(LinkGraphs):
         self.check(bucket, step, timeout_ms)
         self.launched.append((generation, [tuple(w13.shape) for w13, _ in weights], bucket, step, rows))
         self.last_step = step
+        return None  # the last step's report was collected before (collect())
+
+    def collect(self):
         return self.reports.pop(0) if self.reports else None
 
     def close(self):
-        return self.reports.pop(0) if self.reports else None
+        return self.collect()
 
 
 def _step(**kw) -> dsc.LinkStep:

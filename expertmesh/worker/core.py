@@ -336,8 +336,13 @@ class ExpertWorker:
     def link_step(self, graphs: Any, step: LinkStep) -> None:
         """Launches a linked decode step's graph (queued on this device's stream, not waited
         for); typed errors refuse the step (the coordinator runs it without the link)."""
+        # NOTE: the last step's report first, outside the lock: its graph has normally finished,
+        # but after a coordinator's death it may spin until its timeout (other channels compute)
+        report = graphs.collect()
         try:
             with self._serial:  # NOTE: a placement commit never lands between check and launch
+                if report is not None:
+                    self._link_report(graphs, report)
                 if self.draining:
                     raise Unavailable(self.draining)
                 live = self.slots.live
@@ -356,7 +361,7 @@ class ExpertWorker:
                 self.stats.compute_seconds += time.perf_counter() - t0
                 self.stats.requests += len(weights)  # a linked step computes every MoE layer
                 self.stats.tokens += step.rows * len(weights)
-                if report is not None:
+                if report is not None:  # collected above: none normally
                     self._link_report(graphs, report)
         except ExpertMeshError as e:
             self.count_error(e)
@@ -364,9 +369,9 @@ class ExpertWorker:
 
     def close_link(self, graphs: Any) -> None:
         """Waits for the link's last step graph (bounded: its waits time out), counts it."""
-        with self._serial:
-            report = graphs.close()
-            if report is not None:
+        report = graphs.close()  # NOTE: outside the lock: other channels compute meanwhile
+        if report is not None:
+            with self._serial:
                 self._link_report(graphs, report)
 
     def _link_report(self, graphs: Any, report: Any) -> None:
