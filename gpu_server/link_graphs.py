@@ -76,26 +76,27 @@ def _take_kernel(
     BLOCK: tl.constexpr,
     XBLOCK: tl.constexpr,
 ):
+    # NOTE: each branch names its own variables (compiled Triton types a name once per branch)
     pid = tl.program_id(0)
     if pid == 0:  # the routing: n = Tb * K <= 64 * 64 pairs, one program (its errors word)
-        offs = tl.arange(0, BLOCK)
-        m = offs < n
-        ids = tl.load(src_ids + offs, mask=m, other=-1, volatile=True)
-        w = tl.load(src_w + offs, mask=m, other=0.0, volatile=True)
-        bad = m & ((ids < -1) | (ids >= slots))
+        r_offs = tl.arange(0, BLOCK)
+        r_m = r_offs < n
+        ids = tl.load(src_ids + r_offs, mask=r_m, other=-1, volatile=True)
+        w = tl.load(src_w + r_offs, mask=r_m, other=0.0, volatile=True)
+        bad = r_m & ((ids < -1) | (ids >= slots))
         ids = tl.where(bad, -1, ids)
-        tl.store(dst_ids + offs, ids, mask=m)
-        tl.store(dst_w + offs, w, mask=m)
+        tl.store(dst_ids + r_offs, ids, mask=r_m)
+        tl.store(dst_w + r_offs, w, mask=r_m)
         # counts[0] collects the -1 pairs: no branch per pair
-        tl.atomic_add(counts_ptr + ids + 1, tl.full([BLOCK], 1, tl.int64), mask=m)
+        tl.atomic_add(counts_ptr + ids + 1, tl.full([BLOCK], 1, tl.int64), mask=r_m)
         nbad = tl.sum(bad.to(tl.int32), axis=0)
         err = tl.load(err_ptr) | tl.where(nbad > 0, 2, 0).to(tl.int64)  # ERR_BAD_SLOT
         tl.store(err_ptr, err)
         tl.store(status_ptr, err)
     else:  # the hidden states, XBLOCK elements a program
-        offs = (pid - 1) * XBLOCK + tl.arange(0, XBLOCK)
-        m = offs < nx
-        tl.store(dst_x + offs, tl.load(src_x + offs, mask=m, volatile=True), mask=m)
+        x_offs = (pid - 1) * XBLOCK + tl.arange(0, XBLOCK)
+        x_m = x_offs < nx
+        tl.store(dst_x + x_offs, tl.load(src_x + x_offs, mask=x_m, volatile=True), mask=x_m)
 
 
 XBLOCK = 2048
