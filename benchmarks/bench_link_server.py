@@ -170,9 +170,10 @@ def main() -> None:
         f"E={a.experts} K={a.top_k} bf16, copy {bench.bw / 1e9:.0f} GB/s"
     )
     print(
-        "| batch | moe graph us/layer | linked us/layer | link cost us/layer | HBM floor us/layer | server host us/step | max diff |"
+        "| batch | moe graph us/layer | linked us/layer | link cost us/layer | HBM floor us/layer "
+        "| server launch us/step | moe graph launch us | max diff |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for b in a.batches:
         print(bench.batch(b), flush=True)
     bench.graphs.close()
