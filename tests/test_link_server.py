@@ -492,7 +492,7 @@ def test_server_accepts_a_forced_link_on_one_gpu(monkeypatch, worker_gpu):
     ack = server._open_link(offer, same_gpu=True)
     assert set(ack) == {"link_area"} and ack["link_area"]["nbytes"] == link.answer_bytes(GR, H, torch.float32)
     assert server._link.buckets == (1, 2, 4, 8)
-    server._close_link()
+    server._drop_link()
     auto = ShmServer(hello, DEV, worker_gpu.forward, link=worker_gpu, link_mode="auto")
     assert "time-slice" in auto._open_link(offer, same_gpu=True)["link_reason"]
 

@@ -198,7 +198,7 @@ class ShmServer:
             # NOTE: RuntimeError: torch's CUDA errors (out of memory): the link only is refused
             except (cuda_ipc.CudaIpcError, errors.ExpertMeshError, RuntimeError) as e:
                 why = f"the device link could not be set up: {e}"
-                self._close_link()
+                self._drop_link()
         if why:
             self._link_reason = why
             log.info("fast-path channel %s: no device link: %s", self.hello.segment, why)
@@ -292,7 +292,7 @@ class ShmServer:
             return self._error(step.seq, e)
         return dsc.Response(step.seq, 0, (time.perf_counter() - t0) * 1e3)
 
-    def _close_link(self) -> None:
+    def _drop_link(self) -> None:
         """After the link's last step graph (bounded: its waits time out), the request area
         is unmapped (cuda_ipc's close synchronises the device first)."""
         graphs, self._link = self._link, None
@@ -301,7 +301,10 @@ class ShmServer:
             self.link_host.close_link(graphs)
         mapped = self.__dict__.pop("_link_map", None)
         if mapped is not None:
-            mapped.close()
+            try:
+                mapped.close()
+            except cuda_ipc.CudaIpcError:
+                log.exception("could not unmap the device link's request area")
 
     @staticmethod
     def _error(seq: int, err: errors.ExpertMeshError) -> dsc.Response:
@@ -368,10 +371,7 @@ class ShmServer:
         if fds is not None:
             for fd in fds:
                 os.close(fd)
-        try:
-            self._close_link()
-        except cuda_ipc.CudaIpcError:
-            log.exception("could not unmap the device link's request area")
+        self._drop_link()
         if self._pinned:
             self._pinned = False
             try:
