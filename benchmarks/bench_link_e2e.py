@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,10 +51,7 @@ class InProcessLink(LocalDispatcher):
 
     def __init__(self, reader: CheckpointReader, dtype: torch.dtype, dev: torch.device) -> None:
         from gpu_server.backend import make_backend
-
-        # NOTE: the server side's module (issue-10ls), by name: it lands beside this file on main
-        link_graphs = importlib.import_module("gpu_server.link_graphs")
-        LinkGraphs = link_graphs.LinkGraphs  # noqa: N806
+        from gpu_server.link_graphs import LinkGraphs
 
         super().__init__(reader, dtype, dev)
         cfg = reader.config
