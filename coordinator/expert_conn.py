@@ -369,7 +369,9 @@ class ServerConnection:
         st = self._stream
         if st is None or st.fast is None or st.dead is not None:
             return "no fast stream"
-        desc = dsc.LinkStep(self.next_seq(), step, rows, bucket, generation, max(1, int(timeout_s * 1e3)))
+        # NOTE: servers take waits of at most 10 minutes (gpu_server/link_graphs.py MAX_TIMEOUT_MS)
+        timeout_ms = min(max(1, int(timeout_s * 1e3)), 600_000)
+        desc = dsc.LinkStep(self.next_seq(), step, rows, bucket, generation, timeout_ms)
         try:
             resp = st.fast.link_step(desc, time.monotonic() + timeout_s)
         except Rejected as e:
