@@ -129,7 +129,7 @@ class _LinkState:
     def new(cls, lnk: LinkAreas, device: torch.device, bm: int) -> _LinkState:
         from expertmesh.transport import link  # NOTE: Triton: CUDA coordinators only
 
-        return cls(
+        st = cls(
             lnk,
             link.StepWord(device),
             torch.zeros(1, dtype=torch.int64, device=device),
@@ -138,6 +138,9 @@ class _LinkState:
             torch.zeros(bm, 1, dtype=torch.bool, device=device),
             torch.cuda.graph_pool_handle(),
         )
+        # a dead channel ends a step in flight at once instead of at its timeout (ShmClient.kill)
+        lnk.cancel = link.Canceller(st.abort)
+        return st
 
 
 class _Linker(Dispatcher):

@@ -262,6 +262,8 @@ class LinkGraphs:
             torch.full((1,), -1, dtype=torch.int64, device=self.device),  # no step aborted yet
             torch.zeros(1, dtype=torch.int64, device=self.device),
         )
+        # a coordinator whose stream ended mid-step: its step's waits end now, not at their timeout
+        self._cancel = link.Canceller(self.words.abort) if self.device.type == "cuda" else None
         self.generation: int | None = None
         self.broken = ""  # why a capture failed: every later step is refused
         self.last_step = -1
@@ -307,6 +309,11 @@ class LinkGraphs:
         self._done.record()
         self._launched, self.last_step = True, step
         return report
+
+    def cancel(self) -> None:
+        """Ends the last launched step's waits at once (any thread): its coordinator is gone."""
+        if self._cancel is not None and self.last_step >= 0:
+            self._cancel(self.last_step)
 
     def check(self, bucket: int, step: int, timeout_ms: int) -> None:
         """The refusals of a link step that depend on this link (typed errors; the worker

@@ -22,6 +22,7 @@ import secrets
 import select
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -114,6 +115,10 @@ class LinkAreas:
     lock: threading.RLock = field(default_factory=threading.RLock)
     closed: bool = False
     next_step: int = 1  # step numbers never repeat on a link (flag 0 = nothing yet)
+    # ends the waits of step N at once (link.Canceller over the linked graphs' abort word, set
+    # by coordinator/remote_graphs.py): called when this channel dies, so that a step in
+    # flight does not spin until its timeout
+    cancel: Callable[[int], None] | None = None
 
 
 class ShmClient:
@@ -505,6 +510,9 @@ class ShmClient:
             self._dead = err
             if not self._closed:
                 os.write(self._resp_fd, dsc.KICK)
+        lnk = self._link
+        if lnk is not None and lnk.cancel is not None:
+            lnk.cancel(lnk.next_step - 1)  # NOTE: the last step handed out: in flight, or done (no-op)
 
     @property
     def dead(self) -> bool:

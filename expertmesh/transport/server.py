@@ -68,6 +68,8 @@ class LinkHost(Protocol):
 
     def close_link(self, graphs: Any) -> None: ...
 
+    def cancel_link(self, graphs: Any) -> None: ...
+
 
 def link_refusal(mode: str, same_gpu: bool, host: bool) -> str:
     """Why this server takes no device link ("" = it may). ``same_gpu``: the coordinator
@@ -128,6 +130,8 @@ class ShmServer:
             self._stop = True
             if self._fds is not None:
                 os.write(self._fds[0], dsc.KICK)
+        if self._link is not None and self.link_host is not None:
+            self.link_host.cancel_link(self._link)  # a step in flight stops waiting for the coordinator
 
     # ------------------------------------------------------------ set-up
 

@@ -367,6 +367,10 @@ class ExpertWorker:
             self.count_error(e)
             raise
 
+    def cancel_link(self, graphs: Any) -> None:
+        """Ends the link's step in flight at once (its channel closed; any thread, no lock)."""
+        graphs.cancel()
+
     def close_link(self, graphs: Any) -> None:
         """Waits for the link's last step graph (bounded: its waits time out), counts it."""
         report = graphs.close()  # NOTE: outside the lock: other channels compute meanwhile
