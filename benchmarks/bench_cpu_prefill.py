@@ -3,11 +3,12 @@ variants) and the same run's peaks, one MoE layer at real widths.
 
 Every variant runs the same packed weights and routes, rounds interleaved (A B C A B C ...) so
 that the VM's drift hits all alike; each row gives the median and the spread of the rounds'
-medians. A profile build (AMX_PROFILE) splits the kernel's time into its stages. Floors: the
-active experts' bytes over the measured read bandwidth, the FLOPs over the measured peaks.
+medians. A profile build (AMX_PROFILE) of each build of this tree splits its time into stages
+(and the threads' work per phase, mean and slowest). Builds compile in parallel. Floors: the active
+experts' bytes over the measured read bandwidth, the FLOPs over the measured peaks.
 
     python benchmarks/bench_cpu_prefill.py --threads 16 --baseline /path/to/old/kernels/moe_gemv.c \\
-        --variant t0:AMX_PF_HINT=_MM_HINT_T0 --variant nopf:AMX_NO_PF --out prefill.json
+        --variant bal3:AMX_BAL=3 --variant loads:AMX_DIAG=1 --out prefill.json
 """
 
 from __future__ import annotations
@@ -15,27 +16,45 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from benchmarks.bench_cpu_experts import MODELS, dram_bandwidth, gemm_peak, host_info, timeit
+from benchmarks import bench_cpu_experts
+from benchmarks.bench_cpu_experts import MODELS, dram_bandwidth, gemm_peak, host_info, l3_bytes, timeit
 from cpu_expert_server import kernels
 from cpu_expert_server.backend import CpuExpertBackend
 from expertmesh.experts import TorchExpertBackend
 
-STAGES = ("gather", "phase1", "quant2", "phase2", "setup", "call")
+STAGES = (
+    *("gather", "phase1", "quant2", "phase2", "setup", "call"),
+    *("p1_busy_mean", "p1_busy_max", "p2_busy_mean", "p2_busy_max"),
+)
 
 
-def variant_libs(baseline: str | None, variants: list[str]) -> dict[str, ctypes.CDLL]:
-    """name -> library: "new" (this tree), "old" (--baseline), and NAME:DEF[;DEF] builds."""
-    libs: dict[str, ctypes.CDLL | None] = {"new": kernels.load()}
+def variant_defines(baseline: str | None, variants: list[str]) -> dict[str, tuple[tuple[str, ...], Path]]:
+    """name -> (macros, source): "new" (this tree), "old" (--baseline), and NAME:DEF[;DEF] builds."""
+    builds: dict[str, tuple[tuple[str, ...], Path]] = {"new": ((), kernels.SOURCE)}
     if baseline:
-        libs["old"] = kernels.load(source=Path(baseline))
+        builds["old"] = ((), Path(baseline))
     for v in variants:
         name, _, defs = v.partition(":")
-        libs[name] = kernels.load(tuple(d for d in defs.split(";") if d))
+        builds[name] = (tuple(d for d in defs.split(";") if d), kernels.SOURCE)
+    return builds
+
+
+def variant_libs(builds: dict[str, tuple[tuple[str, ...], Path]], profile: bool) -> dict[str, ctypes.CDLL]:
+    """The builds compiled in parallel (a few seconds each, one core each), then loaded; with
+    ``profile`` also an AMX_PROFILE build of each of this tree's, named NAME+prof."""
+    jobs = dict(builds)
+    if profile:
+        jobs |= {n + "+prof": ((*d, "AMX_PROFILE"), s) for n, (d, s) in builds.items() if s == kernels.SOURCE}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(lambda ds: kernels.build(*ds), jobs.values()))
+    libs = {n: kernels.load(d, s) for n, (d, s) in jobs.items()}
     missing = [n for n, lib in libs.items() if lib is None]
     assert not missing, f"builds failed: {missing} (see the log)"
     return {n: lib for n, lib in libs.items() if lib is not None}
@@ -58,8 +77,7 @@ def runner(
 
 
 def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) -> list[dict]:
-    prof = kernels.load(("AMX_PROFILE",))
-    assert prof is not None
+    timed = {n: lib for n, lib in libs.items() if not n.endswith("+prof")}
     rows = []
     for name in args.models.split(","):
         h, i, e, k = MODELS[name]
@@ -81,9 +99,9 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
                 ref = TorchExpertBackend().forward(x, w13, w2, *routes[0]).float()
                 active = sum(len(torch.unique(r[0])) for r in routes) / len(routes)
                 flops = 2 * t * k * 3 * h * i
-                combos = {n: (lib, p13, p2) for n, lib in libs.items()}
+                combos = {n: (lib, p13, p2) for n, lib in timed.items()}
                 if args.pad and wd == "bfloat16":
-                    combos |= {n + "+pad": (lib, padded(p13), padded(p2)) for n, lib in libs.items()}
+                    combos |= {n + "+pad": (lib, padded(p13), padded(p2)) for n, lib in timed.items()}
                 times: dict[str, list[float]] = {n: [] for n in combos}
                 errs = {}
                 for n, (lib, a, c) in combos.items():
@@ -93,15 +111,19 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
                     for n, (lib, a, c) in combos.items():
                         b.lib = lib
                         times[n].append(timeit(runner(b, x, a, c, routes), args.reps, 2.0))
-                b.lib = prof
-                stages = (ctypes.c_double * 6)()
-                timeit(runner(b, x, p13, p2, routes), 1, 0.0)
-                prof.moe_amx_profile(stages)  # drop the warm-up
-                calls = args.reps
-                for r in range(calls):
-                    b.forward(x, p13, p2, *routes[r % 16])
-                prof.moe_amx_profile(stages)
-                stage_ms = {s: v * 1e3 / calls for s, v in zip(STAGES, stages)}
+                stage_ms = {}
+                for n in timed:
+                    prof = libs.get(n + "+prof")
+                    if prof is None:
+                        continue
+                    b.lib = prof
+                    stages = (ctypes.c_double * len(STAGES))()
+                    timeit(runner(b, x, p13, p2, routes), 1, 0.0)
+                    prof.moe_amx_profile(stages)  # drop the warm-up
+                    for r in range(args.reps):
+                        b.forward(x, p13, p2, *routes[r % 16])
+                    prof.moe_amx_profile(stages)
+                    stage_ms[n] = {s: round(v * 1e3 / args.reps, 3) for s, v in zip(STAGES, stages)}
                 floor_bw = active * per_expert / (info["read_GBps"] * 1e9)
                 for n in combos:
                     med = sorted(times[n])[len(times[n]) // 2]
@@ -113,7 +135,7 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
                             "pct_read_bw": 100 * floor_bw / med,
                             "vs_peak_bf16": info.get("peak_bfloat16_TFLOPs", float("nan")) / (flops / med / 1e12),
                             "bw_floor_ms": floor_bw * 1e3, "rel_err": errs[n],
-                            "stages_ms(profile build)": stage_ms if n == "new" else None,
+                            "stages_ms(profile build)": stage_ms.get(n),
                         }
                     )  # fmt: skip
                     print(json.dumps(rows[-1]), flush=True)
@@ -131,6 +153,10 @@ def main() -> None:
     p.add_argument("--baseline", default=None, help="moe_gemv.c of another copy of the kernels")
     p.add_argument("--variant", action="append", default=[], help="NAME:MACRO[=V][;MACRO...] build")
     p.add_argument("--skip-peak", action="store_true")
+    p.add_argument("--no-profile", action="store_true", help="no AMX_PROFILE build of each variant")
+    p.add_argument(
+        "--flush", action="store_true", help="read twice the L3 before each timed call (bench_cpu_experts)"
+    )
     p.add_argument("--pad", action="store_true", help="also time bf16 rows at a stride one cache line longer")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -138,8 +164,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
     info = host_info() | dram_bandwidth() | ({} if args.skip_peak else gemm_peak(args.threads))
+    if args.flush:  # timeit reads it before every timed call, as in bench_cpu_experts' default protocol
+        bench_cpu_experts.FLUSH = torch.ones(2 * l3_bytes() // 4)
+        info["flush_MiB"] = 2 * l3_bytes() // 2**20
     print(json.dumps(info), flush=True)
-    rows = bench(args, info, variant_libs(args.baseline, args.variant))
+    libs = variant_libs(variant_defines(args.baseline, args.variant), not args.no_profile)
+    rows = bench(args, info, libs)
     print(
         "| model | T | weights | build | ms (rounds) | TFLOP/s | x below bf16 peak | % read BW | stages ms |"
     )

@@ -257,7 +257,7 @@ _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 def start_gpu_server(ck: Path, key: ServerKey, log: Path) -> tuple[subprocess.Popen, str]:
     """``expertmesh gpu-server`` on ``cuda:gpu`` in its own process (key: GPU, CUDA graphs,
     fast-path spin in us or None for the default); returns it and its address."""
-    gpu, graphs, spin, pin = key
+    gpu, graphs, spin, pin, link = key
     cmd = (["taskset", "-c", _cpus(SERVER_HALF)] if pin else []) + [sys.executable, "-m", "expertmesh.cli", "gpu-server", "--model", str(ck), "--port", "0",
            "--device", f"cuda:{gpu}", "--dtype", "bfloat16", "--threads", "2"]  # fmt: skip
     if not graphs:
@@ -268,6 +268,8 @@ def start_gpu_server(ck: Path, key: ServerKey, log: Path) -> tuple[subprocess.Po
     env = dict(
         os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
     )
+    if link:  # issue 10: the server's own link mode (it refuses one on a shared GPU unless forced)
+        env["EXPERTMESH_LINK"] = {"off": "0"}.get(link, link)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root
     )
@@ -283,15 +285,25 @@ def start_gpu_server(ck: Path, key: ServerKey, log: Path) -> tuple[subprocess.Po
 
 
 def remote_engine(
-    ck: Path, address: str, transport: str, dtype: torch.dtype, pages: int, graphs: bool, spin: float | None
+    ck: Path,
+    address: str,
+    transport: str,
+    dtype: torch.dtype,
+    pages: int,
+    graphs: bool,
+    spin: float | None,
+    link: str = "",
 ):
-    """A CUDA coordinator engine whose experts all live on the server at ``address``."""
+    """A CUDA coordinator engine whose experts all live on the server at ``address``; ``link``:
+    the device link mode (coordinator/cluster_config.py LINK_MODES; "" = EXPERTMESH_LINK's)."""
     from coordinator.loader import load_model
     from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
     from expertmesh.checkpoint import CheckpointReader
 
     reader = CheckpointReader(str(ck))
-    kw = {} if spin is None else {"shm_spin_us": spin}
+    kw: dict = {} if spin is None else {"shm_spin_us": spin}
+    if link:
+        kw["device_link"] = link
     cluster = ClusterConfig((ServerSpec("gpu0", address, "gpu"),), transport=transport, timeout_s=120, **kw)
     d = RemoteDispatcher(reader.config, cluster, dtype, "cuda")
     d.connect(300)
@@ -309,6 +321,7 @@ class ServerKey(NamedTuple):
     graphs: bool  # the server's CUDA graphs
     spin: float | None  # both sides' fast-path spin in us (None: their defaults)
     pin: bool  # server and coordinator on disjoint halves of the cores
+    link: str = ""  # issue 10: EXPERTMESH_LINK of both sides ("" = this process's)
 
 
 def _halves() -> tuple[list[int], list[int]]:
@@ -323,9 +336,10 @@ def _cpus(cpus: list[int]) -> str:
     return ",".join(map(str, cpus))
 
 
-def remote_modes(args) -> list[tuple[str, ServerKey, str, bool]]:
-    """(name, (server GPU, server graphs, spin us), transport, coordinator graphs) of each
-    remote mode; spin None = the defaults of both sides."""
+def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str]]:
+    """(name, (server GPU, server graphs, spin us, ...), transport, coordinator graphs, the
+    coordinator's device link mode) of each remote mode; spin None = the defaults of both sides,
+    link "" = EXPERTMESH_LINK's."""
     out = [(f"gpu-server same GPU {t}", ServerKey(0, True, None, False), t, True) for t in args.remote]
     if args.remote_eager and args.remote:
         t = args.remote[-1]
@@ -368,7 +382,19 @@ def remote_modes(args) -> list[tuple[str, ServerKey, str, bool]]:
             out.append(
                 (f"gpu-server second GPU {t} (disjoint cores)", ServerKey(1, True, None, True), t, True)
             )
-    return out
+    # --- issue 10: the device link: rows without it (EXPERTMESH_LINK=0 on the coordinator, the
+    # same server), and same GPU forced (both sides: a server of its own) ---
+    modes = [(name, key, t, graphs, "") for name, key, t, graphs in out]
+    if args.no_link_too:
+        for name, key, t, graphs, _ in list(modes):
+            if graphs and not key.pin and key.spin is None and t in ("auto", "cuda_ipc"):
+                modes.append((f"{name} (EXPERTMESH_LINK=0)", key, t, graphs, "off"))
+    if args.link_force_same and args.remote:
+        t = args.remote[-1]
+        key = ServerKey(0, True, None, False, "force")
+        modes.append((f"gpu-server same GPU {t} (EXPERTMESH_LINK=force)", key, t, True, "force"))
+    return modes
+    # --- end issue 10 ---
 
 
 def main() -> None:
@@ -395,6 +421,10 @@ def main() -> None:
                     help="also the last --remote / first --second-gpu transport with server and coordinator on disjoint cores")  # fmt: skip
     ap.add_argument("--spin-us-too", type=float, default=0.0, metavar="U",
                     help="also the last --remote / first --second-gpu transport with both sides spinning U us")  # fmt: skip
+    ap.add_argument("--no-link-too", action="store_true",
+                    help="issue 10: also each remote mode with the device link off (EXPERTMESH_LINK=0)")  # fmt: skip
+    ap.add_argument("--link-force-same", action="store_true",
+                    help="issue 10: also the last --remote transport with the link forced on the same GPU (a check; it time-slices)")  # fmt: skip
     ap.add_argument(
         "--switch-rounds", type=int, default=400, help="rounds of the context-switch floor (0 = skip)"
     )
@@ -424,6 +454,9 @@ def main() -> None:
     first_tokens: dict[str, list[int]] = {}
     pieces: dict[str, dict[int, dict[int, list[float]]]] = {}  # remote mode -> depth -> batch -> us
     transports: dict[str, str] = {}
+    linked: dict[
+        str, tuple[int, int]
+    ] = {}  # issue 10: remote mode -> (linked steps, re-runs) at the last depth
     failed: dict[str, str] = {}
     for depth in args.depths:
         ck = Path(args.work) / f"{widths['model_type']}_L{depth}"
@@ -464,17 +497,21 @@ def main() -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         try:
-            for name, key, transport, graphs in remotes:
+            for name, key, transport, graphs, link in remotes:
                 t0 = time.perf_counter()
                 try:
                     # this thread (the one that waits) and the threads it starts
                     os.sched_setaffinity(0, COORD_HALF if key.pin else COORD_HALF + SERVER_HALF)
-                    eng, d = remote_engine(ck, servers[key][1], transport, dtype, pages, graphs, key.spin)
+                    eng, d = remote_engine(
+                        ck, servers[key][1], transport, dtype, pages, graphs, key.spin, link
+                    )
                 except Exception as e:  # noqa: BLE001  # NOTE: a mode that cannot start is reported, the others run
                     print(f"MODE FAILED {name} L={depth}: {type(e).__name__}: {e}", flush=True)
                     failed[name] = f"{type(e).__name__}: {e}"
                     continue
                 transports[name] = d.server_infos()[0]["transport"]
+                if d.conns[0].link() is not None:  # issue 10
+                    transports[name] += "+link"
                 print(
                     f"engine {name} L={depth} ({transports[name]}): {time.perf_counter() - t0:.1f}s",
                     flush=True,
@@ -487,6 +524,12 @@ def main() -> None:
                         if us is not None:
                             pieces[name][depth][b] = us
                     print(name, depth, res[name][depth], pieces[name][depth], flush=True)
+                    linked[name] = (d.linked_steps, d.link_reruns)  # issue 10
+                    if d.linked_steps:
+                        print(
+                            f"linked graphs of {name}: pool {eng.graphs.link_pool_bytes / 2**20:.0f} MiB",
+                            flush=True,
+                        )  # type: ignore[union-attr]
                     if (
                         args.profile
                         and graphs
@@ -539,7 +582,7 @@ def main() -> None:
             )
             rows.append(dict(mode=m, batch=b, per_layer_ms=per_layer, fixed_ms=fixed, tok_s=tok_s,
                              transport=transports.get(m, ""), same_tokens=same,
-                             pieces_us=pieces.get(m, {}).get(l2, {}).get(b),
+                             pieces_us=pieces.get(m, {}).get(l2, {}).get(b), linked=linked.get(m),
                              step_ms={str(d): res[m][d][b] for d in args.depths}))  # fmt: skip
     ctx = args.prompt + args.new // 2
     floors = {b: floor_bytes(sizes, widths, b, ctx) / bw * 1e3 for b in args.batches}
@@ -556,6 +599,7 @@ def main() -> None:
         f"\n{args.model}: {report['device']} x{report['gpus']}, torch {torch.__version__}, copy bandwidth "
         f"{bw / 1e9:.0f} GB/s, same-GPU context switch {rt_ms * 1e3:.0f} us per round trip"
     )
+    print(f"linked decode steps / re-runs without the link (last depth, all batches): {linked}")
     print(f"| mode | transport | batch | per-layer ms | fixed ms | tok/s at {real} layers | HBM floor per layer ms "
           "| two-process floor ms | greedy tokens = in process | per-layer pieces us (replay+sync / route+send / wait; route / send / server) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")

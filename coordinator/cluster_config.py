@@ -4,6 +4,7 @@ frozen ``ClusterConfig`` (and its command-line flags)."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 from expertmesh import auth, cores
@@ -11,6 +12,18 @@ from expertmesh.tls import TLSConfig
 from expertmesh.transport import negotiate
 
 REPLICA_POLICIES = ("static", "round_robin", "load_aware")
+# --- issue 10 (device link, expertmesh/transport/link.py): EXPERTMESH_LINK ---
+LINK_MODES = ("auto", "off", "force")  # auto: two GPUs with peer access only; force: one GPU too
+LINK_ENV = "EXPERTMESH_LINK"
+
+
+def link_mode_from_env() -> str:
+    """``EXPERTMESH_LINK``: unset/1/auto -> auto, 0/off -> off, force -> force."""
+    v = os.environ.get(LINK_ENV, "").strip().lower()
+    return {"": "auto", "1": "auto", "0": "off"}.get(v, v)
+
+
+# --- end issue 10 ---
 
 
 @dataclass(frozen=True)
@@ -42,8 +55,13 @@ class ClusterConfig:
     # issue 14h: each token's N lowest-weight CPU-server experts are merged one layer later
     # (coordinator/deferral.py); 0 = off. CHANGES RESULTS (an approximation, opt-in).
     cpu_defer_experts: int = 0
+    # issue 10: the device link to a GPU expert server (coordinator/remote_graphs.py); read from
+    # EXPERTMESH_LINK where the config is made (LINK_MODES)
+    device_link: str = field(default_factory=link_mode_from_env)
 
     def __post_init__(self) -> None:
+        if self.device_link not in LINK_MODES:
+            raise ValueError(f"{LINK_ENV}={self.device_link!r}: expected 0, 1, auto, off or force")
         if self.replica_policy not in REPLICA_POLICIES:
             raise ValueError(f"--replica-policy {self.replica_policy!r}: expected one of {REPLICA_POLICIES}")
         if self.transport not in negotiate.CHOICES:

@@ -32,7 +32,8 @@ from coordinator.cluster_config import ClusterConfig, ServerSpec
 from expertmesh import auth, errors, status, tls, wire
 from expertmesh.net import device_uuid, grpc_options
 from expertmesh.transport import cuda_ipc, negotiate
-from expertmesh.transport.client import Reply, ShmClient
+from expertmesh.transport import descriptor as dsc
+from expertmesh.transport.client import LinkAreas, Reply, ShmClient
 from expertmesh.transport.errors import MalformedAnswer, Rejected
 from expertmesh.transport.handshake import Ack, HandshakeError
 from expertmesh.v1 import expert_worker_pb2 as pb
@@ -153,6 +154,10 @@ class ServerConnection:
         self.transport = "grpc"  # the path of the current stream (the handshake may settle lower)
         self.transport_note = ""  # why nothing faster
         self.fast_fallbacks = 0  # requests sent over gRPC on a fast stream (no room in the ring)
+        # issue 10: (R, H, K) of the device link to offer (set by the remote dispatcher on a CUDA
+        # coordinator); None: never offered
+        self.link_shape: tuple[int, int, int] | None = None
+        self.link_note = "not offered"  # why the current stream has no device link
 
     def describe_self(self) -> str:
         return f"expert server {self.spec.name} ({self.spec.address})"
@@ -296,11 +301,17 @@ class ServerConnection:
         sync = (
             "local" if self.plan == "cuda_ipc" and theirs and theirs != device_uuid(self.device) else "host"
         )
+        link = self._link_offer(sync)
         try:
             fast = ShmClient(
-                self.plan, self.cluster.shm_ring_bytes, self.device, self.cluster.shm_spin_us, cuda_sync=sync
+                self.plan,
+                self.cluster.shm_ring_bytes,
+                self.device,
+                self.cluster.shm_spin_us,
+                cuda_sync=sync,
+                link=link,
             )
-        except (OSError, cuda_ipc.CudaIpcError) as e:
+        except (OSError, cuda_ipc.CudaIpcError, torch.OutOfMemoryError) as e:
             self._settle(st, None, Ack("grpc", f"cannot create the shared-memory channel here: {e}"))
             return
         fut: Future = Future()
@@ -323,6 +334,57 @@ class ServerConnection:
             raise st.dead from None
         self._settle(st, fast, ack)
 
+    def _link_offer(self, sync: str) -> tuple[int, int, int, torch.dtype] | None:
+        """issue 10: the device link's (R, H, K, dtype) to offer on a cuda_ipc stream: between
+        two GPUs (sync "local": each side's spinning wait has its own GPU), on one GPU only
+        with EXPERTMESH_LINK=force (two processes' spinning kernels time-slice there)."""
+        mode = self.cluster.device_link
+        why = ""
+        if self.link_shape is None or self.dtype is None:
+            why = "not a CUDA coordinator's remote dispatcher"
+        elif mode == "off":
+            why = "EXPERTMESH_LINK=0"
+        elif self.plan != "cuda_ipc":
+            why = f"the data path is {self.plan}, not cuda_ipc"
+        elif sync != "local" and mode != "force":
+            why = "the server shares this GPU (EXPERTMESH_LINK=force links anyway)"
+        self.link_note = why
+        if why:
+            return None
+        assert self.link_shape is not None and self.dtype is not None
+        return (*self.link_shape, self.dtype)
+
+    def link(self) -> LinkAreas | None:
+        """issue 10: the live stream's device link (None: none now)."""
+        st = self._stream
+        if st is None or st.dead is not None or st.fast is None:
+            return None
+        return st.fast.link
+
+    def link_step(self, step: int, rows: int, bucket: int, generation: int, timeout_s: float) -> str:
+        """issue 10: asks the server to launch its step graph for a linked decode step; "" when
+        it did, else why not (a refusal, or the channel is gone: the step runs without the link,
+        and the piecewise path meets a dead server as usual). No answer within ``timeout_s``:
+        the stream is reset and the error raised (the server is hung)."""
+        st = self._stream
+        if st is None or st.fast is None or st.dead is not None:
+            return "no fast stream"
+        # NOTE: servers take waits of at most 10 minutes (gpu_server/link_graphs.py MAX_TIMEOUT_MS)
+        timeout_ms = min(max(1, int(timeout_s * 1e3)), 600_000)
+        desc = dsc.LinkStep(self.next_seq(), step, rows, bucket, generation, timeout_ms)
+        try:
+            resp = st.fast.link_step(desc, time.monotonic() + timeout_s)
+        except Rejected as e:
+            return f"the fast-path channel is gone: {e.message}"
+        except FutureTimeout:
+            self.reset(f"no answer to a device-link step within {timeout_s:g}s")
+            raise ExpertServerError.of(
+                errors.DeadlineExceeded(
+                    f"{self.describe_self()} did not answer a device-link step within {timeout_s:g}s"
+                )
+            ) from None
+        return "" if resp.code == 0 else f"refused ({resp.code}): {resp.message}"
+
     def _settle(self, st: _Stream, fast: ShmClient | None, ack: Ack) -> None:
         """Takes the server's answer (``auto`` accepts a slower path, a required path does not)."""
         requested = self.cluster.transport
@@ -343,6 +405,12 @@ class ServerConnection:
                 self.plan = "shm"  # the next stream asks for less
             self._refuse(st, fast, f"{self.describe_self()}: cannot map its CUDA IPC output ring: {e}")
         st.fast, self.transport = fast, fast.transport
+        if not self.link_note:  # issue 10: offered; the server's answer says whether it is up
+            self.link_note = fast.link_reason
+            if fast.link is not None:
+                log.info("%s: device link up (%d rows)", self.spec.name, fast.link.rows)
+            else:
+                log.info("%s: no device link: %s", self.spec.name, fast.link_reason)
 
     def _refuse(self, st: _Stream, fast: ShmClient | None, message: str) -> NoReturn:
         if fast is not None:

@@ -25,18 +25,21 @@ import torch
 
 from coordinator.cluster import RECONNECT_WAIT_S, ExpertCluster
 from coordinator.cluster_config import ClusterConfig, ServerSpec
+from coordinator.cuda_graphs import BUCKETS
 from coordinator.deferral import DeferredSums, defer_mask
 from coordinator.dispatch import Dispatcher, Pending
 from coordinator.expert_conn import ExpertReply, ExpertServerError, FastReply, ServerConnection
 from expertmesh import errors
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
+from expertmesh.transport.client import LinkAreas
 from expertmesh.transport.errors import MalformedAnswer
 from expertmesh.worker_api import ExpertRequest
 
 __all__ = ["ClusterConfig", "ExpertServerError", "RemoteDispatcher", "ServerConnection", "ServerSpec"]
 
 _FastReply = FastReply  # the name tests/test_transport_gpu.py patches (same class object)
+LINK_ROWS = BUCKETS[-1]  # issue 10: R of a device link, the largest decode bucket
 
 
 class RemoteDispatcher(Dispatcher):
@@ -88,6 +91,23 @@ class RemoteDispatcher(Dispatcher):
         # benchmarks/bench_e2e.py's profile of the remote decode step
         self.probe: list[tuple[float, float, float]] | None = None
         self._probe_send = (0.0, 0.0)
+        # --- issue 10: the device link (coordinator/remote_graphs.py) ---
+        # [L_moe, E] int32 on our GPU: the local slot of each logical expert per MoE layer (in
+        # moe_layer_ids order) on the one server every layer routes to; refreshed in place when
+        # the placement or the down servers change. Its address is captured in the linked graphs.
+        self.link_table: torch.Tensor
+        self._link_server: int | None = None  # that server (None: this placement cannot link)
+        self.linked_steps = 0  # decode steps run over the link
+        self.link_reruns = 0  # linked steps that failed (error bits) and ran again without it
+        # NOTE: made on any device (tested on the CPU); only a CUDA coordinator offers a link
+        self.link_table = torch.full(
+            (len(ids), model_config.num_experts), -1, dtype=torch.int32, device=self.device
+        )
+        if self.device.type == "cuda":
+            for c in self.conns:
+                if isinstance(c, ServerConnection):
+                    c.link_shape = (LINK_ROWS, model_config.hidden_size, model_config.top_k)
+        # --- end issue 10 ---
 
     # ------------------------------------------------------------ the cluster, for callers
 
@@ -335,6 +355,64 @@ class RemoteDispatcher(Dispatcher):
             layer: torch.tensor(ex, dtype=torch.long)
             for layer, ex in pl.uncovered(tables.placement.tables, down).items()
         }
+        self._refresh_link_table()
+
+    # ------------------------------------------------------------ the device link (issue 10)
+
+    def _refresh_link_table(self) -> None:
+        """The linked path's slot table, when every MoE layer's live experts sit once each on
+        one and the same server (else no step links)."""
+        ids = self.cfg.moe_layer_ids
+        servers = {self._single[layer][0] for layer in ids if layer in self._single}
+        self._link_server = None
+        if len(servers) != 1 or any(layer not in self._single for layer in ids):
+            return
+        table = torch.from_numpy(np.stack([self._single[layer][1] for layer in ids]))  # [L_moe, E]
+        # NOTE: between steps (begin_step): no linked graph reads it now
+        self.link_table.copy_(table)
+        self._link_server = servers.pop()
+
+    def link_plan(self, rows: int) -> tuple[int, ServerConnection, LinkAreas] | None:
+        """(server, connection, link) when this decode step of ``rows`` sequences may run over
+        the device link: every MoE layer on that one server (each expert once), a live link,
+        ``rows`` within its areas, no --cpu-defer-experts, no lost experts, not a full-server
+        step. None: the piecewise path."""
+        if self._link_server is None or self._step is None:
+            return None
+        if self._deferred is not None or self._all_on_gpu or self._lost:
+            return None
+        conn = self.conns[self._link_server]
+        lnk = conn.link() if isinstance(conn, ServerConnection) else None
+        if lnk is None or rows > lnk.rows:
+            return None
+        return self._link_server, conn, lnk
+
+    def launch_link_step(self, server: int, conn: ServerConnection, step: int, rows: int, bucket: int) -> str:
+        """Sends the step's LinkStep; "" when the server launched its step graph, else why not
+        (the step then runs the piecewise path). A hung server is marked down here."""
+        assert self._step is not None
+        try:
+            return conn.link_step(step, rows, bucket, self._step.generation, self.cluster.timeout_s)
+        except ExpertServerError as e:
+            self.expert_cluster.mark_down(server, e)
+            return str(e)
+
+    def link_failed(self, server: int, conn: ServerConnection, bits: int) -> None:
+        """A linked step came back with error bits: nothing of it is used; the server is marked
+        down and its stream reset (the caller runs the same step again without the link)."""
+        from expertmesh.transport import link  # NOTE: Triton: a CUDA coordinator's path only
+
+        what = []
+        if bits & link.ERR_TIMEOUT:
+            what.append(f"no answer within {self.cluster.timeout_s:g}s")
+        if bits & link.ERR_BAD_SLOT:
+            what.append("it saw slot ids outside its slots")
+        err = ExpertServerError.of(
+            errors.Unavailable(f"{conn.describe_self()}: device-link step failed: {'; '.join(what) or bits}")
+        )
+        self.link_reruns += 1
+        conn.reset(str(err))
+        self.expert_cluster.mark_down(server, err)
 
     def _check_lost(self, layer: int, topk_ids: torch.Tensor) -> None:
         """A step whose tokens need an expert of ``layer`` that no live server holds waits

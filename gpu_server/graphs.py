@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from expertmesh.experts import ExpertBackend
+from gpu_server.link_graphs import LinkGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -154,6 +155,13 @@ class GraphedBackend(ExpertBackend):
         # NOTE: a copy: the fast path reads the output after the worker's compute lock is
         # released, and another stream's request for this graph may replay it meanwhile
         return g.out[:t].clone()
+
+    def open_link(
+        self, request: torch.Tensor, rows: int, hidden: int, top_k: int, dtype: torch.dtype
+    ) -> LinkGraphs:
+        """The device link's step graphs over the coordinator's mapped ``request`` area (issue
+        10, gpu_server/link_graphs.py): the same kernels as these graphs, a pool of their own."""
+        return LinkGraphs(self.inner, request, rows, hidden, top_k, dtype, self.buckets)
 
     def _capture(self, key: tuple, x: torch.Tensor, w13, w2, top_k: int, bucket: int) -> _Graph:
         dev = w13.device  # NOTE: x may sit in (pinned) host memory: the fast paths' shm ring

@@ -58,11 +58,23 @@ def test_after_a_timeout_the_rest_of_the_step_runs_through():
     link.wait(flag, step, 0, abort, errors, 1.0, max_polls=3)
     assert int(abort) == 5
     errors.zero_()
-    link.wait(flag, step, 1, abort, errors, 1.0, max_polls=10**9)  # returns at once
+    link.wait(flag, step, 1, abort, errors, 1.0, max_polls=10**9)  # returns at once, no answer
+    assert int(errors) == link.ERR_TIMEOUT
+    errors.zero_()
+    link.signal(flag, step, 1)  # an answer that is there is taken, aborted step or not
+    link.wait(flag, step, 1, abort, errors, 1.0, max_polls=10**9)
     assert int(errors) == 0
     nxt = torch.tensor([6], dtype=torch.int64)  # the next step waits again
     link.wait(flag, nxt, 0, abort, errors, 1.0, max_polls=3)
     assert int(errors) == link.ERR_TIMEOUT and int(abort) == 6
+
+
+def test_a_cancelled_step_reports_no_answer():
+    step, abort, errors = _words()
+    flag = torch.zeros(1, dtype=torch.int64)
+    link.Canceller(abort)(5)  # e.g. the peer's stream ended before this step's graph ran
+    link.wait(flag, step, 0, abort, errors, 1.0, max_polls=10**9)
+    assert int(errors) == link.ERR_TIMEOUT and int(abort) == 5
 
 
 def test_step_word_holds_step_and_rows():

@@ -6,6 +6,7 @@ timeout and lets the rest of the step run through."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -132,3 +133,21 @@ def test_a_silent_peer_costs_one_timeout():
     took = time.perf_counter() - t0
     assert int(c.errors) == link.ERR_TIMEOUT and int(c.abort) == 1
     assert 0.2 <= took < 0.2 * LAYERS, took
+
+
+def test_the_host_cancels_a_spinning_step():
+    """A peer whose stream ended: the host's Canceller ends the step long before its timeout."""
+    dev, req, ans, c, s = _pair()
+    xs = [torch.randn(R, H, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    outs = [torch.zeros(R, H, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    cancel = link.Canceller(c.abort)
+    cancel(0)  # its copy path used once before anything spins
+    c.step.set(1, R)
+    t0 = time.perf_counter()
+    with torch.cuda.stream(c.stream):  # no server; a 30 s timeout
+        _coordinator_step(c, req, ans, xs, outs, timeout_s=30.0)
+    threading.Timer(0.3, cancel, args=(1,)).start()  # another thread, as the stream's reader
+    torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    assert int(c.errors) == link.ERR_TIMEOUT and int(c.abort) == 1
+    assert 0.3 <= took < 5.0, took

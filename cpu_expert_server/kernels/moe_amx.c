@@ -105,12 +105,23 @@ __attribute__((target(AMX_TARGET))) static void amx_release(void) { _tile_releas
 
 /* Software prefetch of the weight rows, per block: PF_ROWS each of the block's 32 rows
  * AMX_PF_DIST k steps ahead, to L1 (the rows are 32 streams, 4 KiB apart at H = 2048, more than
- * the hardware prefetchers follow); PF_NEXT the next block's rows, spread over this block's k steps
- * as one linear stream, to L2. The driver picks per call (moe_amx_driver.c). */
+ * the hardware prefetchers follow); PF_NEAR the same AMX_PF_NEAR k steps ahead; PF_NEXT the next
+ * block's rows, spread over this block's k steps as one linear stream, to L2. The driver picks per
+ * call (moe_amx_driver.c). */
 #ifndef AMX_PF_DIST
 #define AMX_PF_DIST 8
 #endif
-enum { PF_NONE, PF_NEXT, PF_ROWS };
+#ifndef AMX_PF_NEAR
+#define AMX_PF_NEAR 2
+#endif
+/* cache levels the two modes prefetch to (bench variants try others) */
+#ifndef AMX_PF_ROWS_HINT
+#define AMX_PF_ROWS_HINT _MM_HINT_T0
+#endif
+#ifndef AMX_PF_NEXT_HINT
+#define AMX_PF_NEXT_HINT _MM_HINT_T1
+#endif
+enum { PF_NONE, PF_NEXT, PF_ROWS, PF_NEAR };
 typedef struct {
     int mode;
     const uint8_t *p; /* PF_NEXT: the next block's first byte (NULL: none) */
@@ -120,18 +131,29 @@ typedef struct {
 static inline __attribute__((always_inline)) void prefetch_part(const Prefetch *pf, const uint8_t *a0,
                                                                 const uint8_t *a1, long sa, long kstep, int ks,
                                                                 int ksteps) {
-    if (pf->mode == PF_ROWS && ks + AMX_PF_DIST < ksteps)
+    const int dist = pf->mode == PF_NEAR ? AMX_PF_NEAR : AMX_PF_DIST;
+    if ((pf->mode == PF_ROWS || pf->mode == PF_NEAR) && ks + dist < ksteps)
         for (int r = 0; r < 16; r++) {
-            _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + AMX_PF_DIST) * kstep), _MM_HINT_T0);
-            _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + AMX_PF_DIST) * kstep), _MM_HINT_T0);
+            _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + dist) * kstep), AMX_PF_ROWS_HINT);
+            _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + dist) * kstep), AMX_PF_ROWS_HINT);
         }
     if (pf->mode != PF_NEXT || !pf->p) return;
     const long per = (pf->lines + ksteps - 1) / ksteps;
     for (long l = ks * per; l < (ks + 1) * per && l < pf->lines; l++)
-        _mm_prefetch((const char *)(pf->p + l * 64), _MM_HINT_T1);
+        _mm_prefetch((const char *)(pf->p + l * 64), AMX_PF_NEXT_HINT);
 }
 
 enum { TILES_BF16, TILES_S8, TILES_U8 };
+
+/* AMX_DIAG (bench_cpu_prefill.py diagnostic builds, results WRONG): 1 tile loads without the tile
+ * products (the weight streaming alone), 2 A tiles from an L1 buffer instead of the weights (the
+ * tile work alone, B as usual), 3 A and B from L1 (the tiles' own rate inside the kernel) */
+#ifndef AMX_DIAG
+#define AMX_DIAG 0
+#endif
+#if AMX_DIAG >= 2
+static __thread uint8_t amx_diag_buf[4096] __attribute__((aligned(64)));
+#endif
 
 /* Where a block's 32 weight rows are for the A tiles: k step ks of rows 16h .. 16h + 15 starts at
  * a[h] + ks * kstep, rows sa bytes apart (the packed row format: kstep 64, sa = row bytes; a
@@ -150,8 +172,18 @@ typedef struct {
 static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps(
     int kind, const ARows *ar, const uint32_t *b0, const uint32_t *b1, int two, int k0, int k1, const Prefetch *pf,
     int ksteps, void *c) {
+#if AMX_DIAG >= 2
+    /* diagnostic builds only (wrong results): A tiles from one L1-resident buffer, no weight reads */
+    const uint8_t *a0 = amx_diag_buf, *a1 = amx_diag_buf + 1024;
+    const long sa = 64, kstep = 0;
+    (void)ar;
+#if AMX_DIAG == 3
+    b0 = b1 = (const uint32_t *)(amx_diag_buf + 2048) - (size_t)k0 * 256; /* B from L1 too */
+#endif
+#else
     const uint8_t *a0 = ar->a[0], *a1 = ar->a[1];
     const long sa = ar->sa, kstep = ar->kstep;
+#endif
     TILE_ZERO(0);
     TILE_ZERO(1);
     TILE_ZERO(2);
@@ -161,8 +193,16 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps
         prefetch_part(pf, a0, a1, sa, kstep, ks, ksteps);
         TILE_LOAD(4, a0 + (size_t)ks * kstep, sa);
         TILE_LOAD(5, a1 + (size_t)ks * kstep, sa);
+#if AMX_DIAG == 3
+        TILE_LOAD(6, b0 + (size_t)k0 * 256, 64);
+        if (two) TILE_LOAD(7, b1 + (size_t)k0 * 256, 64);
+#else
         TILE_LOAD(6, b0 + (size_t)ks * 256, 64);
         if (two) TILE_LOAD(7, b1 + (size_t)ks * 256, 64);
+#endif
+#if AMX_DIAG == 1
+        continue; /* diagnostic: the loads without the products */
+#endif
 #define TILE_PRODUCTS(OP) \
     OP(0, 4, 6);          \
     OP(1, 5, 6);          \

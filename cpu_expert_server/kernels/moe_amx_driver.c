@@ -59,11 +59,15 @@ static void btiles_alloc(QTiles *q, int kind, int ntiles, int c, int g) {
     }
 }
 
-/* token slot j of tile tl <- a bf16 row [c] */
-static void btiles_put_bf16(const QTiles *q, int tl, int j, int c, const uint16_t *row) {
-    const uint32_t *src = (const uint32_t *)row;
-    uint32_t *dst = q->b + (size_t)tl * q->ksteps * 256 + j;
-    for (int p = 0; p < c / 2; p++) dst[(size_t)(p / 16) * 256 + (p % 16) * 16] = src[p];
+/* token tile tl of q <- the 16 rows src[j] (bf16 pairs or int8 quads as 32-bit words, ksteps * 16
+ * words each; padding slots point at a zero row), k step by k step: each 1 KiB step is written
+ * whole while it sits in L1 (token by token, a 64 KiB tile's lines were written 16 times over
+ * from L2: the gather was ~1.2 ms of a 21 ms Qwen3 T=512 call) */
+__attribute__((target(AMX_TARGET))) static void btiles_fill(const QTiles *q, int tl, const uint32_t *const *src) {
+    uint32_t *dst = q->b + (size_t)tl * q->ksteps * 256;
+    for (int ks = 0; ks < q->ksteps; ks++, dst += 256)
+        for (int p = 0; p < 16; p++)
+            for (int j = 0; j < 16; j++) dst[p * 16 + j] = src[j][ks * 16 + p];
 }
 
 /* What a call runs on: kind of tiles, the packed weights, per-thread scratch. */
@@ -142,18 +146,43 @@ __attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows 
 }
 
 /* Work split and prefetch, per call. Prefill-shaped calls (>= 2 token tiles per active expert on
- * average) split both phases statically (each thread a contiguous range of blocks: the tiles'
- * time is a large part of a block's, and blocks cost alike) with no row prefetch for bf16 (the
- * hardware streams rows while the tiles run) and the next block prefetched to L2 for int8;
- * decode-shaped calls (blocks are nearly pure row streaming) split dynamically (a slow thread
- * cannot hold the barrier) with the rows prefetched ahead. Measured in bench_cpu_prefill.py runs
- * (benchmarks/RESULTS.md, issue 14p); AMX_SPLIT (0 dynamic, 1 static) and AMX_PF (PF_*) force one
- * for benchmark builds. */
+ * average) split both phases statically (each thread a contiguous range of items: the tiles' time
+ * is a large part of a block's, and blocks cost alike; then stealing, below) with no row prefetch
+ * for bf16 (the hardware streams rows while the tiles run) and the rows prefetched 2 k steps ahead
+ * for int8 (issue 14r: 10.9 vs 12.0 ms, Qwen3 T=512, next block to L2 before); decode-shaped calls
+ * (blocks are nearly pure row streaming) split dynamically (a slow thread cannot hold the barrier)
+ * with the rows prefetched 8 k steps ahead. Measured in bench_cpu_prefill.py runs
+ * (benchmarks/RESULTS.md, issues 14p, 14r); AMX_SPLIT (0 dynamic, 1 static), AMX_PF (PF_*: every
+ * call) and AMX_PF_PREFILL_BF16 / _Q (prefill-shaped calls) force one for benchmark builds. */
 #ifndef AMX_SPLIT
 #define AMX_SPLIT -1
 #endif
 #ifndef AMX_PF
 #define AMX_PF -1
+#endif
+#ifndef AMX_PF_PREFILL_BF16
+#define AMX_PF_PREFILL_BF16 PF_NONE
+#endif
+#ifndef AMX_PF_PREFILL_Q
+#define AMX_PF_PREFILL_Q PF_NEAR
+#endif
+
+/* Static calls (prefill-shaped): each thread starts on a contiguous range of expert-major items.
+ * AMX_BAL 0 = equal item counts; c > 0 = equal cost, an item of expert a costing c + its token tiles
+ * (its rows' streaming in units of one token tile's work, plus the tiles). AMX_STEAL 1: a thread
+ * that ends its range takes items from the front of the others' (the lent host's threads finish
+ * an equal phase 1 up to 1.35x apart, in a loads-only build too: slow cores, not uneven work), and
+ * phase 2 goes by expert too: items (expert, AMX_CHUNK2 output blocks) store each pair's result in
+ * a pair buffer that a last pass sums per token (in the same order as the direct sum: experts
+ * ascending, so the results do not change). */
+#ifndef AMX_BAL
+#define AMX_BAL 0
+#endif
+#ifndef AMX_STEAL
+#define AMX_STEAL 1
+#endif
+#ifndef AMX_CHUNK2
+#define AMX_CHUNK2 8
 #endif
 
 /* one call's shared state, read by every thread */
@@ -163,7 +192,74 @@ typedef struct {
     const QTiles *bx, *ba;
     float *act, *out;
     int qk, pf;
+    float *pb; /* [n pairs, H] phase 2's results (AMX_STEAL), or NULL: summed into out directly */
 } Ctx;
+
+/* the first item before which the items' cost sums to >= target (see AMX_BAL) */
+static long cost_item(const TilePlan *pl, int per_expert, int c0, long target) {
+    long cum = 0;
+    for (int a = 0; a < pl->so.na; a++) {
+        const long per = c0 + pl->tile0[a + 1] - pl->tile0[a];
+        if (cum + per * per_expert > target) return (long)a * per_expert + (target - cum + per - 1) / per;
+        cum += per * per_expert;
+    }
+    return (long)pl->so.na * per_expert;
+}
+
+/* thread id's items [*lo, *hi) of nth, over na * per_expert expert-major items */
+static void expert_range(const TilePlan *pl, int per_expert, int c0, int id, int nth, long *lo, long *hi) {
+    const long items = (long)pl->so.na * per_expert;
+    if (c0 <= 0) {
+        *lo = items * id / nth, *hi = items * (id + 1) / nth;
+        return;
+    }
+    const long total = ((long)c0 * pl->so.na + pl->ntiles) * per_expert;
+    *lo = cost_item(pl, per_expert, c0, total * id / nth);
+    *hi = cost_item(pl, per_expert, c0, total * (id + 1) / nth);
+}
+
+/* per thread: the next unclaimed item of its range (one cache line each: owners and thieves
+ * claim with an atomic add) */
+typedef struct {
+    long next, hi;
+    char pad[48];
+} Cursor;
+
+static Cursor *cursors(const TilePlan *pl, int per_expert, int n) {
+    Cursor *cur = aligned_alloc(64, sizeof(Cursor) * (size_t)n);
+    for (int r = 0; r < n; r++) expert_range(pl, per_expert, AMX_BAL, r, n, &cur[r].next, &cur[r].hi);
+    return cur;
+}
+
+/* the next item for thread id: from its own range, then from the others' in turn; -1 when all are
+ * claimed. *v: the range it takes from (starts at id). */
+static long take(Cursor *cur, int n, int id, int *v) {
+    for (;;) {
+        const long it = __atomic_fetch_add(&cur[*v].next, 1, __ATOMIC_RELAXED);
+        if (it < cur[*v].hi) return it;
+        *v = (*v + 1) % n;
+        if (*v == id) return -1;
+    }
+}
+
+/* fp32 [n pairs, H] pair buffer, kept per calling thread across calls up to AMX_PB_KEEP floats
+ * (glibc maps a fresh 32 MB block, Qwen3 widths at T = 512, on every call, and its pages would
+ * fault in every time); a larger one is the call's own (*owned = 1: the caller frees it) */
+#ifndef AMX_PB_KEEP
+#define AMX_PB_KEEP (1L << 24) /* 64 MiB */
+#endif
+static float *pair_buffer(size_t floats, int *owned) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    *owned = floats > (size_t)AMX_PB_KEEP;
+    if (*owned) return malloc(sizeof(float) * floats);
+    if (floats > cap) {
+        free(buf);
+        buf = malloc(sizeof(float) * floats);
+        cap = buf ? floats : 0;
+    }
+    return buf;
+}
 
 /* phase 1, block it = (active expert a, features b*16 .. b*16 + 15) */
 __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long it, Scratch *sc) {
@@ -198,34 +294,37 @@ __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long
     }
 }
 
-/* phase 2, output rows [hb0 * 32, hb1 * 32) over every active expert */
-__attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long hb0, long hb1, Scratch *sc) {
+/* phase 2 of active expert a, output rows [hb0 * 32, hb1 * 32): out += weight * result (pb: each
+ * pair's result stored at its row of the pair buffer); next: the rows to prefetch after the last
+ * block (NULL: none) */
+__attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, int a, long hb0, long hb1,
+                                                            const uint8_t *next, Scratch *sc) {
     const AmxCall *cl = cx->cl;
     const TilePlan *pl = cx->pl;
     const Sorted *so = &pl->so;
-    const int h_ = cl->h;
-    for (int a = 0; a < so->na; a++) {
-        const int s = so->active[a];
-        for (long hb = hb0; hb < hb1; hb++) {
-            const uint8_t *base = cl->w2 + ((size_t)s * h_ + (size_t)hb * 32) * cl->row2;
-            /* next block: the next 32 rows, or the next expert's first rows of this range */
-            Prefetch pf = {cx->pf, base + 32 * cl->row2, 32 * cl->row2 / 64};
-            if (hb + 1 == hb1)
-                pf.p = a + 1 < so->na ? cl->w2 + ((size_t)so->active[a + 1] * h_ + (size_t)hb0 * 32) * cl->row2 : NULL;
-            const ARows ar = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc);
-            for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
-                const int two = tl + 1 < pl->tile0[a + 1];
-                run_block(cl->kind, &ar, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
-                for (int u = 0; u < 1 + two; u++) {
-                    int n;
-                    const int q0 = tile_first(pl, tl + u, &n);
-                    for (int j = 0; j < n; j++) {
-                        float *o = cx->out + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 32;
-                        const float w = so->wt[q0 + j];
-                        for (int r = 0; r < 16; r++) {
-                            o[r] += w * sc->c[u * 512 + r * 16 + j];
-                            o[16 + r] += w * sc->c[u * 512 + 256 + r * 16 + j];
-                        }
+    const int h_ = cl->h, s = so->active[a];
+    for (long hb = hb0; hb < hb1; hb++) {
+        const uint8_t *base = cl->w2 + ((size_t)s * h_ + (size_t)hb * 32) * cl->row2;
+        Prefetch pf = {cx->pf, hb + 1 < hb1 ? base + 32 * cl->row2 : next, 32 * cl->row2 / 64};
+        const ARows ar = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc);
+        for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
+            const int two = tl + 1 < pl->tile0[a + 1];
+            run_block(cl->kind, &ar, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
+            for (int u = 0; u < 1 + two; u++) {
+                int n;
+                const int q0 = tile_first(pl, tl + u, &n);
+                const float *c = sc->c + u * 512;
+                for (int j = 0; j < n; j++) {
+                    if (cx->pb) {
+                        float *o = cx->pb + (size_t)(q0 + j) * h_ + (size_t)hb * 32;
+                        for (int r = 0; r < 16; r++) o[r] = c[r * 16 + j], o[16 + r] = c[256 + r * 16 + j];
+                        continue;
+                    }
+                    float *o = cx->out + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 32;
+                    const float w = so->wt[q0 + j];
+                    for (int r = 0; r < 16; r++) {
+                        o[r] += w * c[r * 16 + j];
+                        o[16 + r] += w * c[256 + r * 16 + j];
                     }
                 }
             }
@@ -233,10 +332,31 @@ __attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, long 
     }
 }
 
+/* the next expert's first rows of [hb0, ...) (phase 2's prefetch across experts) */
+static const uint8_t *rows2(const Ctx *cx, int a, long hb0) {
+    return a < cx->pl->so.na ? cx->cl->w2 + ((size_t)cx->pl->so.active[a] * cx->cl->h + (size_t)hb0 * 32) * cx->cl->row2
+                             : NULL;
+}
+
+/* out[t] = sum over t's pairs (experts ascending) of weight * pair result; tq0 [T + 1], tq: the
+ * pairs of each token */
+__attribute__((target(AMX_TARGET))) static void sum_pairs(const Ctx *cx, const int *tq0, const int *tq, int t) {
+    const int h_ = cx->cl->h;
+    float *o = cx->out + (size_t)t * h_;
+    memset(o, 0, sizeof(float) * (size_t)h_);
+    for (int e = tq0[t]; e < tq0[t + 1]; e++) {
+        const float w = cx->pl->so.wt[tq[e]], *p = cx->pb + (size_t)tq[e] * h_;
+        for (int c = 0; c < h_; c++) o[c] += w * p[c];
+    }
+}
+
 #ifdef AMX_PROFILE
 /* seconds per stage, summed over calls (thread 0 after each barrier): gather, phase 1, phase-2
- * B tiles, phase 2; before the threads start (sort, allocations); the whole call */
-static double amx_prof[6];
+ * B tiles, phase 2 (with the pair sums); before the threads start (sort, allocations); the whole
+ * call; then the threads' work in phase 1 and in phase 2, mean and slowest (the imbalance the
+ * barriers wait out) */
+static double amx_prof[10];
+static double amx_busy[2][512];
 void moe_amx_profile(double *out) {
     memcpy(out, amx_prof, sizeof amx_prof);
     memset(amx_prof, 0, sizeof amx_prof);
@@ -274,21 +394,40 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     int8_t *xq = qk ? malloc((size_t)t_ * h_ + 1) : NULL;
     float *xsc = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
     float *xcs = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
+    const uint32_t *zrow = calloc((size_t)(h_ > i_ ? h_ : i_) / 2 + 16, 4); /* padding slots' row */
     const int nblk1 = i_ / 16, nblk2 = h_ / 32;
     const int prefill = pl.ntiles >= 2 * so->na;
     const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill;
-    const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? PF_NEXT : PF_NONE;
-    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf};
+    const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? AMX_PF_PREFILL_Q : AMX_PF_PREFILL_BF16;
+    /* stealing (AMX_STEAL): phase-1 items, and phase-2 items (expert, chunk of output blocks) */
+    const int npairs = so->na ? so->start[so->active[so->na - 1] + 1] : 0;
+    const int steal = AMX_STEAL && split_static && npairs > 0;
+    const int chunk2 = AMX_CHUNK2 < nblk2 ? AMX_CHUNK2 : nblk2, nch2 = (nblk2 + chunk2 - 1) / chunk2;
+    int pb_owned = 0;
+    float *pb = steal ? pair_buffer((size_t)npairs * h_, &pb_owned) : NULL;
+    Cursor *cur1 = pb ? cursors(&pl, nblk1, nthreads) : NULL, *cur2 = pb ? cursors(&pl, nch2, nthreads) : NULL;
+    int *tq0 = NULL, *tq = NULL; /* pb: each token's pairs, experts ascending */
+    if (pb) {
+        tq0 = calloc((size_t)t_ + 1, sizeof(int)), tq = malloc(sizeof(int) * (size_t)npairs);
+        for (int q = 0; q < npairs; q++) tq0[so->tok[q] + 1]++;
+        for (int t = 0; t < t_; t++) tq0[t + 1] += tq0[t];
+        int *fill = malloc(sizeof(int) * ((size_t)t_ + 1));
+        memcpy(fill, tq0, sizeof(int) * (size_t)t_);
+        for (int q = 0; q < npairs; q++) tq[fill[so->tok[q]]++] = q; /* q ascending = experts ascending */
+        free(fill);
+    }
+    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf, pb};
 #pragma omp parallel num_threads(nthreads)
     {
         amx_config();
         Scratch sc;
         scratch_alloc(&sc, cl);
+        const int id = omp_get_thread_num(), nth = omp_get_num_threads();
         double t0 = omp_get_wtime();
-        if (omp_get_thread_num() == 0) PROF_AT(4, t_call);
+        if (id == 0) PROF_AT(4, t_call);
 #pragma omp for schedule(static)
         for (int t = 0; t < t_; t++) {
-            memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
+            if (!pb) memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
             if (qk)
                 quant_act(x + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
                           xcs + (size_t)t * ng13);
@@ -299,64 +438,110 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         for (int tl = 0; tl < pl.ntiles; tl++) {
             int n;
             const int q0 = tile_first(&pl, tl, &n);
-            for (int j = 0; j < n; j++) {
-                const size_t t = (size_t)so->tok[q0 + j];
-                if (qk)
-                    qtiles_put(&bx, tl, j, h_, cl->g13, bias, xq + t * h_, xsc + t * ng13, xcs + t * ng13);
-                else
-                    btiles_put_bf16(&bx, tl, j, h_, xh + t * h_);
+            const uint32_t *src[16];
+            for (int j = 0; j < 16; j++) {
+                const size_t t = j < n ? (size_t)so->tok[q0 + j] : 0;
+                src[j] = j >= n ? zrow : qk ? (const uint32_t *)(xq + t * h_) : (const uint32_t *)(xh + t * h_);
+                if (qk && j < n) qtiles_scales(&bx, tl, j, h_, cl->g13, bias, xsc + t * ng13, xcs + t * ng13);
+                if (qk && j >= n) qtiles_pad_scales(&bx, tl, j);
             }
-            for (int j = n; j < 16; j++) qtiles_pad(&bx, tl, j);
+            btiles_fill(&bx, tl, src);
         }
         COMPILER_FENCE();
         PROF(0, t0);
         /* phase 1: blocks (expert, 16 features), expert-major */
-        const long items1 = (long)so->na * nblk1;
-        if (split_static) {
-#pragma omp for schedule(static) nowait
-            for (long it = 0; it < items1; it++) phase1_block(&cx, it, &sc);
+        double tb = omp_get_wtime();
+        if (pb) {
+            int v = id;
+            for (long it; (it = take(cur1, nthreads, id, &v)) >= 0;) phase1_block(&cx, it, &sc);
+        } else if (split_static) {
+            long lo, hi;
+            expert_range(&pl, nblk1, AMX_BAL, id, nth, &lo, &hi);
+            for (long it = lo; it < hi; it++) phase1_block(&cx, it, &sc);
         } else {
 #pragma omp for schedule(dynamic, 4) nowait
-            for (long it = 0; it < items1; it++) phase1_block(&cx, it, &sc);
+            for (long it = 0; it < (long)so->na * nblk1; it++) phase1_block(&cx, it, &sc);
         }
+#ifdef AMX_PROFILE
+        amx_busy[0][id & 511] = omp_get_wtime() - tb;
+#endif
         COMPILER_FENCE();
 #pragma omp barrier
         PROF(1, t0);
         if (qk) {
             /* the pairs' intermediate rows quantised into phase 2's B tiles */
-            int8_t *q8 = malloc((size_t)i_);
+            int8_t *q8 = malloc((size_t)16 * i_);
             float *qs = malloc(sizeof(float) * (size_t)i_), *qc = malloc(sizeof(float) * (size_t)i_);
 #pragma omp for schedule(static)
             for (int tl = 0; tl < pl.ntiles; tl++) {
                 int n;
                 const int q0 = tile_first(&pl, tl, &n);
-                for (int j = 0; j < n; j++) {
-                    quant_act(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8, qs, qc);
-                    qtiles_put(&ba, tl, j, i_, cl->g2, bias, q8, qs, qc);
+                const uint32_t *src[16];
+                for (int j = 0; j < 16; j++) {
+                    src[j] = j < n ? (const uint32_t *)(q8 + (size_t)j * i_) : zrow;
+                    if (j >= n) {
+                        qtiles_pad_scales(&ba, tl, j);
+                        continue;
+                    }
+                    quant_act(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8 + (size_t)j * i_, qs, qc);
+                    qtiles_scales(&ba, tl, j, i_, cl->g2, bias, qs, qc);
                 }
-                for (int j = n; j < 16; j++) qtiles_pad(&ba, tl, j);
+                btiles_fill(&ba, tl, src);
             }
             free(q8), free(qs), free(qc);
         }
         COMPILER_FENCE();
         PROF(2, t0);
-        /* phase 2: ranges of 32-row output blocks, each over every expert */
-        if (split_static) {
-            const int nth = omp_get_num_threads(), per = (nblk2 + nth - 1) / nth;
-#pragma omp for schedule(static) nowait
-            for (int r = 0; r < nth; r++)
-                phase2_rows(&cx, (long)r * per, (r + 1) * per < nblk2 ? (long)(r + 1) * per : nblk2, &sc);
+        /* phase 2: output blocks of each expert */
+        tb = omp_get_wtime();
+        if (pb) {
+            int v = id;
+            for (long it; (it = take(cur2, nthreads, id, &v)) >= 0;) {
+                const int a = (int)(it / nch2);
+                const long hb0 = (it % nch2) * chunk2, hb1 = hb0 + chunk2 < nblk2 ? hb0 + chunk2 : nblk2;
+                phase2_rows(&cx, a, hb0, hb1, hb1 < nblk2 ? rows2(&cx, a, hb1) : rows2(&cx, a + 1, 0), &sc);
+            }
+        } else if (split_static) {
+            /* each thread a range of output rows over every expert: one writer per output */
+            const int per = (nblk2 + nth - 1) / nth;
+            const long hb0 = (long)id * per < nblk2 ? (long)id * per : nblk2;
+            const long hb1 = (long)(id + 1) * per < nblk2 ? (long)(id + 1) * per : nblk2;
+            for (int a = 0; a < so->na && hb0 < hb1; a++) phase2_rows(&cx, a, hb0, hb1, rows2(&cx, a + 1, hb0), &sc);
         } else {
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int hb = 0; hb < nblk2; hb++) phase2_rows(&cx, hb, hb + 1, &sc);
+            for (int hb = 0; hb < nblk2; hb++)
+                for (int a = 0; a < so->na; a++) phase2_rows(&cx, a, hb, hb + 1, rows2(&cx, a + 1, hb), &sc);
         }
+#ifdef AMX_PROFILE
+        amx_busy[1][id & 511] = omp_get_wtime() - tb;
+#else
+        (void)tb;
+#endif
+        COMPILER_FENCE();
 #pragma omp barrier
+        if (pb) {
+#pragma omp for schedule(static)
+            for (int t = 0; t < t_; t++) sum_pairs(&cx, tq0, tq, t);
+        }
         PROF(3, t0);
+#ifdef AMX_PROFILE
+        if (id == 0) {
+            for (int ph = 0; ph < 2; ph++) {
+                double sum = 0.0, mx = 0.0;
+                for (int r = 0; r < nth && r < 512; r++) {
+                    sum += amx_busy[ph][r];
+                    mx = amx_busy[ph][r] > mx ? amx_busy[ph][r] : mx;
+                }
+                amx_prof[6 + 2 * ph] += sum / nth, amx_prof[7 + 2 * ph] += mx;
+            }
+        }
+#endif
         amx_release();
         scratch_free(&sc);
     }
     qtiles_free(&bx), qtiles_free(&ba);
-    free(xh), free(xq), free(xsc), free(xcs);
+    free(xh), free(xq), free(xsc), free(xcs), free((void *)zrow), free(cur1), free(cur2), free(tq0), free(tq);
+    if (pb_owned) free(pb);
     plan_free(&pl);
     PROF_AT(5, t_call);
     return 0;

@@ -31,12 +31,9 @@ static void qtiles_alloc(QTiles *q, int ntiles, int c, int g) {
 
 static void qtiles_free(QTiles *q) { free(q->b), free(q->ts), free(q->tc); }
 
-/* token slot j of tile tl <- one quantised activation row (q8 [c], sc / cs [c/g] from quant_act) */
-static void qtiles_put(const QTiles *q, int tl, int j, int c, int g, int bias, const int8_t *q8, const float *sc,
-                       const float *cs) {
-    const uint32_t *src = (const uint32_t *)q8;
-    uint32_t *dst = q->b + (size_t)tl * q->ksteps * 256 + j;
-    for (int p = 0; p < c / 4; p++) dst[(size_t)(p / 16) * 256 + (p % 16) * 16] = src[p];
+/* token slot j of tile tl: the group scales and integer corrections of one quantised activation
+ * row (sc / cs [c/g] from quant_act; its int8 values go in with btiles_fill) */
+static void qtiles_scales(const QTiles *q, int tl, int j, int c, int g, int bias, const float *sc, const float *cs) {
     for (int gi = 0; gi < c / g; gi++) {
         const size_t o = ((size_t)tl * q->groups + gi) * 16 + j;
         q->ts[o] = sc[gi];
@@ -45,10 +42,8 @@ static void qtiles_put(const QTiles *q, int tl, int j, int c, int g, int bias, c
     }
 }
 
-/* token slot j of tile tl <- zeros (a padding slot) */
-static void qtiles_pad(const QTiles *q, int tl, int j) {
-    uint32_t *dst = q->b + (size_t)tl * q->ksteps * 256 + j;
-    for (int p = 0; p < q->ksteps * 16; p++) dst[(size_t)p * 16] = 0;
+/* token slot j of tile tl: a padding slot's scales (its values: a zero row in btiles_fill) */
+static void qtiles_pad_scales(const QTiles *q, int tl, int j) {
     for (int gi = 0; q->ts && gi < q->groups; gi++) {
         const size_t o = ((size_t)tl * q->groups + gi) * 16 + j;
         q->ts[o] = 0.0f, q->tc[o] = 0;

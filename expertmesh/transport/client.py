@@ -22,8 +22,10 @@ import secrets
 import select
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -47,6 +49,9 @@ from expertmesh.transport.layout import (
 from expertmesh.transport.ring import Region, Ring
 from expertmesh.transport.spin import Spin
 from expertmesh.worker_api import ExpertRequest
+
+if TYPE_CHECKING:
+    from expertmesh.transport import link as lk
 
 
 @dataclass
@@ -91,6 +96,31 @@ class _Staged:
     region: tuple[Ring, Region]  # the GPU ring's payload, or the host ring's whole request
 
 
+@dataclass
+class LinkAreas:
+    """The coordinator's end of a device link (expertmesh/transport/link.py) on this channel:
+    its request area (ours, written by our decode graph) and the server's answer area (mapped).
+    A captured graph holds their addresses: ``lock`` is held around a linked replay, and
+    :meth:`ShmClient.close` takes it before it unmaps the answer area."""
+
+    rows: int  # R: the largest bucket a linked step may use
+    hidden: int
+    top_k: int
+    dtype: torch.dtype  # the server's compute dtype (the areas' payload dtype)
+    req: lk.RequestViews
+    area: torch.Tensor  # [request_bytes] uint8, ours
+    ans: lk.AnswerViews | None = None  # None until the server accepted the link
+    mapped: cuda_ipc.Mapped | None = None
+    # NOTE: reentrant: a linked step that resets its own stream (close()) holds it already
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    closed: bool = False
+    next_step: int = 1  # step numbers never repeat on a link (flag 0 = nothing yet)
+    # ends the waits of step N at once (link.Canceller over the linked graphs' abort word, set
+    # by coordinator/remote_graphs.py): called when this channel dies, so that a step in
+    # flight does not spin until its timeout
+    cancel: Callable[[int], None] | None = None
+
+
 class ShmClient:
     def __init__(
         self,
@@ -99,6 +129,7 @@ class ShmClient:
         device: torch.device,
         spin_us: float = 300.0,
         cuda_sync: str = "host",  # how the two sides order their GPU work (cuda_ipc.SYNC_MODES)
+        link: tuple[int, int, int, torch.dtype] | None = None,  # offer a device link: (R, H, K, dtype)
     ) -> None:
         assert transport in ("shm", "cuda_ipc"), f"{transport=}"
         self.transport, self.device = transport, cuda_ipc.indexed(device)
@@ -137,12 +168,25 @@ class ShmClient:
         self._closed = False
         self._staged: _Staged | None = None  # hidden states copied ahead of their send (stage())
         self._cuda: CudaHello | None = None
+        # issue 10: the device link offered in the Hello (None: not offered), live once accepted
+        self._link: LinkAreas | None = None
+        self.link_reason = "not offered"  # why there is no live link
+        self._link_seqs: set[int] = set()  # link steps awaiting their answer: a refusal is no failure
         if self.gpu:
             self._in_ring = Views(torch.empty(ring_bytes, dtype=torch.uint8, device=device))
             self._gpu_ring = Ring(ring_bytes)
             self.ready_event, ready = cuda_ipc.new_event(device)
+            offer = None
+            if link is not None:
+                from expertmesh.transport import link as lk  # NOTE: Triton, only where a link is offered
+
+                rows, hidden, top_k, dtype = link
+                area = lk.new_area(lk.request_bytes(rows, hidden, top_k, dtype), self.device)
+                req = lk.RequestViews.of(area, rows, hidden, top_k, dtype)
+                self._link = LinkAreas(rows, hidden, top_k, dtype, req, area)
+                offer = {"area": cuda_ipc.share(area), "rows": rows, "top_k": top_k}
             self._cuda = CudaHello(
-                device_uuid(self.device), cuda_ipc.share(self._in_ring.ring), ready, cuda_sync
+                device_uuid(self.device), cuda_ipc.share(self._in_ring.ring), ready, cuda_sync, offer
             )
 
     # ------------------------------------------------------------ handshake
@@ -167,11 +211,50 @@ class ShmClient:
             assert self._cuda is not None
             if self._cuda.sync != "local":  # NOTE: "local" (two GPUs) shares no event
                 self.done_event = cuda_ipc.open_event(ack.cuda["done_event"], self.device)
+            self._accept_link(ack)
         elif self.gpu:  # the server could serve shm only
             self.gpu, self.transport = False, "shm"
             del self._in_ring, self._gpu_ring, self.ready_event
             self._pinned = cuda_ipc.register_host(self._host.ring, self.device)
+        if self._link is not None and self._link.ans is None:
+            self._link = None  # the request area goes
         assert ack.transport == self.transport, f"{ack.transport=} {self.transport=}"
+
+    def _accept_link(self, ack: Ack) -> None:
+        """issue 10: maps the server's answer area when it accepted our link offer."""
+        lnk = self._link
+        if lnk is None:
+            return
+        from expertmesh.transport import link as lk
+
+        info = ack.cuda.get("link_area")
+        if info is None:
+            self.link_reason = str(ack.cuda.get("link_reason") or "the server did not take the link")
+            return
+        try:
+            mapped = cuda_ipc.Mapped.open(info, self.device)
+        except cuda_ipc.CudaIpcError as e:
+            self.link_reason = f"cannot map the server's link answer area: {e}"
+            return
+        need = lk.answer_bytes(lnk.rows, lnk.hidden, lnk.dtype)
+        if mapped.tensor.numel() < need:
+            mapped.close()
+            self.link_reason = f"the server's link answer area holds {info.get('nbytes')} bytes, need {need}"
+            return
+        try:  # NOTE: loads the flag kernels now, while nothing spins (link.py's NOTE on lazy loading)
+            lk.warm_up(self.device)
+        except RuntimeError as e:  # Triton could not build or load them here
+            mapped.close()
+            self.link_reason = f"the link's flag kernels do not run here: {e}"
+            return
+        lnk.ans, lnk.mapped = lk.AnswerViews.of(mapped.tensor, lnk.rows, lnk.hidden, lnk.dtype), mapped
+        self.link_reason = ""
+
+    @property
+    def link(self) -> LinkAreas | None:
+        """The live device link of this channel (None: none, or the channel died)."""
+        lnk = self._link
+        return lnk if lnk is not None and lnk.ans is not None and self._dead is None else None
 
     # ------------------------------------------------------------ data path
 
@@ -325,6 +408,22 @@ class ShmClient:
         self._words[REQUESTS_WORD] = self._sent  # after the write: a spinning server may read it now
         return Reply(self, req.seq, out, regions)
 
+    def link_step(self, step: dsc.LinkStep, deadline: float) -> dsc.Response:
+        """issue 10: sends a device-link step and waits for its answer (code 0: the server's
+        step graph is launched; anything else: refused for this step, the channel lives on).
+        Raises FutureTimeout past ``deadline``, Rejected if the channel died."""
+        if self._dead is not None:
+            raise self._dead
+        self._inflight.add(step.seq)
+        self._link_seqs.add(step.seq)
+        try:
+            os.write(self._req_fd, step.pack())
+            self._sent = (self._sent + 1) & 0xFFFFFFFF
+            self._words[REQUESTS_WORD] = self._sent
+            return self.wait(step.seq, deadline)
+        finally:
+            self._link_seqs.discard(step.seq)
+
     def _answered(self) -> bool:
         return self._words[RESPONSES_WORD] != self._received or self._dead is not None
 
@@ -363,7 +462,9 @@ class ShmClient:
                     # issue 15h: a server fault (its rows fail over), not a refused request
                     self.kill(Rejected(MalformedAnswer(f"bad response descriptor: {e}")))
                     continue
-                if r.code:  # the server stops serving the channel after any error
+                if (
+                    r.code and r.seq not in self._link_seqs
+                ):  # the server stops serving the channel after any error
                     self.kill(Rejected(errors.from_status(r.code, r.message)))
                     continue
                 if r.seq not in self._inflight:  # issue 15h: would leave the real answer unread
@@ -409,6 +510,9 @@ class ShmClient:
             self._dead = err
             if not self._closed:
                 os.write(self._resp_fd, dsc.KICK)
+        lnk = self._link
+        if lnk is not None and lnk.cancel is not None:
+            lnk.cancel(lnk.next_step - 1)  # NOTE: the last step handed out: in flight, or done (no-op)
 
     @property
     def dead(self) -> bool:
@@ -421,10 +525,18 @@ class ShmClient:
 
     def close(self) -> None:
         self.kill(Rejected(errors.Cancelled("fast-path channel closed")))
-        with self._lock, self._state:
+        lnk = self._link
+        # NOTE: the link's lock first (a linked step holds it, then this channel's lock while
+        # it waits for its answer): a graph that may still read the answer area ends first
+        with lnk.lock if lnk is not None else contextlib.nullcontext(), self._lock, self._state:
             if self._closed:
                 return
             self._closed = True
+            if lnk is not None:
+                lnk.closed = True
+                lnk.ans = None
+                if lnk.mapped is not None:
+                    lnk.mapped.close()
             os.close(self._req_fd)
             os.close(self._resp_fd)
             segment.unlink(self.name)  # if the handshake never finished

@@ -19,7 +19,8 @@ numbers never repeat on a link, so a stale flag from an earlier step never match
 
 A wait gives up after a timeout: it records the step in its ``abort`` word and ``ERR_TIMEOUT``
 in its ``errors`` word, and every later wait of that step returns at once, so a dead peer costs
-one timeout, not one per layer. The host reads ``errors`` after the step (the coordinator
+one timeout, not one per layer. A side that learns on the host that its peer is gone (its
+stream ended) ends the step at once with a :class:`Canceller` (the same bits). The host reads ``errors`` after the step (the coordinator
 re-runs the step without the link, the server logs it).
 
 Spinning kernels of two processes on ONE GPU time-slice (milliseconds per hand-over): the
@@ -36,6 +37,7 @@ Shapes: R rows, H hidden, K top-k.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +103,29 @@ class AnswerViews:
             view(buf, 64, (1,), torch.int64),  # NOTE: its own cache line
             view(buf, _WORDS, (rows, hidden), dtype),
         )
+
+
+class Canceller:
+    """Ends the waits of a step from the host, from any thread: writes ``abort[0] = step`` by a
+    copy on a stream of its own (a copy engine's work: no kernel whose module would have to
+    load while a wait spins, see the NOTE above). A wait spinning then reports ``ERR_TIMEOUT``
+    and the rest of the step runs through."""
+
+    def __init__(self, abort: torch.Tensor) -> None:
+        self.abort = abort  # [1] int64, the waits' abort word
+        self._src = torch.zeros(1, dtype=torch.int64, pin_memory=abort.is_cuda)
+        self._stream = torch.cuda.Stream(abort.device) if abort.is_cuda else None
+        self._lock = threading.Lock()
+
+    def __call__(self, step: int) -> None:
+        with self._lock:
+            self._src[0] = step
+            if self._stream is None:
+                self.abort.copy_(self._src)
+                return
+            with torch.cuda.device(self.abort.device), torch.cuda.stream(self._stream):
+                self.abort.copy_(self._src, non_blocking=True)
+            self._stream.synchronize()
 
 
 class StepWord:
@@ -187,8 +212,9 @@ def _wait_kernel(
             waited = _now() - start
         else:
             waited += 1
-        go = (seen != want) & (waited < limit)
-    if live & (seen != want):
+        # NOTE: the abort word is re-read: the host cancels a step whose peer is gone (Canceller)
+        go = (seen != want) & (waited < limit) & (tl.load(abort_ptr, volatile=True) != step)
+    if seen != want:  # timed out, cancelled, or an earlier wait of the step did: no answer here
         tl.store(abort_ptr, step)
         tl.atomic_or(err_ptr, 1)  # ERR_TIMEOUT
     if ON_GPU:
@@ -216,7 +242,8 @@ def wait(
 ) -> None:
     """Holds this stream until ``flag [1] int64`` (the peer's area, mapped on our device) shows
     MoE layer ``index`` of step ``step[0]``; on timeout ``abort[0] = step[0]`` and
-    ``errors[0] |= ERR_TIMEOUT``; returns at once if ``abort[0] == step[0]``. ``abort`` and
+    ``errors[0] |= ERR_TIMEOUT``; returns at once if ``abort[0] == step[0]`` (cancelled, or an
+    earlier wait of the step gave up), with ``ERR_TIMEOUT`` too unless the flag is there. ``abort`` and
     ``errors`` are int64 ``[1]`` in our own memory. Capturable. ``max_polls``: the limit off
     the GPU (the interpreter has no clock)."""
     gpu = _on_gpu(flag)

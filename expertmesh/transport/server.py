@@ -10,6 +10,15 @@ there) and writes the output and a response descriptor. A bad descriptor or a re
 and ends the channel, as a bad message ends a gRPC stream; the stream's handler calls
 :meth:`ShmServer.close` when the stream ends, whoever ended it.
 
+Device link (issue 10, expertmesh/transport/link.py): a ``cuda_ipc`` hello may offer the
+coordinator's request area. The thread maps it, has the worker build the step graphs
+(``LinkHost.open_link``; gpu_server/link_graphs.py) and shares their answer area in the Ack
+(``link_area``), or says why not (``link_reason``). A :class:`~descriptor.LinkStep`
+descriptor then launches one step's graph (``LinkHost.link_step``) and is answered code 0
+once it is launched; a refused step (draining, another generation, an unknown bucket) gets
+its status and message and the channel goes on (the coordinator runs that step without the
+link). Only a LinkStep that does not parse ends the channel.
+
 Shapes: T tokens, H hidden, K top-k.
 """
 
@@ -24,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -46,6 +56,35 @@ from expertmesh.worker_api import ExpertRequest
 
 log = logging.getLogger("expertmesh.transport")
 
+LINK_MODES = ("auto", "force", "off")  # EXPERTMESH_LINK: unset/1, force, 0 (WorkerConfig.link)
+
+
+class LinkHost(Protocol):
+    """What the device link needs of the worker (expertmesh/worker/core.py)."""
+
+    def open_link(self, request: torch.Tensor, rows: int, top_k: int) -> Any: ...
+
+    def link_step(self, graphs: Any, step: dsc.LinkStep) -> None: ...
+
+    def close_link(self, graphs: Any) -> None: ...
+
+    def cancel_link(self, graphs: Any) -> None: ...
+
+
+def link_refusal(mode: str, same_gpu: bool, host: bool) -> str:
+    """Why this server takes no device link ("" = it may). ``same_gpu``: the coordinator
+    computes on our GPU; ``host``: the worker can build step graphs at all."""
+    if mode == "off":
+        return "the device link is off on this server (EXPERTMESH_LINK=0)"
+    if not host:
+        return "this server has no step graphs for the device link"
+    if same_gpu and mode != "force":
+        return (
+            "the coordinator computes on this server's GPU: two processes' spinning kernels would "
+            "time-slice it (EXPERTMESH_LINK=force links anyway)"
+        )
+    return ""
+
 
 class ShmServer:
     def __init__(
@@ -57,9 +96,15 @@ class ShmServer:
         spin_us: float = 300.0,  # how long to poll for the next request before sleeping
         # check + compute writing the answer straight into the ring (ExpertWorker.forward_into)
         forward_into: Callable[[ExpertRequest, torch.Tensor], None] | None = None,
+        link: LinkHost | None = None,  # the device link's step graphs (the worker); None: no link
+        link_mode: str = "auto",  # LINK_MODES
     ) -> None:
+        assert link_mode in LINK_MODES, f"{link_mode=}"
         self.hello, self.forward, self.on_error = hello, forward, on_error
         self.forward_into = forward_into
+        self.link_host, self.link_mode = link, link_mode
+        self._link: Any = None  # the link's step graphs (LinkHost.open_link), once accepted
+        self._link_reason = "the coordinator offered no device link"
         self.device = cuda_ipc.indexed(device)
         self.spin_us = spin_us
         self.ack: Future[Ack] = Future()
@@ -85,6 +130,8 @@ class ShmServer:
             self._stop = True
             if self._fds is not None:
                 os.write(self._fds[0], dsc.KICK)
+        if self._link is not None and self.link_host is not None:
+            self.link_host.cancel_link(self._link)  # a step in flight stops waiting for the coordinator
 
     # ------------------------------------------------------------ set-up
 
@@ -137,7 +184,36 @@ class ShmServer:
         except cuda_ipc.CudaIpcError as e:
             return Ack("shm", f"CUDA IPC refused: {e}")
         self._gpu_bytes = self._out.ring.numel()
-        return Ack("cuda_ipc", cuda={"out_ring": cuda_ipc.share(self._out.ring), "done_event": done})
+        cuda = {"out_ring": cuda_ipc.share(self._out.ring), "done_event": done}
+        if h.cuda.link is not None:
+            cuda.update(self._open_link(h.cuda.link, same_gpu=h.cuda.device_uuid == ours))
+        return Ack("cuda_ipc", cuda=cuda)
+
+    def _open_link(self, offer: dict, same_gpu: bool) -> dict:
+        """``{"link_area": ...}`` (accepted) or ``{"link_reason": why}``; the offer's shape was
+        checked by Hello.decode."""
+        why = link_refusal(self.link_mode, same_gpu, self.link_host is not None)
+        if not why:
+            assert self.link_host is not None
+            try:
+                self._link_map = cuda_ipc.Mapped.open(offer["area"], self.device)
+                self._link = self.link_host.open_link(self._link_map.tensor, offer["rows"], offer["top_k"])
+                area = cuda_ipc.share(self._link.answer)
+            # NOTE: RuntimeError: torch's CUDA errors (out of memory): the link only is refused
+            except (cuda_ipc.CudaIpcError, errors.ExpertMeshError, RuntimeError) as e:
+                why = f"the device link could not be set up: {e}"
+                self._drop_link()
+        if why:
+            self._link_reason = why
+            log.info("fast-path channel %s: no device link: %s", self.hello.segment, why)
+            return {"link_reason": why}
+        log.info(
+            "fast-path channel %s: device link accepted (%d rows, top-k %d)",
+            self.hello.segment,
+            offer["rows"],
+            offer["top_k"],
+        )
+        return {"link_area": area}
 
     def _run(self) -> None:
         if self.device.type == "cuda":
@@ -179,11 +255,18 @@ class ShmServer:
             seen = (seen + 1) & 0xFFFFFFFF
             seq = 0
             t0 = time.perf_counter()
+            refused = False  # a link step refused: the channel goes on
             try:
-                req = dsc.Request.parse(raw, host_bytes, self._gpu_bytes)
-                seq = req.seq
-                self._one(req, t0)
-                resp = dsc.Response(seq, 0, (time.perf_counter() - t0) * 1e3)
+                if dsc.is_link_step(raw):
+                    step = dsc.LinkStep.parse(raw)
+                    seq = step.seq
+                    resp = self._link_step(step, t0)
+                    refused = resp.code != 0
+                else:
+                    req = dsc.Request.parse(raw, host_bytes, self._gpu_bytes)
+                    seq = req.seq
+                    self._one(req, t0)
+                    resp = dsc.Response(seq, 0, (time.perf_counter() - t0) * 1e3)
             except dsc.DescriptorError as e:
                 self.on_error()
                 resp = self._error(seq, errors.InvalidRequest(f"invalid fast-path descriptor: {e}"))
@@ -196,8 +279,36 @@ class ShmServer:
             os.write(resp_fd, resp.pack())
             answered = (answered + 1) & 0xFFFFFFFF
             words[RESPONSES_WORD] = answered
-            if resp.code:
+            if resp.code and not refused:
                 return  # a bad request ends the channel, as it ends a gRPC stream
+
+    def _link_step(self, step: dsc.LinkStep, t0: float) -> dsc.Response:
+        """Launches a linked step's graph; a refusal is answered, never raised."""
+        if self._link is None:
+            err: errors.ExpertMeshError = errors.Incompatible(
+                f"no device link on this channel: {self._link_reason}"
+            )
+            return self._error(step.seq, err)
+        assert self.link_host is not None
+        try:
+            self.link_host.link_step(self._link, step)
+        except errors.ExpertMeshError as e:
+            return self._error(step.seq, e)
+        return dsc.Response(step.seq, 0, (time.perf_counter() - t0) * 1e3)
+
+    def _drop_link(self) -> None:
+        """After the link's last step graph (bounded: its waits time out), the request area
+        is unmapped (cuda_ipc's close synchronises the device first)."""
+        graphs, self._link = self._link, None
+        if graphs is not None:
+            assert self.link_host is not None
+            self.link_host.close_link(graphs)
+        mapped = self.__dict__.pop("_link_map", None)
+        if mapped is not None:
+            try:
+                mapped.close()
+            except cuda_ipc.CudaIpcError:
+                log.exception("could not unmap the device link's request area")
 
     @staticmethod
     def _error(seq: int, err: errors.ExpertMeshError) -> dsc.Response:
@@ -264,6 +375,7 @@ class ShmServer:
         if fds is not None:
             for fd in fds:
                 os.close(fd)
+        self._drop_link()
         if self._pinned:
             self._pinned = False
             try:

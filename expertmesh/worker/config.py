@@ -5,6 +5,7 @@ entry points only add their own flags and defaults)."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,8 @@ from expertmesh.tls import TLSConfig
 from expertmesh.transport import segment
 
 KINDS = ("gpu", "cpu")
+LINK_ENV = "EXPERTMESH_LINK"  # the device link (issue 10): unset/1 auto, 0 off, force (one GPU too)
+LINK_MODES = {"": "auto", "1": "auto", "auto": "auto", "0": "off", "off": "off", "force": "force"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -40,8 +43,11 @@ class WorkerConfig:
     tls: TLSConfig | None = None
     # SIGTERM: refuse new work, wait this long for coordinators to move off, then exit (issue 15a)
     drain_timeout_s: float = 30.0
+    link: str = "auto"  # the device link: auto | force | off (expertmesh/transport/server.py)
 
     def __post_init__(self) -> None:
+        if self.link not in ("auto", "force", "off"):
+            raise ValueError(f"device link mode {self.link!r}: expected auto, force or off")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.kind not in KINDS:
@@ -149,4 +155,13 @@ class WorkerConfig:
             cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
             tls=TLSConfig.from_args(args),  # issue 15c
             drain_timeout_s=args.drain_timeout,
+            link=link_mode(os.environ.get(LINK_ENV, "")),
         )
+
+
+def link_mode(value: str) -> str:
+    """``EXPERTMESH_LINK`` -> a WorkerConfig.link mode (ValueError names the accepted values)."""
+    mode = LINK_MODES.get(value.strip().lower())
+    if mode is None:
+        raise ValueError(f"{LINK_ENV}={value!r}: expected 0, 1 or force")
+    return mode

@@ -12,23 +12,27 @@ Shapes: T tokens, K top-k, H hidden, S local slots.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from expertmesh import wire
-from expertmesh.errors import ExpertMeshError, InvalidRequest, StaleGeneration, Unavailable
+from expertmesh.errors import ExpertMeshError, Incompatible, InvalidRequest, StaleGeneration, Unavailable
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora import LoRABatch
 from expertmesh.lora.store import AdapterStore, AdapterStoreError, LayerAdapter
 from expertmesh.metrics import WorkerMetrics
+from expertmesh.transport.descriptor import LinkStep
 from expertmesh.worker.slots import SlotTable
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
 
 MAX_TOP_K = 64
+log = logging.getLogger("expertmesh.worker")
 
 
 @dataclass(frozen=True)
@@ -308,6 +312,94 @@ class ExpertWorker:
         if weights is None:  # no adapter touches this layer's experts
             return None
         return LoRABatch(weights, index.to(self.slots.device))
+
+    # ------------------------------------------------------------ device link (issue 10, 10ls)
+
+    def open_link(self, request: torch.Tensor, rows: int, top_k: int) -> Any:
+        """The step graphs of a device link over the coordinator's ``request`` area (mapped on
+        our GPU) for ``rows`` rows and top-k ``top_k``: the backend's ``open_link``
+        (gpu_server/graphs.py -> gpu_server/link_graphs.py). Raises Incompatible when this
+        server cannot serve the link (the fast path then goes on without it)."""
+        opener = getattr(self.backend, "open_link", None)
+        if opener is None:
+            raise Incompatible(
+                f"the {self.backend.name} backend runs no CUDA graphs (the link needs the GPU "
+                "server's graphs: a CPU server, --no-cuda-graphs or FP8)"
+            )
+        if not 0 < top_k <= MAX_TOP_K:
+            raise Incompatible(f"link top-k {top_k} outside [1, {MAX_TOP_K}]")
+        try:
+            return opener(request, rows, self.cfg.hidden_size, top_k, self.slots.dtype)
+        except ValueError as e:  # an area too small for what it claims to hold
+            raise Incompatible(str(e)) from None
+
+    def link_step(self, graphs: Any, step: LinkStep) -> None:
+        """Launches a linked decode step's graph (queued on this device's stream, not waited
+        for); typed errors refuse the step (the coordinator runs it without the link)."""
+        # NOTE: the last step's report first, outside the lock: its graph has normally finished,
+        # but after a coordinator's death it may spin until its timeout (other channels compute)
+        report = graphs.collect()
+        try:
+            with self._serial:  # NOTE: a placement commit never lands between check and launch
+                if report is not None:
+                    self._link_report(graphs, report)
+                if self.draining:
+                    raise Unavailable(self.draining)
+                live = self.slots.live
+                if step.generation != live.generation:
+                    raise StaleGeneration(
+                        f"placement generation {step.generation} is not the live generation {live.generation}"
+                    )
+                graphs.check(step.bucket, step.step, step.timeout_ms)
+                t0 = time.perf_counter()
+                dev = self.slots.device
+                weights = [(live.layers[i].w13, live.layers[i].w2) for i in self.slots.moe_layers]
+                with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+                    report = graphs.launch(
+                        live.generation, weights, step.bucket, step.step, step.rows, step.timeout_ms
+                    )
+                self.stats.compute_seconds += time.perf_counter() - t0
+                self.stats.requests += len(weights)  # a linked step computes every MoE layer
+                self.stats.tokens += step.rows * len(weights)
+                if report is not None:  # collected above: none normally
+                    self._link_report(graphs, report)
+        except ExpertMeshError as e:
+            self.count_error(e)
+            raise
+
+    def cancel_link(self, graphs: Any) -> None:
+        """Ends the link's step in flight at once (its channel closed; any thread, no lock)."""
+        graphs.cancel()
+
+    def close_link(self, graphs: Any) -> None:
+        """Waits for the link's last step graph (bounded: its waits time out), counts it."""
+        report = graphs.close()  # NOTE: outside the lock: other channels compute meanwhile
+        if report is not None:
+            with self._serial:
+                self._link_report(graphs, report)
+
+    def _link_report(self, graphs: Any, report: Any) -> None:
+        """Folds a finished step's token counts into the stats; a step that timed out or met
+        bad slot ids is an error, logged once per link and kind."""
+        for layer, counts in zip(self.slots.moe_layers, report.counts):
+            prev = self.tokens_per_slot.get(layer)
+            if prev is None or prev.shape != counts.shape:
+                self.tokens_per_slot[layer] = counts.copy()  # NOTE: never an alias of the report's
+            else:
+                prev += counts
+        for what, err in (
+            ("timed_out", Unavailable("the coordinator did not signal a layer in time")),
+            ("bad_slots", InvalidRequest("slot ids outside this layer's slots (computed as -1)")),
+        ):
+            if getattr(report, what):
+                self.count_error(err)
+                if what not in graphs.logged:
+                    graphs.logged.add(what)
+                    log.warning(
+                        "device link step %d: %s; the rest of the step ran through (logged once per link)",
+                        report.step,
+                        err.message,
+                    )
 
     # ------------------------------------------------------------ MoE LoRA adapters
 

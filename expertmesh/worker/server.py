@@ -104,7 +104,13 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         for name in segment.sweep():
             log.info("removed %s from %s (its creator is gone)", name, segment.SHM_DIR)
     servicer = ExpertWorkerServicer(
-        slots, backend, identity, config.shm_spin_us, config.max_loras, config.cluster_token
+        slots,
+        backend,
+        identity,
+        config.shm_spin_us,
+        config.max_loras,
+        config.cluster_token,
+        link=config.link,  # issue 10 (10ls): the device link
     )
     if not config.cluster_token:
         log.warning(

@@ -49,8 +49,10 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         shm_spin_us: float = 300.0,
         max_loras: int = 4,
         cluster_token: str | None = None,
+        link: str = "auto",  # the device link's mode (WorkerConfig.link)
     ) -> None:
         self.worker = ExpertWorker(slots, backend, identity, max_loras)
+        self.link = link
         self.shm_spin_us = shm_spin_us
         self.cluster_token = cluster_token  # None: control RPCs are open (a warning at start)
         # NOTE: one compute thread for gRPC requests and commits (the core's lock orders them
@@ -122,8 +124,9 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
             return None, Ack("grpc", "this server offers no shared-memory fast path (--no-shm)")
         w = self.worker
         fast = ShmServer(
-            hello, w.slots.device, w.forward, w.count_error, self.shm_spin_us, forward_into=w.forward_into
-        )
+            hello, w.slots.device, w.forward, w.count_error, self.shm_spin_us, forward_into=w.forward_into,
+            link=w, link_mode=self.link,
+        )  # fmt: skip
         ack = await asyncio.wrap_future(fast.start())
         return (fast if ack.transport != "grpc" else None), ack
 
