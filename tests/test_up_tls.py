@@ -19,14 +19,22 @@ from expertmesh.client import Client
 from expertmesh.tls import TLSConfig
 from tests.test_cli import ENV, ROOT, model, start_up  # noqa: F401 (fixture)
 from tests.test_cluster_faults import run_steps
-from tests.tls_utils import CA
+
+
+def _ca(tmp_path, name):
+    # NOTE: imported here: `cryptography` is a test dependency the lent GPU machine lacks, and its
+    # `pytest -m gpu` run still collects this module (as tests/test_tls.py does)
+    from tests.tls_utils import CA
+
+    return CA.make(tmp_path, name)
+
 
 PROMPT = [5, 6, 7]
 STEPS = 5
 
 
 def test_up_with_tls_serves_tls_clients_only(model, tmp_path):  # noqa: F811
-    ca = CA.make(tmp_path, "upca")
+    ca = _ca(tmp_path, "upca")
     tls = ca.issue(tmp_path, "cluster")  # server and client authentication, 127.0.0.1
     assert tls.cert and tls.key and tls.ca
     flags = ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
@@ -60,7 +68,7 @@ def test_up_with_tls_serves_tls_clients_only(model, tmp_path):  # noqa: F811
 
 
 def test_up_refuses_a_ca_without_a_certificate(model, tmp_path):  # noqa: F811
-    ca = CA.make(tmp_path, "upca2")
+    ca = _ca(tmp_path, "upca2")
     cmd = ["-m", "expertmesh.cli", "up", "--model", str(model), "--tls-ca", str(ca.path)]
     r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=60)
     assert r.returncode == 2 and "--tls-cert and --tls-key" in r.stderr, r.stderr
