@@ -26,6 +26,7 @@ from coordinator.expert_conn import ServerConnection
 from expertmesh.transport import descriptor as dsc
 from expertmesh.transport import segment
 from expertmesh.transport.client import ShmClient
+from tests.test_remote_graphs import decode as _decode
 
 
 @pytest.mark.parametrize(
@@ -186,19 +187,6 @@ def test_a_failed_link_step_marks_the_server_down():
 # ---------------------------------------------------------------------------- on a GPU
 
 
-def _decode(eng, batch: int, steps: int) -> torch.Tensor:  # [steps, batch, V]
-    g = torch.Generator().manual_seed(batch)
-    seqs = [eng.new_seq() for _ in range(batch)]
-    prompts = [torch.randint(0, 96, (3 + i,), generator=g).tolist() for i in range(batch)]
-    out = [torch.stack(eng.step(list(zip(seqs, prompts))))]
-    for _ in range(steps - 1):
-        toks = out[-1].argmax(-1).tolist()
-        out.append(torch.stack(eng.step([(s, [t]) for s, t in zip(seqs, toks)])))
-    for s in seqs:
-        eng.free(s)
-    return torch.stack(out).cpu()
-
-
 def _linked_cluster(tmp_path, monkeypatch, arch: str, server_device: str, mode: str, timeout_s: float):
     from tests.cluster_utils import start_server
     from tests.hf_models import make_checkpoint
@@ -230,17 +218,22 @@ def _check_linked_decode(tmp_path, eng, d) -> None:
     assert d.link_reruns == 0
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert overlaps
-def test_linked_decode_on_one_gpu_matches_in_process(tmp_path, monkeypatch, arch):
-    srv, eng, d = _linked_cluster(tmp_path, monkeypatch, arch, "cuda:0", "force", 60)
+def _linked_decode(tmp_path, monkeypatch, arch: str, server_device: str, mode: str) -> None:
+    """A cluster whose link comes up (``mode``), decoding as in process over it."""
+    srv, eng, d = _linked_cluster(tmp_path, monkeypatch, arch, server_device, mode, 60)
     try:
         assert d.conns[0].link() is not None, d.conns[0].link_note
         _check_linked_decode(tmp_path, eng, d)
     finally:
         d.close()
         srv.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert overlaps
+def test_linked_decode_on_one_gpu_matches_in_process(tmp_path, monkeypatch, arch):
+    _linked_decode(tmp_path, monkeypatch, arch, "cuda:0", "force")
 
 
 @pytest.mark.gpu
@@ -304,10 +297,4 @@ def test_linked_decode_between_two_gpus(tmp_path, monkeypatch):
     itself (peer access) and the decode equals in process."""
     if not torch.cuda.can_device_access_peer(0, 1):
         pytest.skip("cuda:0 has no peer access to cuda:1: no device link")
-    srv, eng, d = _linked_cluster(tmp_path, monkeypatch, "qwen3_moe", "cuda:1", "auto", 60)
-    try:
-        assert d.conns[0].link() is not None, d.conns[0].link_note
-        _check_linked_decode(tmp_path, eng, d)
-    finally:
-        d.close()
-        srv.stop()
+    _linked_decode(tmp_path, monkeypatch, "qwen3_moe", "cuda:1", "auto")
