@@ -490,6 +490,34 @@ def test_vnni_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
             assert torch.equal(b.forward(x, p13, p2, slot_ids, weights), static), mode
 
 
+@DEVICE_HOST
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 40])
+@pytest.mark.parametrize("h,i", [(256, 128), (384, 128)])
+@pytest.mark.parametrize("wdtype,group", [("int4", 64), ("int8", 128), ("int8", 64)])
+def test_vnni_pair_loops_equal_avx2_bit_for_bit(monkeypatch, t, h, i, wdtype, group):  # noqa: E741
+    """Session 5's AVX512-VNNI block loops (int4 with groups of 64: both nibbles as 16x, one
+    accumulator per row pair; int8: two tokens per weight load, half a block at a time, and a
+    constant trip count for groups of 128) compute the integer sums of the AVX2 loop and of the
+    previous VNNI loops (EXPERTMESH_QDOT_PAIR=0), so the outputs are equal bit for bit; 1 to 40
+    tokens over 4 experts give 1, 2 and odd numbers of tokens per expert and block."""
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=1400 + t, h=h, i=i)
+    slot_ids = torch.randint(0, 4, slot_ids.shape, generator=torch.Generator().manual_seed(t))
+    out = {}
+    for isa in ("avx2", "vnni"):
+        b = CpuExpertBackend(threads=16, weight_dtype=wdtype, group=group, caps=caps_of(isa))
+        b.gemv_max_tokens = 10**9  # the decode kernel at every t
+        p13, p2 = b.pack_weights(w13, w2)
+        assert b.fmt is not None and (b.fmt.g13, b.fmt.g2) == (group, group)
+        for pair in ("1", "0"):
+            monkeypatch.setenv("EXPERTMESH_QDOT_PAIR", pair)
+            out[isa, pair] = b.forward(x, p13, p2, slot_ids, weights)
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    ref = qact_reference(x, d13, d2, slot_ids, weights, group, group)
+    assert rel(out["vnni", "1"], ref) < 1e-3, rel(out["vnni", "1"], ref)
+    for key, o in out.items():
+        assert torch.equal(o, out["avx2", "0"]), key
+
+
 @pytest.mark.parametrize("caps", ["avx2", pytest.param("vnni", marks=DEVICE_HOST)])
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 @pytest.mark.parametrize("t", [1, 3, 40])

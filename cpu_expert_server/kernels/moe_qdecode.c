@@ -21,6 +21,12 @@
 #ifndef QDOT_PREFETCH
 #define QDOT_PREFETCH 2048
 #endif
+/* on AVX512-VNNI (session 5, with the pair loops): 4 KiB ahead, up to 8% faster than 2 KiB at
+ * T = 4 and 16 and within the noise at T = 1 on the lent host (RESULTS.md "Session 5"); AVX2 keeps
+ * 2 KiB (its int4 is bound by the dots, not the bandwidth) */
+#ifndef QDOT_PREFETCH_VNNI
+#define QDOT_PREFETCH_VNNI 4096
+#endif
 
 typedef void (*BlkFn)(const uint8_t *, int, int, int, const QAct *, int, float *, int, const uint8_t *);
 
@@ -255,10 +261,10 @@ static void qdecode_pf2(const Sorted *so, const uint8_t *w2, long row2, int h_, 
     }
 }
 
-static int qdot_prefetch(void) {
+static int qdot_prefetch(int vnni) {
     const char *e = getenv("EXPERTMESH_QDOT_PF"), *h = getenv("EXPERTMESH_QDOT_PFHINT");
     g_pfhint = h ? atoi(h) : 0;
-    return e ? atoi(e) : QDOT_PREFETCH;
+    return e ? atoi(e) : vnni ? QDOT_PREFETCH_VNNI : QDOT_PREFETCH;
 }
 
 /* Where the time of the last call went (EXPERTMESH_QDOT_PROFILE=1, for benchmarks): seconds of
@@ -284,7 +290,7 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
     Sorted so;
     if (sort_pairs(slot_ids, weights, t_, k_, s_, &so)) return -1;
     const BlkFn blk = vnni ? blk_vnni : blk_avx2;
-    const int pf = qdot_prefetch();
+    const int pf = qdot_prefetch(vnni);
     QRows qx, qa;
     qrows_alloc(&qx, t_, h_, g13);
     qrows_alloc(&qa, n, i_, g2);
@@ -300,6 +306,7 @@ static int moe_decode_tiles(const void *x, int xbf16, const int64_t *slot_ids, c
      * scalar one; benchmarks) */
     const int v512 = vnni && env_int("EXPERTMESH_QDOT_Q512", 1);
     const int chain = env_int("EXPERTMESH_QDOT_CHAIN", QDOT_CHAIN_DEFAULT);
+    g_qpair = env_int("EXPERTMESH_QDOT_PAIR", 1); /* blk_vnni's pair loops (moe_qdot.c) */
     const int claim_n = env_int("EXPERTMESH_QDOT_CLAIM", QDOT_CLAIM_DEFAULT);
     const int claim = claim_n < 0 ? 0 : claim_n > QDOT_CLAIM_MAX ? QDOT_CLAIM_MAX : claim_n;
     int next2 = 0, done1 = 0; /* the dynamic modes' phase 2 counter; threads done with phase 1 */

@@ -123,14 +123,87 @@ static inline __attribute__((always_inline)) void pf_step(const uint8_t *w, int 
         for (int l = 0; l < step; l += 64) pf_line(w + pf + l);
 }
 
+/* 8 vectors, a[p] holding partial sums of row 2p in lanes 0..7 and of row 2p + 1 in lanes 8..15 ->
+ * one vector whose lane r is row r's sum (the int4 loop's accumulators; 22 instructions where
+ * hsum16 of 16 vectors takes 45) */
+static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum8x2(const __m512i *a) {
+    __m512i b[4], c[2];
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: a[2i]'s pair sums in dwords 0, 2, a[2i + 1]'s in 1, 3 */
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* per 128-bit lane: a[4i .. 4i + 3]'s partial sums over that lane */
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+    /* 128-bit lanes 0 + 1 of c[i] are rows 8i, 8i + 2, 8i + 4, 8i + 6; lanes 2 + 3 the odd rows */
+    const __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* s: rows 0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15 */
+    const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    return _mm512_permutexvar_epi32(order, s);
+}
+
+/* The int4 block loop for groups of 64 (issue 14f's idea, built in session 5): M (1 or 2) tokens
+ * share each load and unpacking of the weights. A 64-byte load holds rows r and r + 1 of a k step (32
+ * bytes each: low nibbles features 0..31, high nibbles 32..63). Both nibbles are taken as 16
+ * times their value (v & 0xF0, and (v << 4) & 0xF0): one accumulator per row pair, no shuffle of
+ * the weights; the activations' halves are broadcast to both 256-bit halves instead (one load
+ * each). The accumulator is 16 times the integer sum, exactly (|sum| <= 16 * 15 * 127 * g, below
+ * 2^31 for any g < 70000), and the reduction shifts it back, so the integer sums and everything
+ * after them are those of the previous loop: the same results bit for bit. */
+
+/* one k step of M tokens into acc[j][0..8) */
+static inline __attribute__((always_inline, target(VNNI_TARGET))) void u4_step(__m512i acc[2][8], const uint8_t *w,
+                                                                             const QAct *x, const int M, int ks) {
+    const __m512i hi4 = _mm512_set1_epi8((char)0xF0);
+    __m512i xa[2], xb[2];
+    for (int j = 0; j < M; j++) {
+        xa[j] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64)));
+        xb[j] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[j].q + ks * 64 + 32)));
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) {
+        const __m512i v = _mm512_loadu_si512(w + p * 64); /* rows 2p, 2p + 1 */
+        const __m512i lo = _mm512_and_si512(_mm512_slli_epi16(v, 4), hi4);
+        const __m512i hi = _mm512_and_si512(v, hi4);
+        for (int j = 0; j < M; j++)
+            acc[j][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[j][p], lo, xa[j]), hi, xb[j]);
+    }
+}
+
+static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_u4m(const uint8_t *blk, const int M,
+                                                                                  int c, const QAct *x, float *res,
+                                                                                  int pf, const uint8_t *nxt,
+                                                                                  int first) {
+    const float *wsc = (const float *)(blk + (size_t)8 * c);
+    const uint8_t *end = (const uint8_t *)(wsc + (c / 64) * 16);
+    for (int ks = 0; ks < c / 64; ks++) { /* group ks = k step ks */
+        const uint8_t *w = blk + (size_t)ks * 512;
+        if (pf && first) pf_step(w, 512, pf, end, nxt);
+        __m512i acc[2][8];
+        for (int j = 0; j < M; j++)
+#pragma GCC unroll 8
+            for (int p = 0; p < 8; p++) acc[j][p] = _mm512_setzero_si512();
+        u4_step(acc, w, x, M, ks);
+        const __m512 ws = _mm512_loadu_ps(wsc + ks * 16);
+        for (int j = 0; j < M; j++) {
+            const __m512i d = _mm512_sub_epi32(_mm512_srai_epi32(hsum8x2(acc[j]), 4), _mm512_set1_epi32(8 * x[j].n[ks]));
+            const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(x[j].s[ks]));
+            _mm512_storeu_ps(res + j * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, _mm512_loadu_ps(res + j * 16)));
+        }
+    }
+}
+
 /* res[j][0..16) = block rows . x_j for j < m; u4: int4 block, else int8. pf: prefetch distance in
  * bytes (0 = none), nxt: see pf_at. Inlined with a constant u4 (blk_vnni), so the accumulators
- * stay in registers. */
+ * stay in registers. int4 with groups of 64 takes blk_vnni_u4 instead (this loop with
+ * EXPERTMESH_QDOT_PAIR=0, to time against). */
 static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_body(const uint8_t *blk, const int u4,
-                                                                                   int c, int g, const QAct *x,
-                                                                                   int m, float *res, int pf,
-                                                                                   const uint8_t *nxt) {
-    const int kpg = g / 64, step = u4 ? 512 : 1024;
+                                                                                   const int kpg2, int c, int g,
+                                                                                   const QAct *x, int m, float *res,
+                                                                                   int pf, const uint8_t *nxt) {
+    /* kpg2: the caller's g is 128, a constant trip count of 2 (GCC then keeps the accumulators
+     * in registers; with a variable count it copies them every step and spills some) */
+    const int kpg = kpg2 ? 2 : g / 64, step = u4 ? 512 : 1024;
     const float *wsc = (const float *)(blk + (u4 ? (size_t)8 * c : (size_t)16 * c));
     const uint8_t *end = (const uint8_t *)(wsc + (c / g) * 16);
     const __m512i flip = _mm512_set1_epi8((char)0x80), lo4 = _mm512_set1_epi8(15);
@@ -172,12 +245,114 @@ static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_
     }
 }
 
+/* 8 vectors, a[r] holding partial sums of row r in all 16 lanes -> a vector holding row r's sum
+ * in lanes r and r + 8 (the int8 pair loop's half blocks, blended into one vector after) */
+static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum8_512(const __m512i *a) {
+    __m512i b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* per 128-bit lane: a[4i .. 4i + 3]'s partial sums over that lane */
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+    /* e: 128-bit lanes c0 (0 + 1), c0 (2 + 3), c1 (0 + 1), c1 (2 + 3); f: lane 0 rows 0..3, lane 2 rows 4..7 */
+    const __m512i e = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i f = _mm512_add_epi32(e, _mm512_shuffle_i32x4(e, e, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_shuffle_i32x4(f, f, _MM_SHUFFLE(2, 0, 2, 0));
+}
+
+/* The int8 block loop for two tokens (session 5): each weight row is loaded and made u8 once for
+ * both tokens, half a block (8 rows) at a time so the 16 accumulators stay in registers. The
+ * integer sums are those of blk_vnni_body's, so the results are the same bit for bit. */
+static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_i8x2(const uint8_t *blk,
+                                                                                   const int kpg2, int c, int g,
+                                                                                   const QAct *x, float *res, int pf,
+                                                                                   const uint8_t *nxt, int first) {
+    const int kpg = kpg2 ? 2 : g / 64; /* as blk_vnni_body's */
+    const float *wsc = (const float *)(blk + (size_t)16 * c);
+    const uint8_t *end = (const uint8_t *)(wsc + (c / g) * 16);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int gi = 0; gi < c / g; gi++) {
+        __m512i sum[2][2]; /* [token][half] */
+        for (int half = 0; half < 2; half++) {
+            __m512i acc[2][8];
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) acc[0][r] = acc[1][r] = _mm512_setzero_si512();
+            for (int kk = 0; kk < kpg; kk++) {
+                const int ks = gi * kpg + kk;
+                const uint8_t *w = blk + (size_t)ks * 1024;
+                if (pf && first && half == 0) pf_step(w, 1024, pf, end, nxt);
+                const __m512i x0 = _mm512_loadu_si512(x[0].q + ks * 64), x1 = _mm512_loadu_si512(x[1].q + ks * 64);
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + (8 * half + r) * 64), flip);
+                    acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], v, x0);
+                    acc[1][r] = _mm512_dpbusd_epi32(acc[1][r], v, x1);
+                }
+            }
+            sum[0][half] = hsum8_512(acc[0]);
+            sum[1][half] = hsum8_512(acc[1]);
+        }
+        const __m512 ws = _mm512_loadu_ps(wsc + gi * 16);
+        for (int j = 0; j < 2; j++) {
+            const __m512i t = _mm512_mask_blend_epi32((__mmask16)0xFF00, sum[j][0], sum[j][1]);
+            const __m512i d = _mm512_sub_epi32(t, _mm512_set1_epi32(128 * x[j].n[gi]));
+            const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(x[j].s[gi]));
+            _mm512_storeu_ps(res + j * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, _mm512_loadu_ps(res + j * 16)));
+        }
+    }
+}
+
+/* the int4 pair loop over m tokens, two at a time; groups of 64 (int4's default) only */
+__attribute__((target(VNNI_TARGET))) static void blk_vnni_u4(const uint8_t *blk, int c, const QAct *x, int m,
+                                                             float *res, int pf, const uint8_t *nxt) {
+    const float *wsc = (const float *)(blk + (size_t)8 * c);
+    if (pf) /* the block's scales: one line per group */
+        for (int l = 0; l < c / 64; l++) _mm_prefetch((const char *)(wsc + l * 16), _MM_HINT_T0);
+    for (int j = 0; j < m; j++) _mm512_storeu_ps(res + j * 16, _mm512_setzero_ps());
+    for (int j = 0; j < m; j += 2) {
+        if (m - j >= 2)
+            blk_vnni_u4m(blk, 2, c, x + j, res + j * 16, pf, nxt, j == 0);
+        else
+            blk_vnni_u4m(blk, 1, c, x + j, res + j * 16, pf, nxt, j == 0);
+    }
+}
+
+/* int8 over m >= 2 tokens: pairs, then a last token alone (the scales already prefetched) */
+__attribute__((target(VNNI_TARGET))) static void blk_vnni_i8(const uint8_t *blk, int c, int g, const QAct *x, int m,
+                                                             float *res, int pf, const uint8_t *nxt) {
+    const float *wsc = (const float *)(blk + (size_t)16 * c);
+    if (pf)
+        for (int l = 0; l < c / g; l++) _mm_prefetch((const char *)(wsc + l * 16), _MM_HINT_T0);
+    for (int j = 0; j < m; j++) _mm512_storeu_ps(res + j * 16, _mm512_setzero_ps());
+    int j = 0;
+    for (; j + 2 <= m; j += 2) {
+        if (g == 128)
+            blk_vnni_i8x2(blk, 1, c, g, x + j, res + j * 16, pf, nxt, j == 0);
+        else
+            blk_vnni_i8x2(blk, 0, c, g, x + j, res + j * 16, pf, nxt, j == 0);
+    }
+    if (j < m && g == 128)
+        blk_vnni_body(blk, 0, 1, c, g, x + j, 1, res + j * 16, 0, NULL);
+    else if (j < m)
+        blk_vnni_body(blk, 0, 0, c, g, x + j, 1, res + j * 16, 0, NULL);
+}
+
+static int g_qpair = 1; /* EXPERTMESH_QDOT_PAIR, read per call by moe_decode_tiles */
+
 __attribute__((target(VNNI_TARGET))) static void blk_vnni(const uint8_t *blk, int u4, int c, int g, const QAct *x,
                                                           int m, float *res, int pf, const uint8_t *nxt) {
-    if (u4)
-        blk_vnni_body(blk, 1, c, g, x, m, res, pf, nxt);
+    if (u4 && g == 64 && g_qpair)
+        blk_vnni_u4(blk, c, x, m, res, pf, nxt);
+    else if (!u4 && m >= 2 && g_qpair)
+        blk_vnni_i8(blk, c, g, x, m, res, pf, nxt);
+    else if (!u4 && g == 128 && g_qpair) /* int8's default group */
+        blk_vnni_body(blk, 0, 1, c, g, x, m, res, pf, nxt);
+    else if (u4)
+        blk_vnni_body(blk, 1, 0, c, g, x, m, res, pf, nxt);
     else
-        blk_vnni_body(blk, 0, c, g, x, m, res, pf, nxt);
+        blk_vnni_body(blk, 0, 0, c, g, x, m, res, pf, nxt);
 }
 
 /* ---- AVX2 (8 rows per pass) ---- */
