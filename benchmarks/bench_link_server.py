@@ -119,6 +119,7 @@ class Bench:
             self.moe(tb, xs, ids, ws, base)
         torch.cuda.synchronize(dev)
         self.c_abort.fill_(-1)
+        self.c_err.zero_()  # the warm-up's aborted waits reported ERR_TIMEOUT
         t_moe, t_link, t_host, t_moe_host = [], [], [], []
         for _ in range(a.steps + 3):
             t0 = time.perf_counter()
