@@ -208,11 +208,19 @@ def run_layer(
 # ---------------------------------------------------------------------------- the step graphs
 
 
+# the token counts are folded into a report every this many steps (and at a new generation or
+# the link's close): the fold (a copy, a subtraction, a slice per layer here and an addition per
+# layer in the worker) was most of a step's host launch time, on the coordinator's critical
+# path; the counts are cumulative on the GPU, so folding later loses none
+FOLD_EVERY = 16
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What the host learns of finished replays: the last one's step number and ERR_* bits,
-    and the pairs routed to each slot since the previous report (``counts[i]`` ``[S_i]`` for
-    MoE layer position ``i``; padding and bad ids not counted)."""
+    and the pairs routed to each slot since the last report that carried counts (``counts[i]``
+    ``[S_i]`` for MoE layer position ``i``; padding and bad ids not counted; empty when this
+    report carries none: see FOLD_EVERY)."""
 
     step: int
     errors: int
@@ -275,6 +283,9 @@ class LinkGraphs:
         self._launched = False  # a replay whose report is not collected yet
         pin = self.device.type == "cuda"
         self._report = torch.zeros(2, dtype=torch.int64, pin_memory=pin)  # (step, errors)
+        self._report_np = self._report.numpy()  # NOTE: a view: reads without torch's per-call cost
+        self.fold_every = FOLD_EVERY
+        self._unfolded = 0  # collected replays whose counts no report carried yet
         self._counts = torch.zeros(0, 1, dtype=torch.int64, device=self.device)  # [L, S' + 1]
         self._counts_host = torch.zeros(0, 1, dtype=torch.int64, pin_memory=pin)
         self._folded = np.zeros((0, 1), dtype=np.int64)
@@ -297,6 +308,8 @@ class LinkGraphs:
         # anyway); bounded, its waits time out
         report = self.collect()
         if generation != self.generation:
+            if self._unfolded:  # the old generation's last counts, before its arrays go
+                report = StepReport(self.last_step, 0 if report is None else report.errors, self._fold())
             self._retire(generation, weights)
         key = (bucket, timeout_ms)
         graph = self._graphs.get(key)
@@ -329,23 +342,32 @@ class LinkGraphs:
         if not 0 < timeout_ms <= MAX_TIMEOUT_MS:
             raise InvalidRequest(f"link step timeout {timeout_ms} ms outside (0, {MAX_TIMEOUT_MS}]")
 
-    def collect(self) -> StepReport | None:
-        """The report of the last replay, once (None: none since the last report). Waits for
-        that replay to finish: nothing of ours spins afterwards (captures need that, link.py's
-        NOTE), and it is bounded (the graph's waits time out)."""
+    def collect(self, fold: bool = False) -> StepReport | None:
+        """The report of the last replay, once (None: none since the last report), with the
+        token counts since the last fold every :attr:`fold_every` steps or when ``fold``. Waits
+        for that replay to finish: nothing of ours spins afterwards (captures need that,
+        link.py's NOTE), and it is bounded (the graph's waits time out)."""
         if not self._launched or self._done is None:
             return None
         self._done.synchronize()
         self._launched = False
+        self._unfolded += 1
+        counts = self._fold() if fold or self._unfolded >= self.fold_every else []
+        return StepReport(int(self._report_np[0]), int(self._report_np[1]), counts)
+
+    def _fold(self) -> list[np.ndarray]:
+        """The pairs per slot of the replays since the last fold (they all finished)."""
         snap = self._counts_host.numpy().copy()  # [L, S' + 1]
         delta, self._folded = snap - self._folded, snap
-        counts = [delta[i, 1 : s + 1] for i, s in enumerate(self._slots)]
-        step, errors = (int(v) for v in self._report.tolist())
-        return StepReport(step, errors, counts)
+        self._unfolded = 0
+        return [delta[i, 1 : s + 1] for i, s in enumerate(self._slots)]
 
     def close(self) -> StepReport | None:
-        """Waits for the last replay, drops the graphs; the last report."""
-        report = self.collect()
+        """Waits for the last replay, drops the graphs; the last report, with every count not
+        reported yet."""
+        report = self.collect(fold=True)
+        if report is None and self._unfolded:
+            report = StepReport(self.last_step, 0, self._fold())
         self._drop()
         return report
 

@@ -433,6 +433,7 @@ def test_step_graph_against_the_moe_with_a_fake_coordinator():
 
     area = link.new_area(link.request_bytes(GR, GH, GK, GDT), DEV)
     graphs = LinkGraphs(TritonExpertBackend.for_device(DEV), area, GR, GH, GK, GDT, BUCKETS)
+    graphs.fold_every = 1  # every report carries its step's counts (lazy folding: at the end)
     req = link.RequestViews.of(area, GR, GH, GK, GDT)
     coord = _Coordinator(req, link.AnswerViews.of(graphs.answer, GR, GH, GDT))
     server = torch.cuda.Stream(DEV)
@@ -467,14 +468,32 @@ def test_step_graph_against_the_moe_with_a_fake_coordinator():
     server.synchronize()
     took = time.perf_counter() - t0
     assert 0.3 <= took < 0.3 * GL + 5.0, took  # one timeout (+ the capture of this timeout's graph)
-    report, status, _ = step(5, 4, 2, seed=13)  # the link goes on
+    report, status, ids5 = step(5, 4, 2, seed=13)  # the link goes on
     assert status == [0] * GL and report is not None and report.step == 4 and report.timed_out
-    # a new placement generation: the old graphs dropped, new weights
+
+    def pairs(*steps):
+        return [
+            sum(np.bincount(s[layer][s[layer] >= 0].cpu().numpy(), minlength=GS) for s in steps)
+            for layer in range(GL)
+        ]
+
+    # from here counts are folded lazily (FOLD_EVERY): none is lost, whenever the fold comes
+    graphs.fold_every = 1000
+    # a new placement generation: the old graphs dropped, new weights; the old generation's
+    # last counts come with the launch that retires it
     new = _layers(2)
-    report, status, _ = step(6, 4, 4, seed=14, gen=1, w=new)
+    report, status, ids6 = step(6, 4, 4, seed=14, gen=1, w=new)
     assert status == [0] * GL and graphs.generation == 1 and len(graphs._graphs) == 1
-    report = graphs.close()
-    assert report is not None and (report.step, report.errors) == (6, 0) and not graphs._graphs
+    assert (
+        report is not None
+        and report.step == 5
+        and [c.tolist() for c in report.counts] == [c.tolist() for c in pairs(ids5)]
+    )
+    report, status, ids7 = step(7, 4, 3, seed=15, gen=1, w=new)
+    assert status == [0] * GL and report is not None and report.step == 6 and report.counts == []
+    report = graphs.close()  # the rest of the counts
+    assert report is not None and (report.step, report.errors) == (7, 0) and not graphs._graphs
+    assert [c.tolist() for c in report.counts] == [c.tolist() for c in pairs(ids6, ids7)]
 
 
 @pytest.mark.gpu

@@ -137,6 +137,7 @@ class StepWord:
     def __init__(self, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
+        self._host_np = self.host.numpy()  # NOTE: a view: two torch item writes cost ~15 us a step
         self.dev = torch.zeros(2, dtype=torch.int64, device=device)
         self.step, self.rows = self.dev[0:1], self.dev[1:2]
         self._used = torch.cuda.Event() if cuda else None
@@ -150,7 +151,7 @@ class StepWord:
         """Before a replay; then :meth:`replayed` after it."""
         if self._pending and self._used is not None:
             self._used.synchronize()  # NOTE: the last replay's upload from here may still be queued
-        self.host[0], self.host[1] = step, rows
+        self._host_np[0], self._host_np[1] = step, rows
 
     def replayed(self) -> None:
         if self._used is not None:

@@ -61,7 +61,9 @@ class ExpertWorker:
         self.cfg = slots.reader.config
         self.stats = WorkerStats()
         self.metrics = WorkerMetrics(self)  # issue 16: Prometheus /metrics (--metrics-port)
-        self.tokens_per_slot: dict[int, np.ndarray] = {}  # layer -> [S] tokens routed to each slot
+        # layer -> [S] tokens routed to each slot (a device link's counts come every
+        # gpu_server/link_graphs.FOLD_EVERY steps and at its close)
+        self.tokens_per_slot: dict[int, np.ndarray] = {}
         # MoE-LoRA adapter slots pushed here (LoadAdapter); -1 in a request = no adapter
         self.adapter_slots: frozenset[int] = frozenset()
         self.lora = AdapterStore(max_loras, slots.dtype, slots.device)
