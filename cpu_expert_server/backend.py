@@ -25,6 +25,7 @@ import logging
 import struct
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -165,39 +166,76 @@ class CpuExpertBackend(ExpertBackend):
             return min(AMX_INT_MIN_TOKENS, limit)  # _use_amx takes what is above
         return min(limit, GEMV_MAX_TOKENS)  # above: forward's recount of local pairs first
 
+    def forward_into(self, x, w13, w2, slot_ids, weights, out: torch.Tensor, loaded: object = None) -> bool:
+        """The fast paths' call (ExpertWorker._compute_locked): the MoE of ``x [T, H]`` written
+        straight into ``out [T, H]`` (the answer ring, bf16 or fp32) with the routing as host
+        numpy arrays as the wire brings it (``slot_ids [T, K]`` int32 or int64, ``weights
+        [T, K]`` float32), for the decode-sized int8/int4 calls :meth:`forward` sends to the
+        integer-dot kernel: no output allocated, no copy into the ring, no torch conversion of
+        the routing (session 6: after the benchmark's cache flush ``torch.empty_like`` alone took
+        ~30 us of a 0.3 ms int4 layer, and int32 ids missed :meth:`_decode_q_fast`). False
+        (nothing written): any other call; the caller then uses :meth:`forward`. ``loaded``:
+        the GPU graphs' argument (gpu_server/graphs.py), unused here."""
+        if (
+            self._qdec_limit() < 0
+            or weights.dtype != np.float32
+            or slot_ids.dtype not in (np.int32, np.int64)
+            or x.dtype not in _QX_DTYPES
+            or out.dtype not in _QX_DTYPES
+            or out.is_cuda
+            or out.shape != x.shape
+            or not (x.is_contiguous() and out.is_contiguous())
+        ):
+            return False
+        t, k = slot_ids.shape
+        if t == 0 or weights.shape != (t, k) or not self._q_sized(x, w13, t, k):
+            return False
+        ids = np.ascontiguousarray(slot_ids, dtype=np.int64)  # [T, K] (a copy only from int32)
+        wts = np.ascontiguousarray(weights)
+        self._qa(x, w13, w2, ids.ctypes.data, wts.ctypes.data, t, k, out)
+        return True
+
+    def _q_sized(self, x, w13, t: int, k: int) -> bool:
+        """A decode-sized call of x [t, H] the integer-dot kernel takes (the dispatch's limit)."""
+        fmt = self.fmt
+        assert fmt is not None
+        s, pairs = w13.shape[0], t * k
+        return s > 0 and x.shape == (t, fmt.hidden) and pairs / max(1, min(s, pairs)) <= self._qlim
+
+    def _qa(self, x, w13, w2, ids_ptr: int, w_ptr: int, t: int, k: int, out: torch.Tensor) -> None:
+        """One moe_decode_qa call: int64 ids and float32 weights [t, k] at those addresses, x and
+        out contiguous bf16/fp32 [t, H]."""
+        fmt, lib = self.fmt, self.lib
+        assert fmt is not None and lib is not None
+        s = w13.shape[0]
+        args = _QARGS.pack(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), ids_ptr, w_ptr, t, k, s,
+            w13.data_ptr(), w13.stride(1) * w13.element_size(), w2.data_ptr(), w2.stride(1) * w2.element_size(),
+            fmt.hidden, fmt.inter, kernels.WDTYPE_CODE[fmt.wdtype], fmt.g13, fmt.g2,
+            out.data_ptr(), int(out.dtype == torch.bfloat16), self.threads, self.caps,
+        )  # fmt: skip
+        rc = lib.moe_decode_qa(args)
+        if rc == -1:
+            raise ValueError(f"slot ids outside [-1, {s})")
+        assert rc == 0, f"moe_decode_qa: {rc=} for {fmt}"  # -2 (no integer dots) is ruled out by _qlim
+
     def _decode_q_fast(self, x, w13, w2, slot_ids, weights) -> torch.Tensor | None:
         """The decode-sized int8/int4 call with as few Python and torch operations as there can
         be (issue 14f: under the benchmark's cache flush each costs microseconds; the glue was
         ~50 us of a 0.38 ms int4 layer): arguments packed into one int64 block for moe_decode_qa.
         None when the call is not one (the general dispatch then decides, as it always did)."""
-        fmt, lib = self.fmt, self.lib
-        assert fmt is not None and lib is not None  # _qdec_limit() >= 0
-        s = w13.shape[0]
         if (
-            s == 0
-            or x.dtype not in _QX_DTYPES
+            x.dtype not in _QX_DTYPES
             or slot_ids.dtype != torch.int64
             or weights.dtype != torch.float32
             or not (x.is_contiguous() and slot_ids.is_contiguous() and weights.is_contiguous())
         ):
             return None
-        t, h = x.shape
-        t2, k = slot_ids.shape
-        pairs = t * k
-        if t == 0 or t2 != t or h != fmt.hidden or pairs / max(1, min(s, pairs)) > self._qlim:
+        t, k = slot_ids.shape
+        if t == 0 or not self._q_sized(x, w13, t, k):
             return None
         out = torch.empty_like(x)  # [T, H]
-        bf = int(x.dtype == torch.bfloat16)
-        args = _QARGS.pack(
-            x.data_ptr(), bf, slot_ids.data_ptr(), weights.data_ptr(), t, k, s,
-            w13.data_ptr(), w13.stride(1) * w13.element_size(), w2.data_ptr(), w2.stride(1) * w2.element_size(),
-            fmt.hidden, fmt.inter, kernels.WDTYPE_CODE[fmt.wdtype], fmt.g13, fmt.g2, out.data_ptr(), bf,
-            self.threads, self.caps,
-        )  # fmt: skip
-        rc = lib.moe_decode_qa(args)
-        if rc == -1:
-            raise ValueError(f"slot ids outside [-1, {s})")
-        assert rc == 0, f"moe_decode_qa: {rc=} for {fmt}"  # -2 (no integer dots) is ruled out above
+        self._qa(x, w13, w2, slot_ids.data_ptr(), weights.data_ptr(), t, k, out)
         return out
 
     def _amx_int(self) -> bool:

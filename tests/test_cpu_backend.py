@@ -677,3 +677,78 @@ def test_amx_stealing_changes_nothing_emulated(emulated_amx, wdtype):
     assert torch.equal(outs[0], outs[1])
     ref = torch_moe(x.double(), w13.double(), w2.double(), slot_ids, weights.double())
     assert rel(outs[0], ref) < 3e-2, rel(outs[0], ref)
+
+
+@pytest.mark.parametrize("caps", ["avx2", pytest.param("vnni", marks=DEVICE_HOST)])
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_forward_into_writes_forwards_result_into_the_given_tensor(caps, wdtype, t):
+    """Session 6: the fast paths' call (routing as the wire brings it: int32 numpy ids, float32
+    numpy weights) writes forward()'s result bit for bit into a given bf16 or fp32 tensor and
+    says so; a call it does not take (bf16 weights, prefill-sized, a strided or mismatched out,
+    bf16 routing weights) returns False and leaves out untouched."""
+    if kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=1500 + t, h=256, i=128)
+    b = CpuExpertBackend(threads=4, weight_dtype=wdtype, group=64, caps=caps_of(caps))
+    p13, p2 = b.pack_weights(w13, w2)
+    ids32, wts = slot_ids.to(torch.int32).numpy(), weights.numpy()
+    for xin in (x, x.bfloat16()):
+        want = b.forward(xin, p13, p2, slot_ids, weights)  # the dispatch's own choice: the decode kernel
+        for odt in (torch.bfloat16, torch.float32):
+            out = torch.full(xin.shape, 7.0, dtype=odt)
+            assert b.forward_into(xin, p13, p2, ids32, wts, out)
+            assert torch.equal(out, want.to(odt)) if odt == xin.dtype else rel(out, want) < 1e-2
+        assert b.forward_into(xin, p13, p2, slot_ids.numpy(), wts, out)  # int64 ids too
+    out = torch.full(x.shape, 7.0)
+    strided = torch.full((t, 512), 7.0)[:, ::2]
+    assert not b.forward_into(x, p13, p2, ids32, wts.astype("float16"), out)
+    assert not b.forward_into(x, p13, p2, ids32, wts, strided) and bool((strided == 7).all())
+    assert not b.forward_into(x, p13, p2, ids32, wts, torch.full((t + 1, 256), 7.0))
+    many = torch.randint(0, S, (64, K)).to(torch.int32).numpy()  # 64 tokens: past the decode limit
+    assert not b.forward_into(
+        torch.randn(64, 256), p13, p2, many, torch.rand(64, K).numpy(), torch.empty(64, 256)
+    )
+    bf = CpuExpertBackend(threads=4, weight_dtype="bfloat16", caps=caps_of(caps))
+    q13, q2 = bf.pack_weights(w13, w2)
+    assert not bf.forward_into(x, q13, q2, ids32, wts, out) and bool((out == 7).all())
+
+
+def test_worker_fast_path_answers_int4_through_forward_into(monkeypatch):
+    """The worker's fast-path call (ExpertWorker.forward_into, the shm ring as ``into``) on an
+    int4 CPU backend takes the backend's forward_into (no forward(), no copy) and answers what
+    the gRPC path (worker.compute -> forward) answers."""
+    if kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    from types import SimpleNamespace
+
+    from expertmesh.worker.core import ExpertWorker, WorkerIdentity
+    from expertmesh.worker.slots import SlotTable
+    from expertmesh.worker_api import ExpertRequest
+
+    x, w13, w2, _, _ = inputs(1, torch.float32, seed=1600, h=256, i=128)
+
+    class Reader:
+        config = SimpleNamespace(hidden_size=256, moe_intermediate_size=128, moe_layer_ids=[0], num_experts=S)
+
+        def expert_weights(self, layer: int, e: int) -> SimpleNamespace:
+            return SimpleNamespace(w13=w13[e], w2=w2[e])
+
+    b = CpuExpertBackend(threads=2, weight_dtype="int4", group=64, caps=caps_of("avx2"))
+    slots = SlotTable(Reader(), torch.float32, torch.device("cpu"), S, b.pack_weights)  # type: ignore[arg-type]
+    slots.preload(list(range(S)))
+    worker = ExpertWorker(slots, b, WorkerIdentity("cpu", "cpu", "host"))
+    g = torch.Generator().manual_seed(5)
+    req = ExpertRequest(
+        1, 0, 0, torch.randn(2, 256, generator=g), torch.randint(-1, S, (2, K), generator=g, dtype=torch.int32),
+        torch.rand(2, K, generator=g),
+    )  # fmt: skip
+    want = worker.compute(worker.check(req))
+    calls = []
+    monkeypatch.setattr(b, "forward", lambda *a, **k: calls.append(a))  # must not be needed
+    ring = torch.full((2, 256), 7.0)
+    worker.forward_into(req, ring)
+    assert not calls and torch.equal(ring, want)
+    assert (
+        worker.stats.requests == 2 and worker.tokens_per_slot[0].sum() == int((req.slot_ids >= 0).sum()) * 2
+    )

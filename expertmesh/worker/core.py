@@ -259,11 +259,12 @@ class ExpertWorker:
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             lora = self._lora(req, layer.experts)
             x = req.hidden
-            direct = getattr(self.backend, "forward_into", None)  # gpu_server/graphs.py
+            # gpu_server/graphs.py (graphed GPU calls), cpu_expert_server/backend.py (int8/int4 decode)
+            direct = getattr(self.backend, "forward_into", None)
             dst: torch.Tensor | None = None
             if direct is not None and lora is None and req.slot_ids.device.type == "cpu":
-                # the graphed path: routing stays on the host (the graph uploads it), the answer
-                # goes straight to ``into`` (the fast path's ring) when there is one
+                # routing stays on the host (a GPU graph uploads it, the CPU kernel reads it), the
+                # answer goes straight to ``into`` (the fast path's ring) when there is one
                 dst = into if into is not None else torch.empty(x.shape, dtype=x.dtype, device=dev)
                 if not direct(x, layer.w13, layer.w2, req.slot_ids.numpy(), req.weights.numpy(), dst, loaded):
                     dst = None
