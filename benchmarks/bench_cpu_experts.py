@@ -51,6 +51,7 @@ BUDGET_S = 2.0
 CAPS = kernels.cpu_caps()
 FLUSH: torch.Tensor | None = None  # read before each timed call (None: --warm)
 WARM_CODE = False  # --warm-code: fn(-1) (the same path, no local expert) after the flush
+CALL = "forward"  # --call: what one timed rep runs (call_of)
 
 
 def l3_bytes() -> int:
@@ -107,6 +108,34 @@ def timeit_interleaved(fns: list[Callable[[int], object]], reps: int) -> list[fl
         if spent > BUDGET_S * len(fns) and r >= 2:
             break
     return [sorted(ts)[len(ts) // 2] for ts in times]
+
+
+def call_of(backend, a, b, x, routes_of, wire_of) -> Callable[[int], torch.Tensor]:
+    """What one timed rep runs. --call forward (the default, every earlier table's protocol):
+    ``backend.forward`` on int64 routing tensors. --call server: the CPU expert server's own call
+    on its fast paths (ExpertWorker._compute_locked): the routing as the wire brings it (int32
+    ids, float32 weights, handed over as numpy), the answer written into the ring (a
+    preallocated tensor) by the backend's ``forward_into`` where it takes the call, else
+    ``forward`` on the routing tensors and a copy into the ring."""
+    if CALL == "forward":
+        return lambda r: backend.forward(x, a, b, *routes_of(r))
+    ring, cpu = torch.empty_like(x), torch.device("cpu")
+    into = getattr(backend, "forward_into", None)
+
+    def serve(r: int) -> torch.Tensor:
+        ids, w = wire_of(r)
+        if into is None or not into(x, a, b, ids.numpy(), w.numpy(), ring):
+            y = backend.forward(
+                x.to(cpu, non_blocking=True),
+                a,
+                b,
+                ids.to(cpu, non_blocking=True),
+                w.to(cpu, non_blocking=True),
+            )
+            ring.copy_(y)
+        return ring
+
+    return serve
 
 
 def with_env(fn: Callable[[int], object], env: dict[str, str]) -> Callable[[int], object]:
@@ -258,6 +287,9 @@ def bench_model(
         # routes[-1 % 16] would be a real one: rep -1 (--warm-code's untimed call) gets no expert
         none = (torch.full((t, k), -1, dtype=torch.int64), torch.zeros(t, k))
         routes_of = lambda r, rs=routes, none=none: none if r < 0 else rs[r % 16]  # noqa: E731
+        wire = [(ids.to(torch.int32), w.float()) for ids, w in routes]  # --call server's routing
+        wire_none = (none[0].to(torch.int32), none[1])
+        wire_of = lambda r, ws=wire, none=wire_none: none if r < 0 else ws[r % 16]  # noqa: E731
         n_active = sum(len(torch.unique(r[0])) for r in routes) / len(routes)
         ref = TorchExpertBackend().forward(x, w13, w2, *routes[0]).float()  # [T, H]
         for label, (backend, a, b) in backends.items():
@@ -278,15 +310,20 @@ def bench_model(
             for suffix in modes:
                 if isinstance(backend, CpuExpertBackend):
                     force(backend, suffix, amx)
-                err = ((backend.forward(x, a, b, *routes[0]).float() - ref).norm() / ref.norm()).item()
-                s = timeit(lambda r, f=backend.forward, a=a, b=b, x=x, ro=routes_of: f(x, a, b, *ro(r)), reps)
+                fn = call_of(backend, a, b, x, routes_of, wire_of)
+                err = ((fn(0).float() - ref).norm() / ref.norm()).item()
+                s = timeit(fn, reps)
                 rows.append(result_row(name, t, label + suffix, s, n_active * per_expert, bw, err))
         if variants:
-            rows += split_rows(name, t, backends, variants, amx, x, routes_of, ref, n_active, bw, reps)
+            rows += split_rows(
+                name, t, backends, variants, amx, x, routes_of, wire_of, ref, n_active, bw, reps
+            )
     return rows
 
 
-def split_rows(name, t, backends, variants, amx, x, routes_of, ref, n_active, bw, reps) -> list[dict]:
+def split_rows(
+    name, t, backends, variants, amx, x, routes_of, wire_of, ref, n_active, bw, reps
+) -> list[dict]:
     """The int8/int4 decode kernel's variants (environment switches: work splits
     EXPERTMESH_QDOT_SPLIT, issue 14f's EXPERTMESH_QDOT_CHAIN/_CLAIM/_Q512) timed round robin with
     the bf16 default path ("bfloat16/il") in one interleaved group, each with the backend's own
@@ -298,7 +335,7 @@ def split_rows(name, t, backends, variants, amx, x, routes_of, ref, n_active, bw
         force(backend, "", amx)
         mine = {"il": {}} if label == "bfloat16" else variants
         for vname, env in mine.items():
-            fn = with_env(lambda r, f=backend.forward, a=a, b=b: f(x, a, b, *routes_of(r)), env)
+            fn = with_env(call_of(backend, a, b, x, routes_of, wire_of), env)
             tag = f"{label}/{vname}"
             per_expert = a[0].numel() * a.element_size() + b[0].numel() * b.element_size()
             err = ((fn(0).float() - ref).norm() / ref.norm()).item()  # type: ignore[attr-defined]
@@ -388,13 +425,21 @@ def main() -> None:
         "threads warm, weights cold, as after the previous layer in a server)",
     )
     p.add_argument(
+        "--call",
+        choices=("forward", "server"),
+        default="forward",
+        help="what a timed call runs: backend.forward on int64 routing (the earlier tables), or "
+        "the CPU server's own fast-path call (int32 routing, answer into the ring; call_of)",
+    )
+    p.add_argument(
         "--modes",
         default=None,
         help="only these forced paths besides the default one, e.g. kernel,amx (default: all)",
     )
     args = p.parse_args()
-    global BUDGET_S, CAPS, FLUSH, WARM_CODE
+    global BUDGET_S, CAPS, FLUSH, WARM_CODE, CALL
     BUDGET_S = args.budget_s
+    CALL = args.call
     WARM_CODE = args.warm_code
     if not args.warm:
         FLUSH = torch.ones(2 * l3_bytes() // 4)  # fp32: twice the L3
@@ -406,6 +451,7 @@ def main() -> None:
     info = host_info() | dram_bandwidth() | ({} if args.skip_peak else gemm_peak(threads))
     info["flush_MiB"] = 0 if FLUSH is None else FLUSH.numel() * 4 // 2**20
     info["warm_code"] = WARM_CODE
+    info["call"] = CALL
     print(json.dumps(info), flush=True)
     models = args.models.split(",")
     info |= torch_gemv(*MODELS[models[0]])
