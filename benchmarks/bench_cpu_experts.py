@@ -114,7 +114,7 @@ def call_of(backend, a, b, x, routes_of, wire_of) -> Callable[[int], torch.Tenso
     """What one timed rep runs. --call forward (the default, every earlier table's protocol):
     ``backend.forward`` on int64 routing tensors. --call server: the CPU expert server's own call
     on its fast paths (ExpertWorker._compute_locked): the routing as the wire brings it (int32
-    ids, float32 weights, handed over as numpy), the answer written into the ring (a
+    ids, float32 weights, host tensors), the answer written into the ring (a
     preallocated tensor) by the backend's ``forward_into`` where it takes the call, else
     ``forward`` on the routing tensors and a copy into the ring."""
     if CALL == "forward":
@@ -124,7 +124,8 @@ def call_of(backend, a, b, x, routes_of, wire_of) -> Callable[[int], torch.Tenso
 
     def serve(r: int) -> torch.Tensor:
         ids, w = wire_of(r)
-        if into is None or not into(x, a, b, ids.numpy(), w.numpy(), ring):
+        # EXPERTMESH_BENCH_NO_INTO=1 (a --variants switch): the server's call without forward_into
+        if into is None or "EXPERTMESH_BENCH_NO_INTO" in os.environ or not into(x, a, b, ids, w, ring):
             y = backend.forward(
                 x.to(cpu, non_blocking=True),
                 a,

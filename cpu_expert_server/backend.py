@@ -25,7 +25,6 @@ import logging
 import struct
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -56,8 +55,10 @@ AMX_INT_MIN_TOKENS = 4
 # at 64 int8 was within noise of them; one OpenMP call per layer instead of several per expert
 # also keeps it steady next to busy neighbours)
 GEMV_INT_MAX_TOKENS = 48
-# moe_decode_qa's argument block: moe_decode_q's 20 arguments as int64 (issue 14f)
-_QARGS = struct.Struct("20q")
+# moe_decode_qa's argument block: moe_decode_q's 20 arguments as int64 (issue 14f), then whether
+# the slot ids are int32
+_QARGS = struct.Struct("21q")
+_QIDS = {torch.int64: 0, torch.int32: 1}
 _QX_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -168,31 +169,36 @@ class CpuExpertBackend(ExpertBackend):
 
     def forward_into(self, x, w13, w2, slot_ids, weights, out: torch.Tensor, loaded: object = None) -> bool:
         """The fast paths' call (ExpertWorker._compute_locked): the MoE of ``x [T, H]`` written
-        straight into ``out [T, H]`` (the answer ring, bf16 or fp32) with the routing as host
-        numpy arrays as the wire brings it (``slot_ids [T, K]`` int32 or int64, ``weights
-        [T, K]`` float32), for the decode-sized int8/int4 calls :meth:`forward` sends to the
-        integer-dot kernel: no output allocated, no copy into the ring, no torch conversion of
-        the routing (session 6: after the benchmark's cache flush ``torch.empty_like`` alone took
-        ~30 us of a 0.3 ms int4 layer, and int32 ids missed :meth:`_decode_q_fast`). False
-        (nothing written): any other call; the caller then uses :meth:`forward`. ``loaded``:
-        the GPU graphs' argument (gpu_server/graphs.py), unused here."""
+        straight into ``out [T, H]`` (the answer ring, bf16 or fp32) with the routing as the
+        wire brings it (host ``slot_ids [T, K]`` int32 or int64, ``weights [T, K]`` float32),
+        for the decode-sized int8/int4 calls :meth:`forward` sends to the integer-dot kernel: no
+        output allocated, no copy into the ring, no conversion of the ids (the kernel widens
+        int32). Session 6: the server's call (int32 ids) missed :meth:`_decode_q_fast` and took
+        the general dispatch (an int64 conversion, 20 ctypes arguments, an output tensor, then a
+        copy into the ring); after the benchmark's cache flush each torch call there costs
+        microseconds. False (nothing written): any other call; the caller then uses
+        :meth:`forward`. ``loaded``: the GPU graphs' argument (gpu_server/graphs.py), unused."""
         if (
             self._qdec_limit() < 0
-            or weights.dtype != np.float32
-            or slot_ids.dtype not in (np.int32, np.int64)
+            or slot_ids.dtype not in _QIDS
+            or weights.dtype != torch.float32
             or x.dtype not in _QX_DTYPES
             or out.dtype not in _QX_DTYPES
             or out.is_cuda
             or out.shape != x.shape
-            or not (x.is_contiguous() and out.is_contiguous())
+            or weights.shape != slot_ids.shape
+            or not (
+                x.is_contiguous()
+                and out.is_contiguous()
+                and slot_ids.is_contiguous()
+                and weights.is_contiguous()
+            )
         ):
             return False
         t, k = slot_ids.shape
-        if t == 0 or weights.shape != (t, k) or not self._q_sized(x, w13, t, k):
+        if t == 0 or not self._q_sized(x, w13, t, k):
             return False
-        ids = np.ascontiguousarray(slot_ids, dtype=np.int64)  # [T, K] (a copy only from int32)
-        wts = np.ascontiguousarray(weights)
-        self._qa(x, w13, w2, ids.ctypes.data, wts.ctypes.data, t, k, out)
+        self._qa(x, w13, w2, slot_ids, weights, out)
         return True
 
     def _q_sized(self, x, w13, t: int, k: int) -> bool:
@@ -202,17 +208,18 @@ class CpuExpertBackend(ExpertBackend):
         s, pairs = w13.shape[0], t * k
         return s > 0 and x.shape == (t, fmt.hidden) and pairs / max(1, min(s, pairs)) <= self._qlim
 
-    def _qa(self, x, w13, w2, ids_ptr: int, w_ptr: int, t: int, k: int, out: torch.Tensor) -> None:
-        """One moe_decode_qa call: int64 ids and float32 weights [t, k] at those addresses, x and
-        out contiguous bf16/fp32 [t, H]."""
+    def _qa(self, x, w13, w2, slot_ids, weights, out: torch.Tensor) -> None:
+        """One moe_decode_qa call: contiguous int32/int64 ids and float32 weights [T, K], x and
+        out contiguous bf16/fp32 [T, H] (the callers checked)."""
         fmt, lib = self.fmt, self.lib
         assert fmt is not None and lib is not None
+        t, k = slot_ids.shape
         s = w13.shape[0]
         args = _QARGS.pack(
-            x.data_ptr(), int(x.dtype == torch.bfloat16), ids_ptr, w_ptr, t, k, s,
+            x.data_ptr(), int(x.dtype == torch.bfloat16), slot_ids.data_ptr(), weights.data_ptr(), t, k, s,
             w13.data_ptr(), w13.stride(1) * w13.element_size(), w2.data_ptr(), w2.stride(1) * w2.element_size(),
             fmt.hidden, fmt.inter, kernels.WDTYPE_CODE[fmt.wdtype], fmt.g13, fmt.g2,
-            out.data_ptr(), int(out.dtype == torch.bfloat16), self.threads, self.caps,
+            out.data_ptr(), int(out.dtype == torch.bfloat16), self.threads, self.caps, _QIDS[slot_ids.dtype],
         )  # fmt: skip
         rc = lib.moe_decode_qa(args)
         if rc == -1:
@@ -226,7 +233,7 @@ class CpuExpertBackend(ExpertBackend):
         None when the call is not one (the general dispatch then decides, as it always did)."""
         if (
             x.dtype not in _QX_DTYPES
-            or slot_ids.dtype != torch.int64
+            or slot_ids.dtype not in _QIDS
             or weights.dtype != torch.float32
             or not (x.is_contiguous() and slot_ids.is_contiguous() and weights.is_contiguous())
         ):
@@ -235,7 +242,7 @@ class CpuExpertBackend(ExpertBackend):
         if t == 0 or not self._q_sized(x, w13, t, k):
             return None
         out = torch.empty_like(x)  # [T, H]
-        self._qa(x, w13, w2, slot_ids.data_ptr(), weights.data_ptr(), t, k, out)
+        self._qa(x, w13, w2, slot_ids, weights, out)
         return out
 
     def _amx_int(self) -> bool:

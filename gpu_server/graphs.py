@@ -126,13 +126,13 @@ class GraphedBackend(ExpertBackend):
     ) -> bool:
         """Writes the MoE of ``x [T, H]`` (the GPU, or host memory: copied in by DMA when it is
         pinned) into ``out [T, H]`` (any device) with the routing ``slot_ids [T, K]`` int32 /
-        ``weights [T, K]`` float32 given as host numpy arrays; False (nothing done) when this
-        request is not graphed. The caller orders what reads ``out`` after this stream."""
+        ``weights [T, K]`` float32 given as host tensors; False (nothing done) when this request
+        is not graphed. The caller orders what reads ``out`` after this stream."""
         g = loaded if loaded is not None else self.graph_for(x, w13, w2, slot_ids.shape[1])
         if g is None:
             return False
         t = x.shape[0]
-        g.staging.fill(slot_ids, weights)
+        g.staging.fill(slot_ids.numpy(), weights.numpy())
         if loaded is None:
             g.x[:t].copy_(x, non_blocking=True)
         g.graph.replay()  # uploads the staging block first

@@ -22,7 +22,13 @@ import pytest
 import torch
 
 from cpu_expert_server import kernels
-from cpu_expert_server.backend import GEMV_INT_MAX_TOKENS, GEMV_MAX_TOKENS, CpuExpertBackend, make_backend
+from cpu_expert_server.backend import (
+    _QARGS,
+    GEMV_INT_MAX_TOKENS,
+    GEMV_MAX_TOKENS,
+    CpuExpertBackend,
+    make_backend,
+)
 from cpu_expert_server.packing import (
     QMAX,
     PackedFormat,
@@ -572,8 +578,9 @@ def test_decode_prefetch_chain_and_claims_agree_bit_for_bit(monkeypatch, caps, w
 def test_decode_fast_path_matches_the_general_dispatch(monkeypatch, wdtype):
     """Issue 14f: decode-sized int8/int4 calls go straight to moe_decode_qa (the arguments in one
     int64 block) with the general path's (``_decode`` -> moe_decode_q) result bit for bit; what
-    it does not take (int32 ids, bf16 routing weights, a non-contiguous x, more tokens per expert
-    than the limit) goes the general way; a bad slot id is still a ValueError."""
+    it does not take (bf16 routing weights, a non-contiguous x, more tokens per expert than the
+    limit) goes the general way; int32 ids (the wire's) take it too since session 6 (the kernel
+    widens them); a bad slot id is still a ValueError."""
     if kernels.load() is None:
         pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
     x, w13, w2, slot_ids, weights = inputs(3, torch.float32, seed=950, h=256, i=128)
@@ -590,17 +597,18 @@ def test_decode_fast_path_matches_the_general_dispatch(monkeypatch, wdtype):
 
     monkeypatch.setattr(b.lib, "moe_decode_qa", spy)
     for xx in (x, x.bfloat16()):
-        fast = b.forward(xx, p13, p2, slot_ids, weights)
-        assert calls.pop() == 160 and fast.dtype == xx.dtype
-        assert torch.equal(fast, b._decode(xx, p13, p2, slot_ids, weights, code))
+        for ids in (slot_ids, slot_ids.int()):
+            fast = b.forward(xx, p13, p2, ids, weights)
+            assert calls.pop() == _QARGS.size and fast.dtype == xx.dtype
+            assert torch.equal(fast, b._decode(xx, p13, p2, slot_ids, weights, code))
     wide = torch.cat([x, x], dim=1)[:, :256]  # [T, H], not contiguous
-    for args in ((x, slot_ids.int(), weights), (x, slot_ids, weights.bfloat16()), (wide, slot_ids, weights)):
+    for args in ((x, slot_ids, weights.bfloat16()), (wide, slot_ids, weights)):
         out = b.forward(args[0], p13, p2, args[1], args[2])
         assert not calls
         assert torch.equal(out, b._decode(args[0], p13, p2, args[1], args[2], code))
     with pytest.raises(ValueError, match="slot ids"):
         b.forward(x, p13, p2, slot_ids.clamp(min=0) + S, weights)
-    assert calls.pop() == 160
+    assert calls.pop() == _QARGS.size
     assert torch.equal(b.forward(x, p13, p2, slot_ids[:, :0], weights[:, :0]), torch.zeros_like(x))  # K = 0
     calls.clear()
     b.gemv_max_tokens = 1  # 3 tokens x 3 experts over 6 slots: 1.5 per expert, past the limit
@@ -683,35 +691,40 @@ def test_amx_stealing_changes_nothing_emulated(emulated_amx, wdtype):
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 @pytest.mark.parametrize("t", [1, 3])
 def test_forward_into_writes_forwards_result_into_the_given_tensor(caps, wdtype, t):
-    """Session 6: the fast paths' call (routing as the wire brings it: int32 numpy ids, float32
-    numpy weights) writes forward()'s result bit for bit into a given bf16 or fp32 tensor and
-    says so; a call it does not take (bf16 weights, prefill-sized, a strided or mismatched out,
-    bf16 routing weights) returns False and leaves out untouched."""
+    """Session 6: the fast paths' call (routing as the wire brings it: int32 ids, float32
+    weights; the kernel widens the ids) writes forward()'s result bit for bit into a given bf16
+    or fp32 tensor and says so; int64 ids too; a call it does not take (bf16 weights,
+    prefill-sized, a strided or mismatched out, non-float32 routing weights, strided ids)
+    returns False and leaves out untouched; a bad slot id is a ValueError."""
     if kernels.load() is None:
         pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
     x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=1500 + t, h=256, i=128)
     b = CpuExpertBackend(threads=4, weight_dtype=wdtype, group=64, caps=caps_of(caps))
     p13, p2 = b.pack_weights(w13, w2)
-    ids32, wts = slot_ids.to(torch.int32).numpy(), weights.numpy()
+    ids32 = slot_ids.to(torch.int32)
     for xin in (x, x.bfloat16()):
         want = b.forward(xin, p13, p2, slot_ids, weights)  # the dispatch's own choice: the decode kernel
         for odt in (torch.bfloat16, torch.float32):
-            out = torch.full(xin.shape, 7.0, dtype=odt)
-            assert b.forward_into(xin, p13, p2, ids32, wts, out)
-            assert torch.equal(out, want.to(odt)) if odt == xin.dtype else rel(out, want) < 1e-2
-        assert b.forward_into(xin, p13, p2, slot_ids.numpy(), wts, out)  # int64 ids too
+            for ids in (ids32, slot_ids):
+                out = torch.full(xin.shape, 7.0, dtype=odt)
+                assert b.forward_into(xin, p13, p2, ids, weights, out)
+                assert torch.equal(out, want) if odt == xin.dtype else rel(out, want) < 1e-2
     out = torch.full(x.shape, 7.0)
     strided = torch.full((t, 512), 7.0)[:, ::2]
-    assert not b.forward_into(x, p13, p2, ids32, wts.astype("float16"), out)
-    assert not b.forward_into(x, p13, p2, ids32, wts, strided) and bool((strided == 7).all())
-    assert not b.forward_into(x, p13, p2, ids32, wts, torch.full((t + 1, 256), 7.0))
-    many = torch.randint(0, S, (64, K)).to(torch.int32).numpy()  # 64 tokens: past the decode limit
-    assert not b.forward_into(
-        torch.randn(64, 256), p13, p2, many, torch.rand(64, K).numpy(), torch.empty(64, 256)
-    )
+    assert not b.forward_into(x, p13, p2, ids32, weights.half(), out)
+    assert not b.forward_into(x, p13, p2, torch.cat([ids32, ids32], 1)[:, ::2], weights, out)
+    assert not b.forward_into(x, p13, p2, ids32, weights, strided) and bool((strided == 7).all())
+    assert not b.forward_into(x, p13, p2, ids32, weights, torch.full((t + 1, 256), 7.0))
+    many = torch.randint(0, S, (64, K), dtype=torch.int32)  # 64 tokens: past the decode limit
+    assert not b.forward_into(torch.randn(64, 256), p13, p2, many, torch.rand(64, K), torch.empty(64, 256))
+    assert bool((out == 7).all())
+    bad = ids32.clone()
+    bad[0, 0] = S
+    with pytest.raises(ValueError, match="slot ids outside"):
+        b.forward_into(x, p13, p2, bad, weights, out)
     bf = CpuExpertBackend(threads=4, weight_dtype="bfloat16", caps=caps_of(caps))
     q13, q2 = bf.pack_weights(w13, w2)
-    assert not bf.forward_into(x, q13, q2, ids32, wts, out) and bool((out == 7).all())
+    assert not bf.forward_into(x, q13, q2, ids32, weights, out) and bool((out == 7).all())
 
 
 def test_worker_fast_path_answers_int4_through_forward_into(monkeypatch):

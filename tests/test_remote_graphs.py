@@ -90,7 +90,7 @@ def test_server_graphs_match_the_kernels_and_plain_torch():
 
 
 def test_server_graphs_write_straight_into_the_ring():
-    """GraphedBackend.forward_into (the fast paths): routing from host numpy arrays (uploaded by
+    """GraphedBackend.forward_into (the fast paths): routing from host tensors (uploaded by
     the graph), hidden on the GPU or in pinned host memory, answer into a GPU or host buffer;
     equal to the same kernels at the bucket's size, across re-padding and staging reuse."""
     import numpy as np
@@ -114,7 +114,7 @@ def test_server_graphs_write_straight_into_the_ring():
         on_host = n % 3 == 2
         xin = x.cpu().pin_memory() if on_host else x
         out = torch.full((t, h), float("nan"), device="cpu" if on_host else "cuda")
-        done = graphed.forward_into(xin, a13, a2, ids.cpu().numpy(), w.cpu().numpy(), out)
+        done = graphed.forward_into(xin, a13, a2, ids.cpu(), w.cpu(), out)
         assert done == (t <= 8), t
         if done:
             torch.cuda.synchronize()

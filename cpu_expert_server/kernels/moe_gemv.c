@@ -249,12 +249,23 @@ int moe_decode_q(const void *x, int xbf16, const int64_t *slot_ids, const float 
 }
 
 /* moe_decode_q with its 20 arguments in one int64 block, in order (issue 14f: ctypes converts one
- * argument instead of 20 per call; under a cold cache each conversion costs microseconds) */
+ * argument instead of 20 per call; under a cold cache each conversion costs microseconds), then
+ * a[20]: the slot ids are int32 (the wire's), widened here rather than by a torch call */
 int moe_decode_qa(const int64_t *a) {
-    return moe_decode_q((const void *)a[0], (int)a[1], (const int64_t *)a[2], (const float *)a[3], (int)a[4], (int)a[5],
-                        (int)a[6], (const uint8_t *)a[7], (long)a[8], (const uint8_t *)a[9], (long)a[10], (int)a[11],
-                        (int)a[12], (int)a[13], (int)a[14], (int)a[15], (void *)a[16], (int)a[17], (int)a[18],
-                        (int)a[19]);
+    const int n = (int)a[4] * (int)a[5];
+    const int64_t *ids = (const int64_t *)a[2];
+    int64_t *wide = NULL;
+    if (a[20]) {
+        wide = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+        for (int p = 0; p < n; p++) wide[p] = ((const int32_t *)a[2])[p];
+        ids = wide;
+    }
+    const int rc = moe_decode_q((const void *)a[0], (int)a[1], ids, (const float *)a[3], (int)a[4], (int)a[5], (int)a[6],
+                                (const uint8_t *)a[7], (long)a[8], (const uint8_t *)a[9], (long)a[10], (int)a[11],
+                                (int)a[12], (int)a[13], (int)a[14], (int)a[15], (void *)a[16], (int)a[17], (int)a[18],
+                                (int)a[19]);
+    free(wide);
+    return rc;
 }
 
 /* x [T, H] fp32; slot_ids [T, K] int64 (-1 = not here); weights [T, K] fp32; out [T, H] fp32.

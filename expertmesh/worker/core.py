@@ -266,7 +266,7 @@ class ExpertWorker:
                 # routing stays on the host (a GPU graph uploads it, the CPU kernel reads it), the
                 # answer goes straight to ``into`` (the fast path's ring) when there is one
                 dst = into if into is not None else torch.empty(x.shape, dtype=x.dtype, device=dev)
-                if not direct(x, layer.w13, layer.w2, req.slot_ids.numpy(), req.weights.numpy(), dst, loaded):
+                if not direct(x, layer.w13, layer.w2, req.slot_ids, req.weights, dst, loaded):
                     dst = None
             if dst is None:
                 dst = self.backend.forward(
