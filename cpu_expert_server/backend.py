@@ -59,6 +59,8 @@ GEMV_INT_MAX_TOKENS = 48
 # the slot ids are int32
 _QARGS = struct.Struct("21q")
 _QIDS = {torch.int64: 0, torch.int32: 1}
+# moe_amx_a's argument block (session 6): moe_amx/_q's arguments, dtype flags, which kernel
+_AARGS = struct.Struct("22q")
 _QX_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -171,19 +173,22 @@ class CpuExpertBackend(ExpertBackend):
         """The fast paths' call (ExpertWorker._compute_locked): the MoE of ``x [T, H]`` written
         straight into ``out [T, H]`` (the answer ring, bf16 or fp32) with the routing as the
         wire brings it (host ``slot_ids [T, K]`` int32 or int64, ``weights [T, K]`` float32),
-        for the decode-sized int8/int4 calls :meth:`forward` sends to the integer-dot kernel: no
-        output allocated, no copy into the ring, no conversion of the ids (the kernel widens
-        int32). Session 6: the server's call (int32 ids) missed :meth:`_decode_q_fast` and took
-        the general dispatch (an int64 conversion, 20 ctypes arguments, an output tensor, then a
-        copy into the ring); after the benchmark's cache flush each torch call there costs
-        microseconds. False (nothing written): any other call; the caller then uses
-        :meth:`forward`. ``loaded``: the GPU graphs' argument (gpu_server/graphs.py), unused."""
+        for the calls :meth:`forward` sends to the integer-dot decode kernel or to AMX: the
+        conversions happen in C, no output is allocated, nothing is copied into the ring.
+        Session 6: the server's call (int32 ids) missed :meth:`_decode_q_fast`, and every call
+        paid torch conversions, ctypes arguments, an output tensor and a copy into the ring;
+        after the benchmark's cache flush each costs microseconds. False (nothing written): any
+        other call (and bf16 x into an fp32 ``out``, which forward rounds to bf16 first); the
+        caller then uses :meth:`forward`, so both paths answer the same bits. ``loaded``: the
+        GPU graphs' argument (gpu_server/graphs.py), unused."""
         if (
-            self._qdec_limit() < 0
+            self.lib is None
+            or self.fmt is None
             or slot_ids.dtype not in _QIDS
             or weights.dtype != torch.float32
             or x.dtype not in _QX_DTYPES
             or out.dtype not in _QX_DTYPES
+            or (x.dtype, out.dtype) == (torch.bfloat16, torch.float32)  # forward rounds to bf16 first
             or out.is_cuda
             or out.shape != x.shape
             or weights.shape != slot_ids.shape
@@ -196,9 +201,34 @@ class CpuExpertBackend(ExpertBackend):
         ):
             return False
         t, k = slot_ids.shape
-        if t == 0 or not self._q_sized(x, w13, t, k):
+        if t == 0 or w13.shape[0] == 0 or x.shape != (t, self.fmt.hidden):
             return False
-        self._qa(x, w13, w2, slot_ids, weights, out)
+        if self._qdec_limit() >= 0 and self._q_sized(x, w13, t, k):
+            self._qa(x, w13, w2, slot_ids, weights, out)
+            return True
+        return self._amx_into(x, w13, w2, slot_ids, weights, out)
+
+    def _amx_into(self, x, w13, w2, slot_ids, weights, out: torch.Tensor) -> bool:
+        """forward_into for the calls :meth:`forward` sends to :meth:`_amx` (one moe_amx_a call,
+        the same kernels and roundings); False for the others."""
+        fmt, lib = self.fmt, self.lib
+        assert fmt is not None and lib is not None
+        wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
+        pairs = slot_ids.numel()
+        per_expert = pairs / max(1, min(w13.shape[0], pairs))
+        if wcode is None or not hasattr(lib, "moe_amx_a") or not self._use_amx(x, wcode, pairs, per_expert):
+            return False
+        t, k = slot_ids.shape
+        args = _AARGS.pack(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), slot_ids.data_ptr(), _QIDS[slot_ids.dtype],
+            weights.data_ptr(), t, k, w13.shape[0], w13.data_ptr(), w13.stride(1) * w13.element_size(),
+            w2.data_ptr(), w2.stride(1) * w2.element_size(), fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2,
+            out.data_ptr(), int(out.dtype == torch.bfloat16), self.threads, int(self._amx_int()),
+        )  # fmt: skip
+        rc = lib.moe_amx_a(args)
+        if rc == -1:
+            raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
+        assert rc == 0, f"moe_amx rejected {fmt}: {rc=}"
         return True
 
     def _q_sized(self, x, w13, t: int, k: int) -> bool:

@@ -693,7 +693,8 @@ def test_amx_stealing_changes_nothing_emulated(emulated_amx, wdtype):
 def test_forward_into_writes_forwards_result_into_the_given_tensor(caps, wdtype, t):
     """Session 6: the fast paths' call (routing as the wire brings it: int32 ids, float32
     weights; the kernel widens the ids) writes forward()'s result bit for bit into a given bf16
-    or fp32 tensor and says so; int64 ids too; a call it does not take (bf16 weights,
+    or fp32 tensor and says so (bf16 x into fp32 declined: forward rounds to bf16 first); int64
+    ids too; a call it does not take (bf16 weights,
     prefill-sized, a strided or mismatched out, non-float32 routing weights, strided ids)
     returns False and leaves out untouched; a bad slot id is a ValueError."""
     if kernels.load() is None:
@@ -707,8 +708,11 @@ def test_forward_into_writes_forwards_result_into_the_given_tensor(caps, wdtype,
         for odt in (torch.bfloat16, torch.float32):
             for ids in (ids32, slot_ids):
                 out = torch.full(xin.shape, 7.0, dtype=odt)
+                if (xin.dtype, odt) == (torch.bfloat16, torch.float32):  # forward rounds to bf16 first
+                    assert not b.forward_into(xin, p13, p2, ids, weights, out) and bool((out == 7).all())
+                    continue
                 assert b.forward_into(xin, p13, p2, ids, weights, out)
-                assert torch.equal(out, want) if odt == xin.dtype else rel(out, want) < 1e-2
+                assert torch.equal(out, want.to(odt))
     out = torch.full(x.shape, 7.0)
     strided = torch.full((t, 512), 7.0)[:, ::2]
     assert not b.forward_into(x, p13, p2, ids32, weights.half(), out)
@@ -725,6 +729,35 @@ def test_forward_into_writes_forwards_result_into_the_given_tensor(caps, wdtype,
     bf = CpuExpertBackend(threads=4, weight_dtype="bfloat16", caps=caps_of(caps))
     q13, q2 = bf.pack_weights(w13, w2)
     assert not bf.forward_into(x, q13, q2, ids32, weights, out) and bool((out == 7).all())
+
+
+@pytest.mark.parametrize("amx", ["emulated", pytest.param("real", marks=DEVICE_HOST)])
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("t", [1, 40])
+def test_forward_into_amx_calls_match_forward(emulated_amx, amx, wdtype, t):
+    """Session 6: forward_into takes the calls forward() sends to AMX (bf16 weights at every size,
+    int8/int4 past the decode kernel's limit) through one moe_amx_a call that converts in C: the
+    result equals forward()'s bit for bit in every x / ids / out dtype combination (the fp32
+    result rounded to bf16 as torch rounds it)."""
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=1700 + t, h=128, i=64)
+    w13, w2 = w13.bfloat16(), w2.bfloat16()  # a checkpoint's weights, as the slot table reads them
+    if amx == "emulated":
+        b = CpuExpertBackend(threads=3, weight_dtype=wdtype, group=64, caps=caps_of("avx2"))
+        b.lib, b.caps, b.amx = emulated_amx, b.caps | kernels.CAPS["amx"][0], True
+    else:
+        b = CpuExpertBackend(threads=16, weight_dtype=wdtype, group=64, caps=caps_of("amx"))
+        assert b.amx
+    p13, p2 = b.pack_weights(w13, w2)
+    for xin in (x.bfloat16(), x) if wdtype != "bfloat16" else (x.bfloat16(),):
+        want = b.forward(xin, p13, p2, slot_ids, weights)
+        for ids in (slot_ids.to(torch.int32), slot_ids):
+            for odt in (torch.bfloat16, torch.float32):
+                out = torch.full(xin.shape, 7.0, dtype=odt)
+                took = b.forward_into(xin, p13, p2, ids, weights, out)
+                assert took == ((xin.dtype, odt) != (torch.bfloat16, torch.float32)), (xin.dtype, odt)
+                assert torch.equal(out, want.to(odt)) if took else bool((out == 7).all())
+    if wdtype == "bfloat16":  # fp32 activations on bf16 weights are not an AMX call: forward's
+        assert not b.forward_into(x, p13, p2, slot_ids, weights, torch.empty_like(x))
 
 
 def test_worker_fast_path_answers_int4_through_forward_into(monkeypatch):

@@ -114,6 +114,9 @@ def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | 
     lib.moe_amx.restype = i
     lib.moe_amx_q.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i]
     lib.moe_amx_q.restype = i
+    if hasattr(lib, "moe_amx_a"):  # session 6: moe_amx/_q's arguments as int64 [22]
+        lib.moe_amx_a.argtypes = [ctypes.c_char_p]
+        lib.moe_amx_a.restype = i
     if hasattr(lib, "moe_amx_peak"):  # a baseline copy of the kernels may predate it
         lib.moe_amx_peak.argtypes = [i, i, L, i]
         lib.moe_amx_peak.restype = ctypes.c_double

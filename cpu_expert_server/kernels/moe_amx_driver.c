@@ -566,3 +566,48 @@ int moe_amx_q(const float *x, const int64_t *slot_ids, const float *weights, int
     const AmxCall cl = {wdtype == 1 ? TILES_S8 : TILES_U8, wdtype, h_, i_, g13, g2, w13, w2, row13, row2};
     return amx_moe(&cl, x, slot_ids, weights, t_, k_, s_, act, out, nthreads);
 }
+
+/* moe_amx (a[21] == 0) or moe_amx_q (a[21] == 1) with the conversions around them done here and
+ * every argument in one int64 block (session 6: the fast paths' call, backend.forward_into; after
+ * the benchmark's cache flush each torch conversion and ctypes argument costs microseconds):
+ * a[0] x [T, H], a[1] x is bf16 (else fp32), a[2] slot ids [T, K], a[3] they are int32 (else
+ * int64), a[4] weights [T, K] fp32, a[5] T, a[6] K, a[7] S, a[8] w13, a[9] row13, a[10] w2,
+ * a[11] row2, a[12] H, a[13] I, a[14] RB, a[15] wdtype, a[16] g13, a[17] g2, a[18] out [T, H],
+ * a[19] out is bf16 (else fp32: written in place), a[20] threads. Returns as moe_amx. */
+int moe_amx_a(const int64_t *a) {
+    const int t_ = (int)a[5], k_ = (int)a[6], h_ = (int)a[12], i_ = (int)a[13], n = t_ * k_;
+    const size_t th = (size_t)(t_ > 0 ? t_ : 1) * (size_t)h_;
+    float *x32 = NULL, *o32 = NULL, *act = NULL;
+    int64_t *wide = NULL;
+    const float *x = (const float *)a[0];
+    if (a[1]) {
+        x32 = malloc(sizeof(float) * th);
+        const uint16_t *xb = (const uint16_t *)a[0];
+        for (size_t j = 0; j < (size_t)t_ * h_; j++) {
+            const uint32_t u = (uint32_t)xb[j] << 16;
+            memcpy(x32 + j, &u, sizeof u);
+        }
+        x = x32;
+    }
+    const int64_t *ids = (const int64_t *)a[2];
+    if (a[3]) {
+        wide = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+        for (int p = 0; p < n; p++) wide[p] = ((const int32_t *)a[2])[p];
+        ids = wide;
+    }
+    float *out = a[19] ? (o32 = malloc(sizeof(float) * th)) : (float *)a[18];
+    const uint8_t *w13 = (const uint8_t *)a[8], *w2 = (const uint8_t *)a[10];
+    int rc;
+    if (a[21]) {
+        act = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * (size_t)i_);
+        rc = moe_amx_q(x, ids, (const float *)a[4], t_, k_, (int)a[7], w13, (long)a[9], w2, (long)a[11], h_, i_,
+                       (int)a[14], (int)a[15], (int)a[16], (int)a[17], act, out, (int)a[20]);
+    } else {
+        rc = moe_amx(x, ids, (const float *)a[4], t_, k_, (int)a[7], w13, (long)a[9], w2, (long)a[11], h_, i_,
+                     (int)a[14], (int)a[15], (int)a[16], (int)a[17], out, (int)a[20]);
+    }
+    if (rc == 0 && a[19])
+        for (size_t j = 0; j < (size_t)t_ * h_; j++) ((uint16_t *)a[18])[j] = to_bf16(o32[j]);
+    free(x32), free(o32), free(act), free(wide);
+    return rc;
+}
