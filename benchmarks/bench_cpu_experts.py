@@ -334,7 +334,13 @@ def split_rows(
         if not isinstance(backend, CpuExpertBackend):
             continue
         force(backend, "", amx)
-        mine = {"il": {}} if label == "bfloat16" else variants
+        # bf16 takes the variants that switch the benchmark's own call (EXPERTMESH_BENCH_*) too
+        bench_only = {
+            f"il-{n}": e
+            for n, e in variants.items()
+            if e and all(k.startswith("EXPERTMESH_BENCH_") for k in e)
+        }
+        mine = {"il": {}} | bench_only if label == "bfloat16" else variants
         for vname, env in mine.items():
             fn = with_env(call_of(backend, a, b, x, routes_of, wire_of), env)
             tag = f"{label}/{vname}"
