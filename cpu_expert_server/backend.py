@@ -129,9 +129,7 @@ class CpuExpertBackend(ExpertBackend):
             return self._with_lora(x, w13, w2, slot_ids, weights, lora)
         fmt = self.fmt
         assert h == fmt.hidden, f"{h=} {fmt=}"
-        wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
-        pairs = slot_ids.numel()
-        per_expert = pairs / max(1, min(w13.shape[0], pairs))  # a lower bound on the mean
+        wcode, pairs, per_expert = self._call_shape(w13, slot_ids)
         if self.lib is not None and wcode is not None and self._use_amx(x, wcode, pairs, per_expert):
             return self._amx(x, w13, w2, slot_ids, weights, wcode)
         limit = self.gemv_limit()
@@ -213,9 +211,7 @@ class CpuExpertBackend(ExpertBackend):
         the same kernels and roundings); False for the others."""
         fmt, lib = self.fmt, self.lib
         assert fmt is not None and lib is not None
-        wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
-        pairs = slot_ids.numel()
-        per_expert = pairs / max(1, min(w13.shape[0], pairs))
+        wcode, pairs, per_expert = self._call_shape(w13, slot_ids)
         if wcode is None or not hasattr(lib, "moe_amx_a") or not self._use_amx(x, wcode, pairs, per_expert):
             return False
         t, k = slot_ids.shape
@@ -230,6 +226,15 @@ class CpuExpertBackend(ExpertBackend):
             raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
         assert rc == 0, f"moe_amx rejected {fmt}: {rc=}"
         return True
+
+    def _call_shape(self, w13, slot_ids) -> tuple[int | None, int, float]:
+        """The kernels' weight code (None: none takes these weights), the (token, expert) pairs
+        and a lower bound on the mean pairs per active expert: what the dispatch decides by."""
+        fmt = self.fmt
+        assert fmt is not None
+        wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
+        pairs = slot_ids.numel()
+        return wcode, pairs, pairs / max(1, min(w13.shape[0], pairs))
 
     def _q_sized(self, x, w13, t: int, k: int) -> bool:
         """A decode-sized call of x [t, H] the integer-dot kernel takes (the dispatch's limit)."""

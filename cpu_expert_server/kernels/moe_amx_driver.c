@@ -578,23 +578,14 @@ int moe_amx_a(const int64_t *a) {
     const int t_ = (int)a[5], k_ = (int)a[6], h_ = (int)a[12], i_ = (int)a[13], n = t_ * k_;
     const size_t th = (size_t)(t_ > 0 ? t_ : 1) * (size_t)h_;
     float *x32 = NULL, *o32 = NULL, *act = NULL;
-    int64_t *wide = NULL;
     const float *x = (const float *)a[0];
     if (a[1]) {
         x32 = malloc(sizeof(float) * th);
-        const uint16_t *xb = (const uint16_t *)a[0];
-        for (size_t j = 0; j < (size_t)t_ * h_; j++) {
-            const uint32_t u = (uint32_t)xb[j] << 16;
-            memcpy(x32 + j, &u, sizeof u);
-        }
+        row_to_f32((const uint8_t *)a[0], 0, t_ * h_, 1, x32); /* bf16 -> fp32, exact */
         x = x32;
     }
-    const int64_t *ids = (const int64_t *)a[2];
-    if (a[3]) {
-        wide = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
-        for (int p = 0; p < n; p++) wide[p] = ((const int32_t *)a[2])[p];
-        ids = wide;
-    }
+    int64_t *wide = a[3] ? widen_ids((const int32_t *)a[2], n) : NULL;
+    const int64_t *ids = wide ? wide : (const int64_t *)a[2];
     float *out = a[19] ? (o32 = malloc(sizeof(float) * th)) : (float *)a[18];
     const uint8_t *w13 = (const uint8_t *)a[8], *w2 = (const uint8_t *)a[10];
     int rc;

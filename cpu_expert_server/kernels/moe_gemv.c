@@ -248,18 +248,19 @@ int moe_decode_q(const void *x, int xbf16, const int64_t *slot_ids, const float 
                             g2, NULL, out, obf16, nthreads, kind == DOT_QVNNI);
 }
 
+/* n int32 slot ids (the wire's) widened to int64 (malloc'd: the caller frees) */
+static int64_t *widen_ids(const int32_t *ids, int n) {
+    int64_t *wide = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+    for (int p = 0; p < n; p++) wide[p] = ids[p];
+    return wide;
+}
+
 /* moe_decode_q with its 20 arguments in one int64 block, in order (issue 14f: ctypes converts one
  * argument instead of 20 per call; under a cold cache each conversion costs microseconds), then
  * a[20]: the slot ids are int32 (the wire's), widened here rather than by a torch call */
 int moe_decode_qa(const int64_t *a) {
-    const int n = (int)a[4] * (int)a[5];
-    const int64_t *ids = (const int64_t *)a[2];
-    int64_t *wide = NULL;
-    if (a[20]) {
-        wide = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
-        for (int p = 0; p < n; p++) wide[p] = ((const int32_t *)a[2])[p];
-        ids = wide;
-    }
+    int64_t *wide = a[20] ? widen_ids((const int32_t *)a[2], (int)a[4] * (int)a[5]) : NULL;
+    const int64_t *ids = wide ? wide : (const int64_t *)a[2];
     const int rc = moe_decode_q((const void *)a[0], (int)a[1], ids, (const float *)a[3], (int)a[4], (int)a[5], (int)a[6],
                                 (const uint8_t *)a[7], (long)a[8], (const uint8_t *)a[9], (long)a[10], (int)a[11],
                                 (int)a[12], (int)a[13], (int)a[14], (int)a[15], (void *)a[16], (int)a[17], (int)a[18],

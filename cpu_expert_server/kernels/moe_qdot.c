@@ -123,17 +123,24 @@ static inline __attribute__((always_inline)) void pf_step(const uint8_t *w, int 
         for (int l = 0; l < step; l += 64) pf_line(w + pf + l);
 }
 
-/* 8 vectors, a[p] holding partial sums of row 2p in lanes 0..7 and of row 2p + 1 in lanes 8..15 ->
- * one vector whose lane r is row r's sum (the int4 loop's accumulators; 22 instructions where
- * hsum16 of 16 vectors takes 45) */
-static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum8x2(const __m512i *a) {
-    __m512i b[4], c[2];
+/* the first two reduction steps of hsum8x2 and hsum8_512: 8 vectors -> 2, dword j of each
+ * 128-bit lane of c[i] holding that lane's sum over a[4i + j] */
+static inline __attribute__((always_inline, target(VNNI_TARGET))) void lane_sums4(const __m512i *a, __m512i *c) {
+    __m512i b[4];
     for (int i = 0; i < 4; i++) /* per 128-bit lane: a[2i]'s pair sums in dwords 0, 2, a[2i + 1]'s in 1, 3 */
         b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
                                 _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
     for (int i = 0; i < 2; i++) /* per 128-bit lane: a[4i .. 4i + 3]'s partial sums over that lane */
         c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
                                 _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+}
+
+/* 8 vectors, a[p] holding partial sums of row 2p in lanes 0..7 and of row 2p + 1 in lanes 8..15 ->
+ * one vector whose lane r is row r's sum (the int4 loop's accumulators; 22 instructions where
+ * hsum16 of 16 vectors takes 45) */
+static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum8x2(const __m512i *a) {
+    __m512i c[2];
+    lane_sums4(a, c);
     /* 128-bit lanes 0 + 1 of c[i] are rows 8i, 8i + 2, 8i + 4, 8i + 6; lanes 2 + 3 the odd rows */
     const __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                        _mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -248,13 +255,8 @@ static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_
 /* 8 vectors, a[r] holding partial sums of row r in all 16 lanes -> a vector holding row r's sum
  * in lanes r and r + 8 (the int8 pair loop's half blocks, blended into one vector after) */
 static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum8_512(const __m512i *a) {
-    __m512i b[4], c[2];
-    for (int i = 0; i < 4; i++)
-        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
-                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 2; i++) /* per 128-bit lane: a[4i .. 4i + 3]'s partial sums over that lane */
-        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
-                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+    __m512i c[2];
+    lane_sums4(a, c);
     /* e: 128-bit lanes c0 (0 + 1), c0 (2 + 3), c1 (0 + 1), c1 (2 + 3); f: lane 0 rows 0..3, lane 2 rows 4..7 */
     const __m512i e = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                        _mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
