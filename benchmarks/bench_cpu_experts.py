@@ -51,7 +51,7 @@ BUDGET_S = 2.0
 CAPS = kernels.cpu_caps()
 FLUSH: torch.Tensor | None = None  # read before each timed call (None: --warm)
 WARM_CODE = False  # --warm-code: fn(-1) (the same path, no local expert) after the flush
-CALL = "forward"  # --call: what one timed rep runs (call_of)
+CALL = "server"  # --call: what one timed rep runs (call_of)
 
 
 def l3_bytes() -> int:
@@ -111,9 +111,9 @@ def timeit_interleaved(fns: list[Callable[[int], object]], reps: int) -> list[fl
 
 
 def call_of(backend, a, b, x, routes_of, wire_of) -> Callable[[int], torch.Tensor]:
-    """What one timed rep runs. --call forward (the default, every earlier table's protocol):
-    ``backend.forward`` on int64 routing tensors. --call server: the CPU expert server's own call
-    on its fast paths (ExpertWorker._compute_locked): the routing as the wire brings it (int32
+    """What one timed rep runs. --call forward (every table before session 7's):
+    ``backend.forward`` on int64 routing tensors. --call server (the default since session 7):
+    the CPU expert server's own call on its fast paths (ExpertWorker._compute_locked): the routing as the wire brings it (int32
     ids, float32 weights, host tensors), the answer written into the ring (a
     preallocated tensor) by the backend's ``forward_into`` where it takes the call, else
     ``forward`` on the routing tensors and a copy into the ring."""
@@ -434,9 +434,9 @@ def main() -> None:
     p.add_argument(
         "--call",
         choices=("forward", "server"),
-        default="forward",
-        help="what a timed call runs: backend.forward on int64 routing (the earlier tables), or "
-        "the CPU server's own fast-path call (int32 routing, answer into the ring; call_of)",
+        default="server",
+        help="what a timed call runs: the CPU server's own fast-path call (int32 routing, answer "
+        "into the ring; call_of), or backend.forward on int64 routing (the tables before session 7)",
     )
     p.add_argument(
         "--modes",
