@@ -259,7 +259,7 @@ class ExpertWorker:
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             lora = self._lora(req, layer.experts)
             x = req.hidden
-            # gpu_server/graphs.py (graphed GPU calls), cpu_expert_server/backend.py (int8/int4 decode)
+            # gpu_server/graphs.py (graphed GPU calls), cpu_expert_server/backend.py (integer-dot decode, AMX)
             direct = getattr(self.backend, "forward_into", None)
             dst: torch.Tensor | None = None
             if direct is not None and lora is None and req.slot_ids.device.type == "cpu":
