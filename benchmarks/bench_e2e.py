@@ -14,7 +14,7 @@ router weights, the distinct experts the batch touches -- expected value under u
 
 Remote modes (``--remote``): ``expertmesh gpu-server --device cuda:G`` in its own process per
 depth, the coordinator's engine in this process with a :class:`RemoteDispatcher` per transport
-(piecewise decode graphs, coordinator/remote_graphs.py). Their floor is the two-process floor:
+(piecewise decode graphs, coordinator/model/remote_graphs.py). Their floor is the two-process floor:
 the in-process layer plus one same-GPU context-switch round trip
 (benchmarks/bench_gpu_context_switch.py, measured in the same run).
 
@@ -44,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.engine import Engine  # noqa: E402
-from coordinator.kv_cache import KVCacheSpec  # noqa: E402
+from coordinator.model.engine import Engine  # noqa: E402
+from coordinator.model.kv_cache import KVCacheSpec  # noqa: E402
 
 # real_depth: decoder layers of the real model; kv_per_token: elements per token per layer a
 # decode step must read from the KV history (MLA: the compressed latent, what the model needs)
@@ -295,9 +295,9 @@ def remote_engine(
     link: str = "",
 ):
     """A CUDA coordinator engine whose experts all live on the server at ``address``; ``link``:
-    the device link mode (coordinator/cluster_config.py LINK_MODES; "" = EXPERTMESH_LINK's)."""
-    from coordinator.loader import load_model
-    from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+    the device link mode (coordinator/experts/cluster_config.py LINK_MODES; "" = EXPERTMESH_LINK's)."""
+    from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+    from coordinator.model.loader import load_model
     from expertmesh.checkpoint import CheckpointReader
 
     reader = CheckpointReader(str(ck))

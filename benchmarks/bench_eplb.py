@@ -149,9 +149,9 @@ def e2e(args: argparse.Namespace) -> None:
 
     import grpc
 
-    from coordinator.cluster_config import ClusterConfig, ServerSpec
     from coordinator.eplb.plan import EplbConfig
-    from coordinator.server import CoordinatorConfig
+    from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+    from coordinator.serving.server import CoordinatorConfig
     from expertmesh.client import AsyncClient
     from expertmesh.demo import write_demo_model
     from expertmesh.v1 import admin_pb2, admin_pb2_grpc

@@ -2,7 +2,7 @@
 
 Random-weight Qwen3-30B-A3B widths (bf16; H 2048, 32/4 heads of 128, 128 experts, top-8, expert
 I 768, vocab 151936), a checkpoint of ``--depth`` layers. Decode runs as the server runs it:
-piecewise CUDA graphs between the MoE dispatches (coordinator/remote_graphs.py), buckets 1 and
+piecewise CUDA graphs between the MoE dispatches (coordinator/model/remote_graphs.py), buckets 1 and
 4. The per-layer time is measured directly: the median interval between two consecutive MoE
 dispatches of a step (it holds one whole layer: the segment replay, route, sends, the wait and
 the sum); ``fixed`` = median step - depth x per-layer; tokens/s at the real depth (48) =
@@ -11,7 +11,7 @@ the sum); ``fixed`` = median step - depth x per-layer; tokens/s at the real dept
 - ``gpu_all`` / ``cpu_all``: every expert on the GPU server / on the CPU server (baselines);
 - ``hybrid G%``: ``--num-gpu-experts`` = G% of the experts, the rest on the CPU server;
 - ``hybrid/main-wait G%``: the same with main's wait before issue 14h2 (before/after);
-- ``defer N G%``: the same with ``--cpu-defer-experts N`` (coordinator/deferral.py);
+- ``defer N G%``: the same with ``--cpu-defer-experts N`` (coordinator/model/deferral.py);
 - ``cpu_share G%`` / ``gpu_share G%``: the hybrid placement with only the CPU (GPU) server's
   requests sent (the other share dropped: numbers wrong, time = that share alone).
 
@@ -49,12 +49,12 @@ from safetensors.torch import save_file
 # NOTE: a baseline child imports the coordinator from --baseline-root (BENCH_LIB_ROOT), not here
 sys.path.insert(0, os.environ.get("BENCH_LIB_ROOT") or str(Path(__file__).resolve().parents[1]))
 
-from coordinator.deferral import DeferredSums  # noqa: E402
-from coordinator.dispatch import Pending  # noqa: E402
-from coordinator.engine import Engine  # noqa: E402
-from coordinator.kv_cache import KVCacheSpec  # noqa: E402
-from coordinator.loader import load_model  # noqa: E402
-from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec  # noqa: E402
+from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec  # noqa: E402
+from coordinator.model.deferral import DeferredSums  # noqa: E402
+from coordinator.model.dispatch import Pending  # noqa: E402
+from coordinator.model.engine import Engine  # noqa: E402
+from coordinator.model.kv_cache import KVCacheSpec  # noqa: E402
+from coordinator.model.loader import load_model  # noqa: E402
 from expertmesh.checkpoint import CheckpointReader  # noqa: E402
 
 QWEN3_30B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, inter=768,
@@ -138,7 +138,7 @@ class ProbedDispatcher(RemoteDispatcher):
 
     - ``share`` (``"cpu"`` / ``"gpu"``) sends only that kind of server's requests (the share's
       time alone); ``"all"`` sends everything;
-    - :meth:`set_defer` turns ``--cpu-defer-experts`` on or off (coordinator/deferral.py);
+    - :meth:`set_defer` turns ``--cpu-defer-experts`` on or off (coordinator/model/deferral.py);
     - ``main_wait``: main's wait before issue 14h2, each answer summed as it is collected
       (zeros launched right after the sends, the first answer's copy to the GPU and its add
       while the other server still computes), for a before/after in the same run.
@@ -335,7 +335,7 @@ def run_rows(args, w, path: Path, groups, gpu_address: str, cpu_addresses: list[
                 print("transports:", [i.get("transport") for i in d.server_infos()], flush=True)
                 eng = Engine(model, d, KVCacheSpec(pages, 16), dtype, device, cuda_graphs=False)
                 if device.type == "cuda":
-                    from coordinator.remote_graphs import RemoteDecodeGraphs
+                    from coordinator.model.remote_graphs import RemoteDecodeGraphs
 
                     graphs = RemoteDecodeGraphs(model, eng.cache, pages, None, d, buckets=BUCKETS)
             use(eng, d, graphs)

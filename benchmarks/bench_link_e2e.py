@@ -1,7 +1,7 @@
 """The device link end to end in ONE process on one GPU: what a linked decode step costs when
 the two sides do not time-slice (issue 10's "expert server on its own GPU" without a second GPU).
 
-The coordinator's real engine (coordinator/remote_graphs.py: the linked whole-step graphs, the
+The coordinator's real engine (coordinator/model/remote_graphs.py: the linked whole-step graphs, the
 slot table, the LinkStep/replay/error-read step) runs on the default stream; the expert
 server's real step graphs (gpu_server/link_graphs.py ``LinkGraphs``) run on a second stream of
 the same process, launched where the coordinator sends its LinkStep. One context: the two
@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_e2e import QWEN3_30B, TINY, em_decode_ms, write_checkpoint  # noqa: E402
 
-from coordinator.cuda_graphs import BUCKETS  # noqa: E402
-from coordinator.dispatch import LocalDispatcher  # noqa: E402
-from coordinator.engine import Engine  # noqa: E402
-from coordinator.kv_cache import KVCacheSpec  # noqa: E402
-from coordinator.loader import load_model  # noqa: E402
+from coordinator.model.cuda_graphs import BUCKETS  # noqa: E402
+from coordinator.model.dispatch import LocalDispatcher  # noqa: E402
+from coordinator.model.engine import Engine  # noqa: E402
+from coordinator.model.kv_cache import KVCacheSpec  # noqa: E402
+from coordinator.model.loader import load_model  # noqa: E402
 from expertmesh.checkpoint import CheckpointReader  # noqa: E402
 from expertmesh.transport import link  # noqa: E402
 from expertmesh.transport.client import LinkAreas  # noqa: E402

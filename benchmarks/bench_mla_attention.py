@@ -1,5 +1,5 @@
 """MLA decode attention at DeepSeek-V2-Lite widths: the absorbed kernel over the latent cache
-(coordinator/kernels/mla_attention.py, a few tile configs, with and without split-KV) against the paged kernel over the
+(coordinator/model/kernels/mla_attention.py, a few tile configs, with and without split-KV) against the paged kernel over the
 decompressed per-head K/V that the cache held before (16 heads, K 192, V 128), same run, with
 the bytes each must read from the cache over the measured copy bandwidth.
 
@@ -19,9 +19,9 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.batch import ForwardBatch  # noqa: E402
-from coordinator.kernels.mla_attention import mla_attention_triton  # noqa: E402
-from coordinator.kernels.paged_attention import paged_attention_triton  # noqa: E402
+from coordinator.model.batch import ForwardBatch  # noqa: E402
+from coordinator.model.kernels.mla_attention import mla_attention_triton  # noqa: E402
+from coordinator.model.kernels.paged_attention import paged_attention_triton  # noqa: E402
 
 HQ, RKV, DR, DN, DV, PAGE = 16, 512, 64, 128, 128, 16
 

@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.synthetic import write_moe_layer  # noqa: E402
-from coordinator.dispatch import LocalDispatcher  # noqa: E402
-from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec  # noqa: E402
+from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec  # noqa: E402
+from coordinator.model.dispatch import LocalDispatcher  # noqa: E402
 from expertmesh import placement as pl  # noqa: E402
 from expertmesh.checkpoint import CheckpointReader  # noqa: E402
 from expertmesh.wire import parse_dtype  # noqa: E402

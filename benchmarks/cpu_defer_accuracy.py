@@ -1,4 +1,4 @@
-"""Accuracy cost of ``--cpu-defer-experts N`` on the shipped demo model (coordinator/deferral.py).
+"""Accuracy cost of ``--cpu-defer-experts N`` on the shipped demo model (coordinator/model/deferral.py).
 
 A GPU expert server (``--device cpu`` unless told) and a CPU expert server over the demo
 checkpoint, ``--num-gpu-experts G`` for each G given; teacher-forced over held-out documents
@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.remote import ClusterConfig, ServerSpec  # noqa: E402
+from coordinator.experts.remote import ClusterConfig, ServerSpec  # noqa: E402
 from expertmesh.demo import corpus, write_demo_model  # noqa: E402
 from expertmesh.demo.tokenizer import encode_document  # noqa: E402
 from tests.cluster_utils import start_server  # noqa: E402

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from coordinator.dispatch import LocalDispatcher
-from coordinator.engine import Engine
+from coordinator.model.dispatch import LocalDispatcher
+from coordinator.model.engine import Engine
 from cpu_expert_server.backend import CpuExpertBackend
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.demo import corpus, write_demo_model

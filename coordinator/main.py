@@ -3,7 +3,7 @@
 With ``--gpu-server``/``--cpu-server`` the routed experts run on those expert servers; without
 any, every expert runs in this process. Prints ``coordinator listening on HOST:PORT`` once the
 port is bound (health turns SERVING when the expert servers are ready); SIGINT or SIGTERM drains
-it (coordinator/drain.py) and stops it cleanly.
+it (coordinator/serving/drain.py) and stops it cleanly.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import signal
 import sys
 from collections.abc import Coroutine
 
-from coordinator.cluster_config import ClusterConfig
-from coordinator.coordinator_config import DTYPES, CoordinatorConfig, parse_size
+from coordinator.config import DTYPES, CoordinatorConfig, InputLimits, parse_size
 from coordinator.eplb.plan import EplbConfig
-from coordinator.requests import InputLimits
+from coordinator.experts.cluster_config import ClusterConfig
 from expertmesh import auth, cores
 from expertmesh.tls import TLSConfig
 
@@ -141,8 +140,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 
 async def serve(config: CoordinatorConfig) -> int:
-    from coordinator.drain import drain
-    from coordinator.server import create_server
+    from coordinator.serving.drain import drain
+    from coordinator.serving.server import create_server
 
     server = create_server(config)
     port = server.add_port(f"{config.host}:{config.port}")  # issue 15c: TLS with --tls-cert

@@ -21,7 +21,7 @@ class ConfigError(ValueError):
     """The checkpoint's config asks for something this code does not support."""
 
 
-# rope types whose frequencies do not depend on the batch; see coordinator/models/rope.py
+# rope types whose frequencies do not depend on the batch; see coordinator/model/models/rope.py
 ROPE_TYPES = ("default", "linear", "yarn")
 
 

@@ -2,7 +2,7 @@
 sends to an expert server and what the server says about itself.
 
 :class:`ExpertRequest` is the one shape of "one MoE layer's routed work for one server". The
-dispatcher builds it (coordinator/remote.py), each transport encodes and decodes exactly this
+dispatcher builds it (coordinator/experts/remote.py), each transport encodes and decodes exactly this
 type (gRPC: :func:`expertmesh.wire.encode_request` / :func:`~expertmesh.wire.decode_request`;
 shared memory: :meth:`expertmesh.transport.client.ShmClient.send` /
 ``expertmesh.transport.server.ShmServer._decode``), and the worker core

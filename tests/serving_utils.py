@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.server import CoordinatorConfig, CoordinatorServer, create_server
+from coordinator.serving.server import CoordinatorConfig, CoordinatorServer, create_server
 
 WORDS = [f"w{i}" for i in range(96)]  # one word per id of the tiny models' 96-token vocabulary
 

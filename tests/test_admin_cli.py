@@ -12,8 +12,8 @@ import grpc
 import httpx
 import pytest
 
-from coordinator.http.app import create_app
-from coordinator.server import CoordinatorConfig
+from coordinator.serving.http.app import create_app
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh import auth, launcher
 from expertmesh.cli import main as cli
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc

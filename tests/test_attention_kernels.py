@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from coordinator.batch import ForwardBatch
-from coordinator.kernels.paged_attention import paged_attention_triton
-from coordinator.models.attention import paged_attention_torch
+from coordinator.model.batch import ForwardBatch
+from coordinator.model.kernels.paged_attention import paged_attention_triton
+from coordinator.model.models.attention import paged_attention_torch
 
 
 def make_step(

@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator.coordinator_config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from expertmesh import auth, errors
 from expertmesh.experts import TorchExpertBackend
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc

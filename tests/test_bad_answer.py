@@ -16,11 +16,11 @@ import grpc
 import pytest
 import torch
 
-from coordinator.dispatch import Dispatcher
-from coordinator.engine import Engine
-from coordinator.remote import ClusterConfig, ExpertServerError, ServerSpec
-from coordinator.sampler import SamplingParams
-from coordinator.scheduler import Scheduler, SchedulerLimits
+from coordinator.experts.remote import ClusterConfig, ExpertServerError, ServerSpec
+from coordinator.model.dispatch import Dispatcher
+from coordinator.model.engine import Engine
+from coordinator.serving.sampler import SamplingParams
+from coordinator.serving.scheduler import Scheduler, SchedulerLimits
 from tests.cluster_utils import _LISTEN, ROOT, ServerProc, spawn, start_server
 from tests.hf_models import make_checkpoint
 from tests.test_cluster import engine_for
@@ -176,7 +176,7 @@ def test_without_a_replica_only_the_requests_needing_it_fail(ckpt, good, tmp_pat
 
 
 def test_the_answer_check_names_what_is_wrong():
-    from coordinator.remote import _malformed
+    from coordinator.experts.remote import _malformed
 
     assert _malformed(torch.zeros(3, 4), 3, 4) == ""
     assert _malformed(torch.zeros(3, 4, dtype=torch.bfloat16), 3, 4) == ""

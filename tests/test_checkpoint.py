@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from coordinator.engine import Engine
-from coordinator.loader import load_model
+from coordinator.model.engine import Engine
+from coordinator.model.loader import load_model
 from expertmesh.checkpoint import CheckpointError, CheckpointReader
 from expertmesh.config import ConfigError, ModelConfig
 from tests.hf_models import make_checkpoint

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from coordinator.engine import Engine
-from coordinator.kv_cache import KVCacheSpec
-from coordinator.loader import load_model
-from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+from coordinator.model.engine import Engine
+from coordinator.model.kv_cache import KVCacheSpec
+from coordinator.model.loader import load_model
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.v1 import expert_worker_pb2 as pb
 from tests.cluster_utils import start_server

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from coordinator.engine import Engine
-from coordinator.remote import ClusterConfig, ExpertServerError, ServerSpec
+from coordinator.experts.remote import ClusterConfig, ExpertServerError, ServerSpec
+from coordinator.model.engine import Engine
 from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint
 from tests.test_cluster import engine_for

@@ -16,10 +16,10 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from coordinator.engine import Engine
-from coordinator.kv_cache import KVCacheSpec
-from coordinator.loader import load_model
-from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+from coordinator.model.engine import Engine
+from coordinator.model.kv_cache import KVCacheSpec
+from coordinator.model.loader import load_model
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.demo import WEIGHTS_DIR, write_demo_model
 from tests.cluster_utils import start_server

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from coordinator.cluster import ExpertCluster, ServerState
-from coordinator.cluster_config import ClusterConfig, ServerSpec
-from coordinator.expert_conn import ExpertServerError
+from coordinator.experts.cluster import ExpertCluster, ServerState
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+from coordinator.experts.expert_conn import ExpertServerError
 from expertmesh import errors
 from expertmesh import placement as pl
 from expertmesh.transport import negotiate

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec
 from expertmesh.checkpoint import CheckpointReader
 from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint

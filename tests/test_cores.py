@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from coordinator.cluster_config import ClusterConfig
+from coordinator.experts.cluster_config import ClusterConfig
 from expertmesh import cores, launcher
 from expertmesh.worker.config import WorkerConfig
 

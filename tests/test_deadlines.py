@@ -12,9 +12,9 @@ import grpc
 import httpx
 import pytest
 
-from coordinator.sampler import SamplingParams
-from coordinator.scheduler import DeadlineExceeded
-from coordinator.server import CoordinatorConfig
+from coordinator.serving.sampler import SamplingParams
+from coordinator.serving.scheduler import DeadlineExceeded
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh.demo import WEIGHTS_DIR
 from expertmesh.v1 import generation_pb2, generation_pb2_grpc
 from tests.serving_utils import ServerThread, one_thread  # noqa: F401  (fixture)

@@ -1,4 +1,4 @@
-"""``--cpu-defer-experts N`` (coordinator/deferral.py) on the demo model over a real cluster.
+"""``--cpu-defer-experts N`` (coordinator/model/deferral.py) on the demo model over a real cluster.
 
 Reference: HF transformers' Qwen3-MoE (attention, norms, router and experts are its modules)
 with the deferral re-stated in plain torch around them: each token's N lowest-weight CPU pairs
@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.cluster_config import ClusterConfig, ServerSpec
-from coordinator.deferral import DeferredSums, defer_mask
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+from coordinator.model.deferral import DeferredSums, defer_mask
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.demo import write_demo_model
 from tests.cluster_utils import start_server
@@ -89,7 +89,7 @@ def test_deferral_keeps_the_piecewise_decode_graphs_unless_a_dense_layer_sits_be
     """A CUDA coordinator replays deferral from its piecewise graphs (tests/test_deferral_gpu.py
     checks the numbers); a dense layer between two MoE layers would take the held-back sum one
     layer late there, so that model decodes eagerly."""
-    from coordinator.remote import RemoteDispatcher
+    from coordinator.experts.remote import RemoteDispatcher
     from expertmesh.config import ModelConfig
 
     raw = dict(

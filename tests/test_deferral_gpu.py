@@ -1,5 +1,5 @@
 """``--cpu-defer-experts N`` on a CUDA coordinator: a GPU expert server on the GPU and a CPU
-expert server, decode replayed from the piecewise graphs (coordinator/remote_graphs.py adds the
+expert server, decode replayed from the piecewise graphs (coordinator/model/remote_graphs.py adds the
 held-back sums between segments) and run eagerly (the fused CUDA path's Carry).
 
 Reference: HF transformers' Qwen3-MoE on the CPU with the deferral re-stated in plain torch
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.cluster_config import ClusterConfig, ServerSpec
-from coordinator.engine import Engine
-from coordinator.remote_graphs import RemoteDecodeGraphs
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+from coordinator.model.engine import Engine
+from coordinator.model.remote_graphs import RemoteDecodeGraphs
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.demo import write_demo_model
 from tests.cluster_utils import start_server

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.degraded import degraded_placement
+from coordinator.eplb.degraded import degraded_placement
 from expertmesh import placement as pl
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests.cluster_utils import start_server

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from coordinator.engine import Engine
+from coordinator.model.engine import Engine
 from expertmesh.config import ModelConfig
 from expertmesh.demo import OPTIONAL_FILES, REQUIRED_FILES, WEIGHTS_DIR, DemoModelMissing, write_demo_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.engine import Engine
+from coordinator.model.engine import Engine
 from tests.hf_models import make_checkpoint
 
 
@@ -44,9 +44,9 @@ def test_cuda_engine_matches_cpu(arch, tmp_path):
 def test_load_hook_sees_graph_steps(tmp_path):
     """The expert-load hook (EPLB's recorder) counts the same routing with and without graphs:
     graph steps report each MoE layer's ids after the replay, padding rows left out."""
-    from coordinator.dispatch import LocalDispatcher
-    from coordinator.kv_cache import KVCacheSpec
-    from coordinator.loader import load_model
+    from coordinator.model.dispatch import LocalDispatcher
+    from coordinator.model.kv_cache import KVCacheSpec
+    from coordinator.model.loader import load_model
     from expertmesh.checkpoint import CheckpointReader
 
     make_checkpoint("qwen3_moe", tmp_path)

@@ -18,9 +18,9 @@ import json
 import grpc
 import pytest
 
-from coordinator.cluster_config import ClusterConfig, ServerSpec
 from coordinator.eplb.plan import EplbConfig
-from coordinator.server import CoordinatorConfig
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh import cli
 from expertmesh.client import AsyncClient
 from expertmesh.demo import write_demo_model

@@ -8,7 +8,7 @@ import torch
 
 from coordinator.eplb.manager import EplbManager
 from coordinator.eplb.plan import EplbConfig
-from coordinator.load_recorder import LoadRecorder
+from coordinator.experts.load_recorder import LoadRecorder
 from expertmesh import placement as pl
 
 LAYERS, EXPERTS = [0, 1], 8
@@ -126,7 +126,7 @@ def test_set_placement_pushes_the_next_generation():
 
 
 def cluster_manager():
-    from coordinator.eplb_target import ClusterTarget
+    from coordinator.eplb.target import ClusterTarget
     from tests.test_cluster_state import FakeServer, make
 
     gpu, cpu = FakeServer(capacity=4), FakeServer(capacity=4)

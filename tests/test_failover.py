@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from coordinator.engine import Engine
-from coordinator.remote import ClusterConfig, ServerSpec
+from coordinator.experts.remote import ClusterConfig, ServerSpec
+from coordinator.model.engine import Engine
 from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint
 from tests.test_cluster import engine_for

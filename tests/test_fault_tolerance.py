@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.engine import Engine
+from coordinator.model.engine import Engine
 from tests import lora_utils
 from tests.fault_utils import (
     Job,

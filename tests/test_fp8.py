@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from coordinator.engine import Engine
+from coordinator.model.engine import Engine
 from expertmesh import quant
 from expertmesh.checkpoint import CheckpointError, CheckpointReader
 from tests.hf_models import make_checkpoint
@@ -200,7 +200,7 @@ def test_deepseek_v3_fp8_mtp_layer_skipped_with_a_note(tmp_path, caplog):
     tensors[f"model.layers.{n}.eh_proj.weight"], tensors[f"model.layers.{n}.eh_proj.weight_scale_inv"] = w, s
     tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(64)
     save_file(tensors, fp8_dir / "model.safetensors", metadata={"format": "pt"})
-    caplog.set_level(logging.INFO, logger="coordinator.loader")
+    caplog.set_level(logging.INFO, logger="coordinator.model.loader")
     eng = Engine.from_checkpoint(str(fp8_dir), dtype=torch.float32, page_size=8)
     assert any(
         "multi-token-prediction" in r.getMessage() and "2 tensors" in r.getMessage() for r in caplog.records

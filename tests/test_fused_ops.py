@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.kernels.fused_ops import mla_rope_store, qk_norm_rope_store, rmsnorm, softmax_topk
-from coordinator.models.layers import RMSNorm, Rotary
-from coordinator.router import RouterSpec, route
+from coordinator.model.kernels.fused_ops import mla_rope_store, qk_norm_rope_store, rmsnorm, softmax_topk
+from coordinator.model.models.layers import RMSNorm, Rotary
+from coordinator.model.router import RouterSpec, route
 from expertmesh.config import RopeScaling
 
 # Qwen3's long-context setting (yarn factor 4) over a short original window, so that the
@@ -69,7 +69,7 @@ def check_mla_rope(t, hq, dn, dr, rkv, dtype, device, interleave, rope_in_float3
     key part (pairs or halves, float32 or activation-dtype rounding), the cache row written."""
     from types import SimpleNamespace
 
-    from coordinator.models.mla import MLAttention
+    from coordinator.model.models.mla import MLAttention
 
     g = torch.Generator().manual_seed(t + dr)
     q = torch.randn(t, hq, dn + dr, generator=g).to(dtype)
@@ -143,8 +143,8 @@ def test_fused_ops_real_widths_gpu():
 def test_yarn_attention_takes_fused_path_gpu(monkeypatch):
     """Qwen3 attention with YaRN (head dim 64) on CUDA goes through the fused kernel and matches
     the plain-torch CPU path of the same module, float32, positions past the original window."""
-    from coordinator.kv_cache import KVCache, KVCacheSpec
-    from coordinator.models.attention import Attention
+    from coordinator.model.kv_cache import KVCache, KVCacheSpec
+    from coordinator.model.models.attention import Attention
     from expertmesh.config import ModelConfig
     from tests.hf_models import BASE, CONFIGS
     from tests.test_attention_kernels import make_step

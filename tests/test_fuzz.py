@@ -17,8 +17,8 @@ import httpx
 import pytest
 import torch
 
-from coordinator.cluster_config import ClusterConfig, ServerSpec
-from coordinator.server import CoordinatorConfig
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh import health, wire
 from expertmesh.demo import WEIGHTS_DIR
 from expertmesh.v1 import expert_worker_pb2 as pb

@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.server import CoordinatorConfig
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh.client import Client
 from expertmesh.demo import write_demo_model
 from tests.serving_utils import ServerThread, one_thread  # noqa: F401 (autouse fixture)

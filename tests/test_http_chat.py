@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from coordinator.chat import ChatTemplate, ChatTemplateError
+from coordinator.serving.chat import ChatTemplate, ChatTemplateError
 from expertmesh.demo import WEIGHTS_DIR
 
 MESSAGES = [

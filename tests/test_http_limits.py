@@ -11,8 +11,8 @@ import grpc
 import httpx
 import pytest
 
-from coordinator.requests import InputLimits
-from coordinator.server import CoordinatorConfig
+from coordinator.serving.requests import InputLimits
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh.demo import WEIGHTS_DIR
 from expertmesh.v1 import generation_pb2, generation_pb2_grpc
 from tests.serving_utils import ServerThread, one_thread  # noqa: F401  (fixture)

@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from coordinator.server import CoordinatorConfig
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh.client import Client
 from tests import lora_utils
 from tests.serving_utils import ServerThread, one_thread  # noqa: F401 (autouse fixture)

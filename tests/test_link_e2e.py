@@ -1,5 +1,5 @@
 """The device link seen from the coordinator (issue 10; expertmesh/transport/link.py,
-coordinator/remote_graphs.py): when a linked decode step is offered and used, and what a
+coordinator/model/remote_graphs.py): when a linked decode step is offered and used, and what a
 failed one does.
 
 CPU: EXPERTMESH_LINK's modes, when a connection offers a link, and that a refused link step
@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from coordinator.cluster_config import ClusterConfig, ServerSpec, link_mode_from_env
-from coordinator.expert_conn import ServerConnection
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec, link_mode_from_env
+from coordinator.experts.expert_conn import ServerConnection
 from expertmesh.transport import descriptor as dsc
 from expertmesh.transport import segment
 from expertmesh.transport.client import ShmClient
@@ -115,7 +115,7 @@ def test_the_slot_table_follows_the_placement(tmp_path):
     layer once on one server it holds each logical expert's local slot (what the server's step
     graph indexes), and the step may link to that server; a placement split across two servers,
     or that server down, links nothing."""
-    from coordinator.remote import RemoteDispatcher
+    from coordinator.experts.remote import RemoteDispatcher
     from tests.test_cluster_state import MODEL, FakeServer, make
 
     model = SimpleNamespace(**vars(MODEL), top_k=2)
@@ -152,8 +152,8 @@ def test_a_failed_link_step_marks_the_server_down():
     """What the dispatcher does when a LinkStep goes unanswered (the connection raised) or a
     linked step came back with error bits: the server is marked down with a message that says
     why, its stream reset, the re-run counted."""
-    from coordinator.expert_conn import ExpertServerError
-    from coordinator.remote import RemoteDispatcher
+    from coordinator.experts.expert_conn import ExpertServerError
+    from coordinator.experts.remote import RemoteDispatcher
     from expertmesh import errors
     from expertmesh.transport import link
     from tests.test_cluster_state import MODEL, FakeServer, make
@@ -204,7 +204,7 @@ def _linked_cluster(tmp_path, monkeypatch, arch: str, server_device: str, mode: 
 
 
 def _check_linked_decode(tmp_path, eng, d) -> None:
-    from coordinator.engine import Engine
+    from coordinator.model.engine import Engine
     from tests.test_parity import rel_err
 
     ref = Engine.from_checkpoint(str(tmp_path), device="cuda:0", num_pages=64, page_size=4)
@@ -245,8 +245,8 @@ def test_an_error_bit_is_never_sampled_and_a_killed_server_fails_clearly(tmp_pat
     error, never wrong logits; once the server is back steps link again. Then the server is
     killed between two decode steps: the request fails with a clear error, as on the piecewise
     path, and nothing hangs much past the expert timeout."""
-    from coordinator.engine import Engine
-    from coordinator.expert_conn import ExpertServerError
+    from coordinator.experts.expert_conn import ExpertServerError
+    from coordinator.model.engine import Engine
     from tests.test_parity import rel_err
 
     srv, eng, d = _linked_cluster(tmp_path, monkeypatch, "qwen3_moe", "cuda:0", "force", 20)

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from coordinator.load_recorder import LoadRecorder
+from coordinator.experts.load_recorder import LoadRecorder
 
 
 def test_window_and_totals_match_python_counts():

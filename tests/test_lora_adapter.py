@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from coordinator.engine import Engine
 from coordinator.lora import AdapterError, enable_lora, load_adapter
+from coordinator.model.engine import Engine
 from expertmesh.config import ModelConfig
 from tests import lora_utils
 

@@ -18,8 +18,8 @@ import grpc
 import pytest
 import torch
 
-from coordinator.remote import ClusterConfig, ServerSpec
-from coordinator.server import CoordinatorConfig
+from coordinator.experts.remote import ClusterConfig, ServerSpec
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh.cli import main as cli
 from expertmesh.client import AsyncClient, Client
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.engine import Engine
 from coordinator.lora import enable_lora
+from coordinator.model.engine import Engine
 from tests import lora_utils
 from tests.hf_models import ARCHS
 from tests.test_parity import hf_greedy, rel_err

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.remote import ClusterConfig, ServerSpec
-from coordinator.server import CoordinatorConfig
+from coordinator.experts.remote import ClusterConfig, ServerSpec
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh.client import Client
 from expertmesh.config import ModelConfig
 from expertmesh.demo import write_demo_model

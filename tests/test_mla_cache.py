@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.kernels.mla_attention import mla_attention_triton
-from coordinator.kv_cache import KVCache, KVCacheSpec
-from coordinator.models.mla import mla_attention_torch
+from coordinator.model.kernels.mla_attention import mla_attention_triton
+from coordinator.model.kv_cache import KVCache, KVCacheSpec
+from coordinator.model.models.mla import mla_attention_torch
 from expertmesh.config import ModelConfig
 from tests.test_attention_kernels import MIXED, make_step, rel_err
 
@@ -59,8 +59,8 @@ def test_triton_path_matches_torch_path_cpu(arch, tmp_path):
     """The CUDA code path of MLAttention (fused rope/norm/store, absorbed bmm's, the latent
     kernel), run under the interpreter, against the plain-torch path on the same checkpoint:
     a mixed prefill, decode steps, and an extend over a cached prefix beside a decode row."""
-    from coordinator.engine import Engine
-    from coordinator.models.mla import MLAttention
+    from coordinator.model.engine import Engine
+    from coordinator.model.models.mla import MLAttention
     from tests.hf_models import make_checkpoint
 
     make_checkpoint(arch, tmp_path)
@@ -124,7 +124,7 @@ def test_kernel_deepseek_widths_gpu(dtype):
 def test_cuda_engine_matches_cpu_mla(arch, tmp_path):
     """The CUDA engine (absorbed kernel for every step, decode graphs) against the CPU engine
     (absorbed decode, decompressed prefill) on the same latent-cache checkpoint, float32."""
-    from coordinator.engine import Engine
+    from coordinator.model.engine import Engine
     from tests.hf_models import make_checkpoint
 
     make_checkpoint(arch, tmp_path)
@@ -156,8 +156,8 @@ def test_cuda_engine_matches_cpu_mla(arch, tmp_path):
 def test_cuda_engine_lora_on_kv_b_proj_gpu(tmp_path):
     """LoRA on kv_b_proj (absorbed into q_lat and the output on CUDA, folded into the weight on
     the CPU) and on the other MLA projections: CUDA engine vs CPU engine, adapter and base rows."""
-    from coordinator.engine import Engine
     from coordinator.lora import enable_lora
+    from coordinator.model.engine import Engine
     from tests import lora_utils
 
     hf = lora_utils.make_model("deepseek_v3", tmp_path / "model")

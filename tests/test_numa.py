@@ -465,7 +465,7 @@ def test_cluster_with_a_split_cpu_server_matches_hf(tmp_path):
     every expert on the split server, then after a placement push that changes its slots."""
     import torch
 
-    from coordinator.remote import ClusterConfig, ServerSpec
+    from coordinator.experts.remote import ClusterConfig, ServerSpec
     from expertmesh.checkpoint import CheckpointReader
     from tests.cluster_utils import _LISTEN, ServerProc, spawn
     from tests.hf_models import make_checkpoint

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from coordinator.expert_conn import ExpertServerError
+from coordinator.experts.expert_conn import ExpertServerError
 from tests.test_cluster_state import FakeServer, make
 
 

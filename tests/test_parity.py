@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from coordinator.engine import Engine
+from coordinator.model.engine import Engine
 from tests.hf_models import ARCHS, make_checkpoint
 
 DECODE_STEPS = 8

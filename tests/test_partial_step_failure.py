@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import grpc
 
-from coordinator.dispatch import Dispatcher
-from coordinator.remote import ExpertServerError
-from coordinator.sampler import SamplingParams
-from coordinator.scheduler import _requests_of_rows
+from coordinator.experts.remote import ExpertServerError
+from coordinator.model.dispatch import Dispatcher
+from coordinator.serving.sampler import SamplingParams
+from coordinator.serving.scheduler import _requests_of_rows
 from tests.test_serving_scheduler import Collect, ckpt, make_scheduler  # noqa: F401 (fixture)
 
 PROMPTS = [[1, 2, 3], [7, 8], [11, 4, 9, 2], [5], [13, 6], [3, 3, 8]]

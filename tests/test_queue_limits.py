@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from coordinator.sampler import SamplingParams
-from coordinator.scheduler import QueueFull
-from coordinator.server import CoordinatorConfig
+from coordinator.serving.sampler import SamplingParams
+from coordinator.serving.scheduler import QueueFull
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh.demo import WEIGHTS_DIR
 from expertmesh.v1 import generation_pb2, generation_pb2_grpc
 from tests.serving_utils import ServerThread, one_thread  # noqa: F401  (fixture)
@@ -40,7 +40,7 @@ def _hold(scheduler) -> threading.Event:
 
 
 def test_scheduler_refuses_beyond_the_queue_limits(ckpt):
-    from coordinator.scheduler import SchedulerLimits
+    from coordinator.serving.scheduler import SchedulerLimits
 
     s, _ = make_scheduler(ckpt)
     s.limits = SchedulerLimits(max_batch_tokens=16, max_running=8, max_context=128, max_queued=2,

@@ -1,5 +1,5 @@
 """Piecewise decode graphs of a CUDA coordinator with its experts on a GPU expert server
-(coordinator/remote_graphs.py): the graphed steps give the logits of the eager steps and of the
+(coordinator/model/remote_graphs.py): the graphed steps give the logits of the eager steps and of the
 in-process engine, at batch sizes that fill a bucket and that pad one, over each data path; the
 load hook sees every layer's routing."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.engine import Engine
-from coordinator.remote import ClusterConfig, ServerSpec
-from coordinator.remote_graphs import RemoteDecodeGraphs
+from coordinator.experts.remote import ClusterConfig, ServerSpec
+from coordinator.model.engine import Engine
+from coordinator.model.remote_graphs import RemoteDecodeGraphs
 from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint
 from tests.test_cluster import engine_for

@@ -1,4 +1,4 @@
-"""The remote wait of one MoE layer (coordinator/remote.py ``_waiter``): the GPU servers'
+"""The remote wait of one MoE layer (coordinator/experts/remote.py ``_waiter``): the GPU servers'
 answers are collected before the CPU servers' (sends go CPU first) and each is summed into its
 rows as it comes; every collected answer's ring space is given back."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
 

@@ -15,15 +15,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer, decoders, models
 
-from coordinator.requests import (
+from coordinator.serving.requests import (
     InputLimits,
     InvalidRequest,
     RequestLimits,
     decode_generate_request,
     parse_request,
 )
-from coordinator.server import CoordinatorConfig
-from coordinator.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from coordinator.serving.server import CoordinatorConfig
+from coordinator.serving.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from expertmesh.client import Client
 from expertmesh.demo import WEIGHTS_DIR
 from expertmesh.v1 import generation_pb2

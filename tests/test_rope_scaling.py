@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.engine import Engine
-from coordinator.models import rope
+from coordinator.model.engine import Engine
+from coordinator.model.models import rope
 from expertmesh.config import ConfigError, ModelConfig
 from tests.hf_models import BASE, CONFIGS
 from tests.test_parity import hf_greedy, rel_err

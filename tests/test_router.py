@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from coordinator.router import RouterSpec, route
+from coordinator.model.router import RouterSpec, route
 from expertmesh.config import ConfigError, ModelConfig
 
 

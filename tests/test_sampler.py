@@ -6,8 +6,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from coordinator.sampler import SamplingParams, make_generator, sample
-from coordinator.tokenizer import StopMatcher, TextTokenizer
+from coordinator.serving.sampler import SamplingParams, make_generator, sample
+from coordinator.serving.tokenizer import StopMatcher, TextTokenizer
 
 V = 50
 

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from coordinator.requests import InvalidRequest, RequestLimits, parse_request
-from coordinator.server import CoordinatorConfig
+from coordinator.serving.requests import InvalidRequest, RequestLimits, parse_request
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh import health
 from expertmesh.client import AsyncClient, Client
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2
@@ -103,7 +103,7 @@ def test_batching_invariance_and_logprobs_match_hf(server, model):
 
 def test_kv_pressure_preempts_and_stays_correct(model):
     path, refs = model
-    from coordinator.kv_cache import KVCacheSpec
+    from coordinator.model.kv_cache import KVCacheSpec
     from expertmesh.config import ModelConfig
 
     page_bytes = KVCacheSpec.bytes_per_page(ModelConfig.from_dir(path), 4, torch.float32)
@@ -254,7 +254,7 @@ def test_health_reflection_and_admin(server):
 
 
 def test_config_validation_and_sizes(model):
-    from coordinator.server import create_server, parse_size
+    from coordinator.serving.server import create_server, parse_size
 
     assert parse_size("256MiB") == parse_size("256M") == 256 << 20
     assert parse_size("1.5GB") == 3 << 29 and parse_size("4096") == 4096

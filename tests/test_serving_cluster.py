@@ -13,8 +13,8 @@ import time
 import grpc
 import pytest
 
-from coordinator.remote import ClusterConfig, ServerSpec
-from coordinator.server import CoordinatorConfig
+from coordinator.experts.remote import ClusterConfig, ServerSpec
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh import health
 from expertmesh.client import Client
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc

@@ -9,12 +9,12 @@ import time
 import grpc
 import pytest
 
-from coordinator.dispatch import Dispatcher
-from coordinator.engine import Engine
-from coordinator.remote import ExpertServerError
-from coordinator.sampler import SamplingParams
-from coordinator.scheduler import Output, Scheduler, SchedulerLimits
-from coordinator.server import CoordinatorConfig
+from coordinator.experts.remote import ExpertServerError
+from coordinator.model.dispatch import Dispatcher
+from coordinator.model.engine import Engine
+from coordinator.serving.sampler import SamplingParams
+from coordinator.serving.scheduler import Output, Scheduler, SchedulerLimits
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh.client import Client
 from tests.hf_models import make_checkpoint
 from tests.serving_utils import (

@@ -1,5 +1,5 @@
 """The numpy route of a layer whose experts sit once each on several servers (a static split,
-``--num-gpu-experts``; coordinator/remote.py ``_spread_route``) gives the batches and physical
+``--num-gpu-experts``; coordinator/experts/remote.py ``_spread_route``) gives the batches and physical
 slots of the general path (replica choice + ``split_by_server``, expertmesh/placement.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
 

@@ -13,8 +13,8 @@ import grpc
 import httpx
 import pytest
 
-from coordinator.remote import ClusterConfig, ServerSpec
-from coordinator.server import CoordinatorConfig
+from coordinator.experts.remote import ClusterConfig, ServerSpec
+from coordinator.serving.server import CoordinatorConfig
 from expertmesh import auth, health
 from expertmesh.cli import main as cli
 from expertmesh.client import Client

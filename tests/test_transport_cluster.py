@@ -15,8 +15,8 @@ import grpc
 import pytest
 import torch
 
-from coordinator.engine import Engine
-from coordinator.remote import ClusterConfig, ExpertServerError, ServerSpec
+from coordinator.experts.remote import ClusterConfig, ExpertServerError, ServerSpec
+from coordinator.model.engine import Engine
 from expertmesh.transport import descriptor as dsc
 from expertmesh.transport import segment
 from expertmesh.transport.errors import Rejected
@@ -191,7 +191,7 @@ def test_server_with_no_shm(tmp_path):
 
 COORDINATOR = """
 import sys, torch
-from coordinator.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec
 from expertmesh.checkpoint import CheckpointReader
 cfg = CheckpointReader(sys.argv[1]).config
 d = RemoteDispatcher(cfg, ClusterConfig((ServerSpec("cpu0", sys.argv[2], "cpu"),), transport="shm"), torch.float32)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator import remote
-from coordinator.engine import Engine
-from coordinator.remote import ClusterConfig, ServerSpec
+from coordinator.experts import remote
+from coordinator.experts.remote import ClusterConfig, ServerSpec
+from coordinator.model.engine import Engine
 from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint
 from tests.test_cluster import engine_for

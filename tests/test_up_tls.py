@@ -13,7 +13,7 @@ import sys
 import grpc
 import pytest
 
-from coordinator.engine import Engine
+from coordinator.model.engine import Engine
 from expertmesh import health
 from expertmesh.client import Client
 from expertmesh.tls import TLSConfig

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.dispatch import stack_experts
+from coordinator.model.dispatch import stack_experts
 from expertmesh import wire
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import torch_moe

@@ -1,4 +1,5 @@
-"""EPLB: expert-parallel load balancing as pure tensor functions (no gRPC, no state).
+"""EPLB: expert-parallel load balancing. The algorithms are pure tensor functions (no gRPC, no
+state), exported here:
 
 - :func:`rebalance_experts`: DeepSeek's interface and policies (hierarchical, global) for
   equal devices; greedy packing plus a local search that never balances worse.
@@ -6,6 +7,14 @@
   the objective is the slowest server's time per layer.
 - :func:`rebalance_few_moves`: start from the live placement; move weights only where that
   beats keeping them by more than a threshold; reports weights moved.
+
+Around them: ``plan.py`` (the EPLB config and placement tensors), ``manager.py`` (the periodic
+rebalance loop over a windowed load snapshot), ``target.py`` (the manager's view of the expert
+cluster: live placement, capacities, the two-phase push) and ``degraded.py`` (re-placement when
+a server stays down).
+
+May import: ``expertmesh``, ``coordinator.model`` and ``coordinator.experts``; the algorithms
+import nothing of the coordinator.
 """
 
 from coordinator.eplb.hetero import rebalance_heterogeneous, server_times

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from coordinator.eplb.plan import EplbConfig, RebalancePlan, plan_rebalance
-from coordinator.load_recorder import LoadRecorder
+from coordinator.experts.load_recorder import LoadRecorder
 from expertmesh import placement as pl
 
 log = logging.getLogger("expertmesh.eplb")

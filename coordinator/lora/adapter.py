@@ -35,8 +35,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from coordinator.lora.config import AdapterConfig, AdapterError
-from coordinator.models import build_model
-from coordinator.models.layers import MergedLinear
+from coordinator.model.models import build_model
+from coordinator.model.models.layers import MergedLinear
 from expertmesh.config import ModelConfig
 from expertmesh.lora import ExpertLoRA
 

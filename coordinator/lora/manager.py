@@ -18,11 +18,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from coordinator.dispatch import Dispatcher, LocalDispatcher, Pending
 from coordinator.lora.adapter import LoRAAdapter, Projection, ProjectionLoRA, load_adapter, projection_table
 from coordinator.lora.config import AdapterError
-from coordinator.models.base import CausalLM
-from coordinator.models.mla import MLAttention
+from coordinator.model.dispatch import Dispatcher, LocalDispatcher, Pending
+from coordinator.model.models.base import CausalLM
+from coordinator.model.models.mla import MLAttention
 from expertmesh.config import ModelConfig
 from expertmesh.lora import LoRABatch, MoELoRAWeights, lora_delta
 

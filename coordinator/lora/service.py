@@ -55,7 +55,7 @@ class LoRAService:
         lora_dirs: tuple[str, ...],
         between_steps: BetweenSteps,
         in_use: Callable[[str], int],
-        cluster=None,  # coordinator.cluster.ExpertCluster | None (None: experts in process)
+        cluster=None,  # coordinator.experts.cluster.ExpertCluster | None (None: experts in process)
         timeout_s: float = 60.0,
         unload_timeout_s: float = 300.0,
     ) -> None:
@@ -122,7 +122,7 @@ class LoRAService:
         are down now: each gets it when it rejoins (:meth:`on_prepare`)."""
         cluster = self.cluster
         assert cluster is not None
-        from coordinator.expert_conn import ExpertServerError
+        from coordinator.experts.expert_conn import ExpertServerError
 
         down = cluster.down()
         live = [i for i in range(len(cluster.members)) if i not in down]
@@ -147,7 +147,7 @@ class LoRAService:
         cluster = self.cluster
         if cluster is None:
             return
-        from coordinator.expert_conn import ExpertServerError
+        from coordinator.experts.expert_conn import ExpertServerError
 
         down = cluster.down()
         for i in skipped:
@@ -175,7 +175,7 @@ class LoRAService:
                 time.sleep(0.05)
             self.between_steps(lambda: self.manager.unload(name)).result()
             if self.cluster is not None:
-                from coordinator.expert_conn import ExpertServerError
+                from coordinator.experts.expert_conn import ExpertServerError
 
                 for conn in self.cluster.conns:
                     # NOTE: a server that is down now has nothing to unload we could reach

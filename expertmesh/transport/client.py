@@ -116,7 +116,7 @@ class LinkAreas:
     closed: bool = False
     next_step: int = 1  # step numbers never repeat on a link (flag 0 = nothing yet)
     # ends the waits of step N at once (link.Canceller over the linked graphs' abort word, set
-    # by coordinator/remote_graphs.py): called when this channel dies, so that a step in
+    # by coordinator/model/remote_graphs.py): called when this channel dies, so that a step in
     # flight does not spin until its timeout
     cancel: Callable[[int], None] | None = None
 
@@ -263,7 +263,7 @@ class ShmClient:
         for the next :meth:`send` of every row of this same ``x`` (no adapters): that send then
         launches nothing on the GPU. The piecewise decode graphs call this right after a
         segment's replay, so the copy's launch overlaps the segment's GPU work and the host's
-        wait for the routing covers it (coordinator/remote_graphs.py). False when there is no
+        wait for the routing covers it (coordinator/model/remote_graphs.py). False when there is no
         room or nothing to gain (a send not matching it copies as usual)."""
         self._unstage()
         if x.device.type != "cuda" or not (self.gpu or self._pinned):

@@ -1,0 +1,181 @@
+"""Where the expert servers are and how the coordinator uses them: ``ServerSpec`` and the
+frozen ``ClusterConfig`` (and its command-line flags)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from expertmesh import auth, cores
+from expertmesh.tls import TLSConfig
+from expertmesh.transport import negotiate
+
+REPLICA_POLICIES = ("static", "round_robin", "load_aware")
+# --- issue 10 (device link, expertmesh/transport/link.py): EXPERTMESH_LINK ---
+LINK_MODES = ("auto", "off", "force")  # auto: two GPUs with peer access only; force: one GPU too
+LINK_ENV = "EXPERTMESH_LINK"
+
+
+def link_mode_from_env() -> str:
+    """``EXPERTMESH_LINK``: unset/1/auto -> auto, 0/off -> off, force -> force."""
+    v = os.environ.get(LINK_ENV, "").strip().lower()
+    return {"": "auto", "1": "auto", "0": "off"}.get(v, v)
+
+
+# --- end issue 10 ---
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    address: str
+    kind: str  # "gpu" | "cpu"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gpu", "cpu"):
+            raise ValueError(f"expert server {self.name}: kind {self.kind!r}, expected gpu or cpu")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    servers: tuple[ServerSpec, ...]
+    num_gpu_experts: int | None = None  # None: all on GPU servers if no CPU server, etc., else half
+    placement_file: str | None = None
+    replica_policy: str = "static"
+    gpu_prefill_token_threshold: int = 0  # 0 = off
+    timeout_s: float = 30.0
+    transport: str = "auto"  # auto | grpc | shm | cuda_ipc (expertmesh/transport/negotiate.py)
+    max_message_mb: int = 256
+    shm_ring_mb: float = 64  # per server stream; a payload that does not fit goes over gRPC
+    # poll for a fast-path answer this long before sleeping (0 where cores are scarce)
+    shm_spin_us: float = field(default_factory=cores.default_spin_us)
+    cluster_token: str | None = field(default=None, repr=False)  # sent with placement pushes
+    tls: TLSConfig | None = None  # issue 15c: TLS to the expert servers (the coordinator's --tls-*)
+    # issue 14h: each token's N lowest-weight CPU-server experts are merged one layer later
+    # (coordinator/model/deferral.py); 0 = off. CHANGES RESULTS (an approximation, opt-in).
+    cpu_defer_experts: int = 0
+    # issue 10: the device link to a GPU expert server (coordinator/model/remote_graphs.py); read from
+    # EXPERTMESH_LINK where the config is made (LINK_MODES)
+    device_link: str = field(default_factory=link_mode_from_env)
+
+    def __post_init__(self) -> None:
+        if self.device_link not in LINK_MODES:
+            raise ValueError(f"{LINK_ENV}={self.device_link!r}: expected 0, 1, auto, off or force")
+        if self.replica_policy not in REPLICA_POLICIES:
+            raise ValueError(f"--replica-policy {self.replica_policy!r}: expected one of {REPLICA_POLICIES}")
+        if self.transport not in negotiate.CHOICES:
+            raise ValueError(f"--transport {self.transport!r}: expected one of {negotiate.CHOICES}")
+        if self.shm_ring_bytes < 4096:
+            raise ValueError(f"--shm-ring-mb {self.shm_ring_mb}: the ring needs at least 4 KiB")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--expert-timeout must be positive, got {self.timeout_s}")
+        if self.max_message_mb <= 0:
+            raise ValueError(f"max_message_mb must be positive, got {self.max_message_mb}")
+        if self.gpu_prefill_token_threshold < 0:
+            raise ValueError(
+                f"--gpu-prefill-token-threshold must be >= 0, got {self.gpu_prefill_token_threshold}"
+            )
+        names = [s.name for s in self.servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate expert server names {names}")
+        if self.cpu_defer_experts < 0:
+            raise ValueError(f"--cpu-defer-experts must be >= 0, got {self.cpu_defer_experts}")
+        if self.cpu_defer_experts and not self.cpu:
+            raise ValueError(
+                "--cpu-defer-experts needs a CPU expert server (only CPU-server experts are deferred)"
+            )
+        if self.gpu_prefill_token_threshold and not self.gpu:
+            raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server")
+
+    @property
+    def shm_ring_bytes(self) -> int:
+        return int(self.shm_ring_mb * (1 << 20)) // 4096 * 4096
+
+    @property
+    def gpu(self) -> list[ServerSpec]:
+        return [s for s in self.servers if s.kind == "gpu"]
+
+    @property
+    def cpu(self) -> list[ServerSpec]:
+        return [s for s in self.servers if s.kind == "cpu"]
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("expert servers")
+        g.add_argument("--gpu-server", action="append", default=[], metavar="HOST:PORT", help="repeatable")
+        g.add_argument("--cpu-server", action="append", default=[], metavar="HOST:PORT", help="repeatable")
+        g.add_argument("--num-gpu-experts", type=int, default=None, help="logical ids < N on GPU servers")
+        g.add_argument(
+            "--placement", default=None, metavar="FILE", help="JSON placement (see expertmesh/placement.py)"
+        )
+        g.add_argument(
+            "--replica-policy",
+            default=ClusterConfig.replica_policy,
+            choices=list(REPLICA_POLICIES),
+            help="which replica of an expert gets a token: the first, in turn, or the least loaded server's",
+        )
+        g.add_argument(
+            "--gpu-prefill-token-threshold",
+            type=int,
+            default=ClusterConfig.gpu_prefill_token_threshold,
+            help="steps with >= T tokens run all experts on the GPU server",
+        )
+        g.add_argument(
+            "--expert-timeout",
+            type=float,
+            default=ClusterConfig.timeout_s,
+            help="seconds before an expert server is declared failed",
+        )
+        g.add_argument(
+            "--transport",
+            default=ClusterConfig.transport,
+            choices=list(negotiate.CHOICES),
+            help="data path to the expert servers: auto = the fastest both sides offer; shm / cuda_ipc = "
+            "require shared memory / CUDA IPC (same host / same GPU); grpc = plain gRPC",
+        )
+        g.add_argument(
+            "--shm-ring-mb",
+            type=float,
+            default=ClusterConfig.shm_ring_mb,
+            help="shared-memory ring per expert server; larger payloads go over gRPC",
+        )
+        g.add_argument(
+            "--shm-spin-us",
+            type=float,
+            default=cores.default_spin_us(),
+            help="fast paths: poll this long for an answer before sleeping (0 = always sleep; "
+            "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
+        )
+        g.add_argument(
+            "--cpu-defer-experts",
+            type=int,
+            default=ClusterConfig.cpu_defer_experts,
+            metavar="N",
+            help="CHANGES RESULTS: each token's N lowest-weight experts on CPU servers are added one layer "
+            "later, so CPU work overlaps the next layer (KTransformers-style; coordinator/model/deferral.py); 0 = off",
+        )
+        g.add_argument(
+            "--cluster-token",
+            default=None,
+            help=f"secret the expert servers require for placement pushes (or env {auth.CLUSTER_TOKEN_ENV})",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
+        servers = [ServerSpec(f"gpu{i}", a, "gpu") for i, a in enumerate(args.gpu_server)]
+        servers += [ServerSpec(f"cpu{i}", a, "cpu") for i, a in enumerate(args.cpu_server)]
+        return cls(
+            servers=tuple(servers),
+            num_gpu_experts=args.num_gpu_experts,
+            placement_file=args.placement,
+            replica_policy=args.replica_policy,
+            gpu_prefill_token_threshold=args.gpu_prefill_token_threshold,
+            timeout_s=args.expert_timeout,
+            transport=args.transport,
+            shm_ring_mb=args.shm_ring_mb,
+            shm_spin_us=args.shm_spin_us,
+            cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
+            tls=TLSConfig.from_args(args),  # issue 15c
+            cpu_defer_experts=args.cpu_defer_experts,
+        )

@@ -1,1 +1,0 @@
-"""The coordinator's OpenAI-compatible HTTP server (FastAPI + uvicorn): see app.py."""

@@ -1,1 +1,0 @@
-"""Coordinator-side GPU kernels (Triton): attention over the paged KV cache."""

@@ -1,0 +1,104 @@
+"""Where the routed experts of an MoE layer get computed.
+
+The model calls ``dispatcher.submit(layer, x, topk_ids, topk_weights)`` and gets back a
+:class:`Pending` whose ``wait()`` returns the summed routed-expert output. Between the two the
+model computes its shared expert, which overlaps with remote experts.
+
+:class:`LocalDispatcher` computes every expert in process (slot = logical expert id).
+The remote dispatcher (coordinator/experts/remote.py) splits the step across expert servers.
+
+Shapes: T tokens, K top-k, H hidden, E experts, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from expertmesh.checkpoint import CheckpointReader
+from expertmesh.experts import ExpertBackend, TorchExpertBackend
+
+
+class Pending:
+    """The not-yet-awaited result of one MoE layer's routed experts."""
+
+    def __init__(self, wait: Callable[[], torch.Tensor]) -> None:
+        self._wait = wait
+
+    def wait(self) -> torch.Tensor:  # [T, H]
+        return self._wait()
+
+    @staticmethod
+    def done(value: torch.Tensor) -> Pending:
+        return Pending(lambda: value)
+
+
+class Dispatcher(ABC):
+    # how a CUDA engine may graph the decode step around this dispatcher (coordinator/model/engine.py):
+    # "whole" (every expert in process), "piecewise" (cut at each MoE dispatch), "none"
+    graph_mode = "none"
+
+    @abstractmethod
+    def submit(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K] logical expert ids
+        topk_weights: torch.Tensor,  # [T, K] float32
+    ) -> Pending: ...
+
+    def begin_step(self, num_tokens: int) -> None:  # noqa: B027 (optional hook)
+        """Called once before each forward step (placement switches happen here)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    def take_deferred(self) -> Pending | None:
+        """issue 14h: the deferred CPU-expert sum of the last submit, if any (coordinator/model/deferral.py)."""
+        return None
+
+
+def stack_experts(
+    reader: CheckpointReader, layer: int, experts: list[int], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reads ``experts`` of ``layer`` into slot tensors ``w13 [S, 2I, H]``, ``w2 [S, H, I]``."""
+    ws = [reader.expert_weights(layer, e) for e in experts]
+    w13 = torch.stack([w.w13 for w in ws]).to(device=device, dtype=dtype)
+    w2 = torch.stack([w.w2 for w in ws]).to(device=device, dtype=dtype)
+    return w13, w2
+
+
+def default_backend(device: torch.device) -> ExpertBackend:
+    """The fused Triton kernels on CUDA (the GPU expert server's backend), plain torch elsewhere."""
+    if device.type == "cuda":
+        # NOTE: imported here so the CPU coordinator never loads Triton
+        from gpu_server.backend import make_backend
+
+        return make_backend(str(device))
+    return TorchExpertBackend()
+
+
+class LocalDispatcher(Dispatcher):
+    """All routed experts in this process: the in-process engine path and the reference."""
+
+    graph_mode = "whole"
+
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: ExpertBackend | None = None,
+    ) -> None:
+        cfg = reader.config
+        self.backend = backend or default_backend(device)
+        all_experts = list(range(cfg.num_experts))
+        self.slots = {
+            layer: stack_experts(reader, layer, all_experts, dtype, device) for layer in cfg.moe_layer_ids
+        }
+
+    def submit(self, layer, x, topk_ids, topk_weights):
+        w13, w2 = self.slots[layer]
+        return Pending.done(self.backend.forward(x, w13, w2, topk_ids, topk_weights))

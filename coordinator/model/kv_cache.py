@@ -1,0 +1,102 @@
+"""Paged KV cache and its page allocator.
+
+The cache is one pool of fixed-size pages per layer. A sequence owns a list of pages (its page
+table); token position p of the sequence lives at page ``table[p // page_size]``, row
+``p % page_size``. Pages are handed out and returned by :class:`PageAllocator`; the scheduler
+decides who gets them.
+
+MLA models (DeepSeek-V2/V3, Kimi-K2) cache the compressed latent instead of per-head K/V: one
+row of ``Rkv + Dr`` values per token (the normalised ``kv_lora_rank`` latent, then the rotated
+``qk_rope_head_dim`` key part shared by all heads). Attention reads it as one shared KV head
+(coordinator/model/models/mla.py): ``k`` is the whole row, ``v`` a view of its first ``Rkv`` values,
+so the pool is stored once.
+
+Shapes: L layers, N pages, P page size, Hk cached heads, Dk key dim, Dv value dim, Rkv/Dr MLA
+latent rank / rotary dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from expertmesh.config import ModelConfig
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    """A free list of page ids. Not thread safe: the scheduler's loop is its only user."""
+
+    def __init__(self, num_pages: int) -> None:
+        assert num_pages > 0, f"{num_pages=}"
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+        assert len(self._free) <= self.num_pages, "a page was freed twice"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_pages: int
+    page_size: int
+
+    @staticmethod
+    def values_per_token(cfg: ModelConfig) -> int:
+        """Cached values per token per layer."""
+        if cfg.attention == "mla":
+            return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return cfg.kv_heads_cached * (cfg.q_head_dim + cfg.v_dim)
+
+    @classmethod
+    def bytes_per_page(cls, cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        per_tok = cls.values_per_token(cfg) * cfg.num_layers
+        return per_tok * page_size * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def from_budget(
+        cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype
+    ) -> KVCacheSpec:
+        n = budget_bytes // cls.bytes_per_page(cfg, page_size, dtype)
+        if n < 1:
+            raise ValueError(
+                f"KV budget of {budget_bytes} bytes holds not even one page of {page_size} tokens"
+            )
+        return cls(int(n), page_size)
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec = spec
+        n, p, hk = spec.num_pages, spec.page_size, cfg.kv_heads_cached
+        # NOTE: one page past the allocator's: padding rows of a CUDA-graph step write there
+        rows = (n + 1) * p
+        self.mla = cfg.attention == "mla"
+        if self.mla:
+            # [L, rows, 1, Rkv + Dr]: latent then rotated key part; v is the latent (a view)
+            width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            self.k = torch.zeros(cfg.num_layers, rows, 1, width, dtype=dtype, device=device)
+            self.v = self.k[..., : cfg.kv_lora_rank]
+        else:
+            self.k = torch.zeros(cfg.num_layers, rows, hk, cfg.q_head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros(cfg.num_layers, rows, hk, cfg.v_dim, dtype=dtype, device=device)
+        self.scratch_row = n * p  # never handed out, never read
+
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size

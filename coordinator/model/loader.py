@@ -1,0 +1,113 @@
+"""Fills a meta-device model from a checkpoint's non-expert tensors.
+
+Checkpoint names map onto parameters one to one, except merged projections: ``q_proj``,
+``k_proj``, ``v_proj`` land in rows of ``qkv_proj`` and ``gate_proj``/``up_proj`` in
+``gate_up_proj`` (see :class:`~coordinator.model.models.layers.MergedLinear`). Every parameter must
+be filled exactly; anything missing or mis-shaped is a :class:`CheckpointError` naming it.
+FP8 block-quantised weights arrive dequantised from the reader and are cast to the model dtype;
+DeepSeek's multi-token-prediction layers are skipped with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+from coordinator.model.models import build_model
+from coordinator.model.models.base import CausalLM
+from coordinator.model.models.layers import MergedLinear
+from expertmesh.checkpoint import CheckpointError, CheckpointReader
+from expertmesh.progress import LoadProgress
+
+log = logging.getLogger(__name__)
+
+_IGNORED = ("rotary_emb.inv_freq",)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_mtp(name: str, num_layers: int, num_mtp_layers: int) -> bool:
+    """A tensor of the multi-token-prediction layers that follow the decoder (DeepSeek-V3)."""
+    m = _LAYER.match(name)
+    return m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers
+
+
+def _slots(model: nn.Module) -> dict[str, tuple[str, slice | None, tuple[int, ...]]]:
+    """Every checkpoint name the model expects -> (parameter, row slice or None, shape)."""
+    out: dict[str, tuple[str, slice | None, tuple[int, ...]]] = {}
+    merged: set[str] = set()
+    for path, mod in model.named_modules():
+        if not isinstance(mod, MergedLinear):
+            continue
+        parent = path.rpartition(".")[0]
+        for leaf, param in mod.named_parameters(recurse=False):
+            merged.add(f"{path}.{leaf}")
+            for part in mod.parts:
+                start, rows = mod.part_rows(part)
+                shape = (rows, *param.shape[1:])
+                out[f"{parent}.{part}.{leaf}"] = (f"{path}.{leaf}", slice(start, start + rows), shape)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name not in merged:
+            out[name] = (name, None, tuple(param.shape))
+    return out
+
+
+def _place(
+    reader: CheckpointReader,
+    ck_name: str,
+    expected: dict[str, tuple[str, slice | None, tuple[int, ...]]],
+    params: dict[str, nn.Parameter],
+    seen: set[str],
+) -> None:
+    name = ck_name.replace(".block_sparse_moe.", ".mlp.")
+    if name not in expected:
+        raise CheckpointError(
+            f"checkpoint tensor {ck_name!r} has no place in the {reader.config.model_type} model"
+        )
+    pname, rows, shape = expected[name]
+    tensor = reader.get(ck_name)
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(f"tensor {ck_name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
+    dst = params[pname].data if rows is None else params[pname].data[rows]
+    dst.copy_(tensor.to(dst.dtype))
+    seen.add(name)
+
+
+def load_model(reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    model = build_model(reader.config, dtype)
+    model.to_empty(device=device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = _slots(model)
+    cfg = reader.config
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    mtp = int(cfg.extra.get("num_mtp_layers", 0))
+    seen: set[str] = set()
+    names = reader.non_expert_names()
+    skipped = [n for n in names if _is_mtp(n, cfg.num_layers, mtp)]
+    if skipped:
+        log.info(
+            "skipping %d tensors of %d multi-token-prediction layer(s) (model.layers.%d+): "
+            "speculative-decoding weights this server does not use",
+            len(skipped),
+            mtp,
+            cfg.num_layers,
+        )
+    names = [n for n in names if not n.endswith(_IGNORED) and not _is_mtp(n, cfg.num_layers, mtp)]
+    progress = LoadProgress("coordinator weights", sum(reader.nbytes(n) for n in names))
+    reader.progress = progress
+    try:
+        for ck_name in names:
+            _place(reader, ck_name, expected, params, seen)
+    finally:
+        reader.progress = None
+        progress.close()
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        listed = ", ".join(f"{n!r} (expected shape {list(expected[n][2])})" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{reader.path}: missing tensors {listed}{more}")
+    model.eval()
+    return model

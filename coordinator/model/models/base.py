@@ -1,0 +1,111 @@
+"""The decoder skeleton every supported architecture shares.
+
+Parameter names mirror the HF checkpoints (``model.layers.{i}.self_attn...``) except where
+projections are merged (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``); the loader maps
+checkpoint names onto them. Routed experts are not parameters here: they live behind the
+dispatcher.
+
+Shapes: T tokens in the step, H hidden, V vocab, B' rows whose logits are wanted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from coordinator.model.batch import ForwardBatch
+from coordinator.model.deferral import Carry
+from coordinator.model.dispatch import Dispatcher
+from coordinator.model.kv_cache import KVCache
+from coordinator.model.models.layers import GatedMLP, RMSNorm, linear
+from coordinator.model.models.moe import LoadHook, MoEBlock
+from expertmesh.config import ModelConfig
+
+AttentionFactory = Callable[[ModelConfig, int, torch.dtype], nn.Module]
+MoEFactory = Callable[[ModelConfig, int, torch.dtype], MoEBlock]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, attn: AttentionFactory, moe: MoEFactory
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = attn(cfg, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp: nn.Module = (
+            moe(cfg, layer, dtype)
+            if cfg.moe_layers[layer]
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        )
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H]
+        pending: torch.Tensor | None,  # [T, H] the previous layer's MLP output, not yet added
+        batch: ForwardBatch,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (residual stream, this layer's MLP output)
+        """CUDA: each residual add happens inside the RMSNorm kernel that follows it."""
+        from coordinator.model.kernels.fused_ops import rmsnorm
+
+        norm = self.input_layernorm
+        x, h = rmsnorm(x, norm.weight, norm.eps, residual=pending)
+        a = self.self_attn(h, batch, kv)
+        norm = self.post_attention_layernorm
+        x, h = rmsnorm(x, norm.weight, norm.eps, residual=a)
+        return x, self.mlp(h)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attn: AttentionFactory, moe: MoEFactory) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, attn, moe) for i in range(cfg.num_layers)
+        )
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.dispatcher: Dispatcher | None = None  # set by attach()
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.decoder_layers() if isinstance(layer.mlp, MoEBlock)]
+
+    def attach(self, dispatcher: Dispatcher, load_hook: LoadHook | None = None) -> None:
+        self.dispatcher = dispatcher  # issue 14h: the model takes deferred CPU-expert sums from it
+        for block in self.moe_blocks():
+            block.dispatcher = dispatcher
+            block.load_hook = load_hook
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:  # [B', V] float32
+        x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        carry = Carry(self.dispatcher)  # issue 14h: --cpu-defer-experts (coordinator/model/deferral.py)
+        if x.is_cuda:
+            pending: torch.Tensor | None = None
+            for i, layer in enumerate(self.decoder_layers()):
+                x, pending = layer.forward_fused(x, pending, batch, (cache.k[i], cache.v[i]))
+                pending = carry.after_layer(pending)
+            assert pending is not None
+            pending = carry.finish(pending)
+            x = x[batch.logits_index] + pending[batch.logits_index]
+        else:
+            for i, layer in enumerate(self.decoder_layers()):
+                x = carry.after_layer(layer(x, batch, (cache.k[i], cache.v[i])))
+            x = carry.finish(x)[batch.logits_index]
+        return self.lm_head(self.model.norm(x)).float()

@@ -1,0 +1,393 @@
+"""Piecewise CUDA graphs of the decode step when routed experts live on expert servers.
+
+A remote MoE layer waits on another process, which no graph can hold, so the step is captured
+as a chain of graphs cut at every MoE dispatch: segment 0 runs from the embedding to layer 0's
+router, segment k from layer k-1's routed-expert output to layer k's router, the last one to
+the logits. Without the cuts the coordinator's per-layer work (two RMSNorms, the qkv / o
+projections, rotary + KV write, attention, the router) is ~16 kernel launches from Python,
+~1.7 ms per layer eagerly against ~0.09 ms of GPU work (benchmarks/RESULTS.md, issue 10).
+
+Each cut also copies the layer's routing (``topk_ids``, ``topk_weights``) into pinned host
+buffers inside the graph, so the host reads them after one event wait with no extra copy
+launched from Python. Between two segments the host does the remote dispatch
+(coordinator/experts/remote.py) with the segment's static MoE input and host routing, and writes the
+summed answer into the static buffer the next segment reads.
+
+NOTE: a shared expert (DeepSeek, Qwen2-MoE) runs at the start of the next segment, after the
+servers answered, so it no longer overlaps with them; the eager path keeps the overlap.
+
+The device link (issue 10, expertmesh/transport/link.py): when every MoE layer routes to one
+expert server over a live link (RemoteDispatcher.link_plan), the step is ONE graph with no cuts,
+captured lazily per bucket (its own pool, again for each new link). At each MoE dispatch the
+graph writes the layer's hidden states, local slot ids (the dispatcher's GPU slot table; -1 for
+padding rows) and weights into the link's request area and signals its flag; the server's step
+graph, launched by a LinkStep, waits on that flag, computes and signals back; the Pending's wait
+spins on the answer flag (a shared expert computed in between overlaps the server), copies the
+answer and ORs its status into the step's error word. The host reads that word once after the
+replay: any bit -> nothing of the step is used, the server is marked down, and the same step
+runs again on the piecewise chain (its K/V writes go to the same slots).
+
+Shapes: Bm largest bucket, H hidden, K top-k, V vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coordinator.model.cuda_graphs import BUCKETS, DecodeGraphs
+from coordinator.model.dispatch import Dispatcher, Pending
+from coordinator.model.kv_cache import KVCache
+from coordinator.model.models.base import CausalLM
+from coordinator.model.models.moe import LoadHook
+
+if TYPE_CHECKING:
+    from coordinator.experts.remote import RemoteDispatcher
+    from expertmesh.transport.client import LinkAreas
+    from expertmesh.transport.link import StepWord
+
+log = logging.getLogger("expertmesh.remote")
+
+
+@dataclass
+class Cut:
+    """One MoE layer's dispatch between two segments of a bucket's chain."""
+
+    layer: int
+    x: torch.Tensor  # [bucket, H] the layer's MoE input (static, written by the segment before)
+    ids: torch.Tensor  # [bucket, K] int64 on the GPU (static), for the load hook
+    ids_host: torch.Tensor  # [bucket, K] int64, pinned: filled by the segment before
+    weights_host: torch.Tensor  # [bucket, K] float32, pinned
+    routed: torch.Tensor  # [bucket, H] routed-expert output, read by the segment after
+
+
+class _Cutter(Dispatcher):
+    """Stands in for the remote dispatcher while a bucket is captured: each submit ends the
+    graph being captured and starts the next one."""
+
+    def __init__(self, owner: RemoteDecodeGraphs, bucket: int, top_k: int) -> None:
+        self.owner, self.bucket = owner, bucket
+        self.capturing = False
+        self.cuts: list[Cut] = []
+        self.segments: list[torch.cuda.CUDAGraph] = []
+        # NOTE: pinned before capture: a host allocation inside a capture is not allowed
+        self.host = {
+            layer: (
+                torch.empty(bucket, top_k, dtype=torch.long, pin_memory=True),
+                torch.empty(bucket, top_k, dtype=torch.float32, pin_memory=True),
+            )
+            for layer in owner.routed_in
+        }
+
+    def submit(self, layer, x, topk_ids, topk_weights):
+        routed = self.owner.routed_in[layer][: self.bucket]
+        if not self.capturing:  # warm-up run: kernels compile, nothing is captured
+            return Pending.done(routed)
+        ids_host, weights_host = self.host[layer]
+        ids_host.copy_(topk_ids, non_blocking=True)
+        weights_host.copy_(topk_weights, non_blocking=True)
+        self.segments[-1].capture_end()
+        self.cuts.append(Cut(layer, x, topk_ids, ids_host, weights_host, routed))
+        self.begin()
+        return Pending.done(routed)
+
+    def begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        # NOTE: thread_local: the cluster's threads may touch CUDA while a bucket is captured
+        g.capture_begin(pool=self.owner.pool, capture_error_mode="thread_local")
+        self.segments.append(g)
+
+
+@dataclass
+class _LinkedStep:
+    """One bucket's whole decode step over a link, as one graph."""
+
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, V] static output
+    ids: list[tuple[int, torch.Tensor]]  # (layer, [bucket, K] routing ids) for the load hook
+
+
+@dataclass
+class _LinkState:
+    """What the linked graphs of one link share: the link, its step word, the abort and error
+    words (ours), the padding mask, the graphs' own pool and each bucket's step."""
+
+    link: LinkAreas
+    step: StepWord
+    abort: torch.Tensor  # [1] int64
+    errors: torch.Tensor  # [1] int64: ERR_* bits of the step (zeroed by the graph)
+    rowid: torch.Tensor  # [Bm, 1] int64
+    pad: torch.Tensor  # [Bm, 1] bool: rows >= b of the step (computed by the graph)
+    pool: Any = None  # the graphs' own memory pool (torch.cuda.graph_pool_handle)
+    steps: dict[int, _LinkedStep] = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, lnk: LinkAreas, device: torch.device, bm: int) -> _LinkState:
+        from expertmesh.transport import link  # NOTE: Triton: CUDA coordinators only
+
+        st = cls(
+            lnk,
+            link.StepWord(device),
+            torch.zeros(1, dtype=torch.int64, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device),
+            torch.arange(bm, device=device).view(bm, 1),
+            torch.zeros(bm, 1, dtype=torch.bool, device=device),
+            torch.cuda.graph_pool_handle(),
+        )
+        # a dead channel ends a step in flight at once instead of at its timeout (ShmClient.kill)
+        lnk.cancel = link.Canceller(st.abort)
+        return st
+
+
+class _Linker(Dispatcher):
+    """Stands in for the remote dispatcher while a bucket's linked step is captured: submit
+    fills the request area and signals, the Pending's wait waits for the answer and copies it."""
+
+    def __init__(
+        self, st: _LinkState, table: torch.Tensor, moe_index: dict[int, int], bucket: int, timeout_s: float
+    ):
+        self.st, self.table, self.moe_index = st, table, moe_index  # table: [L_moe, E] int32
+        self.bucket, self.timeout_s = bucket, timeout_s
+        self.capturing = False  # False: the warm-up run (every op once, no flag kernel)
+        self.ids: list[tuple[int, torch.Tensor]] = []
+
+    def prologue(self) -> None:
+        """The step's first nodes: its (step, rows) word, zero errors, the padding mask."""
+        st = self.st
+        st.step.copy_in()
+        st.errors.zero_()
+        torch.ge(st.rowid, st.step.rows, out=st.pad)
+
+    def submit(self, layer, x, topk_ids, topk_weights):
+        from expertmesh.transport import link
+
+        st, tb, i = self.st, self.bucket, self.moe_index[layer]
+        req, ans = st.link.req, st.link.ans
+        assert ans is not None
+        step = st.step.step
+        req.x[:tb].copy_(x)
+        ids = req.ids[:tb]  # [tb, K] int32: local slot of each (token, k); -1 for padding rows
+        torch.index_select(self.table[i], 0, topk_ids.reshape(-1), out=ids.view(-1))
+        ids.masked_fill_(st.pad[:tb], -1)
+        req.w[:tb].copy_(topk_weights)
+        if self.capturing:
+            link.signal(req.flag, step, i)
+            self.ids.append((layer, topk_ids))
+
+        def wait() -> torch.Tensor:  # [tb, H]
+            if self.capturing:
+                link.wait(ans.flag, step, i, st.abort, st.errors, self.timeout_s)
+            # NOTE: a copy into our memory now: the server reuses its area for the next layer
+            routed = ans.out[:tb].to(dtype=x.dtype, copy=True)
+            st.errors.bitwise_or_(ans.status)
+            return routed
+
+        return Pending(wait)
+
+
+class RemoteDecodeGraphs(DecodeGraphs):
+    """Decode graphs (coordinator/model/cuda_graphs.py) cut at each MoE dispatch; ``dispatcher`` is
+    the remote one the model is attached to."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache,
+        max_pages_per_seq: int,
+        load_hook: LoadHook | None,
+        dispatcher: RemoteDispatcher,
+        buckets: tuple[int, ...] = BUCKETS,
+    ) -> None:
+        self.dispatcher = dispatcher
+        cfg = model.config
+        dev = cache.k.device
+        # NOTE: allocated before any capture, so that the host may write them between replays
+        self.routed_in = {
+            blk.layer: torch.zeros(buckets[-1], cfg.hidden_size, dtype=cache.k.dtype, device=dev)
+            for blk in model.moe_blocks()
+        }
+        self.chains: dict[int, tuple[list[torch.cuda.CUDAGraph], list[Cut]]] = {}
+        self._views: dict[tuple[int, int], list[tuple]] = {}  # (bucket, b) -> per cut: its [:b] views
+        self.pool = torch.cuda.graph_pool_handle()
+        self.ready = torch.cuda.Event()
+        # set to a list to get, per replayed layer, host seconds of (segment replay + routing
+        # on the host, route + send, wait + copy-in): benchmarks/bench_e2e.py's profile
+        self.timings: list[tuple[float, float, float]] | None = None
+        self._link: _LinkState | None = None  # issue 10: the graphs of the current device link
+        self._link_note = ""  # the last reason a step did not link (logged when it changes)
+        self.link_pool_bytes = 0  # what the current link's graphs added to the allocator's reserve
+        self._broken: LinkAreas | None = None  # a link whose capture failed: its steps go piecewise
+        ids = model.config.moe_layer_ids
+        self._moe_index = {layer: i for i, layer in enumerate(ids)}
+        super().__init__(model, cache, max_pages_per_seq, load_hook, buckets)
+
+    # ------------------------------------------------------------ the device link (issue 10)
+
+    def run(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:  # [b, V] float32
+        b = len(seqs)
+        bucket = self.bucket(b)
+        assert bucket is not None, f"{b=} > largest bucket {self.buckets[-1]}"
+        self._fill(seqs, bucket)
+        logits = self._replay_linked(bucket, b)
+        if logits is None:  # no link, refused, or failed: the piecewise chain (same metadata)
+            self._replay(bucket, b)
+            logits = self.logits[bucket]
+        return logits[:b].clone()
+
+    def _replay_linked(self, bucket: int, b: int) -> torch.Tensor | None:
+        """The step over the device link; None when it did not run there (or failed: then
+        nothing of it is used)."""
+        d = self.dispatcher
+        plan = d.link_plan(bucket)
+        if plan is None:
+            return None
+        server, conn, lnk = plan
+        with lnk.lock:  # NOTE: the channel's close() waits for it before unmapping the answer area
+            if lnk.closed or lnk.ans is None or lnk is self._broken:
+                return None
+            st = self._link
+            if st is None or st.link is not lnk:  # a new link: the old one's graphs go
+                self._link = None
+                st = self._link = _LinkState.new(lnk, self.cache.k.device, self.buckets[-1])
+                self.link_pool_bytes = 0
+            linked = st.steps.get(bucket)
+            if linked is None:
+                dev = self.cache.k.device
+                torch.cuda.empty_cache()  # NOTE: the capture empties it too: measure from the same state
+                reserved = torch.cuda.memory_reserved(dev)
+                try:
+                    linked = st.steps[bucket] = self._capture_linked(st, bucket)
+                except RuntimeError as e:  # NOTE: torch's CUDA errors (capture, out of memory)
+                    log.error("%s: cannot capture the linked decode step (bucket %d): %s; this "
+                              "link is not used", conn.spec.name, bucket, e)  # fmt: skip
+                    self._broken, self._link = lnk, None
+                    return None
+                self.link_pool_bytes += torch.cuda.memory_reserved(dev) - reserved
+            step = lnk.next_step
+            lnk.next_step += 1
+            why = d.launch_link_step(server, conn, step, b, bucket)
+            if why:
+                if why != self._link_note:
+                    log.info("%s: decode step without the device link: %s", conn.spec.name, why)
+                    self._link_note = why
+                return None
+            st.step.set(step, b)
+            linked.graph.replay()
+            st.step.replayed()
+            bits = int(st.errors.item())  # the step's one host read
+        if bits:
+            log.error("%s: device-link step %d failed (error bits %d): running it again without the link",
+                      conn.spec.name, step, bits)  # fmt: skip
+            d.link_failed(server, conn, bits)
+            # NOTE: nothing of the attempt is used, so the re-run is a fresh step: it routes
+            # around the server just marked down (and waits, bounded, for it to come back, as
+            # the piecewise path does after any loss) instead of sending into its dead stream
+            d.begin_step(b)
+            return None
+        d.linked_steps += 1
+        self._link_note = ""
+        if self.load_hook is not None:
+            for layer, ids in linked.ids:
+                self.load_hook(layer, ids[:b])
+        return linked.logits
+
+    def _capture_linked(self, st: _LinkState, bucket: int) -> _LinkedStep:
+        """Captures ``bucket``'s whole step over ``st``'s link: a warm-up run first (every op
+        once, outside any capture, with no flag kernel: link.py's NOTE on lazy loading), on
+        padding metadata (K/V writes go to the scratch row); the step's metadata is restored."""
+        blocks = self.model.moe_blocks()
+        saved = [(blk.dispatcher, blk.load_hook) for blk in blocks]
+        meta = self.meta.clone()
+        linker = _Linker(
+            st, self.dispatcher.link_table, self._moe_index, bucket, self.dispatcher.cluster.timeout_s
+        )
+        graph = torch.cuda.CUDAGraph()
+        try:
+            for blk in blocks:
+                blk.dispatcher, blk.load_hook = linker, None
+            self._pad(0, self.buckets[-1])
+            batch = self._batch(bucket)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                linker.prologue()
+                self.model(batch, self.cache)
+            stream.synchronize()
+            linker.capturing = True
+            # NOTE: thread_local: the cluster's threads may touch CUDA while this captures
+            with torch.cuda.graph(graph, pool=st.pool, stream=stream, capture_error_mode="thread_local"):
+                linker.prologue()
+                logits = self.model(batch, self.cache)
+            torch.cuda.current_stream().wait_stream(stream)
+        finally:
+            for blk, (disp, hook) in zip(blocks, saved, strict=True):
+                blk.dispatcher, blk.load_hook = disp, hook
+            self.meta.copy_(meta)
+        torch.cuda.synchronize()
+        return _LinkedStep(graph, logits, linker.ids)
+
+    def _capture_all(self) -> None:
+        self._pad(0, self.buckets[-1])
+        blocks = self.model.moe_blocks()
+        saved = [(blk.dispatcher, blk.load_hook) for blk in blocks]
+        try:
+            for b in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
+                cutter = _Cutter(self, b, self.model.config.top_k)
+                for blk in blocks:
+                    blk.dispatcher, blk.load_hook = cutter, None
+                batch = self._batch(b)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self.model(batch, self.cache)  # warm-up: Triton compiles, cuBLAS picks kernels
+                    stream.synchronize()
+                    cutter.capturing = True
+                    cutter.begin()
+                    self.logits[b] = self.model(batch, self.cache)
+                    cutter.segments[-1].capture_end()
+                torch.cuda.current_stream().wait_stream(stream)
+                self.chains[b] = (cutter.segments, cutter.cuts)
+        finally:
+            for blk, (d, hook) in zip(blocks, saved, strict=True):
+                blk.dispatcher, blk.load_hook = d, hook
+        torch.cuda.synchronize()
+
+    def _replay(self, bucket: int, b: int) -> None:
+        segments, cuts = self.chains[bucket]
+        views = self._views.get((bucket, b))
+        if views is None:  # NOTE: the slices of a step's batch size, made once, not per layer
+            views = self._views[(bucket, b)] = [
+                (c.layer, c.x[:b], c.ids[:b], c.ids_host[:b], c.weights_host[:b], c.routed[:b]) for c in cuts
+            ]
+        take = self.dispatcher.take_deferred  # issue 14h2: --cpu-defer-experts
+        held: Pending | None = None  # issue 14h2: the previous MoE layer's held-back sum
+        clock, timings, hook, ready = time.perf_counter, self.timings, self.load_hook, self.ready
+        submit, stage = self.dispatcher.submit, self.dispatcher.stage
+        for seg, (layer, x, ids, ids_host, weights_host, routed) in zip(segments, views):
+            t0 = clock()
+            seg.replay()
+            stage(layer, x)  # the hidden states' copy to the server, queued behind the segment
+            ready.record()
+            if hook is not None:
+                hook(layer, ids)
+            ready.synchronize()  # the routing is on the host now
+            t1 = clock()
+            pending = submit(layer, x, ids_host, weights_host, out=routed)
+            t2 = clock()
+            pending.wait()
+            # --- issue 14h2: --cpu-defer-experts (coordinator/model/deferral.py): the layer before's
+            # held-back sum joins this layer's routed output, which the next segment adds to
+            # the residual stream (the eager path's Carry.after_layer) ---
+            if held is not None:
+                routed.add_(held.wait())
+            held = take()
+            # --- end issue 14h2 ---
+            if timings is not None:
+                timings.append((t1 - t0, t2 - t1, clock() - t2))
+        if held is not None:  # issue 14h2: the last layer's own, before the final norm (Carry.finish)
+            routed.add_(held.wait())
+        segments[-1].replay()

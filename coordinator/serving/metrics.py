@@ -1,0 +1,253 @@
+"""Prometheus metrics of the coordinator, served at ``/metrics`` of its HTTP server.
+
+One :class:`CoordinatorMetrics` per coordinator, with its own ``CollectorRegistry`` (no global
+registry: several coordinators in one process, as in the tests, keep separate numbers).
+
+Two kinds of numbers:
+
+- observed as things happen, through small hooks: request outcomes and latencies (the
+  scheduler wraps each request's sink with :meth:`CoordinatorMetrics.track`), tokens per step
+  (:meth:`CoordinatorMetrics.step`), per-server layer round trips (the remote dispatcher calls
+  :meth:`CoordinatorMetrics.round_trip`), rebalance and LoRA events (:meth:`rebalance`,
+  :meth:`lora_event`, for the EPLB and LoRA managers);
+- read at scrape time from state the coordinator keeps anyway (:class:`_StateCollector`):
+  running / waiting requests, KV pages, preemptions, the expert-load recorder's per-(layer,
+  expert) token counts, the expert servers' state and transport, the placement generation.
+
+Names follow Prometheus' conventions: ``expertmesh_`` prefix, base units (``_seconds``),
+counters end in ``_total``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from coordinator.serving.outputs import DeadlineExceeded, Output, Sink
+
+# request latencies: 5 ms .. 5 min
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# per output token and per layer round trip: 100 us .. 5 s
+_FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+_STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+# request outcomes counted by expertmesh_requests_total{status}
+# ("deadline": its deadline passed; "rejected": refused by a full queue, never started)
+STATUSES = ("stop", "length", "cancelled", "error", "invalid", "deadline", "rejected")
+
+
+class CoordinatorMetrics:
+    """The coordinator's metrics. ``coord`` is the CoordinatorServer (read at scrape time)."""
+
+    def __init__(self, coord: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("expertmesh_requests", "Finished requests by outcome", ["status"], registry=r)
+        for s in STATUSES:
+            self.requests.labels(s)  # exported at 0 from the start
+        self.prompt_tokens = Counter(
+            "expertmesh_prompt_tokens", "Prompt tokens of submitted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "expertmesh_generation_tokens", "Tokens generated (counted as they are)", registry=r
+        )
+        self.ttft = Histogram(
+            "expertmesh_time_to_first_token_seconds",
+            "From submission to the first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "expertmesh_time_per_output_token_seconds",
+            "Mean time per generated token after the first, per request",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "expertmesh_e2e_request_latency_seconds",
+            "From submission to the last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "expertmesh_step_tokens",
+            "Tokens per forward step (decodes + prefill chunks)",
+            buckets=_STEP_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.layer_round_trip = Histogram(
+            "expertmesh_expert_layer_round_trip_seconds",
+            "Per expert server: from sending one MoE layer's tokens to holding its answer "
+            "(overlaps the coordinator's own shared-expert compute)",
+            ["server"],
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.rebalances = Counter(
+            "expertmesh_rebalances",
+            "EPLB placement changes by result (committed, aborted, skipped)",
+            ["result"],
+            registry=r,
+        )
+        self.lora_events = Counter(
+            "expertmesh_lora_events",
+            "LoRA adapter events (load, unload, load_failed, evict)",
+            ["event"],
+            registry=r,
+        )
+        r.register(_StateCollector(coord))
+        self._round_trip_children: dict[str, Any] = {}
+        # plain running totals for Admin/ListServers (`expertmesh status`): prompt tokens are
+        # added by the submitting thread (the event loop), the rest on the scheduler thread
+        self.started = time.monotonic()
+        self.finished = self.prompt_total = self.generated_total = 0
+        self.round_trips: dict[str, list[float]] = {}  # server -> [count, seconds]
+        # the two hooks that observe the hot path
+        coord.scheduler.metrics = self
+        if hasattr(coord.dispatcher, "on_round_trip"):
+            coord.dispatcher.on_round_trip = self.round_trip
+
+    # ------------------------------------------------------------ hooks
+
+    def track(self, sink: Sink, prompt_tokens: int) -> Sink:
+        """Wraps a request's sink (called on the scheduler thread) to time the request."""
+        t0 = time.monotonic()
+        first: list[float] = []
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_total += prompt_tokens
+
+        def observed(out: Output) -> None:
+            if out.token_ids:
+                self.generation_tokens.inc(len(out.token_ids))
+                self.generated_total += len(out.token_ids)
+                if not first:
+                    first.append(time.monotonic())
+                    self.ttft.observe(first[0] - t0)
+            if out.finish_reason is not None:
+                now = time.monotonic()
+                self.requests.labels(_outcome(out)).inc()
+                self.finished += 1
+                self.e2e.observe(now - t0)
+                if first and out.completion_tokens > 1:
+                    self.tpot.observe((now - first[0]) / (out.completion_tokens - 1))
+            sink(out)
+
+        return observed
+
+    def invalid(self) -> None:
+        """A request refused before it reached the scheduler (bad parameters)."""
+        self.requests.labels("invalid").inc()
+
+    def rejected(self) -> None:
+        """A request refused by a full admission queue (RESOURCE_EXHAUSTED / HTTP 429)."""
+        self.requests.labels("rejected").inc()
+
+    def step(self, num_tokens: int) -> None:
+        self.step_tokens.observe(num_tokens)
+
+    def round_trip(self, server: str, seconds: float) -> None:
+        child = self._round_trip_children.get(server)
+        if child is None:
+            child = self._round_trip_children[server] = self.layer_round_trip.labels(server)
+        child.observe(seconds)
+        acc = self.round_trips.setdefault(server, [0, 0.0])
+        acc[0] += 1
+        acc[1] += seconds
+
+    def rebalance(self, result: str) -> None:
+        """For the EPLB manager: ``committed``, ``aborted`` or ``skipped``."""
+        self.rebalances.labels(result).inc()
+
+    def lora_event(self, event: str) -> None:
+        """For the LoRA manager: ``load``, ``unload``, ``load_failed`` or ``evict``."""
+        self.lora_events.labels(event).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """Numbers read from the coordinator's own state at scrape time."""
+
+    def __init__(self, coord: Any) -> None:
+        self.coord = coord
+
+    def describe(self) -> list[Metric]:
+        return []  # names are only known at collect time (servers, layers)
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.coord
+        st = c.scheduler.stats()
+        yield _gauge("expertmesh_requests_running", "Requests holding KV pages", st["running"])
+        yield _gauge("expertmesh_requests_waiting", "Requests queued for admission", st["waiting"])
+        yield _gauge(
+            "expertmesh_requests_queued",
+            "Submitted requests not yet admitted, counted against --max-queued-requests",
+            st["queued"],
+        )
+        used = st["total_pages"] - st["free_pages"]
+        yield _gauge("expertmesh_kv_pages_used", "KV cache pages held by requests", used)
+        yield _gauge("expertmesh_kv_pages_free", "KV cache pages free", st["free_pages"])
+        yield _gauge("expertmesh_kv_pages_total", "KV cache pages", st["total_pages"])
+        yield _counter("expertmesh_preemptions", "Requests preempted for KV pages", st["preemptions"])
+        yield _counter("expertmesh_steps", "Forward steps run", st["steps"])
+        tokens = CounterMetricFamily(
+            "expertmesh_expert_tokens",
+            "(token, k) pairs routed to each logical expert of each MoE layer",
+            labels=["layer", "expert"],
+        )
+        snap = c.load.snapshot()
+        for layer, counts in zip(snap.moe_layers, snap.totals.tolist()):
+            for e, n in enumerate(counts):
+                tokens.add_metric([str(layer), str(e)], n)
+        yield tokens
+        ready = GaugeMetricFamily(
+            "expertmesh_expert_server_ready",
+            "1 when the expert server is connected and ready",
+            labels=["server"],
+        )
+        transport = GaugeMetricFamily(
+            "expertmesh_expert_server_transport",
+            "1 for the data path in use to each expert server (grpc, shm, cuda_ipc)",
+            labels=["server", "transport"],
+        )
+        slots = GaugeMetricFamily(
+            "expertmesh_expert_server_slots_used",
+            "Max over layers of the slots the placement gives it",
+            labels=["server"],
+        )
+        for info in _server_infos(c):
+            ready.add_metric([info["name"]], 1.0 if info["state"] == "ready" else 0.0)
+            transport.add_metric([info["name"], info["transport"] or "none"], 1.0)
+            slots.add_metric([info["name"]], info["slots_used"])
+        yield ready
+        yield transport
+        yield slots
+        yield _gauge(
+            "expertmesh_placement_generation", "Generation of the live expert placement", _generation(c)
+        )
+
+
+def _server_infos(coord: Any) -> list[dict]:
+    return coord.cluster.server_infos() if coord.cluster is not None else []
+
+
+def _generation(coord: Any) -> int:
+    return int(coord.cluster.placement.generation) if coord.cluster is not None else 0
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _outcome(out: Output) -> str:
+    return "deadline" if isinstance(out.error, DeadlineExceeded) else str(out.finish_reason)

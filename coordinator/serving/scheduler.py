@@ -1,0 +1,486 @@
+"""Continuous batching over the paged-KV engine.
+
+The scheduler owns the engine and runs it in its own thread (the model is synchronous torch).
+Callers talk to it through thread-safe calls: :meth:`Scheduler.submit` hands over a request and
+a sink (called from the scheduler thread with each :class:`Output`), :meth:`Scheduler.cancel`
+withdraws one. Between two steps the loop takes in new requests and cancellations, so a
+cancelled request's pages are free before the next step runs.
+
+Each request has a token list (prompt, then generated tokens) and ``computed``, the number of
+those tokens whose K/V are in the cache. Its pending tokens ``tokens[computed:]`` are the
+prompt (prefill), the last sampled token (decode), or everything after a preemption
+(recompute); a step takes a chunk of them. When a chunk reaches the end of the list, the step's
+logits for it give the next token. One step mixes decode tokens and prefill chunks:
+
+1. running requests, oldest first: decodes take one token each; prefill chunks share the token
+   budget left after the decodes;
+2. waiting requests join, first come first served, while the budget, the running-request limit
+   and the free pages (their whole pending prompt must fit) allow.
+
+Bounds (issue 15): :meth:`Scheduler.submit` refuses a request with :class:`QueueFull` when
+``max_queued`` requests (or ``max_queued_tokens`` prompt tokens) wait for admission already, and a
+request whose deadline passes is finished with :class:`DeadlineExceeded` between two steps,
+queued or running, its pages freed.
+
+When the pages of a step do not fit, the newest running request is preempted: its pages are
+freed and it goes back to the front of the queue, to be recomputed from its tokens later. Its
+sampled tokens and generator state are kept, so the result is the one it would have had.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from coordinator.model.engine import Engine
+from coordinator.serving.outputs import DeadlineExceeded, Output, QueueFull, SchedulerStopped, Sink
+from coordinator.serving.sampler import SamplingParams, make_generator, sample
+from coordinator.serving.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+
+if TYPE_CHECKING:
+    from coordinator.serving.metrics import CoordinatorMetrics
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DeadlineExceeded", "Output", "QueueFull", "Scheduler", "SchedulerStopped", "Sink"]
+
+
+class Request:
+    def __init__(
+        self,
+        rid: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        device: torch.device,
+        tokenizer: TextTokenizer | None,
+        lora: str | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        self.rid, self.params, self.sink = rid, params, sink
+        self.deadline = deadline  # time.monotonic() by which it must finish; None = none
+        self.queued = True  # counted in the admission queue (until first admitted or finished)
+        self.lora = lora  # MoE LoRA adapter name; None = base model
+        self.num_prompt = len(prompt_ids)
+        self.tokens = list(prompt_ids)
+        self.logprobs: list[float] = []
+        self.generator = make_generator(params, device)
+        self.detok: IncrementalDetokenizer | None = tokenizer.detokenizer(prompt_ids) if tokenizer else None
+        self.stops = StopMatcher(params.stop) if params.stop else None
+        self.seq: int | None = None  # engine sequence while it holds pages
+        self.computed = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.computed
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+
+@dataclass(frozen=True)
+class _Add:
+    req: Request
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    rid: int
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], object]
+    fut: Future
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Message = _Add | _Cancel | _Call | _Stop
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_batch_tokens: int = 512  # tokens per step (decodes + prefill chunks)
+    max_running: int = 64  # requests holding KV pages at once
+    max_context: int = 4096  # prompt + generated tokens of one request
+    max_queued: int = 1024  # requests submitted but not yet admitted (QueueFull beyond)
+    # prompt tokens of those; an empty queue takes any one request (its prompt fits the context)
+    max_queued_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        assert self.max_batch_tokens > 0 and self.max_running > 0, f"{self}"
+        assert self.max_context > 1, f"{self.max_context=}"
+        assert self.max_queued > 0 and self.max_queued_tokens > 0, f"{self}"
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        limits: SchedulerLimits,
+        tokenizer: TextTokenizer | None = None,
+        eos_ids: tuple[int, ...] = (),
+    ) -> None:
+        capacity = engine.pages.num_pages * engine.page_size
+        assert limits.max_context <= capacity, f"{limits.max_context=} > KV capacity {capacity} tokens"
+        self.engine, self.limits, self.tokenizer = engine, limits, tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._next_rid = 0
+        self._rid_lock = threading.Lock()  # guards _next_rid and _stopped
+        self._stopped = False
+        self._queued = self._queued_tokens = 0  # guarded by _rid_lock (see Request.queued)
+        self.num_rejected = self.num_expired = 0
+        self._requests: dict[int, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order, oldest first
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.metrics: CoordinatorMetrics | None = None  # issue 16: set by the coordinator
+
+    # ------------------------------------------------------------------ thread-safe API
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ends the loop after the current step; unfinished requests get a SchedulerStopped error."""
+        self._inbox.put(_Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        lora: str | None = None,
+        deadline: float | None = None,
+    ) -> int:
+        """Queues a request; ``sink`` is called from the scheduler thread and must not block.
+        ``deadline`` is a ``time.monotonic()`` time. Raises :class:`QueueFull` (nothing queued)
+        or :class:`SchedulerStopped`."""
+        assert prompt_ids, "empty prompt"
+        n, lim = len(prompt_ids), self.limits
+        with self._rid_lock:
+            if self._stopped:
+                raise SchedulerStopped("the coordinator is shutting down")
+            if self._queued >= lim.max_queued or (
+                self._queued and self._queued_tokens + n > lim.max_queued_tokens
+            ):
+                self.num_rejected += 1
+                if self.metrics is not None:
+                    self.metrics.rejected()
+                raise QueueFull(
+                    f"the coordinator is overloaded: {self._queued} requests ({self._queued_tokens} prompt "
+                    f"tokens) wait already (limits: --max-queued-requests {lim.max_queued}, "
+                    f"--max-queued-tokens {lim.max_queued_tokens}); retry later"
+                )
+            self._queued += 1
+            self._queued_tokens += n
+            self._next_rid += 1
+            rid = self._next_rid
+        if self.metrics is not None:
+            sink = self.metrics.track(sink, n)
+        req = Request(rid, prompt_ids, params, sink, self.engine.device, self.tokenizer, lora, deadline)
+        with self._rid_lock:
+            stopped = self._stopped
+            if not stopped:
+                self._inbox.put(_Add(req))
+        if stopped:
+            self._dequeue(req)
+            raise SchedulerStopped("the coordinator is shutting down")
+        return rid
+
+    def _dequeue(self, req: Request) -> None:
+        """``req`` leaves the admission queue (admitted or finished); any thread."""
+        with self._rid_lock:
+            if req.queued:
+                req.queued = False
+                self._queued -= 1
+                self._queued_tokens -= req.num_prompt
+
+    def cancel(self, rid: int) -> None:
+        self._inbox.put(_Cancel(rid))
+
+    def call_between_steps(self, fn: Callable[[], object]) -> Future:
+        """Runs ``fn`` on the scheduler thread between two steps (e.g. reconnecting expert
+        servers, which must not race a step); the future holds its result or exception."""
+        fut: Future = Future()
+        with self._rid_lock:
+            if self._stopped:
+                fut.set_exception(SchedulerStopped("the coordinator is shutting down"))
+                return fut
+            self._inbox.put(_Call(fn, fut))
+        return fut
+
+    def uses_adapter(self, name: str) -> int:
+        """Requests (waiting or running) using LoRA adapter ``name``; call on the scheduler thread."""
+        return sum(1 for r in self._requests.values() if r.lora == name)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "free_pages": self.engine.pages.num_free,
+            "total_pages": self.engine.pages.num_pages,
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "queued": self._queued,
+            "rejected": self.num_rejected,
+            "expired": self.num_expired,
+            "preemptions": self.num_preemptions,
+            "steps": self.num_steps,
+        }
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        try:
+            while self._take_inbox(block=not (self._running or self._waiting)):
+                self._expire()
+                plan = self._schedule()
+                if plan:
+                    self._run_step(plan)
+        except BaseException:
+            log.exception("the scheduler loop died")
+            raise
+        finally:
+            with self._rid_lock:
+                self._stopped = True
+            while True:  # what was queued before the flag was set
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(msg, _Add):
+                    self._requests[msg.req.rid] = msg.req
+                elif isinstance(msg, _Call):
+                    msg.fut.set_exception(SchedulerStopped("the coordinator is shutting down"))
+            for req in list(self._requests.values()):
+                self._finish(req, "error", error=SchedulerStopped("the coordinator is shutting down"))
+
+    def _take_inbox(self, block: bool) -> bool:
+        """Applies queued submissions and cancellations; False once stop was asked."""
+        try:
+            msg = self._inbox.get(timeout=None) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(msg, _Stop):
+                return False
+            if isinstance(msg, _Add):
+                self._requests[msg.req.rid] = msg.req
+                self._waiting.append(msg.req)
+            elif isinstance(msg, _Cancel):
+                req = self._requests.get(msg.rid)
+                if req is not None:
+                    self._finish(req, "cancelled")
+            elif msg.fut.set_running_or_notify_cancel():
+                try:
+                    msg.fut.set_result(msg.fn())
+                except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+                    msg.fut.set_exception(exc)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _expire(self) -> None:
+        """Finishes every request whose deadline has passed (queued or running): its pages are
+        free before the next step."""
+        now = time.monotonic()
+        late = [r for r in self._requests.values() if r.deadline is not None and r.deadline <= now]
+        for req in late:
+            where = "running" if req.seq is not None else "queued"
+            self.num_expired += 1
+            err = DeadlineExceeded(
+                f"deadline exceeded: request {where}, {req.num_generated} of at most "
+                f"{req.params.max_new_tokens} tokens generated"
+            )
+            self._finish(req, "error", error=err)
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """This step's (request, number of its pending tokens to compute)."""
+        budget = self.limits.max_batch_tokens
+        free = self.engine.pages.num_free
+        decodes = sum(1 for r in self._running if r.pending == 1)
+        prefill_budget = max(0, budget - decodes)
+        plan: list[tuple[Request, int]] = []
+        for req in list(self._running):
+            if req.seq is None:  # preempted below, with everything newer
+                break
+            if req.pending == 1:
+                n = 1 if budget > 0 else 0
+            else:
+                n = min(req.pending, prefill_budget)
+            if n == 0:
+                continue
+            need = self.engine.pages_needed(req.seq, n)
+            # NOTE: requests are planned oldest first, so the newest running one is never planned
+            while need > free and self._running[-1] is not req:
+                free += self._preempt(self._running[-1])
+            if need > free:
+                free += self._preempt(req)
+                break
+            plan.append((req, n))
+            free -= need
+            budget -= n
+            if n > 1 or req.pending > 1:
+                prefill_budget -= n
+        while self._waiting and len(self._running) < self.limits.max_running and prefill_budget > 0:
+            req = self._waiting[0]
+            whole = min(-(-(req.pending + 1) // self.engine.page_size), self.engine.pages.num_pages)
+            if whole > free:
+                break
+            self._waiting.popleft()
+            self._dequeue(req)
+            req.seq = self.engine.new_seq()
+            self._running.append(req)
+            n = min(req.pending, prefill_budget)
+            plan.append((req, n))
+            free -= self.engine.pages_needed(req.seq, n)
+            prefill_budget -= n
+        return plan
+
+    def _preempt(self, req: Request) -> int:
+        """Frees ``req``'s pages and requeues it at the front; returns the pages freed."""
+        assert req.seq is not None
+        freed = len(self.engine.seqs[req.seq].pages)
+        self.engine.free(req.seq)
+        req.seq, req.computed = None, 0
+        self._running.remove(req)
+        self._waiting.appendleft(req)
+        self.num_preemptions += 1
+        log.debug("preempted request %d (%d tokens, %d pages)", req.rid, len(req.tokens), freed)
+        return freed
+
+    def _run_step(self, plan: list[tuple[Request, int]]) -> None:
+        items = []
+        for req, n in plan:
+            assert req.seq is not None
+            items.append((req.seq, req.tokens[req.computed : req.computed + n]))
+        adapters = [req.lora for req, _ in plan]
+        try:
+            logits = self.engine.step(items, adapters=adapters if any(adapters) else None)
+        # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
+        # the requests of this step, which are failed and freed; other requests keep going
+        except Exception as exc:  # noqa: BLE001 - the thread boundary (above)
+            hit = _requests_of_rows(plan, getattr(exc, "rows", None))
+            if hit and len(hit) < len(plan):
+                # only some requests need an expert that no live server holds: fail those and
+                # run the step again for the rest (their KV positions are rewritten, not added)
+                log.warning("step failed for %d of %d requests: %s", len(hit), len(plan), exc)
+                for i in hit:
+                    self._finish(plan[i][0], "error", error=exc)
+                self._run_step([p for i, p in enumerate(plan) if i not in hit])
+                return
+            log.warning("step of %d requests failed: %s", len(plan), exc)
+            for req, _ in plan:
+                self._finish(req, "error", error=exc)
+            return
+        self.num_steps += 1
+        if self.metrics is not None:
+            self.metrics.step(sum(n for _, n in plan))
+        done = []
+        for (req, n), row in zip(plan, logits):
+            req.computed += n
+            if req.pending == 0:
+                done.append((req, row))
+        if done:
+            reqs = [r for r, _ in done]
+            toks, lps = sample(
+                torch.stack([row for _, row in done]), [r.params for r in reqs], [r.generator for r in reqs]
+            )
+            for (req, row), tok, lp in zip(done, toks.tolist(), lps.tolist()):
+                top = _top_logprobs(row, req.params.top_logprobs) if req.params.top_logprobs else []
+                self._emit_token(req, tok, lp, top)
+
+    def _emit_token(self, req: Request, tok: int, logprob: float, top: list[tuple[int, float]]) -> None:
+        req.tokens.append(tok)
+        req.logprobs.append(logprob)
+        p = req.params
+        text, reason = "", None
+        if req.detok is not None:
+            text = req.detok.push(tok)
+        if req.stops is not None:
+            text, hit = req.stops.feed(text)
+            reason = "stop" if hit else None
+        if reason is None:
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                reason = "stop"
+            elif req.num_generated >= p.max_new_tokens or len(req.tokens) >= self.limits.max_context:
+                reason = "length"
+            if reason is not None:
+                text += self._flush_text(req)
+        lps = [logprob] if p.logprobs else []
+        tops = [top] if p.top_logprobs else []
+        if reason is None:
+            req.sink(Output([tok], text, lps, top_logprobs=tops))
+        else:
+            self._finish(req, reason, Output([tok], text, lps, top_logprobs=tops))
+
+    def _flush_text(self, req: Request) -> str:
+        tail = req.detok.flush() if req.detok is not None else ""
+        if req.stops is None:
+            return tail
+        text, _ = req.stops.feed(tail)
+        return text + req.stops.flush()
+
+    def _finish(
+        self, req: Request, reason: str, last: Output | None = None, error: BaseException | None = None
+    ) -> None:
+        """Frees the request's pages and sends its final output."""
+        if req.seq is not None:
+            self.engine.free(req.seq)
+            req.seq = None
+        if req in self._running:
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        self._requests.pop(req.rid, None)
+        self._dequeue(req)
+        last = last or Output([])
+        req.sink(
+            Output(
+                last.token_ids,
+                last.text,
+                last.logprobs,
+                finish_reason=reason,
+                prompt_tokens=req.num_prompt,
+                completion_tokens=req.num_generated,
+                error=error,
+                top_logprobs=last.top_logprobs,
+            )
+        )
+
+
+def _top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:  # logits [V]
+    """The ``n`` most likely tokens and their log-probabilities (the raw logits' log-softmax, as
+    the sampled token's logprob)."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(n, logits.shape[-1]))
+    return list(zip(ids.tolist(), values.tolist()))
+
+
+def _requests_of_rows(plan: list[tuple[Request, int]], rows: tuple[int, ...] | None) -> set[int]:
+    """Indices into ``plan`` of the requests owning the step's token ``rows`` (the step's
+    tokens are the plan's, in order; rows past them are graph padding)."""
+    if not rows:
+        return set()
+    ends = list(itertools.accumulate(n for _, n in plan))
+    return {bisect.bisect_right(ends, r) for r in rows if r < ends[-1]}
