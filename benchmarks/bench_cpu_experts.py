@@ -8,7 +8,7 @@ layer; without the flush, smaller formats would be timed partly from cache; --wa
 The flush evicts the code too: the Python, torch and ctypes code of the call and the data they
 touch, which in a server stays warm because every layer runs it. --warm-code makes one untimed
 call of the same path with no local expert (all slot ids -1: no weights read) after the flush,
-so the timed call finds the code and the thread team warm and its weights in DRAM (issue 14f;
+so the timed call finds the code and the thread team warm and its weights in DRAM (
 the glue costs ~50 us of a 0.38 ms int4 layer after the plain flush). Alongside: the host's
 measured DRAM bandwidth (threaded torch copy and read of 1 GiB)
 and GEMM peak (a large torch matmul), torch's own decode-shaped GEMV per expert in bf16 and
@@ -111,8 +111,8 @@ def timeit_interleaved(fns: list[Callable[[int], object]], reps: int) -> list[fl
 
 
 def call_of(backend, a, b, x, routes_of, wire_of) -> Callable[[int], torch.Tensor]:
-    """What one timed rep runs. --call forward (every table before session 7's):
-    ``backend.forward`` on int64 routing tensors. --call server (the default since session 7):
+    """What one timed rep runs. --call forward (the earlier tables' protocol):
+    ``backend.forward`` on int64 routing tensors. --call server (the default):
     the CPU expert server's own call on its fast paths (ExpertWorker._compute_locked): the routing as the wire brings it (int32
     ids, float32 weights, host tensors), the answer written into the ring (a
     preallocated tensor) by the backend's ``forward_into`` where it takes the call, else
@@ -326,7 +326,7 @@ def split_rows(
     name, t, backends, variants, amx, x, routes_of, wire_of, ref, n_active, bw, reps
 ) -> list[dict]:
     """The int8/int4 decode kernel's variants (environment switches: work splits
-    EXPERTMESH_QDOT_SPLIT, issue 14f's EXPERTMESH_QDOT_CHAIN/_CLAIM/_Q512) timed round robin with
+    EXPERTMESH_QDOT_SPLIT, EXPERTMESH_QDOT_CHAIN/_CLAIM/_Q512) timed round robin with
     the bf16 default path ("bfloat16/il") in one interleaved group, each with the backend's own
     path choice: rows "<dtype>/<variant>" (--qdot-splits N: "split<N>")."""
     group = []
@@ -436,7 +436,7 @@ def main() -> None:
         choices=("forward", "server"),
         default="server",
         help="what a timed call runs: the CPU server's own fast-path call (int32 routing, answer "
-        "into the ring; call_of), or backend.forward on int64 routing (the tables before session 7)",
+        "into the ring; call_of), or backend.forward on int64 routing (the earlier tables' protocol)",
     )
     p.add_argument(
         "--modes",

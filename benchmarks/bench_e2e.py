@@ -268,7 +268,7 @@ def start_gpu_server(ck: Path, key: ServerKey, log: Path) -> tuple[subprocess.Po
     env = dict(
         os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
     )
-    if link:  # issue 10: the server's own link mode (it refuses one on a shared GPU unless forced)
+    if link:  # the server's own link mode (it refuses one on a shared GPU unless forced)
         env["EXPERTMESH_LINK"] = {"off": "0"}.get(link, link)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root
@@ -321,7 +321,7 @@ class ServerKey(NamedTuple):
     graphs: bool  # the server's CUDA graphs
     spin: float | None  # both sides' fast-path spin in us (None: their defaults)
     pin: bool  # server and coordinator on disjoint halves of the cores
-    link: str = ""  # issue 10: EXPERTMESH_LINK of both sides ("" = this process's)
+    link: str = ""  # EXPERTMESH_LINK of both sides ("" = this process's)
 
 
 def _halves() -> tuple[list[int], list[int]]:
@@ -382,7 +382,7 @@ def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str]]:
             out.append(
                 (f"gpu-server second GPU {t} (disjoint cores)", ServerKey(1, True, None, True), t, True)
             )
-    # --- issue 10: the device link: rows without it (EXPERTMESH_LINK=0 on the coordinator, the
+    # --- the device link: rows without it (EXPERTMESH_LINK=0 on the coordinator, the
     # same server), and same GPU forced (both sides: a server of its own) ---
     modes = [(name, key, t, graphs, "") for name, key, t, graphs in out]
     if args.no_link_too:
@@ -394,7 +394,6 @@ def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str]]:
         key = ServerKey(0, True, None, False, "force")
         modes.append((f"gpu-server same GPU {t} (EXPERTMESH_LINK=force)", key, t, True, "force"))
     return modes
-    # --- end issue 10 ---
 
 
 def main() -> None:
@@ -422,9 +421,9 @@ def main() -> None:
     ap.add_argument("--spin-us-too", type=float, default=0.0, metavar="U",
                     help="also the last --remote / first --second-gpu transport with both sides spinning U us")  # fmt: skip
     ap.add_argument("--no-link-too", action="store_true",
-                    help="issue 10: also each remote mode with the device link off (EXPERTMESH_LINK=0)")  # fmt: skip
+                    help="also each remote mode with the device link off (EXPERTMESH_LINK=0)")  # fmt: skip
     ap.add_argument("--link-force-same", action="store_true",
-                    help="issue 10: also the last --remote transport with the link forced on the same GPU (a check; it time-slices)")  # fmt: skip
+                    help="also the last --remote transport with the link forced on the same GPU (a check; it time-slices)")  # fmt: skip
     ap.add_argument(
         "--switch-rounds", type=int, default=400, help="rounds of the context-switch floor (0 = skip)"
     )
@@ -454,9 +453,7 @@ def main() -> None:
     first_tokens: dict[str, list[int]] = {}
     pieces: dict[str, dict[int, dict[int, list[float]]]] = {}  # remote mode -> depth -> batch -> us
     transports: dict[str, str] = {}
-    linked: dict[
-        str, tuple[int, int]
-    ] = {}  # issue 10: remote mode -> (linked steps, re-runs) at the last depth
+    linked: dict[str, tuple[int, int]] = {}  # remote mode -> (linked steps, re-runs) at the last depth
     failed: dict[str, str] = {}
     for depth in args.depths:
         ck = Path(args.work) / f"{widths['model_type']}_L{depth}"
@@ -510,7 +507,7 @@ def main() -> None:
                     failed[name] = f"{type(e).__name__}: {e}"
                     continue
                 transports[name] = d.server_infos()[0]["transport"]
-                if d.conns[0].link() is not None:  # issue 10
+                if d.conns[0].link() is not None:
                     transports[name] += "+link"
                 print(
                     f"engine {name} L={depth} ({transports[name]}): {time.perf_counter() - t0:.1f}s",
@@ -524,7 +521,7 @@ def main() -> None:
                         if us is not None:
                             pieces[name][depth][b] = us
                     print(name, depth, res[name][depth], pieces[name][depth], flush=True)
-                    linked[name] = (d.linked_steps, d.link_reruns)  # issue 10
+                    linked[name] = (d.linked_steps, d.link_reruns)
                     if d.linked_steps:
                         print(
                             f"linked graphs of {name}: pool {eng.graphs.link_pool_bytes / 2**20:.0f} MiB",

@@ -10,7 +10,7 @@ the sum); ``fixed`` = median step - depth x per-layer; tokens/s at the real dept
 
 - ``gpu_all`` / ``cpu_all``: every expert on the GPU server / on the CPU server (baselines);
 - ``hybrid G%``: ``--num-gpu-experts`` = G% of the experts, the rest on the CPU server;
-- ``hybrid/main-wait G%``: the same with main's wait before issue 14h2 (before/after);
+- ``hybrid/main-wait G%``: the same with the older wait that collected answers in send order (before/after);
 - ``defer N G%``: the same with ``--cpu-defer-experts N`` (coordinator/model/deferral.py);
 - ``cpu_share G%`` / ``gpu_share G%``: the hybrid placement with only the CPU (GPU) server's
   requests sent (the other share dropped: numbers wrong, time = that share alone).
@@ -139,7 +139,7 @@ class ProbedDispatcher(RemoteDispatcher):
     - ``share`` (``"cpu"`` / ``"gpu"``) sends only that kind of server's requests (the share's
       time alone); ``"all"`` sends everything;
     - :meth:`set_defer` turns ``--cpu-defer-experts`` on or off (coordinator/model/deferral.py);
-    - ``main_wait``: main's wait before issue 14h2, each answer summed as it is collected
+    - ``main_wait``: the older wait, each answer summed as it is collected
       (zeros launched right after the sends, the first answer's copy to the GPU and its add
       while the other server still computes), for a before/after in the same run.
     """

@@ -1,5 +1,5 @@
 """The device link end to end in ONE process on one GPU: what a linked decode step costs when
-the two sides do not time-slice (issue 10's "expert server on its own GPU" without a second GPU).
+the two sides do not time-slice (the "expert server on its own GPU" case without a second GPU).
 
 The coordinator's real engine (coordinator/model/remote_graphs.py: the linked whole-step graphs, the
 slot table, the LinkStep/replay/error-read step) runs on the default stream; the expert

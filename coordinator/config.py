@@ -80,7 +80,7 @@ class CoordinatorConfig:
     kv_memory_bytes: int = 256 << 20  # KV cache budget; sets the number of pages
     max_batch_tokens: int = 512  # tokens per forward step (decodes + prefill chunks)
     max_running: int = 64  # requests holding KV pages at once
-    # issue 15: bounded queue (RESOURCE_EXHAUSTED / HTTP 429 beyond) and a server-side deadline
+    # bounded queue (RESOURCE_EXHAUSTED / HTTP 429 beyond) and a server-side deadline
     max_queued_requests: int = 1024  # submitted, not yet admitted
     max_queued_tokens: int = 1 << 20  # their prompt tokens
     request_timeout_s: float | None = None  # caps every request's deadline; None = the client's only
@@ -89,18 +89,18 @@ class CoordinatorConfig:
     max_message_mb: int = 64
     connect_timeout_s: float = 10.0  # one attempt to (re)connect the expert servers
     cluster: ClusterConfig | None = None  # None or no servers: experts in process
-    http_port: int | None = None  # issue 16: OpenAI-compatible HTTP + /metrics on host:http_port; None = off
+    http_port: int | None = None  # OpenAI-compatible HTTP + /metrics on host:http_port; None = off
     input_limits: InputLimits = InputLimits()  # per-request caps (checked in coordinator/serving/requests.py)
-    eplb: EplbConfig = EplbConfig()  # periodic expert re-placement (issue 11); off by default
+    eplb: EplbConfig = EplbConfig()  # periodic expert re-placement; off by default
 
     lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these
     max_loras: int = 4  # MoE LoRA adapters loaded at once
     # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
     admin_token: str | None = field(default=None, repr=False)
-    tls: TLSConfig | None = None  # issue 15c: the public port serves TLS only with a certificate
-    # issue 15a: SIGTERM: admit nothing new, finish running requests for at most this long
+    tls: TLSConfig | None = None  # the public port serves TLS only with a certificate
+    # SIGTERM: admit nothing new, finish running requests for at most this long
     drain_timeout_s: float = 30.0
-    # issue 15a: re-place the experts of a server down this long over the others (None = off)
+    # re-place the experts of a server down this long over the others (None = off)
     degraded_replace_after_s: float | None = None
 
     def __post_init__(self) -> None:

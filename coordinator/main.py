@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "re-place every expert over the remaining servers (EPLB) from the checkpoint (default: off)",
     )
     ClusterConfig.add_arguments(p)
-    TLSConfig.add_arguments(p, "coordinator")  # issue 15c
+    TLSConfig.add_arguments(p, "coordinator")
     InputLimits.add_arguments(p)
     EplbConfig.add_arguments(p)
 
@@ -133,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_loras=args.max_loras,
         admin_token=args.admin_token or auth.token_from_env(auth.ADMIN_TOKEN_ENV),
         input_limits=InputLimits.from_args(args),
-        tls=TLSConfig.from_args(args),  # issue 15c
+        tls=TLSConfig.from_args(args),
         drain_timeout_s=args.drain_timeout,
         degraded_replace_after_s=args.degraded_replace_after,
     )
@@ -144,14 +144,14 @@ async def serve(config: CoordinatorConfig) -> int:
     from coordinator.serving.server import create_server
 
     server = create_server(config)
-    port = server.add_port(f"{config.host}:{config.port}")  # issue 15c: TLS with --tls-cert
+    port = server.add_port(f"{config.host}:{config.port}")  # TLS with --tls-cert
     if port == 0:
         print(f"error: could not bind {config.host}:{config.port}", file=sys.stderr)
         return 1
     await server.start()
     print(f"coordinator listening on {config.host}:{port}", flush=True)
     if server.http is not None:
-        scheme = "https" if config.tls is not None and config.tls.server_enabled else "http"  # issue 15c
+        scheme = "https" if config.tls is not None and config.tls.server_enabled else "http"
         print(
             f"OpenAI-compatible HTTP API and /metrics on {scheme}://{config.host}:{server.http.port}",
             flush=True,

@@ -16,7 +16,7 @@ expert the rows are dequantised and multiplied with torch's GEMM (oneDNN in bf16
 bf16 instructions, fp32 MKL elsewhere, because torch's bf16 GEMM without them is several times
 slower than converting first). Without AMX, int8/int4 on AVX2 integer dots stay in the decode kernel
 up to GEMV_INT_MAX_TOKENS tokens per expert (prefill sizes included): there the per-call
-dequantisation and fp32 GEMMs took 1.6-3x as long as the integer dots (issue 14a).
+dequantisation and fp32 GEMMs took 1.6-3x as long as the integer dots.
 """
 
 from __future__ import annotations
@@ -46,20 +46,20 @@ log = logging.getLogger("expertmesh.cpu_backend")
 GEMV_MAX_TOKENS = 16
 KERNEL_DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 3}
 # mean tokens per expert above which int8/int4 take the AMX path rather than the decode kernel's
-# integer dots over tiled blocks (issue 14q, lent host: the kernel won up to 4 (Qwen3 T=64: int8
+# integer dots over tiled blocks (lent host: the kernel won up to 4 (Qwen3 T=64: int8
 # 7.3 vs 7.6 ms, int4 8.1 vs 8.9), AMX from 6 (DeepSeek-V2-Lite T=64: 6.8 vs 8.1, 8.3 vs 11.4))
 AMX_INT_MIN_TOKENS = 4
 # mean tokens per expert up to which int8/int4 weights with integer dots stay in the decode kernel
-# on CPUs without AMX (issue 14a, 2-core AVX2, interleaved: at 32 and 48 tokens per expert the
+# on CPUs without AMX (2-core AVX2, interleaved: at 32 and 48 tokens per expert the
 # kernel took 0.33-0.64 of the time of dequantising every active expert to fp32 for torch's GEMMs,
 # at 64 int8 was within noise of them; one OpenMP call per layer instead of several per expert
 # also keeps it steady next to busy neighbours)
 GEMV_INT_MAX_TOKENS = 48
-# moe_decode_qa's argument block: moe_decode_q's 20 arguments as int64 (issue 14f), then whether
+# moe_decode_qa's argument block: moe_decode_q's 20 arguments as int64, then whether
 # the slot ids are int32
 _QARGS = struct.Struct("21q")
 _QIDS = {torch.int64: 0, torch.int32: 1}
-# moe_amx_a's argument block (session 6): moe_amx/_q's arguments, dtype flags, which kernel
+# moe_amx_a's argument block: moe_amx/_q's arguments, dtype flags, which kernel
 _AARGS = struct.Struct("22q")
 _QX_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -173,7 +173,7 @@ class CpuExpertBackend(ExpertBackend):
         wire brings it (host ``slot_ids [T, K]`` int32 or int64, ``weights [T, K]`` float32),
         for the calls :meth:`forward` sends to the integer-dot decode kernel or to AMX: the
         conversions happen in C, no output is allocated, nothing is copied into the ring.
-        Session 6: the server's call (int32 ids) missed :meth:`_decode_q_fast`, and every call
+        The server's call (int32 ids) used to miss :meth:`_decode_q_fast`, and every call
         paid torch conversions, ctypes arguments, an output tensor and a copy into the ring;
         after the benchmark's cache flush each costs microseconds. False (nothing written): any
         other call (and bf16 x into an fp32 ``out``, which forward rounds to bf16 first); the
@@ -263,7 +263,7 @@ class CpuExpertBackend(ExpertBackend):
 
     def _decode_q_fast(self, x, w13, w2, slot_ids, weights) -> torch.Tensor | None:
         """The decode-sized int8/int4 call with as few Python and torch operations as there can
-        be (issue 14f: under the benchmark's cache flush each costs microseconds; the glue was
+        be (under the benchmark's cache flush each costs microseconds; the glue was
         ~50 us of a 0.38 ms int4 layer): arguments packed into one int64 block for moe_decode_qa.
         None when the call is not one (the general dispatch then decides, as it always did)."""
         if (
@@ -303,7 +303,7 @@ class CpuExpertBackend(ExpertBackend):
     def gemv_limit(self) -> int:
         """Mean tokens per expert up to which calls go to the decode kernel: the forced value,
         else GEMV_INT_MAX_TOKENS for int8/int4 on AVX2 integer dots without AMX (dequantising every
-        active expert for torch's GEMMs costs more there than the integer dots save, issue 14a),
+        active expert for torch's GEMMs costs more there than the integer dots save),
         else GEMV_MAX_TOKENS. AMX hosts keep GEMV_MAX_TOKENS: their dispatch is unchanged."""
         if self.gemv_max_tokens is not None:
             return self.gemv_max_tokens
@@ -330,9 +330,9 @@ class CpuExpertBackend(ExpertBackend):
         assert fmt is not None and self.lib is not None
         t, k = slot_ids.shape
         if fmt.quantised and self.qact and x.dtype in (torch.bfloat16, torch.float32):
-            # issue 14q: the integer-dot kernel takes bf16/fp32 in and out and its own scratch
+            # the integer-dot kernel takes bf16/fp32 in and out and its own scratch
             # (~10 us of torch calls less per layer, a few % of an int4 decode layer)
-            # (issue 14q2: .to() costs ~1.5 us even when the dtype is already right)
+            # (.to() costs ~1.5 us even when the dtype is already right)
             xc = x.contiguous()  # [T, H]
             sid = slot_ids if slot_ids.dtype == torch.int64 else slot_ids.to(torch.int64)
             wts = weights if weights.dtype == torch.float32 else weights.to(torch.float32)

@@ -20,7 +20,7 @@ DEFAULT_PORT = 50061
 def add_arguments(p: argparse.ArgumentParser) -> None:
     WorkerConfig.add_arguments(p, DEFAULT_PORT)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument(  # issue 14h: cpu_expert_server/numa.py; issue 14n: "all"
+    p.add_argument(  # cpu_expert_server/numa.py; "all"
         "--numa-node",
         type=numa_node_arg,
         default=None,
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def numa_node_arg(text: str) -> int | str:
-    """``--numa-node``: a node id, or ``all`` (issue 14n)."""
+    """``--numa-node``: a node id, or ``all``."""
     if text == "all":
         return text
     if not text.isdigit():
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: before make_backend, whose log line says which decode kernel runs (C or the torch
     # fallback); serve() configures the same format again, a no-op then
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # --- issue 14n: one server over every node (cpu_expert_server/numa_backend.py) ---
+    # --- one server over every node (cpu_expert_server/numa_backend.py) ---
     if args.numa_node == "all":
         try:
             backend = numa_backend_from_args(args, numa.read_nodes())
@@ -66,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
         if backend is not None:
             return serve(config_from_args(args), backend)
         args.numa_node = None  # one node: exactly the server without the flag
-    # --- end issue 14n ---
-    # --- issue 14h: NUMA binding before any thread pool starts (threads inherit the mask) ---
+    # --- NUMA binding before any thread pool starts (threads inherit the mask) ---
     if args.numa_node is not None:
         try:
             node = numa.bind_to_node(args.numa_node)
@@ -78,14 +77,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"NUMA node {node.id}: {len(node.cpus)} CPUs, {args.threads} threads", flush=True)
     else:
         print(f"NUMA: {numa.describe(numa.read_nodes())}", flush=True)
-    # --- end issue 14h ---
     if args.threads:
         cores.set_torch_threads(args.threads)  # intra- and inter-op pools
     return serve(config_from_args(args), make_backend(args.threads, args.weight_dtype))
 
 
 def numa_backend_from_args(args: argparse.Namespace, nodes: list[numa.Node]) -> ExpertBackend | None:
-    """``--numa-node all`` (issue 14n): the node-split backend over ``nodes``, or None for one
+    """``--numa-node all``: the node-split backend over ``nodes``, or None for one
     node (the plain backend then, unchanged). ValueError for a ``--threads`` below the nodes."""
     if len(nodes) == 1:
         print("NUMA: --numa-node all on one node: the plain server", flush=True)

@@ -309,7 +309,7 @@ EOF
 }
 
 # The stack serves (above), so the coordinator holds the cluster token cluster-secret generated;
-# an expert server must refuse a placement push that lacks it (issue 15: the servers are closed).
+# an expert server must refuse a placement push that lacks it (the servers are closed).
 check_cluster_token() {
     log "cpu-server refuses ApplyPlacement without the cluster token"
     compose exec -T coordinator python - <<'EOF' || die "cpu-server accepted a placement push without the cluster token"
@@ -343,7 +343,7 @@ EOF
         die "server reflection does not list expertmesh.v1.Generation"
 }
 
-# issue 14h: the image carries a C compiler, so the CPU expert server must run its C decode
+# the image carries a C compiler, so the CPU expert server must run its C decode
 # kernels, not the torch fallback (its start-up log says which).
 check_cpu_kernels() {
     local logs # NOTE: not `compose logs | grep -q`: grep's early exit fails the pipe (pipefail)

@@ -3,7 +3,7 @@
 Why: ``expertmesh up`` runs three processes (coordinator, GPU and CPU expert servers) that each
 used torch's default thread pools (one thread per core) and polled for fast-path answers. On a
 2-core machine that is six compute threads plus spinning waiters on two cores: decode ran at a
-fifth of the speed of ``--threads 1`` (``benchmarks/RESULTS.md``, issue 10b). The rules here
+fifth of the speed of ``--threads 1`` (``benchmarks/RESULTS.md``). The rules here
 give each process its own share of the cores and spin only when a core is free to spin on.
 """
 
@@ -153,7 +153,7 @@ def default_spin_us(cores: int | None = None, busy: int = LOCAL_PROCESSES) -> fl
     Why the long spin: a coordinator and a GPU expert server sharing one GPU take 0.5-0.7 ms
     per layer round trip (two GPU context switches), longer than ``SPIN_US``, so both sides
     slept every layer: 0.73 ms per layer at batch 1 with 300 us, 0.55 ms with 2000 us on the
-    lent H100's 16-core host (benchmarks/RESULTS.md, issue 10r). The budget still halves on
+    lent H100's 16-core host (benchmarks/RESULTS.md). The budget still halves on
     every miss, so a slow or idle peer costs no CPU for long."""
     cores = available() if cores is None else cores
     if cores >= LONG_SPIN_CORES:

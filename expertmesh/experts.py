@@ -24,7 +24,7 @@ class ExpertBackend(ABC):
     """Computes the weighted sum of routed experts for a batch of tokens."""
 
     name: str = "abstract"
-    # dtype the routed experts are resident in when it is not the compute dtype (FP8: issue 13)
+    # dtype the routed experts are resident in when it is not the compute dtype (FP8)
     weight_dtype: str = ""
 
     def pack_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,7 +45,7 @@ from expertmesh import auth, cores
 from expertmesh.tls import TLSConfig
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
-# issue 16: the coordinator's HTTP port and the expert servers' metrics ports
+# the coordinator's HTTP port and the expert servers' metrics ports
 _HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on https?://\S+:(\d+)")
 _PR_SET_PDEATHSIG = 1
 
@@ -172,7 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="print one completion of this prompt once serving, then stop everything",
     )
     p.add_argument("--max-new-tokens", type=int, default=32, help="for --prompt")
-    TLSConfig.add_arguments(p, "coordinator")  # issue 15h: passed on to all three processes
+    TLSConfig.add_arguments(p, "coordinator")  # passed on to all three processes
 
 
 def demo_dir() -> Path:
@@ -220,7 +220,7 @@ def child_env() -> dict[str, str]:
 
 
 def tls_flags(tls: TLSConfig) -> tuple[list[str], list[str]]:
-    """issue 15h: (the expert servers' TLS flags, the coordinator's). Paths are made absolute;
+    """(The expert servers' TLS flags, the coordinator's). Paths are made absolute;
     the children get them as flags, so that a flag given to ``up`` wins over their environment
     exactly as it would for ``up`` itself."""
     if not tls.server_enabled:
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = resolve_model(args)
         num_experts = ModelConfig.from_dir(model).num_experts
-        tls = TLSConfig.from_args(args)  # issue 15h: a missing file or a lone --tls-cert fails here
+        tls = TLSConfig.from_args(args)  # a missing file or a lone --tls-cert fails here
         if (tls.ca or tls.server_name) and not tls.server_enabled:
             raise ValueError(
                 "--tls-ca/--tls-server-name need --tls-cert and --tls-key here: "

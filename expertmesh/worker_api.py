@@ -67,6 +67,6 @@ class WorkerInfo:
     generation: int  # the live placement generation
     device_uuid: str = ""
     max_message_bytes: int = 0
-    # routed experts as resident: stored dtype ("float8_e4m3fn" under FP8) and bytes (issue 13)
+    # routed experts as resident: stored dtype ("float8_e4m3fn" under FP8) and bytes
     weight_dtype: str = ""
     weight_bytes: int = 0

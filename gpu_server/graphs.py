@@ -159,8 +159,8 @@ class GraphedBackend(ExpertBackend):
     def open_link(
         self, request: torch.Tensor, rows: int, hidden: int, top_k: int, dtype: torch.dtype
     ) -> LinkGraphs:
-        """The device link's step graphs over the coordinator's mapped ``request`` area (issue
-        10, gpu_server/link_graphs.py): the same kernels as these graphs, a pool of their own."""
+        """The device link's step graphs over the coordinator's mapped ``request`` area
+        (gpu_server/link_graphs.py): the same kernels as these graphs, a pool of their own."""
         return LinkGraphs(self.inner, request, rows, hidden, top_k, dtype, self.buckets)
 
     def _capture(self, key: tuple, x: torch.Tensor, w13, w2, top_k: int, bucket: int) -> _Graph:

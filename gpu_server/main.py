@@ -33,7 +33,7 @@ def backend_for(device: str, model_dir: str = "", cuda_graphs: bool = True) -> E
         from gpu_server.fp8_backend import fp8_backend_for
         from gpu_server.graphs import GraphedBackend
 
-        # FP8 block-quantised experts stay FP8 on a GPU that computes in FP8 (issue 13)
+        # FP8 block-quantised experts stay FP8 on a GPU that computes in FP8
         fp8 = fp8_backend_for(model_dir, device) if model_dir else None
         if fp8 is not None:
             return fp8

@@ -40,7 +40,7 @@ class ServerThread:
     async def _main(self) -> None:
         try:
             self.server = create_server(self.config)
-            self.port = self.server.add_port("127.0.0.1:0")  # issue 15c: TLS when config.tls has a cert
+            self.port = self.server.add_port("127.0.0.1:0")  # TLS when config.tls has a cert
             await self.server.start()
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         except BaseException as e:

@@ -1,4 +1,4 @@
-"""A misbehaving expert server's answer (issue 15h): a malformed output is that server failing the
+"""A misbehaving expert server's answer: a malformed output is that server failing the
 layer, as if it had died. With a replica of its experts elsewhere the rows go there (the tokens
 of a fault-free run) and the server is marked down with a log line naming it; without one, only
 the requests that need its experts fail, with UNAVAILABLE naming the layer, experts and server,

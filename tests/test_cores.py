@@ -1,4 +1,4 @@
-"""Core shares of ``expertmesh up``'s processes and the fast paths' spin rule (issue 10: the
+"""Core shares of ``expertmesh up``'s processes and the fast paths' spin rule (the
 defaults on a 2-core machine oversubscribed it five times over)."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_up_passes_each_child_its_share(monkeypatch, cores_here, argv, threads, 
         assert _flag(cmd, "--shm-spin-us") == spin, (name, cmd)
 
 
-# ---------------------------------------------------------------- cgroup CPU quotas (issue 10r)
+# ---------------------------------------------------------------- cgroup CPU quotas
 
 
 def _tree(base, proc: str, files: dict[str, str]) -> tuple[str, str]:

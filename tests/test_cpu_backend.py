@@ -340,7 +340,7 @@ def test_split_gate_up_inverts_interleave():
     assert torch.equal(gate, w13[0, :32].t()) and torch.equal(up, w13[0, 32:].t())
 
 
-# ---- the tiled int8/int4 format (issue 14q): blocks of 16 rows, 64-feature steps, scales last ----
+# ---- the tiled int8/int4 format: blocks of 16 rows, 64-feature steps, scales last ----
 
 
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
@@ -455,7 +455,7 @@ def test_tiled_vnni_and_amx_match_reference(wdtype, t):
 
 
 def test_decode_sized_int_calls_skip_amx_on_amx_hosts(monkeypatch):
-    """Issue 14q2: on an AMX host the default int8/int4 path at decode sizes (a few tokens per
+    """On an AMX host the default int8/int4 path at decode sizes (a few tokens per
     expert) is the same decode-kernel call as the forced "/kernel" path of the benchmark, so the
     two rows may differ only by timing noise. AMX is pretended here: calling it would fail."""
     if kernels.load() is None:
@@ -501,7 +501,7 @@ def test_vnni_split_modes_agree_bit_for_bit(monkeypatch, wdtype, t):
 @pytest.mark.parametrize("h,i", [(256, 128), (384, 128)])
 @pytest.mark.parametrize("wdtype,group", [("int4", 64), ("int8", 128), ("int8", 64)])
 def test_vnni_pair_loops_equal_avx2_bit_for_bit(monkeypatch, t, h, i, wdtype, group):  # noqa: E741
-    """Session 5's AVX512-VNNI block loops (int4 with groups of 64: both nibbles as 16x, one
+    """The AVX512-VNNI block loops (int4 with groups of 64: both nibbles as 16x, one
     accumulator per row pair; int8: two tokens per weight load, half a block at a time, and a
     constant trip count for groups of 128) compute the integer sums of the AVX2 loop and of the
     previous VNNI loops (EXPERTMESH_QDOT_PAIR=0), so the outputs are equal bit for bit; 1 to 40
@@ -528,7 +528,7 @@ def test_vnni_pair_loops_equal_avx2_bit_for_bit(monkeypatch, t, h, i, wdtype, gr
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 @pytest.mark.parametrize("t", [1, 3, 40])
 def test_decode_prefetch_chain_and_claims_agree_bit_for_bit(monkeypatch, caps, wdtype, t):
-    """Issue 14f: phase 2's prefetch chained into the next expert's block
+    """Phase 2's prefetch chained into the next expert's block
     (EXPERTMESH_QDOT_CHAIN) and phase 2 blocks claimed and prefetched by threads that finish
     phase 1 early (EXPERTMESH_QDOT_CLAIM) change only which thread reads what when, and the
     AVX-512 activation quantisation (VNNI) gives the scalar one's bytes: every split mode's
@@ -576,10 +576,10 @@ def test_decode_prefetch_chain_and_claims_agree_bit_for_bit(monkeypatch, caps, w
 
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 def test_decode_fast_path_matches_the_general_dispatch(monkeypatch, wdtype):
-    """Issue 14f: decode-sized int8/int4 calls go straight to moe_decode_qa (the arguments in one
+    """Decode-sized int8/int4 calls go straight to moe_decode_qa (the arguments in one
     int64 block) with the general path's (``_decode`` -> moe_decode_q) result bit for bit; what
     it does not take (bf16 routing weights, a non-contiguous x, more tokens per expert than the
-    limit) goes the general way; int32 ids (the wire's) take it too since session 6 (the kernel
+    limit) goes the general way; int32 ids (the wire's) take it too (the kernel
     widens them); a bad slot id is still a ValueError."""
     if kernels.load() is None:
         pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
@@ -618,7 +618,7 @@ def test_decode_fast_path_matches_the_general_dispatch(monkeypatch, wdtype):
 
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 def test_int_prefill_without_amx_stays_in_the_decode_kernel(monkeypatch, wdtype):
-    """Issue 14a: without AMX, int8/int4 on integer dots serve up to GEMV_INT_MAX_TOKENS tokens
+    """Without AMX, int8/int4 on integer dots serve up to GEMV_INT_MAX_TOKENS tokens
     per expert with the decode kernel (against the activation-quantising reference), above that
     the dequantise + GEMM path (against the dequantised reference); a forced gemv_max_tokens, AMX,
     qact=False and groups without integer dots keep the old limit."""
@@ -670,7 +670,7 @@ def test_int_prefill_without_amx_stays_in_the_decode_kernel(monkeypatch, wdtype)
 
 @pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
 def test_amx_stealing_changes_nothing_emulated(emulated_amx, wdtype):
-    """Prefill-shaped calls (issue 14r): threads that end their range take items from the others'
+    """Prefill-shaped calls: threads that end their range take items from the others'
     and phase 2 goes through the pair buffer; the result is bit-equal to the plain static split
     (same per-block arithmetic, same per-token summation order) and to the reference's tolerance."""
     plain = kernels.load(("EXPERTMESH_AMX_EMULATE", "AMX_STEAL=0"))
@@ -691,7 +691,7 @@ def test_amx_stealing_changes_nothing_emulated(emulated_amx, wdtype):
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 @pytest.mark.parametrize("t", [1, 3])
 def test_forward_into_writes_forwards_result_into_the_given_tensor(caps, wdtype, t):
-    """Session 6: the fast paths' call (routing as the wire brings it: int32 ids, float32
+    """The fast paths' call (routing as the wire brings it: int32 ids, float32
     weights; the kernel widens the ids) writes forward()'s result bit for bit into a given bf16
     or fp32 tensor and says so (bf16 x into fp32 declined: forward rounds to bf16 first); int64
     ids too; a call it does not take (bf16 weights,
@@ -735,7 +735,7 @@ def test_forward_into_writes_forwards_result_into_the_given_tensor(caps, wdtype,
 @pytest.mark.parametrize("wdtype", ["bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("t", [1, 40])
 def test_forward_into_amx_calls_match_forward(emulated_amx, amx, wdtype, t):
-    """Session 6: forward_into takes the calls forward() sends to AMX (bf16 weights at every size,
+    """Forward_into takes the calls forward() sends to AMX (bf16 weights at every size,
     int8/int4 past the decode kernel's limit) through one moe_amx_a call that converts in C: the
     result equals forward()'s bit for bit in every x / ids / out dtype combination (the fp32
     result rounded to bf16 as torch rounds it)."""

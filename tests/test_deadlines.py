@@ -1,4 +1,4 @@
-"""Deadlines end to end (issue 15): a request whose deadline passes is finished with
+"""Deadlines end to end: a request whose deadline passes is finished with
 DEADLINE_EXCEEDED between two steps, whether it waits in the queue or is generating, and its KV
 pages are free at once; the client's gRPC deadline and ``--request-timeout`` (HTTP, which has no
 client deadline) both reach the scheduler."""

@@ -1,4 +1,4 @@
-"""Degraded placement (issue 15a, ``--degraded-replace-after``): with no replicas, a server that
+"""Degraded placement (``--degraded-replace-after``): with no replicas, a server that
 stays down has its experts re-placed over the other servers (EPLB) from the checkpoint, so the
 requests that needed them succeed again with the reference tokens; when it comes back, the
 placement from before is restored."""

@@ -1,4 +1,4 @@
-"""Graceful drain on SIGTERM (issue 15a), on real processes over loopback.
+"""Graceful drain on SIGTERM, on real processes over loopback.
 
 Expert server: health NOT_SERVING at once, new streams and layers refused with UNAVAILABLE
 "draining", in-flight layers finished; the coordinator routes around it (every expert is

@@ -1,4 +1,4 @@
-"""The fault tests of issue 15, on real processes over loopback: a coordinator (subprocess), a
+"""Fault tests on real processes over loopback: a coordinator (subprocess), a
 GPU expert server (on the CPU) and a CPU expert server, 8 concurrent streaming clients, half of
 the requests with a hot-loaded MoE LoRA adapter.
 

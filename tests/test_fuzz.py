@@ -1,4 +1,4 @@
-"""Fuzz (issue 15): seeded, randomly mutated ``GenerateRequest``s to a coordinator and
+"""Fuzz: seeded, randomly mutated ``GenerateRequest``s to a coordinator and
 ``ForwardRequest``s straight to the expert server it uses (fields, sizes, dtypes, shapes,
 NaN/Inf, byte lengths, generations, slot ids, and raw protobuf bytes). Every answer is OK or a
 clear status (never UNKNOWN or INTERNAL), every refused Forward is counted in the server's

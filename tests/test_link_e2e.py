@@ -1,4 +1,4 @@
-"""The device link seen from the coordinator (issue 10; expertmesh/transport/link.py,
+"""The device link seen from the coordinator (expertmesh/transport/link.py,
 coordinator/model/remote_graphs.py): when a linked decode step is offered and used, and what a
 failed one does.
 

@@ -1,4 +1,4 @@
-"""The expert server's side of the device link (issue 10, 10ls): without a GPU, the refusal
+"""The expert server's side of the device link: without a GPU, the refusal
 paths (a LinkStep for an unknown bucket, another generation, while draining, on a channel
 without a link; a malformed one ends the channel, a refused one does not), the Ack's
 ``link_reason``, the worker's stats, and one linked layer's work (routing taken with bad ids

@@ -113,7 +113,7 @@ def test_cpu_server_refuses_an_unknown_node(tmp_path):
     assert res.returncode == 2 and "--numa-node 4096" in res.stderr, res.stderr
 
 
-# --- issue 14n: one server over several nodes (numa.plan_groups / split_slots, numa_backend) ---
+# --- one server over several nodes (numa.plan_groups / split_slots, numa_backend) ---
 
 
 def test_plan_gives_each_node_its_cpus_or_a_share_of_threads(tmp_path):

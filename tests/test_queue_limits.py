@@ -1,4 +1,4 @@
-"""Bounded admission queue (issue 15): beyond ``--max-queued-requests`` / ``--max-queued-tokens``
+"""Bounded admission queue: beyond ``--max-queued-requests`` / ``--max-queued-tokens``
 a request is refused at once with RESOURCE_EXHAUSTED (gRPC) or 429 with OpenAI's error body
 (HTTP, read through the openai client), counted as "rejected"; what was admitted still runs."""
 

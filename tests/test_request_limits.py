@@ -1,4 +1,4 @@
-"""Hostile input to the coordinator (issue 15): every per-request quantity a client controls is
+"""Hostile input to the coordinator: every per-request quantity a client controls is
 capped with INVALID_ARGUMENT before work proportional to it is done, a long prompt is tokenized
 without stalling the event loop, and a request protobuf cannot parse (invalid UTF-8) is
 INVALID_ARGUMENT naming the field, not UNKNOWN."""

@@ -145,7 +145,7 @@ def test_deepseek_v2_rule_and_hf_defaults():
         ("deepseek_v3", dict(n_group=4, topk_group=1, num_experts_per_tok=3), "topk_group"),
         ("deepseek_v3", dict(moe_layer_freq=2), "moe_layer_freq"),
         ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads"),
-        # yarn is implemented (issue 13, tests/test_rope_scaling.py); dynamic is not
+        # yarn is implemented (tests/test_rope_scaling.py); dynamic is not
         ("deepseek_v3", dict(rope_scaling={"type": "dynamic", "factor": 4}), "rope_type"),
     ],
 )

@@ -1,4 +1,4 @@
-"""The soak benchmark, small (issue 15): 200 requests at concurrency 8 and 32 with random
+"""The soak benchmark, small: 200 requests at concurrency 8 and 32 with random
 cancellations and deadlines against a coordinator + CPU expert server (real processes): no
 error but the cancelled/deadlined, greedy answers equal to one-at-a-time, every KV page free,
 no growth of fds, threads, RSS or /dev/shm in any process (benchmarks/soak.py checks them)."""

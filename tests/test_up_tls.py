@@ -1,4 +1,4 @@
-"""``expertmesh up --tls-cert/--tls-key/--tls-ca`` (issue 15h): every hop of the three-process
+"""``expertmesh up --tls-cert/--tls-key/--tls-ca``: every hop of the three-process
 cluster is TLS. A TLS client gets the in-process engine's greedy tokens; a plaintext client is
 refused; both expert servers serve TLS and require a client certificate from the CA (the
 coordinator's, which they accept); a CA without a certificate is refused at once."""

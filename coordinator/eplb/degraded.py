@@ -1,4 +1,4 @@
-"""Degraded placement (issue 15a, opt-in ``--degraded-replace-after SECONDS``): when an expert
+"""Degraded placement (opt-in ``--degraded-replace-after SECONDS``): when an expert
 server stays down that long and some experts have no live replica, every expert is placed again
 over the servers that are left (EPLB: DeepSeek's replicate-then-pack as extended in
 coordinator/eplb/hetero.py) and pushed with the cluster's two-phase ``update_placement``; the

@@ -12,7 +12,7 @@ from expertmesh.tls import TLSConfig
 from expertmesh.transport import negotiate
 
 REPLICA_POLICIES = ("static", "round_robin", "load_aware")
-# --- issue 10 (device link, expertmesh/transport/link.py): EXPERTMESH_LINK ---
+# --- the device link (expertmesh/transport/link.py): EXPERTMESH_LINK ---
 LINK_MODES = ("auto", "off", "force")  # auto: two GPUs with peer access only; force: one GPU too
 LINK_ENV = "EXPERTMESH_LINK"
 
@@ -21,9 +21,6 @@ def link_mode_from_env() -> str:
     """``EXPERTMESH_LINK``: unset/1/auto -> auto, 0/off -> off, force -> force."""
     v = os.environ.get(LINK_ENV, "").strip().lower()
     return {"": "auto", "1": "auto", "0": "off"}.get(v, v)
-
-
-# --- end issue 10 ---
 
 
 @dataclass(frozen=True)
@@ -51,11 +48,11 @@ class ClusterConfig:
     # poll for a fast-path answer this long before sleeping (0 where cores are scarce)
     shm_spin_us: float = field(default_factory=cores.default_spin_us)
     cluster_token: str | None = field(default=None, repr=False)  # sent with placement pushes
-    tls: TLSConfig | None = None  # issue 15c: TLS to the expert servers (the coordinator's --tls-*)
-    # issue 14h: each token's N lowest-weight CPU-server experts are merged one layer later
+    tls: TLSConfig | None = None  # TLS to the expert servers (the coordinator's --tls-*)
+    # each token's N lowest-weight CPU-server experts are merged one layer later
     # (coordinator/model/deferral.py); 0 = off. CHANGES RESULTS (an approximation, opt-in).
     cpu_defer_experts: int = 0
-    # issue 10: the device link to a GPU expert server (coordinator/model/remote_graphs.py); read from
+    # the device link to a GPU expert server (coordinator/model/remote_graphs.py); read from
     # EXPERTMESH_LINK where the config is made (LINK_MODES)
     device_link: str = field(default_factory=link_mode_from_env)
 
@@ -176,6 +173,6 @@ class ClusterConfig:
             shm_ring_mb=args.shm_ring_mb,
             shm_spin_us=args.shm_spin_us,
             cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
-            tls=TLSConfig.from_args(args),  # issue 15c
+            tls=TLSConfig.from_args(args),
             cpu_defer_experts=args.cpu_defer_experts,
         )

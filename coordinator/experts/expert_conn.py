@@ -84,7 +84,7 @@ class GrpcReply:
         self.compute_ms = resp.compute_ms
         try:
             return wire.decode(resp.output, "output")
-        except wire.WireError as e:  # issue 15h: the server's fault, not the request's
+        except wire.WireError as e:  # the server's fault, not the request's
             assert self.conn is not None  # a reply with no connection never got an answer
             raise self.conn.bad_answer(self.layer, e.message) from None
 
@@ -107,7 +107,7 @@ class FastReply:
         except Rejected as e:  # the fast channel's failure, with its gRPC status
             if self.st.dead is not None:  # the stream died: its error says why
                 raise self.st.dead from None
-            if isinstance(e.error, MalformedAnswer):  # issue 15h: a server fault, it fails over
+            if isinstance(e.error, MalformedAnswer):  # a server fault, it fails over
                 raise self.conn.bad_answer(self.layer, e.message, self.st) from None
             # the server refused the request: as on the gRPC path, that ends the stream
             err = ExpertServerError(
@@ -132,7 +132,7 @@ class ServerConnection:
     def __init__(self, spec: ServerSpec, cluster: ClusterConfig, device: torch.device | None = None) -> None:
         self.spec, self.cluster = spec, cluster
         self.device = device or torch.device("cpu")
-        self.channel = tls.channel(  # issue 15c: TLS with the coordinator's --tls-* flags
+        self.channel = tls.channel(  # TLS with the coordinator's --tls-* flags
             spec.address,
             cluster.tls,
             options=[
@@ -154,7 +154,7 @@ class ServerConnection:
         self.transport = "grpc"  # the path of the current stream (the handshake may settle lower)
         self.transport_note = ""  # why nothing faster
         self.fast_fallbacks = 0  # requests sent over gRPC on a fast stream (no room in the ring)
-        # issue 10: (R, H, K) of the device link to offer (set by the remote dispatcher on a CUDA
+        # (R, H, K) of the device link to offer (set by the remote dispatcher on a CUDA
         # coordinator); None: never offered
         self.link_shape: tuple[int, int, int] | None = None
         self.link_note = "not offered"  # why the current stream has no device link
@@ -163,7 +163,7 @@ class ServerConnection:
         return f"expert server {self.spec.name} ({self.spec.address})"
 
     def bad_answer(self, layer: int, what: str, st: _Stream | None = None) -> ExpertServerError:
-        """issue 15h: the server answered ``layer`` with something that is not its output.
+        """The server answered ``layer`` with something that is not its output.
         That is the server failing the layer, as if it had died: its stream ends (the cluster
         marks it down through ``on_down`` and brings it back as for any loss), and the
         returned UNAVAILABLE error sends the rows to live replicas (coordinator/experts/remote.py)."""
@@ -335,7 +335,7 @@ class ServerConnection:
         self._settle(st, fast, ack)
 
     def _link_offer(self, sync: str) -> tuple[int, int, int, torch.dtype] | None:
-        """issue 10: the device link's (R, H, K, dtype) to offer on a cuda_ipc stream: between
+        """The device link's (R, H, K, dtype) to offer on a cuda_ipc stream: between
         two GPUs (sync "local": each side's spinning wait has its own GPU), on one GPU only
         with EXPERTMESH_LINK=force (two processes' spinning kernels time-slice there)."""
         mode = self.cluster.device_link
@@ -355,14 +355,14 @@ class ServerConnection:
         return (*self.link_shape, self.dtype)
 
     def link(self) -> LinkAreas | None:
-        """issue 10: the live stream's device link (None: none now)."""
+        """The live stream's device link (None: none now)."""
         st = self._stream
         if st is None or st.dead is not None or st.fast is None:
             return None
         return st.fast.link
 
     def link_step(self, step: int, rows: int, bucket: int, generation: int, timeout_s: float) -> str:
-        """issue 10: asks the server to launch its step graph for a linked decode step; "" when
+        """Asks the server to launch its step graph for a linked decode step; "" when
         it did, else why not (a refusal, or the channel is gone: the step runs without the link,
         and the piecewise path meets a dead server as usual). No answer within ``timeout_s``:
         the stream is reset and the error raised (the server is hung)."""
@@ -405,7 +405,7 @@ class ServerConnection:
                 self.plan = "shm"  # the next stream asks for less
             self._refuse(st, fast, f"{self.describe_self()}: cannot map its CUDA IPC output ring: {e}")
         st.fast, self.transport = fast, fast.transport
-        if not self.link_note:  # issue 10: offered; the server's answer says whether it is up
+        if not self.link_note:  # offered; the server's answer says whether it is up
             self.link_note = fast.link_reason
             if fast.link is not None:
                 log.info("%s: device link up (%d rows)", self.spec.name, fast.link.rows)

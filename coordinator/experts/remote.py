@@ -39,7 +39,7 @@ from expertmesh.worker_api import ExpertRequest
 __all__ = ["ClusterConfig", "ExpertServerError", "RemoteDispatcher", "ServerConnection", "ServerSpec"]
 
 _FastReply = FastReply  # the name tests/test_transport_gpu.py patches (same class object)
-LINK_ROWS = BUCKETS[-1]  # issue 10: R of a device link, the largest decode bucket
+LINK_ROWS = BUCKETS[-1]  # R of a device link, the largest decode bucket
 
 
 class RemoteDispatcher(Dispatcher):
@@ -69,20 +69,20 @@ class RemoteDispatcher(Dispatcher):
         self._single: dict[int, tuple[int, np.ndarray]] = {}
         # layer -> ([E] physical slot, [E] owner server, [E] int32 local slot) for the layers whose
         # live experts sit once each on several servers (a static split, e.g. --num-gpu-experts):
-        # the split is a few numpy gathers (issue 14h2)
+        # the split is a few numpy gathers
         self._spread: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]] = {}
         self._rows = torch.arange(0)  # [T] every row of the step, in order
-        # issue 14h: --cpu-defer-experts (coordinator/model/deferral.py); [servers] bool: a CPU server
+        # --cpu-defer-experts (coordinator/model/deferral.py); [servers] bool: a CPU server
         n = cluster.cpu_defer_experts
         self._deferred = DeferredSums(n) if n else None
         ids = model_config.moe_layer_ids
         if self._deferred is not None and ids and ids != list(range(ids[0], ids[-1] + 1)):
-            # NOTE (issue 14h2): the piecewise graphs add a held-back sum to the next MoE layer's
+            # NOTE: the piecewise graphs add a held-back sum to the next MoE layer's
             # output (coordinator/model/remote_graphs.py), which is the next decoder layer's only
             # when no dense layer sits between two MoE layers: otherwise eager
             self.graph_mode = "none"
         self._cpu_server = torch.tensor([s.kind == "cpu" for s in cluster.servers])
-        self.on_round_trip: Callable[[str, float], None] | None = None  # issue 16: (server, seconds)
+        self.on_round_trip: Callable[[str, float], None] | None = None  # (server, seconds)
 
         # (server, layer, compute ms, (token, k) pairs) per answer that reports its compute
         # time (gRPC answers do; fast-path answers do not): the EPLB load recorder's speeds
@@ -91,7 +91,7 @@ class RemoteDispatcher(Dispatcher):
         # benchmarks/bench_e2e.py's profile of the remote decode step
         self.probe: list[tuple[float, float, float]] | None = None
         self._probe_send = (0.0, 0.0)
-        # --- issue 10: the device link (coordinator/model/remote_graphs.py) ---
+        # --- the device link (coordinator/model/remote_graphs.py) ---
         # [L_moe, E] int32 on our GPU: the local slot of each logical expert per MoE layer (in
         # moe_layer_ids order) on the one server every layer routes to; refreshed in place when
         # the placement or the down servers change. Its address is captured in the linked graphs.
@@ -107,7 +107,6 @@ class RemoteDispatcher(Dispatcher):
             for c in self.conns:
                 if isinstance(c, ServerConnection):
                     c.link_shape = (LINK_ROWS, model_config.hidden_size, model_config.top_k)
-        # --- end issue 10 ---
 
     # ------------------------------------------------------------ the cluster, for callers
 
@@ -137,7 +136,7 @@ class RemoteDispatcher(Dispatcher):
         down = self.expert_cluster.step_down(min(RECONNECT_WAIT_S, self.cluster.timeout_s))
         # NOTE: a step never mixes placement generations: it keeps the tables it starts with
         tables = self._step = self.expert_cluster.tables
-        if self._deferred is not None:  # issue 14h: frees what a failed step left un-awaited
+        if self._deferred is not None:  # frees what a failed step left un-awaited
             self._deferred.reset()
         if (tables.generation, down) != self._live_key:  # servers to route around changed
             self._route_around(tables, down)
@@ -154,11 +153,11 @@ class RemoteDispatcher(Dispatcher):
         if self._all_on_gpu:
             return [pl.all_on_server(tables, layer, topk_ids, topk_weights)], None
         # the layer's replicas on live servers (all of them unless a server is routed around)
-        if self._lost and tables is self._step and layer in self._lost:  # failover (issue 15a)
+        if self._lost and tables is self._step and layer in self._lost:  # failover
             self._check_lost(layer, topk_ids)  # NOTE: may refresh self._live: read it after
         lt = self._live.get(layer) if tables is self._step else None
         lt = lt if lt is not None else tables.placement.tables[layer]
-        # NOTE: not with --cpu-defer-experts (issue 14h), whose split needs the physical slots
+        # NOTE: not with --cpu-defer-experts, whose split needs the physical slots
         single = self._single.get(layer) if tables is self._step and self._deferred is None else None
         spread = self._spread.get(layer) if tables is self._step else None
         if spread is not None:  # NOTE: every replica policy picks the only replica
@@ -219,12 +218,11 @@ class RemoteDispatcher(Dispatcher):
         batches, phys = self._route(tables, layer, ids, w)
         # NOTE: CPU servers first: they are the slowest, so their work starts earliest.
         conns = self.conns
-        # --- issue 14h: --cpu-defer-experts holds back pairs (coordinator/model/deferral.py) ---
+        # --- --cpu-defer-experts holds back pairs (coordinator/model/deferral.py) ---
         held = self._defer_mask(tables, layer, w, phys)  # [T, K] bool or None
         if held is not None:
             assert phys is not None
             batches = pl.split_by_server(phys, w, tables.placement.tables[layer], len(tables.slots), ~held)
-        # --- end issue 14h ---
         if len(batches) > 1:
             batches.sort(key=lambda b: conns[b.server].spec.kind != "cpu")
         adapters = None if adapter_slots is None else adapter_slots.cpu().to(torch.int32)  # [T]
@@ -232,15 +230,14 @@ class RemoteDispatcher(Dispatcher):
         sent = self._send(tables, layer, x, batches, adapters)
         if self.probe is not None:
             self._probe_send = (t0 - t_start, time.perf_counter() - t0)
-        now = None if held is None else ~held  # issue 14h: a re-send must not repeat held pairs
+        now = None if held is None else ~held  # a re-send must not repeat held pairs
         wait, _ = self._waiter(tables, layer, x, ids, w, phys, adapters, sent, t0, now, out)
-        # --- issue 14h: the held-back pairs go last (a server answers in arrival order) ---
+        # --- the held-back pairs go last (a server answers in arrival order) ---
         if held is not None and self._deferred is not None:
             assert phys is not None
             later = pl.split_by_server(phys, w, tables.placement.tables[layer], len(tables.slots), held)
             sent2 = self._send(tables, layer, x, later, adapters)
             self._deferred.put(*self._waiter(tables, layer, x, ids, w, phys, adapters, sent2, t0, held))
-        # --- end issue 14h ---
         return Pending(wait)
 
     def _waiter(
@@ -261,7 +258,7 @@ class RemoteDispatcher(Dispatcher):
         conns = self.conns
 
         def wait() -> torch.Tensor:
-            # --- issue 14h2: the GPU servers' answers are awaited first, each summed as it comes ---
+            # --- the GPU servers' answers are awaited first, each summed as it comes ---
             # NOTE: in a hybrid layer the GPU share answers first: summing it at once switches
             # the GPU back to this process's context (a same-GPU server ran last; ~0.1-0.2 ms on
             # the lent H100) while the CPU server still computes. A CPU answer that comes first
@@ -307,7 +304,6 @@ class RemoteDispatcher(Dispatcher):
                     reply.abandon()
             if not started:  # no pair of the layer went anywhere
                 dst.zero_()
-            # --- end issue 14h2 ---
             if (
                 self.probe is not None and sent
             ):  # the server's own time: the fast path's descriptor, gRPC's field
@@ -326,7 +322,7 @@ class RemoteDispatcher(Dispatcher):
     def _defer_mask(
         self, tables: pl.ServerTables, layer: int, w: torch.Tensor, phys: torch.Tensor | None
     ) -> torch.Tensor | None:  # [T, K] bool
-        """issue 14h: the pairs ``--cpu-defer-experts`` holds back this layer (None: none)."""
+        """The pairs ``--cpu-defer-experts`` holds back this layer (None: none)."""
         if self._deferred is None or phys is None:
             return None
         on_cpu = self._cpu_server[tables.placement.tables[layer].owner[phys]]  # [T, K]
@@ -335,7 +331,7 @@ class RemoteDispatcher(Dispatcher):
     def take_deferred(self) -> Pending | None:
         return None if self._deferred is None else self._deferred.take()
 
-    # ------------------------------------------------------------ failover (issue 15a)
+    # ------------------------------------------------------------ failover
 
     def _route_around(self, tables: pl.ServerTables, down: frozenset[int]) -> None:
         self._live_key, self._down = (tables.generation, down), down
@@ -357,7 +353,7 @@ class RemoteDispatcher(Dispatcher):
         }
         self._refresh_link_table()
 
-    # ------------------------------------------------------------ the device link (issue 10)
+    # ------------------------------------------------------------ the device link
 
     def _refresh_link_table(self) -> None:
         """The linked path's slot table, when every MoE layer's live experts sit once each on
@@ -457,7 +453,7 @@ class RemoteDispatcher(Dispatcher):
         down = self.expert_cluster.down() | {lost}
         live = pl.live_tables(lt, down)
         pairs = torch.ones_like(ids, dtype=torch.bool) if phys is None else lt.owner[phys] == lost  # [T, K]
-        if only is not None:  # issue 14h: deferred and immediate pairs are re-sent apart
+        if only is not None:  # deferred and immediate pairs are re-sent apart
             pairs &= only
         need = ids[pairs].unique().tolist()
         missing = [e for e in need if int(live.logcnt[e]) == 0]
@@ -492,10 +488,10 @@ class RemoteDispatcher(Dispatcher):
                 )
             ) from None
         except ExpertServerError as e:
-            if isinstance(e.error, MalformedAnswer):  # issue 15h: as for a lost server
+            if isinstance(e.error, MalformedAnswer):  # as for a lost server
                 self.expert_cluster.mark_down(b.server, e)
             raise
-        # issue 15h: an answer of the wrong shape or kind is the server failing the layer (its
+        # an answer of the wrong shape or kind is the server failing the layer (its
         # rows go to live replicas), never a sum of garbage nor the step's INTERNAL error
         what = _malformed(part, b.rows.numel(), hidden)
         if what:
@@ -506,7 +502,7 @@ class RemoteDispatcher(Dispatcher):
 
 
 def _malformed(part: torch.Tensor, rows: int, hidden: int) -> str:
-    """issue 15h: why ``part`` cannot be the ``[rows, hidden]`` partial sum sent for ("" if it can).
+    """Why ``part`` cannot be the ``[rows, hidden]`` partial sum sent for ("" if it can).
     NaN/Inf are not checked: an overflow in the model yields them in process too, and a
     reduction over every answer would cost the hot path (and mark healthy replicas down)."""
     if tuple(part.shape) != (rows, hidden):
@@ -517,7 +513,7 @@ def _malformed(part: torch.Tensor, rows: int, hidden: int) -> str:
 
 
 def _accumulate(dst: torch.Tensor, b: pl.ServerBatch, part: torch.Tensor, started: bool) -> None:
-    """issue 14h2: adds one server's answer ``part [T_s, H]`` (rows ``b.rows``) into ``dst [T, H]``;
+    """Adds one server's answer ``part [T_s, H]`` (rows ``b.rows``) into ``dst [T, H]``;
     the first answer, if it holds every row (rows are sorted and unique), is copied instead of
     added to zeros: a one-server layer costs one copy."""
     t = dst.shape[0]
@@ -538,7 +534,7 @@ def _spread_route(
     topk_ids: torch.Tensor,  # [T, K] logical, on the host
     topk_weights: torch.Tensor,  # [T, K]
 ) -> tuple[list[pl.ServerBatch], torch.Tensor]:
-    """issue 14h2: ``split_by_server`` for a layer whose experts sit once each, in numpy (on a
+    """``split_by_server`` for a layer whose experts sit once each, in numpy (on a
     few dozen ids torch's per-op overhead is most of the cost): the per-server batches (servers
     in ascending order) and the physical slots ``[T, K]``."""
     phys, owner, local, servers = spread

@@ -138,7 +138,7 @@ class LoRAManager:
         parent_path, _, leaf = module_path.rpartition(".")
         parent = self._model.get_submodule(parent_path)
         if leaf == "kv_b_proj" and isinstance(parent, MLAttention):
-            # NOTE (issue 10m): MLA absorbs kv_b_proj into its attention and never runs it as a
+            # NOTE: MLA absorbs kv_b_proj into its attention and never runs it as a
             # layer, so it reads the step's LoRA of it itself
             parent.kv_b_lora = lambda: self._step_lora(module_path)
         else:
@@ -197,7 +197,7 @@ class LoRADispatcher(Dispatcher):
     def begin_step(self, num_tokens: int) -> None:
         self.inner.begin_step(num_tokens)
 
-    def take_deferred(self) -> Pending | None:  # issue 14h: --cpu-defer-experts
+    def take_deferred(self) -> Pending | None:  # --cpu-defer-experts
         return self.inner.take_deferred()
 
     def close(self) -> None:

@@ -71,7 +71,7 @@ class LoRAService:
 
     def check_path(self, path: str) -> Path:
         """The adapter directory, and the two files read from it (either could be a symlink out
-        of the roots), must lie under a --lora-dir root (issue 15c: expertmesh/paths.py)."""
+        of the roots), must lie under a --lora-dir root (expertmesh/paths.py)."""
         try:
             p = confine(path, self.roots, "adapter path", "--lora-dir")
             for name in ("adapter_config.json", "adapter_model.safetensors"):

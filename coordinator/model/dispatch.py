@@ -56,7 +56,7 @@ class Dispatcher(ABC):
         pass
 
     def take_deferred(self) -> Pending | None:
-        """issue 14h: the deferred CPU-expert sum of the last submit, if any (coordinator/model/deferral.py)."""
+        """The deferred CPU-expert sum of the last submit, if any (coordinator/model/deferral.py)."""
         return None
 
 

@@ -5,7 +5,7 @@ as a chain of graphs cut at every MoE dispatch: segment 0 runs from the embeddin
 router, segment k from layer k-1's routed-expert output to layer k's router, the last one to
 the logits. Without the cuts the coordinator's per-layer work (two RMSNorms, the qkv / o
 projections, rotary + KV write, attention, the router) is ~16 kernel launches from Python,
-~1.7 ms per layer eagerly against ~0.09 ms of GPU work (benchmarks/RESULTS.md, issue 10).
+~1.7 ms per layer eagerly against ~0.09 ms of GPU work (benchmarks/RESULTS.md).
 
 Each cut also copies the layer's routing (``topk_ids``, ``topk_weights``) into pinned host
 buffers inside the graph, so the host reads them after one event wait with no extra copy
@@ -16,7 +16,7 @@ summed answer into the static buffer the next segment reads.
 NOTE: a shared expert (DeepSeek, Qwen2-MoE) runs at the start of the next segment, after the
 servers answered, so it no longer overlaps with them; the eager path keeps the overlap.
 
-The device link (issue 10, expertmesh/transport/link.py): when every MoE layer routes to one
+The device link (expertmesh/transport/link.py): when every MoE layer routes to one
 expert server over a live link (RemoteDispatcher.link_plan), the step is ONE graph with no cuts,
 captured lazily per bucket (its own pool, again for each new link). At each MoE dispatch the
 graph writes the layer's hidden states, local slot ids (the dispatcher's GPU slot table; -1 for
@@ -217,7 +217,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
         # set to a list to get, per replayed layer, host seconds of (segment replay + routing
         # on the host, route + send, wait + copy-in): benchmarks/bench_e2e.py's profile
         self.timings: list[tuple[float, float, float]] | None = None
-        self._link: _LinkState | None = None  # issue 10: the graphs of the current device link
+        self._link: _LinkState | None = None  # the graphs of the current device link
         self._link_note = ""  # the last reason a step did not link (logged when it changes)
         self.link_pool_bytes = 0  # what the current link's graphs added to the allocator's reserve
         self._broken: LinkAreas | None = None  # a link whose capture failed: its steps go piecewise
@@ -225,7 +225,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
         self._moe_index = {layer: i for i, layer in enumerate(ids)}
         super().__init__(model, cache, max_pages_per_seq, load_hook, buckets)
 
-    # ------------------------------------------------------------ the device link (issue 10)
+    # ------------------------------------------------------------ the device link
 
     def run(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:  # [b, V] float32
         b = len(seqs)
@@ -363,8 +363,8 @@ class RemoteDecodeGraphs(DecodeGraphs):
             views = self._views[(bucket, b)] = [
                 (c.layer, c.x[:b], c.ids[:b], c.ids_host[:b], c.weights_host[:b], c.routed[:b]) for c in cuts
             ]
-        take = self.dispatcher.take_deferred  # issue 14h2: --cpu-defer-experts
-        held: Pending | None = None  # issue 14h2: the previous MoE layer's held-back sum
+        take = self.dispatcher.take_deferred  # --cpu-defer-experts
+        held: Pending | None = None  # the previous MoE layer's held-back sum
         clock, timings, hook, ready = time.perf_counter, self.timings, self.load_hook, self.ready
         submit, stage = self.dispatcher.submit, self.dispatcher.stage
         for seg, (layer, x, ids, ids_host, weights_host, routed) in zip(segments, views):
@@ -379,15 +379,14 @@ class RemoteDecodeGraphs(DecodeGraphs):
             pending = submit(layer, x, ids_host, weights_host, out=routed)
             t2 = clock()
             pending.wait()
-            # --- issue 14h2: --cpu-defer-experts (coordinator/model/deferral.py): the layer before's
+            # --- --cpu-defer-experts (coordinator/model/deferral.py): the layer before's
             # held-back sum joins this layer's routed output, which the next segment adds to
             # the residual stream (the eager path's Carry.after_layer) ---
             if held is not None:
                 routed.add_(held.wait())
             held = take()
-            # --- end issue 14h2 ---
             if timings is not None:
                 timings.append((t1 - t0, t2 - t1, clock() - t2))
-        if held is not None:  # issue 14h2: the last layer's own, before the final norm (Carry.finish)
+        if held is not None:  # the last layer's own, before the final norm (Carry.finish)
             routed.add_(held.wait())
         segments[-1].replay()

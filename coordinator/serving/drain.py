@@ -1,4 +1,4 @@
-"""Graceful drain of the coordinator (SIGTERM, issue 15a): stop admitting, finish what runs.
+"""Graceful drain of the coordinator (SIGTERM): stop admitting, finish what runs.
 
 :func:`drain` turns health NOT_SERVING and makes new requests fail at admission (gRPC
 UNAVAILABLE, HTTP 503, "the coordinator is draining"), then waits until the scheduler holds no

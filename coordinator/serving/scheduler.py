@@ -17,7 +17,7 @@ logits for it give the next token. One step mixes decode tokens and prefill chun
 2. waiting requests join, first come first served, while the budget, the running-request limit
    and the free pages (their whole pending prompt must fit) allow.
 
-Bounds (issue 15): :meth:`Scheduler.submit` refuses a request with :class:`QueueFull` when
+Bounds: :meth:`Scheduler.submit` refuses a request with :class:`QueueFull` when
 ``max_queued`` requests (or ``max_queued_tokens`` prompt tokens) wait for admission already, and a
 request whose deadline passes is finished with :class:`DeadlineExceeded` between two steps,
 queued or running, its pages freed.
@@ -153,7 +153,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order, oldest first
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
-        self.metrics: CoordinatorMetrics | None = None  # issue 16: set by the coordinator
+        self.metrics: CoordinatorMetrics | None = None  # set by the coordinator
 
     # ------------------------------------------------------------------ thread-safe API
 

@@ -90,7 +90,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             ids, params = await parse_request_async(request, c.request_limits, c.tokenizer, c.lora.usable)
         except InvalidRequest as e:
-            c.metrics.invalid()  # issue 16: expertmesh_requests_total{status="invalid"}
+            c.metrics.invalid()  # expertmesh_requests_total{status="invalid"}
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not c.experts_ready:
             await context.abort(
@@ -154,7 +154,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         resp = admin_pb2.ListServersResponse(
             servers=[admin_pb2.ServerInfo(**{k: v for k, v in i.items() if k in fields}) for i in infos]
         )
-        add_status(self.coord, resp)  # issue 16: round trips and coordinator stats (fields 140+)
+        add_status(self.coord, resp)  # round trips and coordinator stats (fields 140+)
         return resp
 
     async def GetPlacement(self, request, context) -> admin_pb2.PlacementInfo:
@@ -180,7 +180,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         cluster = self.coord.cluster
         return eplb_admin.load_pb(snap, cluster.placement if cluster is not None else None)
 
-    # ---------------------------------------------------------------- EPLB (issue 11)
+    # ---------------------------------------------------------------- EPLB
 
     def _eplb(self) -> EplbManager:
         m = self.coord.eplb
@@ -315,7 +315,7 @@ class CoordinatorServer(grpc.aio.Server):
         self.health = health.aio.HealthServicer()
         self.experts_ready = cluster is None  # requests are admitted (see _watch_experts)
         self._covered = cluster is None
-        self.draining = False  # issue 15a: SIGTERM: admit nothing new, finish what runs
+        self.draining = False  # SIGTERM: admit nothing new, finish what runs
         # MoE LoRA: adapter registry + hot-load (coordinator/lora); the engine gets its hooks
         manager = enable_lora(scheduler.engine, config.max_loras)
         self.lora = LoRAService(
@@ -327,7 +327,7 @@ class CoordinatorServer(grpc.aio.Server):
             timeout_s=config.cluster.timeout_s if config.cluster is not None else 60.0,
         )
         self._watch: asyncio.Task | None = None
-        # issue 16: Prometheus metrics, chat template and the HTTP server (coordinator/http)
+        # Prometheus metrics, chat template and the HTTP server (coordinator/serving/http)
         self.metrics = CoordinatorMetrics(self)
         self.chat_template = ChatTemplate.from_dir(config.model_dir)
         self.http: HttpServer | None = None
@@ -352,7 +352,7 @@ class CoordinatorServer(grpc.aio.Server):
         return None if remaining_s is None else time.monotonic() + remaining_s
 
     def expert_state(self) -> str:
-        if self.draining:  # issue 15a: what refused requests read
+        if self.draining:  # what refused requests read
             return "the coordinator is draining (shutting down)"
         return "in process" if self.cluster is None else self.cluster.describe_state()
 
@@ -372,7 +372,7 @@ class CoordinatorServer(grpc.aio.Server):
         cluster.start(self.config.connect_timeout_s)
         while True:
             # NOTE: health is SERVING while every expert has a live server (a down replica is
-            # routed around); requests are admitted while some server is live (issue 15a: those
+            # routed around); requests are admitted while some server is live (those
             # that need a lost expert fail at its layer, naming it; the others go on)
             covered = cluster.covered()
             ready = covered or cluster.serving_some()
@@ -398,14 +398,14 @@ class CoordinatorServer(grpc.aio.Server):
         return self.server.add_secure_port(address, server_credentials)
 
     def add_port(self, address: str) -> int:
-        """issue 15c: TLS when the config has a certificate (--tls-cert), plaintext otherwise."""
+        """TLS when the config has a certificate (--tls-cert), plaintext otherwise."""
         return tls.add_port(self.server, address, self.config.tls)
 
     async def start(self) -> None:
         await self._set_health(self.experts_ready)
         self.scheduler.start()
         await self.server.start()
-        if self.config.http_port is not None:  # issue 16
+        if self.config.http_port is not None:
             self.http = await start_http(self, self.config.host, self.config.http_port)
         if self.cluster is not None:
             self._watch = asyncio.create_task(self._watch_experts(self.cluster))
@@ -432,7 +432,7 @@ def _report_crash(task: asyncio.Task) -> None:
 
 def create_server(config: CoordinatorConfig) -> CoordinatorServer:
     """Loads the model and builds the server (call inside the event loop that will run it)."""
-    cores.cap_default_executor()  # issue 10r: asyncio.to_thread's pool, sized from this process's cores
+    cores.cap_default_executor()  # asyncio.to_thread's pool, sized from this process's cores
     reader = CheckpointReader(config.model_dir)
     cfg, dtype, device = reader.config, config.torch_dtype, torch.device(config.device)
     spec = KVCacheSpec.from_budget(cfg, config.kv_memory_bytes, config.page_size, dtype)
@@ -473,7 +473,7 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         dispatcher.server_time_hook = load.record_server_time
     if cluster is not None:  # placement commits (and renumbering) land between two steps
         cluster.between_steps = scheduler.call_between_steps
-        if config.degraded_replace_after_s is not None:  # issue 15a: opt-in re-placement
+        if config.degraded_replace_after_s is not None:  # opt-in re-placement
             assert config.cluster is not None
             DegradedPlacement(cluster, config.degraded_replace_after_s, config.cluster.timeout_s)
     log.info(

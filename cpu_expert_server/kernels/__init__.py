@@ -101,11 +101,9 @@ def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | 
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.moe_decode.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i, i, i]
     lib.moe_decode.restype = i
-    lib.moe_decode_q.argtypes = [p, i, p, p, i, i, i, p, L, p, L, i, i, i, i, i, p, i, i, i]  # issue 14q
+    lib.moe_decode_q.argtypes = [p, i, p, p, i, i, i, p, L, p, L, i, i, i, i, i, p, i, i, i]
     lib.moe_decode_q.restype = i
-    if hasattr(
-        lib, "moe_decode_qa"
-    ):  # issue 14f: moe_decode_q's arguments as int64 [20]; not in older copies
+    if hasattr(lib, "moe_decode_qa"):  # moe_decode_q's arguments as int64 [20]; not in older copies
         lib.moe_decode_qa.argtypes = [ctypes.c_char_p]
         lib.moe_decode_qa.restype = i
     lib.moe_qdot_profile.argtypes = [p]
@@ -114,7 +112,7 @@ def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | 
     lib.moe_amx.restype = i
     lib.moe_amx_q.argtypes = [p, p, p, i, i, i, p, L, p, L, i, i, i, i, i, i, p, p, i]
     lib.moe_amx_q.restype = i
-    if hasattr(lib, "moe_amx_a"):  # session 6: moe_amx/_q's arguments as int64 [22]
+    if hasattr(lib, "moe_amx_a"):  # moe_amx/_q's arguments as int64 [22]
         lib.moe_amx_a.argtypes = [ctypes.c_char_p]
         lib.moe_amx_a.restype = i
     if hasattr(lib, "moe_amx_peak"):  # a baseline copy of the kernels may predate it

@@ -297,7 +297,7 @@ __attribute__((target(AMX_TARGET))) static void row_to_bf16_amx(const float *x, 
 __attribute__((target(AMX_TARGET))) static void rows_to_bf16(const uint8_t *rows, long rowbytes, int r_, int c,
                                                              int wdtype, int g, float *tmp, uint16_t *out) {
     for (int r = 0; r < r_; r++) {
-        /* issue 14q: tiled int8/int4 (r_ = 32 rows = two whole blocks here) */
+        /* tiled int8/int4 (r_ = 32 rows = two whole blocks here) */
         qrow_to_f32(rows, rowbytes, r, q_tiled(wdtype, r_, g), wdtype, c, g, tmp);
         row_to_bf16(tmp, c, out + (size_t)r * c);
     }

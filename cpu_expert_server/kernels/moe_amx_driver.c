@@ -111,7 +111,7 @@ __attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const
     }
     const long body = cl->kind == TILES_U8 ? c / 2 : c;
     if (q_tiled(cl->wdtype, 32, g)) {
-        /* issue 14q: tiled blocks (packing.py): k step ks of block h at a[h] + ks * 1024 (int8 read
+        /* tiled blocks (packing.py): k step ks of block h at a[h] + ks * 1024 (int8 read
          * in place; int4 unpacked to the same order), rows 64 bytes apart, scales after each
          * block's weights as [groups][16] */
         ar.sa = 64, ar.kstep = 1024, ar.sg = 16, ar.sr = 1;
@@ -149,10 +149,10 @@ __attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows 
  * average) split both phases statically (each thread a contiguous range of items: the tiles' time
  * is a large part of a block's, and blocks cost alike; then stealing, below) with no row prefetch
  * for bf16 (the hardware streams rows while the tiles run) and the rows prefetched 2 k steps ahead
- * for int8 (issue 14r: 10.9 vs 12.0 ms, Qwen3 T=512, next block to L2 before); decode-shaped calls
+ * for int8 (10.9 vs 12.0 ms, Qwen3 T=512, next block to L2 before); decode-shaped calls
  * (blocks are nearly pure row streaming) split dynamically (a slow thread cannot hold the barrier)
  * with the rows prefetched 8 k steps ahead. Measured in bench_cpu_prefill.py runs
- * (benchmarks/RESULTS.md, issues 14p, 14r); AMX_SPLIT (0 dynamic, 1 static), AMX_PF (PF_*: every
+ * (benchmarks/RESULTS.md); AMX_SPLIT (0 dynamic, 1 static), AMX_PF (PF_*: every
  * call) and AMX_PF_PREFILL_BF16 / _Q (prefill-shaped calls) force one for benchmark builds. */
 #ifndef AMX_SPLIT
 #define AMX_SPLIT -1
@@ -568,7 +568,7 @@ int moe_amx_q(const float *x, const int64_t *slot_ids, const float *weights, int
 }
 
 /* moe_amx (a[21] == 0) or moe_amx_q (a[21] == 1) with the conversions around them done here and
- * every argument in one int64 block (session 6: the fast paths' call, backend.forward_into; after
+ * every argument in one int64 block (the fast paths' call, backend.forward_into; after
  * the benchmark's cache flush each torch conversion and ctypes argument costs microseconds):
  * a[0] x [T, H], a[1] x is bf16 (else fp32), a[2] slot ids [T, K], a[3] they are int32 (else
  * int64), a[4] weights [T, K] fp32, a[5] T, a[6] K, a[7] S, a[8] w13, a[9] row13, a[10] w2,

@@ -255,7 +255,7 @@ static int64_t *widen_ids(const int32_t *ids, int n) {
     return wide;
 }
 
-/* moe_decode_q with its 20 arguments in one int64 block, in order (issue 14f: ctypes converts one
+/* moe_decode_q with its 20 arguments in one int64 block, in order (ctypes converts one
  * argument instead of 20 per call; under a cold cache each conversion costs microseconds), then
  * a[20]: the slot ids are int32 (the wire's), widened here rather than by a torch call */
 int moe_decode_qa(const int64_t *a) {

@@ -21,8 +21,8 @@
 #ifndef QDOT_PREFETCH
 #define QDOT_PREFETCH 2048
 #endif
-/* on AVX512-VNNI (session 5, with the pair loops): 4 KiB ahead, up to 8% faster than 2 KiB at
- * T = 4 and 16 and within the noise at T = 1 on the lent host (RESULTS.md "Session 5"); AVX2 keeps
+/* on AVX512-VNNI (with the pair loops): 4 KiB ahead, up to 8% faster than 2 KiB at
+ * T = 4 and 16 and within the noise at T = 1 on the lent host (benchmarks/RESULTS.md); AVX2 keeps
  * 2 KiB (its int4 is bound by the dots, not the bandwidth) */
 #ifndef QDOT_PREFETCH_VNNI
 #define QDOT_PREFETCH_VNNI 4096
@@ -64,24 +64,24 @@ static QAct qrows_at(const QRows *a, int r) {
 
 /* Work split (EXPERTMESH_QDOT_SPLIT overrides QDOT_SPLIT_DEFAULT; benchmarks time them side by
  * side): 0 = static: a thread's phase 1 items are one contiguous run of the experts' rows, its
- * phase 2 blocks one contiguous range (the split before issue 14q2); 1 = dynamic: phase 1 items in chunks of 4 and
- * phase 2 output blocks in pairs handed out as threads free up (14q's T=1 profile showed 20-90 us
- * per phase between the first and the last thread of the static split); 2 = "fused" (issue 14q2):
+ * phase 2 blocks one contiguous range (the original split); 1 = dynamic: phase 1 items in chunks of 4 and
+ * phase 2 output blocks in pairs handed out as threads free up (a T=1 profile showed 20-90 us
+ * per phase between the first and the last thread of the static split); 2 = "fused":
  * phase 1 items and phase 2 output blocks one at a time from the shared counter (dynamic, 1),
  * and at small sizes the barriers around the two activation quantisations are gone: every thread
  * quantises the few tokens (T <= QDOT_PRIVATE_T) and, after phase 1, the few intermediate rows
  * (n * I <= QDOT_PRIVATE_ACT) itself, so the threads that wake first start streaming at once;
  * 3 = as 2 with phase 1 guided (large contiguous runs first, single items at the end);
  * 4 = "flow": no barrier between the phases (qdecode_flow below);
- * 5 = "stream" (issue 14f): as 3, but phase 1 hands out one item at a time and each thread claims
+ * 5 = "stream": as 3, but phase 1 hands out one item at a time and each thread claims
  * its next item as it starts the current one, so its prefetch runs from one item's end into the
  * next's start (guided's first chunks are a whole static share: on the lent host the first and
  * the last thread finished phase 1 30 us apart at T=1 and 250 us at Qwen3 T=16).
  * Same results bit for bit in every mode: each row is quantised the same way whoever does it,
  * and each output element is summed in the same order. */
-/* issue 14q2 (RESULTS.md), 12 int8/int4 cells (two models, T = 1/4/16) timed round robin on the
+/* Measured (benchmarks/RESULTS.md): 12 int8/int4 cells (two models, T = 1/4/16) timed round robin on the
  * lent 16-core host: time vs the static split, geometric mean, 1: 0.906, 2: 0.925, 3: 0.887,
- * 4: 0.904. The default is mode 5 since issue 14f (RESULTS.md "Issue 14f"). */
+ * 4: 0.904. The default is mode 5 (benchmarks/RESULTS.md). */
 #ifndef QDOT_SPLIT_DEFAULT
 #define QDOT_SPLIT_DEFAULT 5
 #endif
@@ -141,7 +141,7 @@ static void qdecode_p1(const Sorted *so, const QRows *qx, BlkFn blk, const uint8
     }
 }
 
-/* Mode 4 ("flow", issue 14q2): no barrier between the phases. One shared counter hands out the
+/* Mode 4 ("flow"): no barrier between the phases. One shared counter hands out the
  * phase 1 items (expert-major) and then the phase 2 items (expert, QDOT_FLOW_HB output blocks);
  * the thread that finishes an expert's last phase 1 item quantises that expert's intermediate
  * rows and flags it ready; a phase 2 item waits for its expert's flag (by then every phase 1
@@ -231,9 +231,9 @@ static void qdecode_p2(const Sorted *so, const QRows *qa, BlkFn blk, const uint8
                 ((uint16_t *)out)[(size_t)t * h_ + c] = to_bf16(o32[(size_t)t * h_ + c]);
 }
 
-/* issue 14f (benchmark switches, read per call): EXPERTMESH_QDOT_CHAIN=0/1 phase 2's prefetch
+/* Benchmark switches, read per call: EXPERTMESH_QDOT_CHAIN=0/1 phase 2's prefetch
  * chained into the next expert's block (qdecode_p2; default on: int4 1-5% faster in 5 of 6 cells
- * on the lent host, RESULTS.md "Issue 14f"); EXPERTMESH_QDOT_CLAIM=N: in the dynamic modes (2, 3,
+ * on the lent host, benchmarks/RESULTS.md); EXPERTMESH_QDOT_CLAIM=N: in the dynamic modes (2, 3,
  * 5) a thread that finishes phase 1 while others still run claims up to N phase 2 output blocks
  * from the shared counter and prefetches their rows into its L2 while it waits at the barrier
  * (memory bandwidth otherwise idle in the phase 1 tail); it computes them first after it. Off by

@@ -103,8 +103,8 @@ static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum16
 }
 
 /* The address `pf` bytes ahead of w in a thread's stream of blocks: past the end of this block
- * (its scales included) the stream goes on at nxt, the next block the thread will read (issue
- * 14f: in phase 2 that is another expert's block, not the bytes after this one; NULL: the bytes
+ * (its scales included) the stream goes on at nxt, the next block the thread will read (in
+ * phase 2 that is another expert's block, not the bytes after this one; NULL: the bytes
  * after this one, as in phase 1, where an item's blocks and the next item's are contiguous). */
 static inline __attribute__((always_inline)) const uint8_t *pf_at(const uint8_t *w, int pf, const uint8_t *end,
                                                                   const uint8_t *nxt) {
@@ -149,7 +149,7 @@ static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum8x
     return _mm512_permutexvar_epi32(order, s);
 }
 
-/* The int4 block loop for groups of 64 (issue 14f's idea, built in session 5): M (1 or 2) tokens
+/* The int4 block loop for groups of 64: M (1 or 2) tokens
  * share each load and unpacking of the weights. A 64-byte load holds rows r and r + 1 of a k step (32
  * bytes each: low nibbles features 0..31, high nibbles 32..63). Both nibbles are taken as 16
  * times their value (v & 0xF0, and (v << 4) & 0xF0): one accumulator per row pair, no shuffle of
@@ -264,7 +264,7 @@ static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512i hsum8_
     return _mm512_shuffle_i32x4(f, f, _MM_SHUFFLE(2, 0, 2, 0));
 }
 
-/* The int8 block loop for two tokens (session 5): each weight row is loaded and made u8 once for
+/* The int8 block loop for two tokens: each weight row is loaded and made u8 once for
  * both tokens, half a block (8 rows) at a time so the 16 accumulators stay in registers. The
  * integer sums are those of blk_vnni_body's, so the results are the same bit for bit. */
 static inline __attribute__((always_inline, target(VNNI_TARGET))) void blk_vnni_i8x2(const uint8_t *blk,
@@ -425,7 +425,7 @@ static inline __attribute__((always_inline, target(QAVX2_TARGET))) void blk_avx2
 
 /* nxt (the prefetch chained into the next block) is not used on AVX2: any change to this loop
  * (even the redirection test once per step) cost the 2-core CI machine's int4 decode 5-10%, where
- * the dots, not the bandwidth, bound it (issue 14f) */
+ * the dots, not the bandwidth, bound it */
 __attribute__((target(QAVX2_TARGET))) static void blk_avx2(const uint8_t *blk, int u4, int c, int g, const QAct *x,
                                                            int m, float *res, int pf, const uint8_t *nxt) {
     (void)nxt;
@@ -458,7 +458,7 @@ static void quant_act_n(const float *x, int c, int g, int8_t *q, float *sc, int3
     for (int gi = 0; gi < c / g; gi++) sc[gi] = quant_group(x + (size_t)gi * g, g, q + (size_t)gi * g, n + gi);
 }
 
-/* quant_act_n in AVX-512 (issue 14f: the decode kernel's activations, on every thread's critical
+/* quant_act_n in AVX-512 (the decode kernel's activations, on every thread's critical
  * path at small T), from fp32 or bf16 (xbf16) x; g % 16 == 0. The same operations as quant_group
  * in the same order (the product rounded before the half is added), so the same bytes. */
 static inline __attribute__((always_inline, target(VNNI_TARGET))) __m512 ld16f(const void *x, int xbf16, size_t i) {

@@ -161,14 +161,14 @@ class ShmClient:
         self._spin = Spin(spin_us)
         self._answers: dict[int, dsc.Response] = {}  # arrived before their waiter asked
         self._orphans: dict[int, Reply] = {}  # abandoned: freed when their answer arrives
-        self._inflight: set[int] = set()  # issue 15h: seqs posted and not answered yet
+        self._inflight: set[int] = set()  # seqs posted and not answered yet
         self._lock = threading.Lock()  # held by a waiter while it reads the response FIFO
         self._state = threading.Lock()  # guards _dead/_closed against kill() from other threads
         self._dead: Rejected | None = None
         self._closed = False
         self._staged: _Staged | None = None  # hidden states copied ahead of their send (stage())
         self._cuda: CudaHello | None = None
-        # issue 10: the device link offered in the Hello (None: not offered), live once accepted
+        # the device link offered in the Hello (None: not offered), live once accepted
         self._link: LinkAreas | None = None
         self.link_reason = "not offered"  # why there is no live link
         self._link_seqs: set[int] = set()  # link steps awaiting their answer: a refusal is no failure
@@ -221,7 +221,7 @@ class ShmClient:
         assert ack.transport == self.transport, f"{ack.transport=} {self.transport=}"
 
     def _accept_link(self, ack: Ack) -> None:
-        """issue 10: maps the server's answer area when it accepted our link offer."""
+        """Maps the server's answer area when it accepted our link offer."""
         lnk = self._link
         if lnk is None:
             return
@@ -409,7 +409,7 @@ class ShmClient:
         return Reply(self, req.seq, out, regions)
 
     def link_step(self, step: dsc.LinkStep, deadline: float) -> dsc.Response:
-        """issue 10: sends a device-link step and waits for its answer (code 0: the server's
+        """Sends a device-link step and waits for its answer (code 0: the server's
         step graph is launched; anything else: refused for this step, the channel lives on).
         Raises FutureTimeout past ``deadline``, Rejected if the channel died."""
         if self._dead is not None:
@@ -437,7 +437,7 @@ class ShmClient:
                     raise self._dead
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    # NOTE (issue 15a/14h): an answer that already arrived is read before giving
+                    # NOTE: an answer that already arrived is read before giving
                     # up: a layer's later servers are collected with the deadline an earlier,
                     # hung one used up, and a healthy server must not be marked down for it
                     if not self._poll.poll(0):
@@ -448,7 +448,7 @@ class ShmClient:
                         continue
                     self._spin.blocked_for(time.monotonic() - t0)
                 elif not self._poll.poll(max(1, int(left * 1e3))):
-                    # NOTE (issue 15a): the server counts an answer in shared memory before it
+                    # NOTE: the server counts an answer in shared memory before it
                     # writes the descriptor; stopped or killed in between, a bare read here
                     # blocked forever (a step hung past its expert timeout). Bounded instead.
                     continue
@@ -459,7 +459,7 @@ class ShmClient:
                 try:
                     r = dsc.Response.parse(raw)
                 except dsc.DescriptorError as e:
-                    # issue 15h: a server fault (its rows fail over), not a refused request
+                    # a server fault (its rows fail over), not a refused request
                     self.kill(Rejected(MalformedAnswer(f"bad response descriptor: {e}")))
                     continue
                 if (
@@ -467,7 +467,7 @@ class ShmClient:
                 ):  # the server stops serving the channel after any error
                     self.kill(Rejected(errors.from_status(r.code, r.message)))
                     continue
-                if r.seq not in self._inflight:  # issue 15h: would leave the real answer unread
+                if r.seq not in self._inflight:  # would leave the real answer unread
                     self.kill(Rejected(MalformedAnswer(f"an answer for seq {r.seq}, which is not in flight")))
                     continue
                 self._inflight.discard(r.seq)

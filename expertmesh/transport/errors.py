@@ -23,4 +23,4 @@ class MalformedAnswer(Unavailable):
     """An expert server's answer that is not the layer's output (a tensor that does not decode,
     a wrong shape or dtype for the rows sent, a corrupted fast-path descriptor): the SERVER
     failed, not the request, so its status is UNAVAILABLE and the coordinator sends the rows to
-    a live replica (issue 15h)."""
+    a live replica."""

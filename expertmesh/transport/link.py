@@ -3,7 +3,7 @@ server on two GPUs, with no host work per layer.
 
 Without it a remote MoE layer costs ~85 us of GPU work inside ~250-300 us of host work in two
 Python processes (sync, route, send, the server's decode/check/launch, its stream sync, the
-coordinator's wake-up; benchmarks/RESULTS.md, issue 10). With it each side replays ONE graph
+coordinator's wake-up; benchmarks/RESULTS.md). With it each side replays ONE graph
 per decode step, and the graphs hand over through flags in GPU memory: one side's graph
 writes its payload, then :func:`signal` publishes a flag; the other side's graph spins on that
 flag with :func:`wait` (over NVLink when the flag is the peer's), then copies the payload.

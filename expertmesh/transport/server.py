@@ -10,7 +10,7 @@ there) and writes the output and a response descriptor. A bad descriptor or a re
 and ends the channel, as a bad message ends a gRPC stream; the stream's handler calls
 :meth:`ShmServer.close` when the stream ends, whoever ended it.
 
-Device link (issue 10, expertmesh/transport/link.py): a ``cuda_ipc`` hello may offer the
+Device link (expertmesh/transport/link.py): a ``cuda_ipc`` hello may offer the
 coordinator's request area. The thread maps it, has the worker build the step graphs
 (``LinkHost.open_link``; gpu_server/link_graphs.py) and shares their answer area in the Ack
 (``link_area``), or says why not (``link_reason``). A :class:`~descriptor.LinkStep`

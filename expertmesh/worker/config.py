@@ -15,7 +15,7 @@ from expertmesh.tls import TLSConfig
 from expertmesh.transport import segment
 
 KINDS = ("gpu", "cpu")
-LINK_ENV = "EXPERTMESH_LINK"  # the device link (issue 10): unset/1 auto, 0 off, force (one GPU too)
+LINK_ENV = "EXPERTMESH_LINK"  # the device link: unset/1 auto, 0 off, force (one GPU too)
 LINK_MODES = {"": "auto", "1": "auto", "auto": "auto", "0": "off", "off": "off", "force": "force"}
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -34,14 +34,14 @@ class WorkerConfig:
     shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
     # fast paths: poll this long for the next request before sleeping (0 where cores are scarce)
     shm_spin_us: float = field(default_factory=cores.default_spin_us)
-    metrics_port: int | None = None  # issue 16: Prometheus /metrics here (0 = a free one); None = off
+    metrics_port: int | None = None  # Prometheus /metrics here (0 = a free one); None = off
 
-    max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond; issue 12)
+    max_loras: int = 4  # MoE LoRA adapters resident in device buffers (LRU beyond)
     # control RPCs (ApplyPlacement, LoadAdapter, UnloadAdapter) need it when set (expertmesh/auth.py)
     cluster_token: str | None = field(default=None, repr=False)
-    # issue 15c: TLS only with a certificate; with a CA too, client certificates are required
+    # TLS only with a certificate; with a CA too, client certificates are required
     tls: TLSConfig | None = None
-    # SIGTERM: refuse new work, wait this long for coordinators to move off, then exit (issue 15a)
+    # SIGTERM: refuse new work, wait this long for coordinators to move off, then exit
     drain_timeout_s: float = 30.0
     link: str = "auto"  # the device link: auto | force | off (expertmesh/transport/server.py)
 
@@ -125,7 +125,7 @@ class WorkerConfig:
             default=None,
             help=f"secret the coordinator must send with placement/adapter pushes (or env {auth.CLUSTER_TOKEN_ENV})",
         )
-        TLSConfig.add_arguments(p, "expert-server")  # issue 15c
+        TLSConfig.add_arguments(p, "expert-server")
 
         p.add_argument(
             "--drain-timeout",
@@ -153,7 +153,7 @@ class WorkerConfig:
             metrics_port=args.metrics_port,
             max_loras=args.max_loras,
             cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
-            tls=TLSConfig.from_args(args),  # issue 15c
+            tls=TLSConfig.from_args(args),
             drain_timeout_s=args.drain_timeout,
             link=link_mode(os.environ.get(LINK_ENV, "")),
         )

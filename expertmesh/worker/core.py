@@ -60,7 +60,7 @@ class ExpertWorker:
         self.slots, self.backend, self.identity = slots, backend, identity
         self.cfg = slots.reader.config
         self.stats = WorkerStats()
-        self.metrics = WorkerMetrics(self)  # issue 16: Prometheus /metrics (--metrics-port)
+        self.metrics = WorkerMetrics(self)  # Prometheus /metrics (--metrics-port)
         # layer -> [S] tokens routed to each slot (a device link's counts come every
         # gpu_server/link_graphs.FOLD_EVERY steps and at its close)
         self.tokens_per_slot: dict[int, np.ndarray] = {}
@@ -70,7 +70,7 @@ class ExpertWorker:
         # NOTE: compute and commit hold this lock: requests come from the gRPC compute thread,
         # the event loop (small ones) and fast-path channel threads.
         self._serial = threading.Lock()
-        # graceful drain (issue 15a): why new streams and layers are refused ("" = serving),
+        # graceful drain: why new streams and layers are refused ("" = serving),
         # and the Forward streams open now (the drain waits for coordinators to move off)
         self.draining = ""
         self.open_streams = 0
@@ -161,7 +161,7 @@ class ExpertWorker:
             loaded = sorted(self.adapter_slots) or "none"
             raise InvalidRequest(f"adapter slots {missing} hold no adapter on this server (loaded: {loaded})")
 
-    # ------------------------------------------------------------ drain (issue 15a)
+    # ------------------------------------------------------------ drain
 
     def start_drain(self, reason: str) -> None:
         """From now on new streams and new layers are refused (UNAVAILABLE, ``reason``)."""
@@ -316,7 +316,7 @@ class ExpertWorker:
             return None
         return LoRABatch(weights, index.to(self.slots.device))
 
-    # ------------------------------------------------------------ device link (issue 10, 10ls)
+    # ------------------------------------------------------------ device link
 
     def open_link(self, request: torch.Tensor, rows: int, top_k: int) -> Any:
         """The step graphs of a device link over the coordinator's ``request`` area (mapped on

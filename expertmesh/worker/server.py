@@ -46,7 +46,7 @@ class RunningWorker:
     servicer: ExpertWorkerServicer
     health: health.aio.HealthServicer
     preload: asyncio.Task
-    metrics_port: int | None = None  # issue 16
+    metrics_port: int | None = None
     metrics_server: Any = None
 
     async def drain(self, timeout: float) -> bool:
@@ -81,15 +81,15 @@ class RunningWorker:
 
 
 async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> RunningWorker:
-    cores.cap_default_executor()  # issue 10r: asyncio's helper pool, sized from this process's cores
+    cores.cap_default_executor()  # asyncio's helper pool, sized from this process's cores
     reader = CheckpointReader(config.model_dir)
     cfg = reader.config
     capacity = config.capacity or cfg.num_experts
     device = torch.device(config.device)
-    # a backend that keeps experts as stored (FP8) reads them itself (issue 13)
+    # a backend that keeps experts as stored (FP8) reads them itself
     read = getattr(backend, "read_expert", None)
     hook = (lambda layer, e: read(reader, layer, e, device)) if read is not None else None
-    stack = getattr(backend, "stack_slots", None)  # issue 14n: NUMA placement of the stacked slots
+    stack = getattr(backend, "stack_slots", None)  # NUMA placement of the stacked slots
     slots = SlotTable(reader, config.torch_dtype, device, capacity, backend.pack_weights, hook, stack)
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
@@ -110,7 +110,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         config.shm_spin_us,
         config.max_loras,
         config.cluster_token,
-        link=config.link,  # issue 10 (10ls): the device link
+        link=config.link,  # the device link
     )
     if not config.cluster_token:
         log.warning(
@@ -120,7 +120,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
             config.port,
         )
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
-    add_worker_servicer(servicer, server)  # issue 15b: malformed bytes -> INVALID_ARGUMENT
+    add_worker_servicer(servicer, server)  # malformed bytes -> INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -129,7 +129,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         health.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    # issue 15c: TLS (mutual with --tls-ca) when configured
+    # TLS (mutual with --tls-ca) when configured
     port = tls.add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
@@ -151,7 +151,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     w = RunningWorker(server, port, servicer, health_servicer, asyncio.create_task(preload()))
-    if config.metrics_port is not None:  # issue 16
+    if config.metrics_port is not None:
         registry = servicer.worker.metrics.registry
         w.metrics_server, _, w.metrics_port = serve_metrics(registry, config.host, config.metrics_port)
     return w
@@ -177,7 +177,7 @@ def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -
             await w.stop(0)
             return 1
         await stop.wait()
-        await w.drain(config.drain_timeout_s)  # issue 15a: SIGTERM/SIGINT drain first
+        await w.drain(config.drain_timeout_s)  # SIGTERM/SIGINT drain first
         await w.stop()
         return 0
 

@@ -72,7 +72,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
     ) -> AsyncIterator[pb.ForwardResponse]:
         loop = asyncio.get_running_loop()
         fast: ShmServer | None = None
-        try:  # --- drain (issue 15a): a draining server opens no stream; open ones are counted
+        try:  # --- drain: a draining server opens no stream; open ones are counted
             self.worker.stream_opened()
         except ExpertMeshError as e:
             await _abort(context, e)
@@ -101,14 +101,14 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                     seq=msg.seq, output=wire.encode(out), compute_ms=(time.perf_counter() - t0) * 1e3
                 )
         finally:
-            self.worker.stream_closed()  # drain (issue 15a)
+            self.worker.stream_closed()  # drain
             if fast is not None:
                 fast.close()
 
     async def _run(self, loop: asyncio.AbstractEventLoop, req: ExpertRequest) -> torch.Tensor:
         # NOTE: decode-sized requests run right here when nobody else is computing: the hop to
         # the compute thread and back costs ~0.4 ms on a loaded host, more than their compute
-        # (benchmarks/RESULTS.md, issue 3). Never wait for the lock on the event loop.
+        # (benchmarks/RESULTS.md). Never wait for the lock on the event loop.
         if req.tokens <= INLINE_MAX_TOKENS:
             out = self.worker.try_compute(req)
             if out is not None:

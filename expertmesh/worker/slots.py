@@ -73,10 +73,10 @@ class SlotTable:
         # ExpertBackend.pack_weights: applied once per expert as it is read, so reuse and stacking
         # work on packed tensors
         self.pack = pack or (lambda w13, w2: (w13, w2))
-        # (layer, expert) -> the backend's own per-slot rows, read as stored (FP8 experts, issue
-        # 13); replaces both the float read and pack. None: float weights, then pack
+        # (layer, expert) -> the backend's own per-slot rows, read as stored (FP8
+        # experts); replaces both the float read and pack. None: float weights, then pack
         self.read_expert = read_expert
-        # issue 14n: a layer's slots -> its stacked w13, w2; a backend that places memory (NUMA
+        # a layer's slots -> its stacked w13, w2; a backend that places memory (NUMA
         # nodes, cpu_expert_server/numa_backend.py) allocates them itself. None: torch.stack
         self.stack = stack or (lambda w13, w2: (torch.stack(w13), torch.stack(w2)))
         self.moe_layers = reader.config.moe_layer_ids

@@ -213,7 +213,7 @@ def default_fp8_config(t: int, top_k: int, num_slots: int, scale_k: int) -> MoeC
     """The bf16 default with BLOCK_K widened to the scale block (at most 128) for decode sizes;
     past them, wider tiles picked by a sweep at DeepSeek-V3 widths on an H100 (rows per slot
     16: 32x128 tiles, 4.47 ms against 4.83 ms for 16x64 at T=512; 64: 64x128 tiles, 7.85 ms
-    against 9.72 ms for 32x128 at T=2048; benchmarks/RESULTS.md, issue 13)."""
+    against 9.72 ms for 32x128 at T=2048; benchmarks/RESULTS.md)."""
     bk = 128
     while scale_k % bk and bk > 16:
         bk //= 2

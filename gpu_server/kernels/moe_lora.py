@@ -15,7 +15,7 @@ each adapter present multiplies its own rows by its (A, B) of that slot. Two str
   two more launches, but no per-block serial pass for blocks mixing adapters (prefill).
 
 ``auto`` takes ``inloop`` when at most ``INLOOP_ROWS_PER_SLOT`` rows per slot are expected
-(uniform routing), else ``split`` (measured on H100, benchmarks/RESULTS.md, issue 12). The
+(uniform routing), else ``split`` (measured on H100, benchmarks/RESULTS.md). The
 shrink outputs are rounded to the activation dtype before the expand, as PEFT's lora_A outputs
 are. No host synchronisation: the whole thing can be captured in a CUDA graph.
 

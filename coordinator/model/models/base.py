@@ -87,7 +87,7 @@ class CausalLM(nn.Module):
         return [layer.mlp for layer in self.decoder_layers() if isinstance(layer.mlp, MoEBlock)]
 
     def attach(self, dispatcher: Dispatcher, load_hook: LoadHook | None = None) -> None:
-        self.dispatcher = dispatcher  # issue 14h: the model takes deferred CPU-expert sums from it
+        self.dispatcher = dispatcher  # the model takes deferred CPU-expert sums from it
         for block in self.moe_blocks():
             block.dispatcher = dispatcher
             block.load_hook = load_hook
@@ -95,7 +95,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:  # [B', V] float32
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        carry = Carry(self.dispatcher)  # issue 14h: --cpu-defer-experts (coordinator/model/deferral.py)
+        carry = Carry(self.dispatcher)  # --cpu-defer-experts (coordinator/model/deferral.py)
         if x.is_cuda:
             pending: torch.Tensor | None = None
             for i, layer in enumerate(self.decoder_layers()):

@@ -14,7 +14,7 @@ the latent space once (``q_lat``), all heads attend over the cached rows as one 
 (MQA: score = ``q_lat . c + q_rope . k_rope``, value = ``c``), and the per-head output is
 mapped back through ``W_UV`` before ``o_proj``. Every step (decode, prefill, extend over a
 cached prefix) takes this form: one kernel for mixed steps and CUDA graphs, and no prefix ever
-decompressed (see the notes of issue 10m for the prefill cost).
+decompressed (benchmarks/RESULTS.md has the prefill cost).
 
 Shapes: T tokens in the step, H hidden, Hq heads, Dn/Dr non-rotary/rotary query-key dims,
 Dv value dim, Rq/Rkv query/KV latent ranks, R cache rows, S cached positions of a sequence.

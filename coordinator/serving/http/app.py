@@ -36,7 +36,7 @@ def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
     serving = Serving(coord, name)
     created = int(time.time())
     app = FastAPI(title="expertmesh", docs_url=None, redoc_url=None, openapi_url=None)
-    # issue 15: 413 beyond --max-http-body-bytes, 400 for a body that is not UTF-8
+    # 413 beyond --max-http-body-bytes, 400 for a body that is not UTF-8
     app.add_middleware(
         BodyLimit, max_bytes=coord.request_limits.input.max_body_bytes, on_refused=coord.metrics.invalid
     )
@@ -129,7 +129,7 @@ class LoRAUnload(BaseModel):
 
 
 def _admin_only(request: Request, token: str | None) -> None:
-    """issue 15c: adapter loading is the admin plane, guarded like the Admin API: with an admin
+    """Adapter loading is the admin plane, guarded like the Admin API: with an admin
     token the request must carry ``Authorization: Bearer TOKEN`` (401 without), without one only
     loopback peers may (403). Paths are further confined to --lora-dir by the LoRA service."""
     if token:

@@ -86,7 +86,7 @@ async def make_job(
     if seed is not None:
         req.seed = seed
     try:
-        # NOTE: off the event loop for a long prompt (issue 15: one prompt must not stall all)
+        # NOTE: off the event loop for a long prompt (one prompt must not stall all)
         ids, params = await parse_request_async(
             req, coord.request_limits, coord.tokenizer, usable_adapters(coord)
         )

@@ -53,7 +53,7 @@ async def start_http(coord: Any, host: str, port: int) -> HttpServer:
         sock.close()
         raise OSError(f"HTTP server: could not bind {host}:{port}: {e.strerror}") from None
     sock.set_inheritable(True)
-    # issue 15c: HTTPS with the gRPC port's certificate when the coordinator has one (--tls-cert)
+    # HTTPS with the gRPC port's certificate when the coordinator has one (--tls-cert)
     tls = getattr(coord.config, "tls", None)
     ssl = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key} if tls is not None and tls.server_enabled else {}
     config = uvicorn.Config(
