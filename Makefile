@@ -1,7 +1,8 @@
 # The two set-up commands (README): `make demo` and `make test`. Both create .venv on first use.
 PY ?= python3
 VENV ?= .venv
-PIP_FLAGS ?= -c constraints.txt --find-links /opt/wheels
+# a local wheel folder (torch's CPU build) is used where a machine has one
+PIP_FLAGS ?= -c constraints.txt $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 BIN := $(VENV)/bin
 PROMPT ?= Once upon a time
 

@@ -95,7 +95,7 @@ class TLSConfig:
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
         """``role``: "expert-server" | "coordinator" | "client" (only the help texts differ)."""
-        g = p.add_argument_group("TLS (see the Security section of DEVELOPERS.md)")
+        g = p.add_argument_group("TLS (see the Security section of the README)")
         mine = {
             "expert-server": "serve TLS only, with this certificate",
             "coordinator": "serve TLS only, with this certificate; also presented to the expert servers",

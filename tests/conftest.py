@@ -14,12 +14,12 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests (the device machine's GPU or host CPU) run only where CUDA is present, i.e. on
-    the device machine; `gpu2` tests need two GPUs of one host (the 2-GPU device kind). Elsewhere
+    """`gpu` tests (a CUDA GPU, or the AVX-512/AMX paths of a GPU host's CPU) run only where CUDA
+    is present; `gpu2` tests need two GPUs of one host. Elsewhere
     they are skipped with the reason."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine: see DEVELOPERS.md)")
-    one_gpu = pytest.mark.skip(reason="needs two GPUs of one host (the nvidia-h200-x2 device)")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (DEVELOPERS.md: running on a GPU machine)")
+    one_gpu = pytest.mark.skip(reason="needs two GPUs of one host")
     for item in items:
         if "gpu" in item.keywords and gpus == 0:
             item.add_marker(no_gpu)
