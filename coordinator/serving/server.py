@@ -60,6 +60,7 @@ from expertmesh import auth, cores, status, tls, tolerant
 from expertmesh import placement as pl
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.errors import ExpertMeshError
+from expertmesh.health import LIVENESS
 from expertmesh.net import grpc_options
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -403,6 +404,7 @@ class CoordinatorServer(grpc.aio.Server):
 
     async def start(self) -> None:
         await self._set_health(self.experts_ready)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self.scheduler.start()
         await self.server.start()
         if self.config.http_port is not None:

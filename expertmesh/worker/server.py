@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from expertmesh import cores, tls
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend
+from expertmesh.health import LIVENESS
 from expertmesh.metrics import serve_metrics
 from expertmesh.net import grpc_options, host_id
 from expertmesh.progress import LoadProgress
@@ -135,6 +136,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         raise OSError(f"could not bind {config.host}:{config.port}")
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
 
     async def preload() -> None:
