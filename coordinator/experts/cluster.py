@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from coordinator.experts import dns
 from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 from coordinator.experts.expert_conn import ExpertServerError, ServerConnection
 from expertmesh import errors
@@ -72,6 +73,7 @@ class Connection(Protocol):
     def stream_alive(self) -> bool: ...
     def serving(self, timeout: float) -> bool: ...
     def retire_stream(self, reason: str, timeout: float) -> None: ...
+    def retarget(self, address: str) -> None: ...
     def reset(self, reason: str) -> None: ...
     def close(self) -> None: ...
 
@@ -83,6 +85,7 @@ class Member:
     last_error: str = ""
     error: ExpertServerError | None = None
     down_since: float | None = None  # monotonic time it was last lost (None: up)
+    gone: bool = False  # its address left its DNS name: not reconnected until one comes back
 
 
 def initial_placement(cfg: ModelConfig, c: ClusterConfig) -> pl.Placement:
@@ -105,6 +108,7 @@ class ExpertCluster:
         device: torch.device | str = "cpu",
         connect: Callable[[ServerSpec], Connection] | None = None,
         local_side: negotiate.Side | None = None,
+        resolver: dns.Resolver | None = None,
     ) -> None:
         if not config.servers:
             raise ValueError("an expert cluster needs at least one expert server")
@@ -131,6 +135,9 @@ class ExpertCluster:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._connect_timeout_s = 10.0
+        self._resolver = resolver or dns.resolver_for(config.dns_hosts_file)
+        self._next_dns = time.monotonic() + config.dns_refresh_s
+        self._dns_extra: dict[str, tuple[str, ...]] = {}  # addresses not used, per name (logged once)
         # run after each member's PREPARE with (member, its new slot table, timeout): state that
         # must travel with a placement (MoE LoRA adapters of the experts it will hold) goes here
         self.prepare_hooks: list[Callable[[int, dict[int, list[int]], float], None]] = []
@@ -448,11 +455,12 @@ class ExpertCluster:
                 if self._stop:
                     return
             try:
+                self._refresh_dns()
                 if not self._placed:
                     self._connect_all(time.monotonic() + self._connect_timeout_s)
                 else:
                     for i, m in enumerate(self.members):
-                        if not self._usable(m) and not self._stop:
+                        if not self._usable(m) and not m.gone and not self._stop:
                             self._bring_back(i, time.monotonic() + self._reconnect_s())
                     self._watch_draining()
                 last = ""
@@ -491,6 +499,72 @@ class ExpertCluster:
                 log.info("%s reports NOT_SERVING (draining): routing around it", m.conn.spec.name)
                 self._set(i, ServerState.UNAVAILABLE, "draining (health NOT_SERVING)")
                 m.conn.retire_stream("draining", self.config.timeout_s)
+
+    # ------------------------------------------------------------ DNS membership
+
+    def _refresh_dns(self, force: bool = False) -> None:
+        """Re-resolves the ``dns:///`` names every ``dns_refresh_s``. A server whose address left
+        its name is treated as drained: routed around, its stream closed, not reconnected. A new
+        address takes the place of such a server (the reconnection gives it that server's
+        slots), so a replaced pod comes back under its old name. A failed or empty resolution
+        changes nothing (a DNS outage must not drain the pool)."""
+        now = time.monotonic()
+        if not force and now < self._next_dns:
+            return
+        self._next_dns = now + self.config.dns_refresh_s
+        groups: dict[str, list[int]] = {}
+        for i, m in enumerate(self.members):
+            if m.conn.spec.dns:
+                groups.setdefault(m.conn.spec.dns, []).append(i)
+        for name, idx in groups.items():
+            parsed = dns.parse(name)
+            assert parsed is not None, name
+            try:
+                live = set(dns.resolve(parsed, self._resolver))
+            except OSError as e:
+                log.warning("%s: resolution failed, servers left as they are: %s", name, e)
+                continue
+            if live:
+                self._apply_dns(name, idx, live)
+
+    def _apply_dns(self, name: str, idx: list[int], live: set[str]) -> None:
+        held = {self.members[i].conn.spec.address: i for i in idx}
+        for address, i in held.items():
+            if address in live and self.members[i].gone:  # its address came back
+                self.members[i].gone = False
+                self._kick()
+        free = [i for address, i in sorted(held.items()) if address not in live]
+        new = sorted(live - held.keys())
+        for i, address in zip(free, new):
+            m = self.members[i]
+            log.info("%s: %s now at %s (was %s)", name, m.conn.spec.name, address, m.conn.spec.address)
+            self._set(i, ServerState.UNAVAILABLE, f"moved to {address} ({name})")
+            m.conn.retarget(address)
+            m.gone = False
+            self._kick()
+        for i in free[len(new) :]:
+            m = self.members[i]
+            if not m.gone:
+                log.info(
+                    "%s: %s (%s) left the name: routing around it",
+                    name,
+                    m.conn.spec.name,
+                    m.conn.spec.address,
+                )
+                m.gone = True
+                self._set(i, ServerState.UNAVAILABLE, f"its address left {name}")
+                m.conn.retire_stream(f"its address left {name}", self.config.timeout_s)
+        extra = tuple(new[len(free) :])
+        if extra and extra != self._dns_extra.get(name):
+            # NOTE: the set of servers is fixed at start (placements, load counts and the
+            # dispatcher are sized by it); an address beyond it is not used
+            log.warning(
+                "%s: %s not used: more addresses than the %d servers found at start",
+                name,
+                ", ".join(extra),
+                len(idx),
+            )
+        self._dns_extra[name] = extra
 
     def _reconnect_s(self) -> float:
         return min(RECONNECT_WAIT_S, self.config.timeout_s)

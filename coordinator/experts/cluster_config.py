@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from coordinator.experts import dns
 from expertmesh import auth, cores
 from expertmesh.tls import TLSConfig
 from expertmesh.transport import negotiate
@@ -26,12 +27,14 @@ def link_mode_from_env() -> str:
 @dataclass(frozen=True)
 class ServerSpec:
     name: str
-    address: str
+    address: str  # HOST:PORT, or dns:///NAME:PORT until ClusterConfig.resolved
     kind: str  # "gpu" | "cpu"
+    dns: str = ""  # the dns:///NAME:PORT this server was found by ("" = listed)
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "cpu"):
             raise ValueError(f"expert server {self.name}: kind {self.kind!r}, expected gpu or cpu")
+        dns.parse(self.address)  # a malformed dns: address fails here, at the command line
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class ClusterConfig:
     # the device link to a GPU expert server (coordinator/model/remote_graphs.py); read from
     # EXPERTMESH_LINK where the config is made (LINK_MODES)
     device_link: str = field(default_factory=link_mode_from_env)
+    # seconds between two resolutions of the dns:/// servers' names
+    dns_refresh_s: float = 10.0
+    dns_hosts_file: str | None = None  # looked up before the system resolver (dns.resolver_for)
 
     def __post_init__(self) -> None:
         if self.device_link not in LINK_MODES:
@@ -67,6 +73,8 @@ class ClusterConfig:
             raise ValueError(f"--shm-ring-mb {self.shm_ring_mb}: the ring needs at least 4 KiB")
         if self.timeout_s <= 0:
             raise ValueError(f"--expert-timeout must be positive, got {self.timeout_s}")
+        if self.dns_refresh_s <= 0:
+            raise ValueError(f"--dns-refresh-s must be positive, got {self.dns_refresh_s}")
         if self.max_message_mb <= 0:
             raise ValueError(f"max_message_mb must be positive, got {self.max_message_mb}")
         if self.gpu_prefill_token_threshold < 0:
@@ -85,6 +93,28 @@ class ClusterConfig:
         if self.gpu_prefill_token_threshold and not self.gpu:
             raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server")
 
+    def resolved(self, resolver: dns.Resolver | None = None, wait_s: float = 60.0) -> ClusterConfig:
+        """This config with every ``dns:///`` server replaced by one server per address it
+        resolves to now (``ServerSpec.dns`` keeps the name), all servers then named by position
+        per kind as listed ones are (gpu0, gpu1, ..., cpu0, ...). A name that resolves to
+        nothing is retried for ``wait_s``, then ValueError."""
+        names = [dns.parse(s.address) for s in self.servers]
+        if not any(names):
+            return self
+        resolver = resolver or dns.resolver_for(self.dns_hosts_file)
+        found: list[tuple[str, str, str]] = []  # (kind, address, dns name)
+        for spec, name in zip(self.servers, names):
+            if name is None:
+                found.append((spec.kind, spec.address, ""))
+            else:
+                found += [(spec.kind, a, str(name)) for a in dns.wait_resolved(name, resolver, wait_s)]
+        count = {"gpu": 0, "cpu": 0}
+        specs = []
+        for kind, address, name_ in found:
+            specs.append(ServerSpec(f"{kind}{count[kind]}", address, kind, name_))
+            count[kind] += 1
+        return replace(self, servers=tuple(specs))
+
     @property
     def shm_ring_bytes(self) -> int:
         return int(self.shm_ring_mb * (1 << 20)) // 4096 * 4096
@@ -100,8 +130,34 @@ class ClusterConfig:
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("expert servers")
-        g.add_argument("--gpu-server", action="append", default=[], metavar="HOST:PORT", help="repeatable")
-        g.add_argument("--cpu-server", action="append", default=[], metavar="HOST:PORT", help="repeatable")
+        g.add_argument(
+            "--gpu-server",
+            action="append",
+            default=[],
+            metavar="HOST:PORT",
+            help="repeatable; dns:///NAME:PORT = one server per address NAME resolves to, re-resolved "
+            "every --dns-refresh-s (an address that goes away is drained, a new one replaces it)",
+        )
+        g.add_argument(
+            "--cpu-server",
+            action="append",
+            default=[],
+            metavar="HOST:PORT",
+            help="repeatable; as --gpu-server",
+        )
+        g.add_argument(
+            "--dns-refresh-s",
+            type=float,
+            default=ClusterConfig.dns_refresh_s,
+            help="seconds between two resolutions of the dns:/// expert server names",
+        )
+        g.add_argument(
+            "--dns-hosts-file",
+            default=None,
+            metavar="FILE",
+            help="hosts-format file (IP NAME...) consulted before DNS for the dns:/// names, re-read "
+            "at every resolution",
+        )
         g.add_argument("--num-gpu-experts", type=int, default=None, help="logical ids < N on GPU servers")
         g.add_argument(
             "--placement", default=None, metavar="FILE", help="JSON placement (see expertmesh/placement.py)"
@@ -175,4 +231,6 @@ class ClusterConfig:
             cluster_token=args.cluster_token or auth.token_from_env(auth.CLUSTER_TOKEN_ENV),
             tls=TLSConfig.from_args(args),
             cpu_defer_experts=args.cpu_defer_experts,
+            dns_refresh_s=args.dns_refresh_s,
+            dns_hosts_file=args.dns_hosts_file,
         )

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import grpc
@@ -132,16 +132,7 @@ class ServerConnection:
     def __init__(self, spec: ServerSpec, cluster: ClusterConfig, device: torch.device | None = None) -> None:
         self.spec, self.cluster = spec, cluster
         self.device = device or torch.device("cpu")
-        self.channel = tls.channel(  # TLS with the coordinator's --tls-* flags
-            spec.address,
-            cluster.tls,
-            options=[
-                *grpc_options(cluster.max_message_mb << 20),
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.min_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-            ],
-        )
+        self.channel = self._channel(spec.address)
         self.stub = pb_grpc.ExpertWorkerStub(self.channel)
         self.info: WorkerInfo | None = None
         self.dtype: torch.dtype | None = None
@@ -158,6 +149,30 @@ class ServerConnection:
         # coordinator); None: never offered
         self.link_shape: tuple[int, int, int] | None = None
         self.link_note = "not offered"  # why the current stream has no device link
+
+    def _channel(self, address: str) -> grpc.Channel:
+        return tls.channel(  # TLS with the coordinator's --tls-* flags
+            address,
+            self.cluster.tls,
+            options=[
+                *grpc_options(self.cluster.max_message_mb << 20),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
+        )
+
+    def retarget(self, address: str) -> None:
+        """Points this connection at another server (a new address behind its DNS name): the
+        stream and channel to the old one are closed; the cluster's reconnection describes the
+        new one and gives it this server's slots. Called with the server marked down."""
+        self.reset(f"replaced by {address}")
+        old = self.channel
+        self.spec = replace(self.spec, address=address)
+        self.channel = self._channel(address)
+        self.stub = pb_grpc.ExpertWorkerStub(self.channel)
+        self.info = None
+        old.close()
 
     def describe_self(self) -> str:
         return f"expert server {self.spec.name} ({self.spec.address})"

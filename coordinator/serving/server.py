@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import torch
@@ -434,6 +435,9 @@ def _report_crash(task: asyncio.Task) -> None:
 
 def create_server(config: CoordinatorConfig) -> CoordinatorServer:
     """Loads the model and builds the server (call inside the event loop that will run it)."""
+    if config.cluster is not None and config.cluster.servers:
+        # NOTE: dns:/// servers become one server per address before anything counts servers
+        config = replace(config, cluster=config.cluster.resolved())
     cores.cap_default_executor()  # asyncio.to_thread's pool, sized from this process's cores
     reader = CheckpointReader(config.model_dir)
     cfg, dtype, device = reader.config, config.torch_dtype, torch.device(config.device)
