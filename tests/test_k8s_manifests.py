@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from coordinator.experts.cluster_config import ClusterConfig
 from expertmesh.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,33 +140,32 @@ def test_command_lines_parse(rendered: dict[str, list[Doc]]) -> None:
 
 
 def test_coordinator_reaches_every_expert_server(rendered: dict[str, list[Doc]]) -> None:
-    """Each address the coordinator gets is a pod of a StatefulSet behind its headless Service
-    (pod index < replicas, Service port = container port), and every such pod is listed."""
+    """The coordinator names each expert StatefulSet by its headless Service in the dns:///
+    form (the port the servers bind, every pod's address published), and nothing else."""
     for name, docs in rendered.items():
         coord = _by(docs, "Deployment", "expertmesh-coordinator")["spec"]["template"]["spec"]["containers"][0]
+        cluster = ClusterConfig.from_args(
+            _parse([a.replace("$(POD_NAMESPACE)", "ns") for a in coord["args"]])
+        )
         for kind in ("gpu", "cpu"):
             given = sorted(_flag(coord["args"], f"{kind}-server"))
-            sets = [
-                d
-                for d in docs
-                if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith(f"{kind}-server")
-            ]
             expected = []
-            for sts in sets:
+            for sts in (d for d in docs if d["kind"] == "StatefulSet"):
+                (server,) = sts["spec"]["template"]["spec"]["containers"]
+                if server["args"][0] != f"{kind}-server":
+                    continue
                 svc = _by(docs, "Service", sts["spec"]["serviceName"])
                 assert svc["spec"]["clusterIP"] == "None", (
                     f"{name}: {svc['metadata']['name']} is not headless"
                 )
-                (server,) = sts["spec"]["template"]["spec"]["containers"]
+                assert svc["spec"]["publishNotReadyAddresses"] is True, name
+                assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"], name
                 port = _parse(server["args"]).port
                 assert [p["port"] for p in svc["spec"]["ports"]] == [port], (name, svc["spec"]["ports"], port)
-                base, svc_name = sts["metadata"]["name"], svc["metadata"]["name"]
-                expected += [
-                    f"{base}-{i}.{svc_name}.$(POD_NAMESPACE).svc.cluster.local:{port}"
-                    for i in range(sts["spec"]["replicas"])
-                ]
-            assert given == sorted(expected), f"{name}: --{kind}-server {given}, StatefulSet pods {expected}"
-        assert any(d["kind"] == "StatefulSet" for d in docs), name
+                expected.append(f"dns:///{svc['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local:{port}")
+            assert given == sorted(expected), f"{name}: --{kind}-server {given}, headless Services {expected}"
+            assert len([s for s in cluster.servers if s.kind == kind]) == len(expected), name
+        assert cluster.servers, name
 
 
 def test_pods_probes_metrics_and_hardening(rendered: dict[str, list[Doc]]) -> None:

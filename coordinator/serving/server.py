@@ -435,9 +435,6 @@ def _report_crash(task: asyncio.Task) -> None:
 
 def create_server(config: CoordinatorConfig) -> CoordinatorServer:
     """Loads the model and builds the server (call inside the event loop that will run it)."""
-    if config.cluster is not None and config.cluster.servers:
-        # NOTE: dns:/// servers become one server per address before anything counts servers
-        config = replace(config, cluster=config.cluster.resolved())
     cores.cap_default_executor()  # asyncio.to_thread's pool, sized from this process's cores
     reader = CheckpointReader(config.model_dir)
     cfg, dtype, device = reader.config, config.torch_dtype, torch.device(config.device)
@@ -449,6 +446,11 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
             f"{spec.page_size} = {capacity} tokens): raise the KV memory budget or lower the max context"
         )
     max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
+    model = load_model(reader, dtype, device)
+    if config.cluster is not None and config.cluster.servers:
+        # NOTE: dns:/// servers become one server per address before anything counts servers;
+        # after the weights load, so that servers started alongside have their addresses by now
+        config = replace(config, cluster=config.cluster.resolved())
     dispatcher: Dispatcher
     cluster: ExpertCluster | None = None
     if config.cluster is not None and config.cluster.servers:
@@ -458,7 +460,7 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         dispatcher = LocalDispatcher(reader, dtype, device)
     num_servers = len(config.cluster.servers) if cluster is not None and config.cluster else 0
     load = LoadRecorder(cfg.moe_layer_ids, cfg.num_experts, config.eplb.window_steps, num_servers, device)
-    engine = Engine(load_model(reader, dtype, device), dispatcher, spec, dtype, device, load_hook=load.record)
+    engine = Engine(model, dispatcher, spec, dtype, device, load_hook=load.record)
     tokenizer = TextTokenizer.from_dir(config.model_dir)
     limits = SchedulerLimits(
         config.max_batch_tokens,
