@@ -94,10 +94,7 @@ def test_a_dns_named_pool_follows_its_name(tmp_path: Path):
         )  # fmt: skip
         wait_health(co.addr, "SERVING")
         # named by the sorted addresses, whatever order the name gave them in
-        assert _servers(co.addr) == {
-            "cpu0": (f"{IPS[0]}:{port}", "ready"),
-            "cpu1": (f"{IPS[1]}:{port}", "ready"),
-        }
+        _wait_servers(co.addr, {"cpu0": (f"{IPS[0]}:{port}", "ready"), "cpu1": (f"{IPS[1]}:{port}", "ready")})
         jobs = [[Job(p, NEW_TOKENS)] for p in PROMPTS]
         assert _tokens(run_load(co.addr, jobs)) == refs
 
