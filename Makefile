@@ -20,6 +20,14 @@ $(BIN)/expertmesh: pyproject.toml constraints.txt
 
 venv: $(BIN)/expertmesh
 
+# the Kubernetes policy scanner for tests/test_k8s_manifests.py, in an environment of its own:
+# it pins networkx and packaging below what torch and transformers use
+CHECKOV ?= checkov==3.3.30
+$(VENV)/tools/bin/checkov: | $(BIN)/expertmesh
+	@echo ">>> installing $(CHECKOV) into $(VENV)/tools (first time: ~1 min)"
+	$(PY) -m venv $(VENV)/tools
+	$(VENV)/tools/bin/pip install -q $(CHECKOV)
+
 # Brings up coordinator + GPU expert server + CPU expert server on the demo model, prints one
 # completion, shuts the cluster down.
 demo: venv
@@ -31,5 +39,5 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy expertmesh coordinator gpu_server cpu_expert_server
 
-test: lint
+test: lint $(VENV)/tools/bin/checkov
 	$(BIN)/python -m pytest -q
