@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,7 +103,9 @@ def _checkov() -> str:
             return path
     found = shutil.which("checkov")
     if found is None:
-        pytest.fail("checkov is missing: `make test` installs it into .venv/tools (or set EXPERTMESH_CHECKOV)")
+        pytest.fail(
+            "checkov is missing: `make test` installs it into .venv/tools (or set EXPERTMESH_CHECKOV)"
+        )
     return found
 
 
