@@ -86,3 +86,14 @@ def test_keys_hold_the_salt_the_parent_and_every_token():
     other = alloc.alloc(1)
     assert index.add(None, ("a", 0), [1, 2], other[0]) is None
     assert not alloc.indexed(other[0])
+
+
+def test_no_prefix_cache_flag():
+    import argparse
+
+    from coordinator.main import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert config_from_args(p.parse_args(["--model", "m"])).prefix_cache is True
+    assert config_from_args(p.parse_args(["--model", "m", "--no-prefix-cache"])).prefix_cache is False
