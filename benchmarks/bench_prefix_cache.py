@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import queue
 import random
@@ -117,7 +118,7 @@ def chat(args, s: Scheduler, vocab: int, seed: int) -> dict:
     sent: dict[int, float] = {}
     ttft: list[float] = []
     prompt_tokens = cached = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for c in range(args.conversations):
         sent[c] = submit(s, history[c], args.reply, c, inbox)
     left = args.conversations * args.turns
@@ -134,10 +135,11 @@ def chat(args, s: Scheduler, vocab: int, seed: int) -> dict:
         if turn[c] < args.turns:
             history[c] = history[c] + done.tokens + messages[c][turn[c]]
             sent[c] = submit(s, history[c], args.reply, c, inbox)
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     n = args.conversations * args.turns
     return {
         "seconds": total,
+        "cpu_seconds": cpu,
         "requests_per_s": n / total,
         "requests": n,
         "prompt_tokens": prompt_tokens,
@@ -162,6 +164,19 @@ def shared(args, s: Scheduler, vocab: int, seed: int) -> dict:
         "first_cached": cached[0],
         "repeat_cached": statistics.median(cached[1:]),
     }
+
+
+def check_fits(args, context: int) -> None:
+    longest = {
+        "chat": args.system + args.turns * (args.message + args.reply),
+        "shared": args.prefix + args.suffix + 1,
+    }
+    for part in args.parts:
+        if longest[part] > context:
+            raise SystemExit(
+                f"{part}: requests of up to {longest[part]} tokens do not fit the max context of "
+                f"{context} (the model's positions, or --pages x --page-size): shrink the workload"
+            )
 
 
 def prepare_model(args, work: Path) -> tuple[Path, str]:
@@ -194,9 +209,9 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=512, help="the coordinator's default")
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--system", type=int, default=64, help="system prompt tokens (shared)")
-    ap.add_argument("--message", type=int, default=32, help="tokens of each new user message")
-    ap.add_argument("--reply", type=int, default=16, help="tokens generated per turn")
+    ap.add_argument("--system", type=int, default=128, help="system prompt tokens (shared)")
+    ap.add_argument("--message", type=int, default=48, help="tokens of each new user message")
+    ap.add_argument("--reply", type=int, default=8, help="tokens generated per turn")
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--suffixes", type=int, default=64)
@@ -211,11 +226,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model, what = prepare_model(args, Path(tmp))
         res: dict = {"model": what, "device": args.device, "dtype": args.dtype, "host": platform.node()}
+        res["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())  # other work on the host, 1/5/15 min
         # both engines stay up and take turns, so that a busy host's noise hits both alike;
         # each repeat has prompts of its own seed (a repeat finds nothing of the last cached)
         scheds = {"no_cache": make_scheduler(args, model, False), "cache": make_scheduler(args, model, True)}
         try:
             vocab = scheds["cache"].engine.config.vocab_size
+            check_fits(args, scheds["cache"].limits.max_context)
             for s in scheds.values():
                 one(s, [5, 6, 7], 2)  # warm-up (first-use kernels and allocations), not timed
             runs: dict[str, dict[str, list[dict]]] = {}
@@ -242,19 +259,24 @@ def main() -> None:
 
 
 def report(res: dict, args) -> None:
-    print(f"model: {res['model']}, {res['device']} {res['dtype']}, page size {args.page_size}")
+    print(
+        f"model: {res['model']}, {res['device']} {res['dtype']}, page size {args.page_size}, "
+        f"torch threads {torch.get_num_threads()}, host load average {res['load']}"
+    )
     if res["chat"]:
         a, b = res["chat"]["no_cache"], res["chat"]["cache"]
         print(
             f"\nchat replay: {args.conversations} conversations x {args.turns} turns, system {args.system}, "
             f"message {args.message}, reply {args.reply} tokens; fastest of {args.repeat} runs each"
         )
-        print("| prefix cache | total s | requests/s | mean TTFT ms | prompt tokens | cached |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| prefix cache | total s | process CPU s | requests/s | mean TTFT ms | prompt tokens | cached |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for name, r in (("off", a), ("on", b)):
             print(
-                f"| {name} | {r['seconds']:.2f} | {r['requests_per_s']:.2f} | {r['mean_ttft_s'] * 1e3:.1f} "
-                f"| {r['prompt_tokens']} | {r['cached_tokens']} |"
+                f"| {name} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['requests_per_s']:.2f} "
+                f"| {r['mean_ttft_s'] * 1e3:.1f} | {r['prompt_tokens']} | {r['cached_tokens']} |"
             )
         res["chat_speedup"] = a["seconds"] / b["seconds"]
         print(
