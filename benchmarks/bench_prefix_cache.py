@@ -184,11 +184,14 @@ def prepare_model(args, work: Path) -> tuple[Path, str]:
         return Path(args.model), args.model
     if args.real_width:
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        from bench_e2e import MODELS, write_checkpoint
+        from bench_e2e import MODELS, TINY, write_checkpoint
 
         out = work / f"{args.real_width}-{args.layers}l"
-        w = dict(MODELS[args.real_width], max_position_embeddings=args.pages * args.page_size)
-        write_checkpoint(out, w, args.layers, DTYPES[args.dtype], "cpu")
+        widths = {"tiny": TINY, **MODELS}[args.real_width]
+        w = dict(widths, max_position_embeddings=args.pages * args.page_size)
+        write_checkpoint(out, w, args.layers, DTYPES[args.dtype], args.device)  # random init on the device
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the HF model written is garbage now
         return out, f"random {args.real_width} widths, {args.layers} layers"
     from expertmesh.demo import write_demo_model
 
@@ -198,7 +201,12 @@ def prepare_model(args, work: Path) -> tuple[Path, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="HF checkpoint directory (default: the demo model)")
-    ap.add_argument("--real-width", default="", choices=["", "qwen3-30b-a3b", "deepseek-v2-lite"])
+    ap.add_argument(
+        "--real-width",
+        default="",
+        choices=["", "qwen3-30b-a3b", "deepseek-v2-lite", "tiny"],
+        help="a random checkpoint of these widths (tiny: a smoke test of this path)",
+    )
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the --real-width checkpoint")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))

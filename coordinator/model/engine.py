@@ -1,14 +1,15 @@
 """The in-process engine: model + KV cache + page tables, one forward step at a time.
 
 It knows nothing of requests or sampling: the scheduler (or a test) says which sequences get
-which new tokens in a step, and it returns their logits.
+which new tokens in a step, and it returns their logits. Routed experts go through whatever
+dispatcher is attached (in process by default, expert servers in the cluster).
 
 With the prefix cache on (the default), every page a step fills completely enters the prefix
 index (coordinator/model/prefix_cache.py) and stays there after its sequence ends, until the
 allocator needs the room; :meth:`Engine.new_seq` given a prompt starts the sequence on the
 longest indexed prefix of it, shared by reference. Only whole pages are shared and a sequence
-writes only past its shared pages, so a shared page is never written again. Routed experts go through whatever
-dispatcher is attached (in process by default, expert servers in the cluster).
+writes only past its shared pages, so a shared page is never written again (a step that fails
+and runs again rewrites the sequence's own pages only).
 
 Shapes: T tokens in the step, V vocab.
 """

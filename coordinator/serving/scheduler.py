@@ -246,9 +246,8 @@ class Scheduler:
         return {
             "free_pages": self.engine.pages.num_free,
             "total_pages": self.engine.pages.num_pages,
-            # prefix cache: pages indexed (held or kept), and kept ones (counted in free_pages)
+            # pages in the prefix cache: held by requests, or kept (and counted in free_pages)
             "cached_pages": self.engine.prefix.num_pages if self.engine.prefix is not None else 0,
-            "kept_pages": self.engine.pages.num_kept,
             "running": len(self._running),
             "waiting": len(self._waiting),
             "queued": self._queued,
