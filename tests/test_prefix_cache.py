@@ -23,6 +23,7 @@ from tests.serving_utils import one_thread  # noqa: F401 (autouse fixture)
 P = 4  # page size
 NEW = 6  # tokens generated per request
 LP_TOL = 2e-5  # logprobs: the prefix's K/V came from other steps (other batch shapes)
+GPU_LP_TOL = 2e-3  # CUDA kernels pick tiles by batch shape: their float32 sums run in other orders
 
 
 class Result:
@@ -274,7 +275,7 @@ def test_adapters_never_share_kv(tmp_path):
 def test_cuda_graph_decode_over_shared_pages(arch, tmp_path):
     """On CUDA (paged-attention / MLA kernels, decode replayed from CUDA graphs): requests
     decoding together over pages they share give the tokens of the same requests without the
-    cache (float32; the kernels' sums run in another order than for other batch shapes)."""
+    cache (float32; the kernels' sums run in another order for other batch shapes)."""
     make_checkpoint(arch, tmp_path)
     base = rand(22, 12)
     prompts = [base, base + rand(3, 13), base[:10] + rand(9, 14), base + rand(8, 15)]
@@ -283,10 +284,10 @@ def test_cuda_graph_decode_over_shared_pages(arch, tmp_path):
     try:
         assert cache.engine.graphs is not None
         want = [run(ref, p) for p in prompts]
-        same(run(cache, base), want[0], tol=1e-3)
+        same(run(cache, base), want[0], tol=GPU_LP_TOL)
         got = [r.get() for r in [submit(cache, p) for p in prompts]]  # one decode batch
         for g, w in zip(got, want):
-            same(g, w, tol=1e-3)
+            same(g, w, tol=GPU_LP_TOL)
         assert [g[2].cached_tokens for g in got] == [20, 20, 8, 20]
     finally:
         cache.stop()
