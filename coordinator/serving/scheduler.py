@@ -30,7 +30,8 @@ queued or running, its pages freed.
 
 When the pages of a step do not fit, the newest running request is preempted: its pages are
 freed and it goes back to the front of the queue, to be recomputed from its tokens later. Its
-sampled tokens and generator state are kept, so the result is the one it would have had.
+sampled tokens and generator state are kept, so the result is the one it would have had. With
+the prefix cache its whole pages stay cached until evicted, so it may start again from them.
 """
 
 from __future__ import annotations

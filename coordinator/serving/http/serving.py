@@ -3,7 +3,9 @@ whole or streamed as server-sent events (``data: {json}`` ... ``data: [DONE]``).
 
 A choice is one scheduler request: ``n`` choices per prompt (seed ``s`` gives choice ``j`` the
 seed ``s + j``, so choices differ yet repeat), and several prompts for ``/v1/completions``;
-choice index = prompt index * n + j. Usage counts each prompt once and every choice's tokens.
+choice index = prompt index * n + j. Usage counts each prompt once and every choice's tokens;
+``prompt_tokens_details.cached_tokens`` is the part of each prompt its first choice found in the
+prefix cache.
 """
 
 from __future__ import annotations
