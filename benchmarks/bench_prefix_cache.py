@@ -19,9 +19,13 @@ Prompts are random token ids (seeded), so speed does not depend on the weights. 
 defaults to the demo model; ``--real-width`` writes a random checkpoint of a real model's widths
 (benchmarks/bench_e2e.py) with ``--layers`` decoder layers instead.
 
+Experts run in this process by default. ``--servers gpu cpu`` starts those expert servers
+(``expertmesh gpu-server`` on ``--device``, ``expertmesh cpu-server``) and both engines send
+every MoE layer to them (half of the experts on each when there are two: the hybrid setup).
+
     python benchmarks/bench_prefix_cache.py                   # 2-core CPU, demo model
     python benchmarks/bench_prefix_cache.py --device cuda --dtype bfloat16 \\
-        --real-width qwen3-30b-a3b --layers 8 --parts shared chat
+        --real-width qwen3-30b-a3b --layers 8 --parts shared chat [--servers gpu cpu]
 
 Shapes: none (token counts only).
 """
@@ -34,9 +38,12 @@ import os
 import platform
 import queue
 import random
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +54,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from coordinator.config import DTYPES  # noqa: E402
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec  # noqa: E402
+from coordinator.experts.remote import RemoteDispatcher  # noqa: E402
+from coordinator.model.dispatch import Dispatcher, LocalDispatcher  # noqa: E402
 from coordinator.model.engine import Engine  # noqa: E402
+from coordinator.model.kv_cache import KVCacheSpec  # noqa: E402
+from coordinator.model.loader import load_model  # noqa: E402
 from coordinator.serving.outputs import Output  # noqa: E402
 from coordinator.serving.sampler import SamplingParams  # noqa: E402
 from coordinator.serving.scheduler import Scheduler, SchedulerLimits  # noqa: E402
+from expertmesh.checkpoint import CheckpointReader  # noqa: E402
+
+_LISTEN = re.compile(r"listening on (\S+):(\d+)")
 
 
 @dataclass
@@ -63,15 +78,20 @@ class Done:
     error: BaseException | None = None
 
 
-def make_scheduler(args, model: Path, prefix: bool) -> Scheduler:
-    eng = Engine.from_checkpoint(
-        str(model),
-        dtype=DTYPES[args.dtype],
-        device=args.device,
-        num_pages=args.pages,
-        page_size=args.page_size,
-        prefix_cache=prefix,
-    )
+def make_scheduler(args, model: Path, prefix: bool, servers: list[tuple[str, str]]) -> Scheduler:
+    """An engine (experts in process, or on ``servers``: (kind, address)) and its scheduler."""
+    dtype, dev = DTYPES[args.dtype], torch.device(args.device)
+    reader = CheckpointReader(str(model))
+    dispatcher: Dispatcher
+    if servers:
+        specs = tuple(ServerSpec(f"{kind}{i}", addr, kind) for i, (kind, addr) in enumerate(servers))
+        remote = RemoteDispatcher(reader.config, ClusterConfig(specs, timeout_s=120), dtype, args.device)
+        remote.connect(300)
+        dispatcher = remote
+    else:
+        dispatcher = LocalDispatcher(reader, dtype, dev)
+    spec = KVCacheSpec(args.pages, args.page_size)
+    eng = Engine(load_model(reader, dtype, dev), dispatcher, spec, dtype, dev, prefix_cache=prefix)
     context = min(eng.config.max_position_embeddings, args.pages * args.page_size)
     limits = SchedulerLimits(max_batch_tokens=args.max_batch_tokens, max_running=64, max_context=context)
     s = Scheduler(eng, limits)
@@ -166,6 +186,49 @@ def shared(args, s: Scheduler, vocab: int, seed: int) -> dict:
     }
 
 
+def start_server(kind: str, args, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """``expertmesh {kind}-server`` in its own process; returns it and its address."""
+    cmd = [sys.executable, "-m", "expertmesh.cli", f"{kind}-server", "--model", str(model), "--port", "0",
+           "--dtype", args.dtype]  # fmt: skip
+    if kind == "gpu":
+        cmd += ["--device", args.device]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+    )
+    assert proc.stdout is not None
+    out = open(log, "a")  # noqa: SIM115 (the drain thread writes to it until the server exits)
+    for line in proc.stdout:
+        out.write(line)
+        m = _LISTEN.search(line)
+        if m:
+            threading.Thread(target=lambda: out.writelines(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+            return proc, f"127.0.0.1:{m.group(2)}"
+    proc.wait()
+    raise RuntimeError(f"{kind}-server did not start (exit {proc.returncode}; log: {log})")
+
+
+def run_modes(args, scheds: dict[str, Scheduler], runs: dict[str, dict[str, list[dict]]]) -> None:
+    """``--repeat`` rounds of the parts on each scheduler in turn (results into ``runs``); each
+    round has prompts of its own seed (a round finds nothing of the last one cached). Stops them."""
+    try:
+        vocab = next(iter(scheds.values())).engine.config.vocab_size
+        for s in scheds.values():
+            check_fits(args, s.limits.max_context)
+            one(s, [5, 6, 7], 2)  # warm-up (first-use kernels and allocations), not timed
+        for rep in range(args.repeat):
+            for key, s in scheds.items():
+                seed = args.seed + 1000 * rep
+                if "shared" in args.parts:
+                    runs.setdefault("shared", {}).setdefault(key, []).append(shared(args, s, vocab, seed))
+                if "chat" in args.parts:
+                    runs.setdefault("chat", {}).setdefault(key, []).append(chat(args, s, vocab, seed))
+    finally:
+        for s in scheds.values():
+            s.stop()
+            s.engine.dispatcher.close()
+
+
 def check_fits(args, context: int) -> None:
     longest = {
         "chat": args.system + args.turns * (args.message + args.reply),
@@ -227,6 +290,9 @@ def main() -> None:
     ap.add_argument(
         "--repeat", type=int, default=3, help="runs of each mode, taking turns; the fastest is kept"
     )
+    ap.add_argument(
+        "--servers", nargs="*", default=[], choices=["gpu", "cpu"], help="expert servers to start"
+    )
     ap.add_argument("--json", default="", help="also write the numbers here")
     args = ap.parse_args()
     if args.threads:
@@ -235,25 +301,25 @@ def main() -> None:
         model, what = prepare_model(args, Path(tmp))
         res: dict = {"model": what, "device": args.device, "dtype": args.dtype, "host": platform.node()}
         res["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())  # other work on the host, 1/5/15 min
-        # both engines stay up and take turns, so that a busy host's noise hits both alike;
-        # each repeat has prompts of its own seed (a repeat finds nothing of the last cached)
-        scheds = {"no_cache": make_scheduler(args, model, False), "cache": make_scheduler(args, model, True)}
-        try:
-            vocab = scheds["cache"].engine.config.vocab_size
-            check_fits(args, scheds["cache"].limits.max_context)
-            for s in scheds.values():
-                one(s, [5, 6, 7], 2)  # warm-up (first-use kernels and allocations), not timed
-            runs: dict[str, dict[str, list[dict]]] = {}
-            for rep in range(args.repeat):
-                for key, s in scheds.items():
-                    seed = args.seed + 1000 * rep
-                    if "shared" in args.parts:
-                        runs.setdefault("shared", {}).setdefault(key, []).append(shared(args, s, vocab, seed))
-                    if "chat" in args.parts:
-                        runs.setdefault("chat", {}).setdefault(key, []).append(chat(args, s, vocab, seed))
-        finally:
-            for s in scheds.values():
-                s.stop()
+        res["servers"] = " + ".join(args.servers) or "none (experts in process)"
+        runs: dict[str, dict[str, list[dict]]] = {}
+        if args.servers:
+            # an expert server follows one coordinator's placement: each mode gets servers of
+            # its own, one mode after the other
+            for key in ("no_cache", "cache"):
+                procs = [start_server(k, args, model, Path(tmp) / f"{k}-{key}.log") for k in args.servers]
+                try:
+                    addrs = [(k, addr) for k, (_, addr) in zip(args.servers, procs)]
+                    run_modes(args, {key: make_scheduler(args, model, key == "cache", addrs)}, runs)
+                finally:
+                    for proc, _ in procs:
+                        proc.terminate()
+                        proc.wait(30)
+        else:
+            # both engines stay up and take turns, so that a busy host's noise hits both alike
+            run_modes(
+                args, {k: make_scheduler(args, model, k == "cache", []) for k in ("no_cache", "cache")}, runs
+            )
         # the fastest repeat of each mode (the least disturbed by other work on the host)
         res["chat"] = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.get("chat", {}).items()}
         res["shared"] = {
@@ -269,7 +335,8 @@ def main() -> None:
 def report(res: dict, args) -> None:
     print(
         f"model: {res['model']}, {res['device']} {res['dtype']}, page size {args.page_size}, "
-        f"torch threads {torch.get_num_threads()}, host load average {res['load']}"
+        f"torch threads {torch.get_num_threads()}, expert servers {res['servers']}, "
+        f"host load average {res['load']}"
     )
     if res["chat"]:
         a, b = res["chat"]["no_cache"], res["chat"]["cache"]
