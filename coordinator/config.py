@@ -78,6 +78,7 @@ class CoordinatorConfig:
     port: int = 50051  # 0 = a free port
     page_size: int = 16  # tokens per KV page
     kv_memory_bytes: int = 256 << 20  # KV cache budget; sets the number of pages
+    prefix_cache: bool = True  # requests sharing a prompt prefix share its full KV pages
     max_batch_tokens: int = 512  # tokens per forward step (decodes + prefill chunks)
     max_running: int = 64  # requests holding KV pages at once
     # bounded queue (RESOURCE_EXHAUSTED / HTTP 429 beyond) and a server-side deadline

@@ -42,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-memory", default=f"{C.kv_memory_bytes >> 20}MiB", help="KV cache budget, e.g. 512MiB, 4GiB"
     )
+    g.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="do not keep full KV pages for later requests with the same prompt prefix (they are "
+        "reused by default; unused ones are evicted when pages run short)",
+    )
     g.add_argument("--max-batch-tokens", type=int, default=C.max_batch_tokens, help="tokens per forward step")
     g.add_argument("--max-running-requests", type=int, default=C.max_running)
     g.add_argument(
@@ -117,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         port=args.port,
         page_size=args.page_size,
         kv_memory_bytes=parse_size(args.kv_memory),
+        prefix_cache=args.prefix_cache,
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,

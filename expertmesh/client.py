@@ -30,6 +30,7 @@ from expertmesh.v1 import generation_pb2, generation_pb2_grpc
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, served from the coordinator's prefix cache
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def to_chunk(resp: generation_pb2.GenerateResponse) -> Chunk:
     usage = None
     if resp.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
         finish = generation_pb2.FinishReason.Name(resp.finish_reason).lower()
-        usage = Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens)
+        usage = Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.cached_tokens)
     return Chunk(list(resp.token_ids), resp.text, list(resp.logprobs), finish, usage, resp.request_id)
 
 

@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                     "usage": {
                         "prompt_tokens": out.usage.prompt_tokens,
                         "completion_tokens": out.usage.completion_tokens,
+                        "cached_tokens": out.usage.cached_tokens,
                     },
                 }
                 if args.logprobs:

@@ -75,11 +75,13 @@ def summarize(a: dict[str, Any], b: dict[str, Any], top: int) -> dict[str, Any]:
             "pages_used": cb.kv_pages_used,
             "pages_total": cb.kv_pages_total,
             "page_size": cb.kv_page_size,
+            "pages_cached": cb.kv_pages_cached,
         },
         "throughput": {
             "interval_seconds": dt,
             "generation_tokens_per_s": (cb.generation_tokens - ca.generation_tokens) / dt,
             "prompt_tokens_per_s": (cb.prompt_tokens - ca.prompt_tokens) / dt,
+            "prompt_tokens_cached_per_s": (cb.prompt_tokens_cached - ca.prompt_tokens_cached) / dt,
             "requests_per_s": (cb.requests_finished - ca.requests_finished) / dt,
             "steps_per_s": (cb.steps - ca.steps) / dt,
         },
@@ -96,9 +98,11 @@ def render(addr: str, s: dict[str, Any]) -> str:
         f"coordinator {addr}: up {up // 3600}h{up // 60 % 60:02d}m{up % 60:02d}s, "
         f"placement generation {s['placement_generation']}",
         f"requests: {r['running']} running, {r['waiting']} waiting, {r['finished']} finished",
-        f"KV cache: {kv['pages_used']}/{kv['pages_total']} pages used ({share:.1f}%), {kv['page_size']} tokens/page",
+        f"KV cache: {kv['pages_used']}/{kv['pages_total']} pages used ({share:.1f}%), {kv['page_size']} tokens/page, "
+        f"{kv['pages_cached']} pages in the prefix cache",
         f"throughput over {tp['interval_seconds']:.1f}s: {tp['generation_tokens_per_s']:.1f} generated tok/s, "
-        f"{tp['prompt_tokens_per_s']:.1f} prompt tok/s, {tp['requests_per_s']:.2f} req/s, "
+        f"{tp['prompt_tokens_per_s']:.1f} prompt tok/s ({tp['prompt_tokens_cached_per_s']:.1f} cached), "
+        f"{tp['requests_per_s']:.2f} req/s, "
         f"{tp['steps_per_s']:.1f} steps/s",
         "",
     ]

@@ -52,6 +52,16 @@ def scrape(base_url: str) -> dict[str, float]:
     return out
 
 
+def same_usage(later, earlier) -> bool:
+    """Token counts equal; the later request of the same prompt found at least as much of it in
+    the prefix cache."""
+    strip = {"prompt_tokens_details"}
+    return (
+        later.model_dump(exclude=strip) == earlier.model_dump(exclude=strip)
+        and later.prompt_tokens_details.cached_tokens >= earlier.prompt_tokens_details.cached_tokens
+    )
+
+
 def test_models_and_health(oai, base_url):
     models = oai.models.list().data
     assert [m.id for m in models] == ["demo-model"]
@@ -90,7 +100,7 @@ def test_completion_stream_with_usage(oai):
     assert text == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert same_usage(chunks[-1].usage, whole.usage)
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -106,7 +116,7 @@ def test_chat_stream_and_not(oai, server):
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert same_usage(chunks[-1].usage, whole.usage)
     # the prompt is the template's text: the same as sending it to the gRPC API (it writes BOS)
     rendered = server.server.chat_template.render(msgs)
     ids = server.server.tokenizer.tok.encode(rendered, add_special_tokens=False).ids
@@ -256,3 +266,30 @@ def test_failure_mid_stream_is_an_error_event(server, base_url):
     err = json.loads(events[-2])["error"]
     assert "injected step failure" in err["message"] and err["type"] == "server_error"
     assert all("choices" in json.loads(e) for e in events[:-2])
+
+
+def test_prefix_cache_usage_and_metrics(server, oai, base_url):
+    """A repeated prompt: the second request's usage (HTTP and gRPC) says which prompt tokens
+    came from the prefix cache, /metrics counts them and the cache's pages; the text is the same."""
+    prompt = "The prefix cache keeps whole pages of this rather long prompt for the next request"
+    n = len(server.server.tokenizer.encode(prompt))
+    page = 4  # the fixture's page size
+    before = scrape(base_url)
+    first = oai.completions.create(model="demo-model", prompt=prompt, max_tokens=8, temperature=0)
+    again = oai.completions.create(model="demo-model", prompt=prompt, max_tokens=8, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every whole page but the one holding the last prompt token, which is computed again
+    want = (n - 1) // page * page
+    assert want > 0 and again.usage.prompt_tokens_details.cached_tokens == want
+    with Client(server.addr) as c:
+        out = c.generate(prompt, max_new_tokens=8)
+    assert out.text == first.choices[0].text and out.usage.cached_tokens == want
+    after = scrape(base_url)
+    grew = {k: after[k] - before[k] for k in ("expertmesh_prompt_tokens_cached_total",
+                                              "expertmesh_prompt_tokens_computed_total")}  # fmt: skip
+    assert grew == {
+        "expertmesh_prompt_tokens_cached_total": 2 * want,
+        "expertmesh_prompt_tokens_computed_total": 3 * n - 2 * want,
+    }
+    assert after["expertmesh_prefix_cache_pages"] >= want // page

@@ -138,10 +138,17 @@ def test_status_view(cluster, capsys):
         a = status.read(stub, 10)
         with Client(coord.addr) as c:
             out = c.generate("Once upon a time", max_new_tokens=6, ignore_eos=True)
+            # a prompt over a page long, twice: the second reuses its whole pages (experts remote)
+            long = "Once upon a time there was a little fox who lived in the woods near the river"
+            first, again = (c.generate(long, max_new_tokens=4, ignore_eos=True) for _ in range(2))
         b = status.read(stub, 10)
+    n, page = first.usage.prompt_tokens, coord.server.scheduler.engine.page_size
+    assert n > page and again.token_ids == first.token_ids
+    assert (first.usage.cached_tokens, again.usage.cached_tokens) == (0, (n - 1) // page * page)
     s = status.summarize(a, b, top=3)
     assert s["throughput"]["generation_tokens_per_s"] > 0 and s["placement_generation"] >= 1
     assert s["requests"]["running"] == 0 and s["kv"]["pages_used"] == 0 and s["kv"]["pages_total"] > 0
+    assert s["kv"]["pages_cached"] >= (n - 1) // page and s["throughput"]["prompt_tokens_cached_per_s"] > 0
     (srv,) = s["servers"]
     assert (srv["name"], srv["state"], srv["transport"]) == ("cpu0", "ready", "grpc")
     assert srv["slots_used"] == srv["slot_capacity"] == ModelConfig.from_dir(path).num_experts
@@ -154,6 +161,7 @@ def test_status_view(cluster, capsys):
     assert main(["status", "--addr", coord.addr, "--interval", "0.1"]) == 0
     text = capsys.readouterr().out
     assert "cpu0" in text and "placement generation" in text and "layer   0:" in text
+    assert "pages in the prefix cache" in text
 
 
 def test_grafana_dashboard_uses_exported_metrics(cluster):

@@ -13,6 +13,7 @@ Shapes: T tokens in the step, R rank, L adapter slots.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,10 @@ class LoRAManager:
         self.table: dict[str, Projection] = projection_table(model_cfg)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slot_of: dict[str, int] = {}
+        # name -> which install it is: the prefix cache keys an adapter's KV pages by it, so a
+        # name unloaded and loaded again (other weights) never meets the old pages
+        self.load_ids: dict[str, int] = {}
+        self._installs = itertools.count()
         # module path -> adapter slot -> its LoRA (on device, in the model dtype)
         self.proj: dict[str, dict[int, ProjectionLoRA]] = {}
         self.experts: dict[int, MoELoRAWeights] = {}  # MoE layer -> stacked slots (in-process path)
@@ -61,6 +66,7 @@ class LoRAManager:
     def install(self, adapter: LoRAAdapter, slot: int) -> None:
         self.adapters[adapter.name] = adapter
         self.slot_of[adapter.name] = slot
+        self.load_ids[adapter.name] = next(self._installs)
         for mod, p in adapter.projections.items():
             self.proj.setdefault(mod, {})[slot] = ProjectionLoRA(
                 p.a.to(self.device, self.dtype), p.b.to(self.device, self.dtype)
@@ -72,6 +78,7 @@ class LoRAManager:
         if name not in self.adapters:
             raise KeyError(name)
         slot = self.slot_of.pop(name)
+        del self.load_ids[name]
         del self.adapters[name]
         for per_slot in self.proj.values():
             per_slot.pop(slot, None)

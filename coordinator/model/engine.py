@@ -4,12 +4,19 @@ It knows nothing of requests or sampling: the scheduler (or a test) says which s
 which new tokens in a step, and it returns their logits. Routed experts go through whatever
 dispatcher is attached (in process by default, expert servers in the cluster).
 
+With the prefix cache on (the default), every page a step fills completely enters the prefix
+index (coordinator/model/prefix_cache.py) and stays there after its sequence ends, until the
+allocator needs the room; :meth:`Engine.new_seq` given a prompt starts the sequence on the
+longest indexed prefix of it, shared by reference. Only whole pages are shared and a sequence
+writes only past its shared pages, so a shared page is never written again (a step that fails
+and runs again rewrites the sequence's own pages only).
+
 Shapes: T tokens in the step, V vocab.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +29,7 @@ from coordinator.model.kv_cache import KVCache, KVCacheSpec, OutOfPages, PageAll
 from coordinator.model.loader import load_model
 from coordinator.model.models.base import CausalLM
 from coordinator.model.models.moe import LoadHook
+from coordinator.model.prefix_cache import Block, PrefixIndex, Salt
 from expertmesh.checkpoint import CheckpointReader
 
 if TYPE_CHECKING:
@@ -32,6 +40,13 @@ if TYPE_CHECKING:
 class SeqState:
     cached: int = 0  # tokens whose K/V are in the cache
     pages: list[int] = field(default_factory=list)
+    # prefix cache only: the cached tokens, the KV salt (adapter), the last of the sequence's
+    # first ``indexed`` pages, all in the index; False once a page could not be added
+    tokens: list[int] = field(default_factory=list)
+    salt: Salt = None
+    chain: Block | None = None
+    indexed: int = 0
+    indexing: bool = True
 
 
 class Engine:
@@ -44,14 +59,17 @@ class Engine:
         device: torch.device,
         load_hook: LoadHook | None = None,
         cuda_graphs: bool = True,
+        prefix_cache: bool = True,
     ) -> None:
         """``cuda_graphs``: on CUDA with every expert in process, capture the decode step's
-        graphs now (coordinator/model/cuda_graphs.py); ignored elsewhere."""
+        graphs now (coordinator/model/cuda_graphs.py); ignored elsewhere. ``prefix_cache``:
+        keep full pages indexed for later sequences with the same prefix."""
         self.model, self.dispatcher, self.dtype, self.device = model, dispatcher, dtype, device
         self.config = model.config
         model.attach(dispatcher, load_hook)
         self.cache = KVCache(model.config, spec, dtype, device)
         self.pages = PageAllocator(spec.num_pages)
+        self.prefix = PrefixIndex(spec.page_size, self.pages) if prefix_cache else None
         self.seqs: dict[int, SeqState] = {}
         self._next_id = 0
         self.graphs: DecodeGraphs | None = None
@@ -81,12 +99,14 @@ class Engine:
         num_pages: int = 256,
         page_size: int = 16,
         cuda_graphs: bool = True,
+        prefix_cache: bool = True,
     ) -> Engine:
         reader = CheckpointReader(path)
         dev = torch.device(device)
         model = load_model(reader, dtype, dev)
         dispatcher = dispatcher or LocalDispatcher(reader, dtype, dev)
-        return cls(model, dispatcher, KVCacheSpec(num_pages, page_size), dtype, dev, cuda_graphs=cuda_graphs)
+        spec = KVCacheSpec(num_pages, page_size)
+        return cls(model, dispatcher, spec, dtype, dev, cuda_graphs=cuda_graphs, prefix_cache=prefix_cache)
 
     @property
     def page_size(self) -> int:
@@ -97,9 +117,38 @@ class Engine:
         total = s.cached + new_tokens
         return max(0, -(-total // self.page_size) - len(s.pages))
 
-    def new_seq(self) -> int:
+    def _salt(self, adapter: str | None) -> Salt:
+        """What besides the tokens sets their K/V: the adapter and the load that installed it
+        (an adapter unloaded and loaded again under its name gets a new salt)."""
+        if adapter is None:
+            return None
+        return (adapter, self.lora.load_ids.get(adapter) if self.lora is not None else None)
+
+    def _match(self, tokens: Sequence[int], salt: Salt) -> list[Block]:
+        if self.prefix is None or not tokens:
+            return []
+        # NOTE: at least the last token is computed (its logits are the point); its page must not
+        # be a shared one, so a prompt of whole pages recomputes its last page
+        return self.prefix.match(tokens, salt, (len(tokens) - 1) // self.page_size)
+
+    def prefix_hit(self, tokens: Sequence[int], adapter: str | None = None) -> tuple[int, int]:
+        """(pages of ``tokens`` that :meth:`new_seq` would share, how many of those are kept
+        pages now, i.e. counted in ``pages.num_free`` until shared). Changes nothing."""
+        blocks = self._match(tokens, self._salt(adapter))
+        return len(blocks), sum(1 for b in blocks if self.pages.refs(b.page) == 0)
+
+    def new_seq(self, tokens: Sequence[int] = (), adapter: str | None = None) -> int:
+        """A new sequence for ``tokens`` under LoRA ``adapter`` (None = base model): it starts
+        with the longest indexed prefix of ``tokens`` cached (``seqs[id].cached`` tokens, shared
+        pages), the rest for the caller to step. Without tokens it starts empty."""
+        salt = self._salt(adapter)
+        blocks = self._match(tokens, salt)
+        pages = [b.page for b in blocks]
+        self.pages.share(pages)
+        n = len(pages) * self.page_size
+        state = SeqState(n, pages, list(tokens[:n]), salt, blocks[-1] if blocks else None, len(blocks))
         self._next_id += 1
-        self.seqs[self._next_id] = SeqState()
+        self.seqs[self._next_id] = state
         return self._next_id
 
     def free(self, seq_id: int) -> None:
@@ -130,7 +179,12 @@ class Engine:
         if need > self.pages.num_free:
             raise OutOfPages(f"step needs {need} new pages, {self.pages.num_free} free")
         for sid, toks in items:
-            self.seqs[sid].pages.extend(self.pages.alloc(self.pages_needed(sid, len(toks))))
+            s = self.seqs[sid]
+            s.pages.extend(self.pages.alloc(self.pages_needed(sid, len(toks))))
+            # the step writes rows cached.. on: never into an indexed (shareable) page
+            assert not self.pages.indexed(s.pages[s.cached // self.page_size]), (
+                f"seq {sid} writes a shared page"
+            )
         # NOTE: captured decode graphs hold the base model only: a step with an adapter runs eagerly
         uses_lora = adapters is not None and any(a is not None for a in adapters)
         decode = not all_logits and not uses_lora and all(len(toks) == 1 for _, toks in items)
@@ -152,8 +206,29 @@ class Engine:
             logits = self.model(batch, self.cache)  # [B', V]
         for sid, toks in items:
             self.seqs[sid].cached += len(toks)
+        if self.prefix is not None:
+            salts = [self._salt(a) for a in adapters] if adapters is not None else [None] * len(items)
+            for (sid, toks), salt in zip(items, salts):
+                self._index(self.seqs[sid], toks, salt)
         if self.after_step is not None:
             self.after_step()
         if not all_logits:
             return list(logits.unbind(0))
         return list(logits.split([len(t) for _, t in items]))
+
+    def _index(self, s: SeqState, toks: list[int], salt: Salt) -> None:
+        """After a step wrote ``toks`` for ``s``: its pages now full enter the prefix index."""
+        assert self.prefix is not None
+        if salt != s.salt:  # stepped under another adapter than it was started with
+            s.indexing = False
+        if not s.indexing:
+            return
+        s.tokens.extend(toks)
+        p = self.page_size
+        while s.indexing and (s.indexed + 1) * p <= s.cached:
+            i = s.indexed
+            blk = self.prefix.add(s.chain, salt, s.tokens[i * p : (i + 1) * p], s.pages[i])
+            if blk is None:
+                s.indexing = False
+                break
+            s.chain, s.indexed = blk, i + 1

@@ -2,8 +2,10 @@
 
 The cache is one pool of fixed-size pages per layer. A sequence owns a list of pages (its page
 table); token position p of the sequence lives at page ``table[p // page_size]``, row
-``p % page_size``. Pages are handed out and returned by :class:`PageAllocator`; the scheduler
-decides who gets them.
+``p % page_size``. Pages are handed out and returned by :class:`PageAllocator`, which counts
+references: with prefix caching (coordinator/model/prefix_cache.py) several sequences share the
+pages of a common prompt prefix, and full pages stay cached after their sequences end, until
+the allocator needs the room. The scheduler decides who gets pages.
 
 MLA models (DeepSeek-V2/V3, Kimi-K2) cache the compressed latent instead of per-head K/V: one
 row of ``Rkv + Dr`` values per token (the normalised ``kv_lora_rank`` latent, then the rotated
@@ -17,6 +19,8 @@ latent rank / rotary dim.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,26 +33,80 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """A free list of page ids. Not thread safe: the scheduler's loop is its only user."""
+    """Page ids with reference counts. Not thread safe: the scheduler's loop is its only user.
+
+    A page is free, held (reference count > 0: in the page table of one or more sequences) or
+    kept: held by no one but indexed by the prefix cache for its contents. Kept pages count as
+    free: once the free list is empty, :meth:`alloc` takes them least recently released first and
+    tells ``on_evict`` (the prefix index drops them). Held pages are never taken.
+    """
 
     def __init__(self, num_pages: int) -> None:
         assert num_pages > 0, f"{num_pages=}"
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
+        self._refs = [0] * num_pages
+        self._indexed = [False] * num_pages  # contents known to the prefix index
+        self._kept: OrderedDict[int, None] = OrderedDict()  # indexed, unheld; oldest first
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages :meth:`alloc` can hand out: free or kept."""
+        return len(self._free) + len(self._kept)
+
+    @property
+    def num_kept(self) -> int:
+        """Indexed pages no sequence holds (evictable)."""
+        return len(self._kept)
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
+
+    def indexed(self, page: int) -> bool:
+        return self._indexed[page]
 
     def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} pages, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._kept.popitem(last=False)
+                self._indexed[page] = False
+                if self.on_evict is not None:
+                    self.on_evict(page)
+            self._refs[page] = 1
+            out.append(page)
         return out
 
+    def share(self, pages: list[int]) -> None:
+        """One more reference to each of ``pages`` (held or kept)."""
+        for page in pages:
+            if self._refs[page] == 0:
+                assert self._indexed[page], f"page {page} is free"
+                del self._kept[page]
+            self._refs[page] += 1
+
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
-        assert len(self._free) <= self.num_pages, "a page was freed twice"
+        """Drops one reference to each of ``pages``. Unheld indexed pages are kept, the last
+        page first: a sequence's later pages extend its earlier ones in the prefix index and
+        must be evicted before them."""
+        for page in reversed(pages):
+            assert self._refs[page] > 0, f"page {page} was freed twice"
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if self._indexed[page]:
+                    self._kept[page] = None
+                else:
+                    self._free.append(page)
+
+    def mark_indexed(self, page: int) -> None:
+        """``page`` (held, fully written) entered the prefix index."""
+        assert self._refs[page] > 0, f"page {page} is not held"
+        self._indexed[page] = True
 
 
 @dataclass(frozen=True)

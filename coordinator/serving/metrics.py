@@ -11,7 +11,7 @@ Two kinds of numbers:
   :meth:`CoordinatorMetrics.round_trip`), rebalance and LoRA events (:meth:`rebalance`,
   :meth:`lora_event`, for the EPLB and LoRA managers);
 - read at scrape time from state the coordinator keeps anyway (:class:`_StateCollector`):
-  running / waiting requests, KV pages, preemptions, the expert-load recorder's per-(layer,
+  running / waiting requests, KV pages (prefix-cached ones too), preemptions, the expert-load recorder's per-(layer,
   expert) token counts, the expert servers' state and transport, the placement generation.
 
 Names follow Prometheus' conventions: ``expertmesh_`` prefix, base units (``_seconds``),
@@ -52,6 +52,16 @@ class CoordinatorMetrics:
             self.requests.labels(s)  # exported at 0 from the start
         self.prompt_tokens = Counter(
             "expertmesh_prompt_tokens", "Prompt tokens of submitted requests", registry=r
+        )
+        self.prompt_tokens_cached = Counter(
+            "expertmesh_prompt_tokens_cached",
+            "Prompt tokens whose KV pages came from the prefix cache (counted at admission)",
+            registry=r,
+        )
+        self.prompt_tokens_computed = Counter(
+            "expertmesh_prompt_tokens_computed",
+            "Prompt tokens not found in the prefix cache, computed (counted at admission)",
+            registry=r,
         )
         self.generation_tokens = Counter(
             "expertmesh_generation_tokens", "Tokens generated (counted as they are)", registry=r
@@ -105,7 +115,7 @@ class CoordinatorMetrics:
         # plain running totals for Admin/ListServers (`expertmesh status`): prompt tokens are
         # added by the submitting thread (the event loop), the rest on the scheduler thread
         self.started = time.monotonic()
-        self.finished = self.prompt_total = self.generated_total = 0
+        self.finished = self.prompt_total = self.generated_total = self.prompt_cached_total = 0
         self.round_trips: dict[str, list[float]] = {}  # server -> [count, seconds]
         # the two hooks that observe the hot path
         coord.scheduler.metrics = self
@@ -138,6 +148,13 @@ class CoordinatorMetrics:
             sink(out)
 
         return observed
+
+    def prompt_cache(self, cached: int, computed: int) -> None:
+        """A request was admitted the first time with ``cached`` of its prompt tokens in the
+        prefix cache (scheduler thread)."""
+        self.prompt_tokens_cached.inc(cached)
+        self.prompt_tokens_computed.inc(computed)
+        self.prompt_cached_total += cached
 
     def invalid(self) -> None:
         """A request refused before it reached the scheduler (bad parameters)."""
@@ -194,6 +211,11 @@ class _StateCollector(Collector):
         yield _gauge("expertmesh_kv_pages_used", "KV cache pages held by requests", used)
         yield _gauge("expertmesh_kv_pages_free", "KV cache pages free", st["free_pages"])
         yield _gauge("expertmesh_kv_pages_total", "KV cache pages", st["total_pages"])
+        yield _gauge(
+            "expertmesh_prefix_cache_pages",
+            "KV pages in the prefix cache (held by requests, or kept and counted as free)",
+            st["cached_pages"],
+        )
         yield _counter("expertmesh_preemptions", "Requests preempted for KV pages", st["preemptions"])
         yield _counter("expertmesh_steps", "Forward steps run", st["steps"])
         tokens = CounterMetricFamily(

@@ -36,6 +36,7 @@ class Output:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, found in the prefix cache (not computed)
     error: BaseException | None = None  # set with finish_reason "error"
     # per token, the params.top_logprobs most likely (token id, logprob) pairs, when asked
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

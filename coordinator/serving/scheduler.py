@@ -17,6 +17,12 @@ logits for it give the next token. One step mixes decode tokens and prefill chun
 2. waiting requests join, first come first served, while the budget, the running-request limit
    and the free pages (their whole pending prompt must fit) allow.
 
+With the engine's prefix cache, a joining request starts on the longest cached prefix of its
+tokens (``computed`` > 0) and needs pages only for the rest; cached pages no running request
+holds count as free (the allocator evicts them on demand), so a full cache never blocks
+admission. Admission counts what the request takes from them: a cached page it shares stops
+being free.
+
 Bounds: :meth:`Scheduler.submit` refuses a request with :class:`QueueFull` when
 ``max_queued`` requests (or ``max_queued_tokens`` prompt tokens) wait for admission already, and a
 request whose deadline passes is finished with :class:`DeadlineExceeded` between two steps,
@@ -24,7 +30,8 @@ queued or running, its pages freed.
 
 When the pages of a step do not fit, the newest running request is preempted: its pages are
 freed and it goes back to the front of the queue, to be recomputed from its tokens later. Its
-sampled tokens and generator state are kept, so the result is the one it would have had.
+sampled tokens and generator state are kept, so the result is the one it would have had. With
+the prefix cache its whole pages stay cached until evicted, so it may start again from them.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ class Request:
         self.stops = StopMatcher(params.stop) if params.stop else None
         self.seq: int | None = None  # engine sequence while it holds pages
         self.computed = 0
+        self.cached_tokens: int | None = None  # prompt tokens found cached, set when first admitted
 
     @property
     def pending(self) -> int:
@@ -239,6 +247,8 @@ class Scheduler:
         return {
             "free_pages": self.engine.pages.num_free,
             "total_pages": self.engine.pages.num_pages,
+            # pages in the prefix cache: held by requests, or kept (and counted in free_pages)
+            "cached_pages": self.engine.prefix.num_pages if self.engine.prefix is not None else 0,
             "running": len(self._running),
             "waiting": len(self._waiting),
             "queued": self._queued,
@@ -345,12 +355,20 @@ class Scheduler:
                 prefill_budget -= n
         while self._waiting and len(self._running) < self.limits.max_running and prefill_budget > 0:
             req = self._waiting[0]
+            shared, kept = self.engine.prefix_hit(req.tokens, req.lora)
             whole = min(-(-(req.pending + 1) // self.engine.page_size), self.engine.pages.num_pages)
-            if whole > free:
+            if whole - shared + kept > free:
                 break
             self._waiting.popleft()
             self._dequeue(req)
-            req.seq = self.engine.new_seq()
+            before = self.engine.pages.num_free
+            req.seq = self.engine.new_seq(req.tokens, req.lora)
+            req.computed = self.engine.seqs[req.seq].cached
+            free -= before - self.engine.pages.num_free  # kept pages it now shares
+            if req.cached_tokens is None:  # not a preempted request coming back
+                req.cached_tokens = min(req.computed, req.num_prompt)
+                if self.metrics is not None:
+                    self.metrics.prompt_cache(req.cached_tokens, req.num_prompt - req.cached_tokens)
             self._running.append(req)
             n = min(req.pending, prefill_budget)
             plan.append((req, n))
@@ -359,10 +377,12 @@ class Scheduler:
         return plan
 
     def _preempt(self, req: Request) -> int:
-        """Frees ``req``'s pages and requeues it at the front; returns the pages freed."""
+        """Frees ``req``'s pages and requeues it at the front; returns the pages freed (those it
+        shared with running requests stay held)."""
         assert req.seq is not None
-        freed = len(self.engine.seqs[req.seq].pages)
+        before = self.engine.pages.num_free
         self.engine.free(req.seq)
+        freed = self.engine.pages.num_free - before
         req.seq, req.computed = None, 0
         self._running.remove(req)
         self._waiting.appendleft(req)
@@ -464,6 +484,7 @@ class Scheduler:
                 finish_reason=reason,
                 prompt_tokens=req.num_prompt,
                 completion_tokens=req.num_generated,
+                cached_tokens=req.cached_tokens or 0,
                 error=error,
                 top_logprobs=last.top_logprobs,
             )

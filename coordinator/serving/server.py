@@ -126,6 +126,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     resp.finish_reason = _FINISH[out.finish_reason]  # type: ignore[index]
                     resp.usage.prompt_tokens = out.prompt_tokens
                     resp.usage.completion_tokens = out.completion_tokens
+                    resp.usage.cached_tokens = out.cached_tokens
                 yield resp
         finally:
             if not finished:  # the client went away: free the request's pages
@@ -460,7 +461,9 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         dispatcher = LocalDispatcher(reader, dtype, device)
     num_servers = len(config.cluster.servers) if cluster is not None and config.cluster else 0
     load = LoadRecorder(cfg.moe_layer_ids, cfg.num_experts, config.eplb.window_steps, num_servers, device)
-    engine = Engine(model, dispatcher, spec, dtype, device, load_hook=load.record)
+    engine = Engine(
+        model, dispatcher, spec, dtype, device, load_hook=load.record, prefix_cache=config.prefix_cache
+    )
     tokenizer = TextTokenizer.from_dir(config.model_dir)
     limits = SchedulerLimits(
         config.max_batch_tokens,

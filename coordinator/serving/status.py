@@ -30,5 +30,7 @@ def add_status(coord: Any, resp: admin_pb2.ListServersResponse) -> None:
             preemptions=st["preemptions"],
             uptime_seconds=time.monotonic() - m.started,
             placement_generation=placement.generation if placement is not None else 0,
+            prompt_tokens_cached=m.prompt_cached_total,
+            kv_pages_cached=st["cached_pages"],
         )
     )

@@ -45,7 +45,7 @@ class ListServersResponse(_message.Message):
     def __init__(self, servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., coordinator: _Optional[_Union[CoordinatorStats, _Mapping]] = ...) -> None: ...
 
 class CoordinatorStats(_message.Message):
-    __slots__ = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total", "kv_page_size", "requests_finished", "prompt_tokens", "generation_tokens", "steps", "preemptions", "uptime_seconds", "placement_generation")
+    __slots__ = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total", "kv_page_size", "requests_finished", "prompt_tokens", "generation_tokens", "steps", "preemptions", "uptime_seconds", "placement_generation", "prompt_tokens_cached", "kv_pages_cached")
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,8 @@ class CoordinatorStats(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     requests_running: int
     requests_waiting: int
     kv_pages_used: int
@@ -70,7 +72,9 @@ class CoordinatorStats(_message.Message):
     preemptions: int
     uptime_seconds: float
     placement_generation: int
-    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., placement_generation: _Optional[int] = ...) -> None: ...
+    prompt_tokens_cached: int
+    kv_pages_cached: int
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., placement_generation: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
     __slots__ = ()

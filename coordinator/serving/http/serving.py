@@ -3,7 +3,9 @@ whole or streamed as server-sent events (``data: {json}`` ... ``data: [DONE]``).
 
 A choice is one scheduler request: ``n`` choices per prompt (seed ``s`` gives choice ``j`` the
 seed ``s + j``, so choices differ yet repeat), and several prompts for ``/v1/completions``;
-choice index = prompt index * n + j. Usage counts each prompt once and every choice's tokens.
+choice index = prompt index * n + j. Usage counts each prompt once and every choice's tokens;
+``prompt_tokens_details.cached_tokens`` is the part of each prompt its first choice found in the
+prefix cache.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Choice:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens its request found in the prefix cache
 
     def add(self, out: Output) -> None:
         self.text += out.text
@@ -39,6 +42,7 @@ class Choice:
         if out.finish_reason is not None:
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
             self.completion_tokens = out.completion_tokens
+            self.cached_tokens = out.cached_tokens
 
 
 class Serving:
@@ -89,10 +93,17 @@ class Serving:
                 )
         return jobs
 
-    def _usage(self, jobs: list[Job], choices: list[Choice], n: int) -> dict[str, int]:
-        prompt = sum(len(jobs[i].prompt_ids) for i in range(0, len(jobs), n))
+    def _usage(self, jobs: list[Job], choices: list[Choice], n: int) -> dict[str, Any]:
+        firsts = range(0, len(jobs), n)  # each prompt counted once, as its first choice saw it
+        prompt = sum(len(jobs[i].prompt_ids) for i in firsts)
+        cached = sum(choices[i].cached_tokens for i in firsts)
         completion = sum(c.completion_tokens for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def _token_text(self, tid: int) -> str:
         tok = self.coord.tokenizer
