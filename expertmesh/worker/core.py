@@ -103,6 +103,8 @@ class ExpertWorker:
         if self.draining:  # NOTE: UNAVAILABLE: the coordinator re-sends the layer to replicas
             raise Unavailable(self.draining)
         live = self.slots.live
+        if live.broken:  # a commit in progress or one that failed half-way
+            raise Unavailable(live.broken)
         layer, x, slot_ids, weights = req.layer, req.hidden, req.slot_ids, req.weights
         if layer not in live.layers:
             raise InvalidRequest(
@@ -249,6 +251,8 @@ class ExpertWorker:
         self, req: ExpertRequest, to_host: bool, into: torch.Tensor | None = None, loaded: object = None
     ) -> torch.Tensor:
         live = self.slots.live
+        if live.broken:
+            raise Unavailable(live.broken)
         if live.generation != req.generation:  # a commit ran between check and compute
             raise StaleGeneration(f"placement generation {req.generation} was replaced by {live.generation}")
         layer = live.layers[req.layer]
@@ -349,6 +353,8 @@ class ExpertWorker:
                 if self.draining:
                     raise Unavailable(self.draining)
                 live = self.slots.live
+                if live.broken:
+                    raise Unavailable(live.broken)
                 if step.generation != live.generation:
                     raise StaleGeneration(
                         f"placement generation {step.generation} is not the live generation {live.generation}"

@@ -1,26 +1,43 @@
 """The slot table of an expert server: which logical expert each local slot holds, per layer,
 and the stacked weights the backend computes with.
 
-Placement changes are two-phase: :meth:`SlotTable.prepare` builds the new table beside the live
-one (reusing weights already resident, reading only new experts from the checkpoint),
-:meth:`commit` swaps it in, :meth:`abort` drops it. Forward reads ``live`` only. Errors are
-typed: :class:`SlotError` (an InvalidRequest) for a table that cannot be built,
-``StaleGeneration`` for a phase naming the wrong generation.
+Placement changes are two-phase and hold every expert once. :meth:`SlotTable.prepare` plans
+each layer's slot moves (moves.py) beside the live table, touching no live weight: it reads
+ahead the new experts that fit a staging budget (default: one layer of this server's slots) and
+builds whole only the layers that hold nothing yet. :meth:`commit` (which the worker core runs
+under the lock every compute takes, so no forward sees a half-moved layer) rewrites each
+changed layer in place, layer by layer: moves inside a layer through one spare slot, staged
+experts copied in, the others read from the checkpoint straight into their slot; a layer whose
+slot count changes is reallocated. A placement equal to the live one touches no weight.
+:meth:`abort` drops what was staged; the live table was never touched. Memory freed by either
+goes back to the device or the OS (memory.py).
+
+Errors are typed: :class:`SlotError` (an InvalidRequest) for a table that cannot be built,
+``StaleGeneration`` for a phase naming the wrong generation, ``Unavailable`` for a commit that
+failed half-way (the server then refuses requests until a new placement is pushed).
 
 Shapes: S local slots of a layer, H hidden, I expert intermediate size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from expertmesh.checkpoint import CheckpointReader
-from expertmesh.errors import InvalidRequest, StaleGeneration
+from expertmesh.errors import InvalidRequest, StaleGeneration, Unavailable
 from expertmesh.placement import MAX_GENERATION
+from expertmesh.worker import memory
+from expertmesh.worker.moves import TEMP, LayerPlan, move_order, plan_layer, stage_reads
+
+Rows = tuple[torch.Tensor, torch.Tensor]  # one slot: w13 row [2I, H] (or packed), w2 row [H, I]
+# a new slot's weights: an expert to read, or rows to copy (a live slot, a staged read)
+Source = int | Rows
 
 
 class SlotError(InvalidRequest, ValueError):
@@ -29,7 +46,7 @@ class SlotError(InvalidRequest, ValueError):
 
 @dataclass(frozen=True)
 class LayerSlots:
-    experts: tuple[int, ...]  # [S] logical expert of each local slot
+    experts: tuple[int, ...]  # [S] logical expert of each local slot (-1: unknown, never computed)
     w13: torch.Tensor  # [S, 2I, H], or the backend's packed layout (slot still dim 0)
     w2: torch.Tensor  # [S, H, I], or packed
 
@@ -38,6 +55,21 @@ class LayerSlots:
 class SlotSet:
     generation: int
     layers: dict[int, LayerSlots]
+    # why this table must not compute ("" = it may): a commit in progress or one that failed
+    broken: str = ""
+
+
+@dataclass
+class _Staged:
+    generation: int
+    base: int  # the table's commit count when planned: a commit in between invalidates it
+    plans: dict[int, LayerPlan]
+    rows: dict[tuple[int, int], Rows] = field(default_factory=dict)  # (layer, dst) read ahead
+    built: dict[int, LayerSlots] = field(default_factory=dict)  # layers that held nothing
+
+    def nbytes(self) -> int:
+        n = sum(a.nbytes + b.nbytes for a, b in self.rows.values())
+        return n + sum(ls.w13.nbytes + ls.w2.nbytes for ls in self.built.values())
 
 
 def parse_expert_spec(spec: str, num_experts: int) -> list[int]:
@@ -64,107 +96,275 @@ class SlotTable:
         dtype: torch.dtype,
         device: torch.device,
         capacity: int,
-        pack: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-        read_expert: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-        stack: Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
-        | None = None,
+        pack: Callable[[torch.Tensor, torch.Tensor], Rows] | None = None,
+        read_expert: Callable[[int, int], Rows] | None = None,
+        stack: Callable[[list[torch.Tensor], list[torch.Tensor]], Rows] | None = None,
+        staging_bytes: int | None = None,
     ) -> None:
         self.reader, self.dtype, self.device, self.capacity = reader, dtype, device, capacity
-        # ExpertBackend.pack_weights: applied once per expert as it is read, so reuse and stacking
-        # work on packed tensors
-        self.pack = pack or (lambda w13, w2: (w13, w2))
-        # (layer, expert) -> the backend's own per-slot rows, read as stored (FP8
-        # experts); replaces both the float read and pack. None: float weights, then pack
+        # ExpertBackend.pack_weights: applied once per expert as it is read, so moves work on
+        # packed rows
+        self.pack = pack
+        # (layer, expert) -> the backend's own per-slot rows, read as stored (FP8 experts);
+        # replaces both the float read and pack. None: float weights, then pack
         self.read_expert = read_expert
-        # a layer's slots -> its stacked w13, w2; a backend that places memory (NUMA
-        # nodes, cpu_expert_server/numa_backend.py) allocates them itself. None: torch.stack
-        self.stack = stack or (lambda w13, w2: (torch.stack(w13), torch.stack(w2)))
+        # a layer's slots -> its stacked w13, w2 where a backend places memory itself (NUMA
+        # nodes, cpu_expert_server/numa_backend.py). None: one allocation filled slot by slot
+        self.stack = stack
+        # bytes a prepare may read ahead beyond the live experts (None: one layer of slots)
+        self.staging_bytes = staging_bytes
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
-        self._staged: SlotSet | None = None
-        self._lock = threading.Lock()  # guards _staged against concurrent prepares
+        self._staged: _Staged | None = None
+        self._commits = 0
+        self._slot_bytes = 0  # one slot's w13 + w2 bytes, known once a slot was read
+        self.peak_bytes = 0  # the most expert bytes (live + staged + transient) held at once
+        self._lock = threading.Lock()  # guards _staged and orders prepare's plan with commit
+
+    # ------------------------------------------------------------ reading
 
     def _empty(self) -> LayerSlots:
         cfg = self.reader.config
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         dt, dev = self.dtype, self.device
-        return LayerSlots(
-            (),
-            *self.pack(
-                torch.empty(0, 2 * i, h, dtype=dt, device=dev), torch.empty(0, h, i, dtype=dt, device=dev)
-            ),
-        )
+        w13, w2 = torch.empty(0, 2 * i, h, dtype=dt, device=dev), torch.empty(0, h, i, dtype=dt, device=dev)
+        return LayerSlots((), *(self.pack(w13, w2) if self.pack is not None else (w13, w2)))
 
-    def _build(self, layer: int, experts: list[int], reuse: LayerSlots | None) -> tuple[LayerSlots, int]:
-        """Stacks the weights of ``experts``; returns the layer and how many were read from disk."""
-        if len(experts) > self.capacity:
-            raise SlotError(
-                f"layer {layer}: {len(experts)} slots exceed this server's capacity {self.capacity}"
-            )
-        have = {e: s for s, e in enumerate(reuse.experts)} if reuse is not None else {}
-        w13, w2, read = [], [], 0
-        for e in experts:
-            if e in have:
-                w13.append(reuse.w13[have[e]])  # type: ignore[union-attr]
-                w2.append(reuse.w2[have[e]])  # type: ignore[union-attr]
-                continue
-            if self.read_expert is not None:
-                a, b = self.read_expert(layer, e)
-                w13.append(a)
-                w2.append(b)
-                read += 1
-                continue
-            w = self.reader.expert_weights(layer, e)
-            p13, p2 = self.pack(
-                w.w13.to(self.device, self.dtype)[None], w.w2.to(self.device, self.dtype)[None]
-            )
-            w13.append(p13[0])
-            w2.append(p2[0])
-            read += 1
-        if not experts:
-            return self._empty(), 0
-        return LayerSlots(tuple(experts), *self.stack(w13, w2)), read
+    def _read_rows(self, layer: int, e: int) -> Rows:
+        """One expert as the backend computes with it: [2I, H], [H, I] or its packed rows."""
+        if self.read_expert is not None:
+            return self.read_expert(layer, e)
+        w = self.reader.expert_weights(layer, e)
+        w13, w2 = w.w13.to(self.device, self.dtype)[None], w.w2.to(self.device, self.dtype)[None]
+        if self.pack is not None:
+            w13, w2 = self.pack(w13, w2)
+        return w13[0], w2[0]
+
+    def _read_into(self, layer: int, e: int, out13: torch.Tensor, out2: torch.Tensor) -> None:
+        """Reads expert ``e`` of ``layer`` into a slot's rows."""
+        a, b = self._read_rows(layer, e)
+        out13.copy_(a)
+        out2.copy_(b)
+
+    def _build(self, layer: int, sources: list[Source]) -> Rows:
+        """A new layer allocation holding ``sources [S]``: [S, *row13], [S, *row2]."""
+        if not sources:
+            empty = self._empty()
+            return empty.w13, empty.w2
+        if self.stack is not None:
+            rows = [s if isinstance(s, tuple) else self._read_rows(layer, s) for s in sources]
+            return self.stack([r[0] for r in rows], [r[1] for r in rows])
+        first = sources[0]
+        a, b = first if isinstance(first, tuple) else self._read_rows(layer, first)
+        w13 = torch.empty((len(sources), *a.shape), dtype=a.dtype, device=self.device)
+        w2 = torch.empty((len(sources), *b.shape), dtype=b.dtype, device=self.device)
+        w13[0].copy_(a)
+        w2[0].copy_(b)
+        del a, b
+        for s, src in enumerate(sources[1:], 1):
+            if isinstance(src, tuple):
+                w13[s].copy_(src[0])
+                w2[s].copy_(src[1])
+            else:
+                self._read_into(layer, src, w13[s], w2[s])
+        self._slot_bytes = self._slot_bytes or w13[0].nbytes + w2[0].nbytes
+        return w13, w2
+
+    # ------------------------------------------------------------ memory
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (w13 + w2 rows), from a resident slot or the empty layout."""
+        for ls in self.live.layers.values():
+            if ls.experts:
+                return ls.w13[0].nbytes + ls.w2[0].nbytes
+        if self._slot_bytes:
+            return self._slot_bytes
+        e = self._empty()
+        return sum(t[0:1].element_size() * math.prod(t.shape[1:]) for t in (e.w13, e.w2))
+
+    def layer_bytes(self) -> int:
+        """One layer of this server's slots: the default staging budget."""
+        return self.capacity * self.slot_bytes()
+
+    def resident_bytes(self) -> int:
+        """Bytes of the live experts plus what a prepare has staged."""
+        staged = self._staged
+        return _live_bytes(self.live.layers) + (staged.nbytes() if staged is not None else 0)
+
+    def _note(self, extra: int = 0) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.resident_bytes() + extra)
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """Rewrites run on the table's device with the work queued before them finished (a
+        graph launched for the last step reads these weights) and finish before returning."""
+        if self.device.type != "cuda":
+            yield
+            return
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------ phases
 
     def preload(self, experts: list[int]) -> int:
         """Generation 0: the same experts in every MoE layer (start-up, before any placement)."""
-        layers, read = {}, 0
+        layers, read = dict(self.live.layers), 0
         for layer in self.moe_layers:
-            layers[layer], n = self._build(layer, experts, None)
-            read += n
+            layers[layer] = LayerSlots(tuple(experts), *self._build(layer, list(experts)))
+            read += len(experts)
         self.live = SlotSet(0, layers)
+        self._note()
         return read
 
     def prepare(self, generation: int, table: dict[int, list[int]]) -> int:
+        """Plans ``table`` beside the live placement and reads ahead what the budget allows;
+        returns how many experts the change reads from the checkpoint (now or at commit)."""
         if generation > MAX_GENERATION:
             raise SlotError(
                 f"placement generation {generation} is above the largest allowed, {MAX_GENERATION}"
             )
-        if generation <= self.live.generation:
-            raise StaleGeneration(
-                f"generation {generation} is not newer than the live {self.live.generation}"
-            )
         unknown = set(table) - set(self.moe_layers)
         if unknown:
             raise SlotError(f"layers {sorted(unknown)} are not MoE layers (MoE layers: {self.moe_layers})")
-        layers, read = {}, 0
-        live = self.live
-        for layer in self.moe_layers:
-            layers[layer], n = self._build(layer, table.get(layer, []), live.layers.get(layer))
-            read += n
+        for layer, experts in table.items():
+            if len(experts) > self.capacity:
+                raise SlotError(
+                    f"layer {layer}: {len(experts)} slots exceed this server's capacity {self.capacity}"
+                )
         with self._lock:
-            self._staged = SlotSet(generation, layers)
-        return read
+            if generation <= self.live.generation:
+                raise StaleGeneration(
+                    f"generation {generation} is not newer than the live {self.live.generation}"
+                )
+            self._staged = None  # NOTE: a newer prepare replaces it: never two stagings at once
+            live, base = self.live, self._commits
+        memory.release(self.device)
+        plans = {
+            layer: plan_layer(live.layers[layer].experts, tuple(table.get(layer, [])))
+            for layer in self.moe_layers
+        }
+        held = {layer: len(live.layers[layer].experts) for layer in self.moe_layers}
+        budget = self.layer_bytes() if self.staging_bytes is None else self.staging_bytes
+        ahead = stage_reads(plans, held, self.slot_bytes(), budget)
+        staged = _Staged(generation, base, plans)
+        for layer in self.moe_layers:
+            p = plans[layer]
+            if held[layer] == 0 and p.experts:  # holds nothing: built whole, doubles nothing
+                staged.built[layer] = LayerSlots(p.experts, *self._build(layer, list(p.experts)))
+            for dst, e in p.reads:
+                if (layer, dst) in ahead:
+                    staged.rows[layer, dst] = self._read_rows(layer, e)
+            self._note(staged.nbytes())
+        with self._lock:
+            if self._commits != base:  # NOTE: planned against a placement that is gone
+                raise StaleGeneration(f"generation {generation}: the live placement changed during prepare")
+            self._staged = staged
+        return sum(len(p.reads) for p in plans.values())
 
     def commit(self, generation: int) -> None:
+        """Makes the prepared placement live. The caller keeps every forward out meanwhile."""
         with self._lock:
-            if self._staged is None or self._staged.generation != generation:
-                staged = None if self._staged is None else self._staged.generation
+            staged = self._staged
+            if staged is None or staged.generation != generation:
                 raise StaleGeneration(
-                    f"no prepared placement of generation {generation} (prepared: {staged})"
+                    f"no prepared placement of generation {generation} "
+                    f"(prepared: {None if staged is None else staged.generation})"
                 )
-            self.live, self._staged = self._staged, None
+            if staged.base != self._commits:
+                self._staged = None
+                raise StaleGeneration(f"generation {generation} was prepared against an earlier placement")
+            # NOTE: the previous SlotSet is dropped here, so a rebuilt layer's old allocation
+            # goes as soon as its replacement exists
+            old_generation = self.live.generation
+            layers = dict(self.live.layers)
+            self.live = SlotSet(old_generation, layers, "a placement commit is in progress")
+            self._commits += 1
+            try:
+                with self._on_device():
+                    for layer in self.moe_layers:
+                        self._apply(layer, staged, layers)
+            except (OSError, ValueError, RuntimeError) as e:
+                why = f"the commit of placement generation {generation} failed half-way ({e}); push a new placement"
+                self.live = SlotSet(old_generation, layers, why)
+                self._staged = None
+                raise Unavailable(why) from e
+            self.live = SlotSet(generation, layers)
+            self._staged = None
+            del staged
+        memory.release(self.device)
+
+    def _apply(self, layer: int, staged: _Staged, layers: dict[int, LayerSlots]) -> None:
+        """Rewrites one layer of ``layers`` as planned (dropping what it used from ``staged``)."""
+        plan, cur = staged.plans[layer], layers[layer]
+        if plan.unchanged:
+            return
+        built = staged.built.pop(layer, None)
+        if built is not None:
+            layers[layer] = built
+            return
+        if plan.resize:
+            sources: list[Source] = list(plan.experts)
+            for dst, src in plan.moves:
+                sources[dst] = (cur.w13[src], cur.w2[src])
+            for dst, _ in plan.reads:
+                rows = staged.rows.pop((layer, dst), None)
+                if rows is not None:
+                    sources[dst] = rows
+            self._note(len(sources) * self.slot_bytes())
+            new = LayerSlots(plan.experts, *self._build(layer, sources))
+            del sources, cur
+            layers[layer] = new  # the old allocation goes with its last reference
+            return
+        content = list(cur.experts)  # what each slot holds at this point (-1: being written)
+        w13, w2 = cur.w13, cur.w2
+        spare: Rows | None = None
+        spare_expert = -1
+        try:
+            for op, dst, src in move_order(plan.moves):
+                if op == "save":
+                    if spare is None:
+                        spare = (torch.empty_like(w13[dst]), torch.empty_like(w2[dst]))
+                        self._note(spare[0].nbytes + spare[1].nbytes)
+                    spare[0].copy_(w13[dst])
+                    spare[1].copy_(w2[dst])
+                    spare_expert = content[dst]
+                    continue
+                a, b = spare if src == TEMP and spare is not None else (w13[src], w2[src])
+                content[dst] = -1
+                w13[dst].copy_(a)
+                w2[dst].copy_(b)
+                content[dst] = spare_expert if src == TEMP else content[src]
+            for dst, e in plan.reads:
+                content[dst] = -1
+                rows = staged.rows.pop((layer, dst), None)
+                if rows is not None:
+                    w13[dst].copy_(rows[0])
+                    w2[dst].copy_(rows[1])
+                else:
+                    self._read_into(layer, e, w13[dst], w2[dst])
+                content[dst] = e
+        finally:
+            layers[layer] = LayerSlots(tuple(content), w13, w2)
+        assert tuple(content) == plan.experts, f"{layer=} {content=} {plan.experts=}"
 
     def abort(self, generation: int) -> None:
         with self._lock:
-            if self._staged is not None and self._staged.generation == generation:
-                self._staged = None
+            if self._staged is None or self._staged.generation != generation:
+                return
+            self._staged = None
+        memory.release(self.device)
+
+
+def _live_bytes(layers: dict[int, LayerSlots]) -> int:
+    seen: set[int] = set()
+    n = 0
+    for ls in layers.values():
+        for t in (ls.w13, ls.w2):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            n += t.untyped_storage().nbytes()
+    return n

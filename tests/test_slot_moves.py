@@ -1,0 +1,210 @@
+"""Placement changes with bounded memory: per-layer move plans and their in-place order (checked
+against simply building the new list), a push equal to the live placement touching nothing,
+rebalances rewriting the live allocation in place, the staging budget, abort, a commit that
+fails half-way, and LoRA adapters following experts that moved."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from expertmesh import errors
+from expertmesh.experts import TorchExpertBackend, torch_moe
+from expertmesh.lora import ExpertLoRA, MoELoRAWeights, moe_lora_reference
+from expertmesh.lora.store import LayerAdapter
+from expertmesh.lora.wire import decode_adapter, encode_adapter
+from expertmesh.worker.core import ExpertWorker, WorkerIdentity
+from expertmesh.worker.moves import TEMP, move_order, plan_layer, stage_reads
+from expertmesh.worker.slots import SlotTable
+from expertmesh.worker_api import ExpertRequest
+from tests.test_slots import INTER, FakeReader, H
+
+
+def apply_plan(live: list[int], new: list[int]) -> list[int]:
+    """Replays plan_layer + move_order on a list of slot contents, as the table does in place."""
+    plan = plan_layer(tuple(live), tuple(new))
+    slots, spare = list(live), None
+    for op, dst, src in move_order(plan.moves):
+        if op == "save":
+            spare = slots[dst]
+        else:
+            slots[dst] = spare if src == TEMP else slots[src]
+    for dst, e in plan.reads:
+        slots[dst] = e
+    return slots
+
+
+def test_move_order_reproduces_every_new_table():
+    rng = random.Random(0)
+    for _ in range(500):
+        s = rng.randint(1, 9)
+        live = rng.sample(range(12), s)
+        new = [rng.choice(live) if rng.random() < 0.7 else rng.randrange(12) for _ in range(s)]
+        assert apply_plan(live, new) == new, (live, new)
+    # a pure rotation is a cycle: one save, then copies only
+    order = move_order(plan_layer((0, 1, 2, 3), (1, 2, 3, 0)).moves)
+    assert [op for op, *_ in order].count("save") == 1 and len(order) == 5
+
+
+def test_plan_of_an_equal_table_moves_nothing():
+    p = plan_layer((4, 2, 7), (4, 2, 7))
+    assert p.unchanged and not p.resize
+    p = plan_layer((4, 2, 7), (2, 4, 7))
+    assert sorted(p.moves) == [(0, 1), (1, 0)] and p.reads == ()
+    p = plan_layer((4, 2), (4, 2, 9))
+    assert p.resize and p.reads == ((2, 9),)
+
+
+def test_stage_reads_keeps_commit_within_the_budget():
+    plans = {0: plan_layer((0, 1), (2, 3)), 1: plan_layer((0, 1), (4, 1)), 2: plan_layer((), (5,))}
+    held = {0: 2, 1: 2, 2: 0}
+    assert stage_reads(plans, held, 10, 0) == set()
+    assert stage_reads(plans, held, 10, 25) == {(0, 0), (0, 1)}  # a third would make 30
+    assert stage_reads(plans, held, 10, 1000) == {(0, 0), (0, 1), (1, 0)}  # layer 2 is built whole
+
+
+def table(capacity: int = 4, staging: int | None = None) -> tuple[SlotTable, FakeReader]:
+    r = FakeReader()
+    t = SlotTable(r, torch.float32, torch.device("cpu"), capacity, staging_bytes=staging)  # type: ignore[arg-type]
+    return t, r
+
+
+def values(t: SlotTable, layer: int) -> list[float]:
+    ls = t.live.layers[layer]
+    a, b = ls.w13[:, 0, 0].tolist(), ls.w2[:, -1, -1].tolist()
+    assert a == b
+    return a
+
+
+def test_equal_push_touches_no_weight_and_rebalance_rewrites_in_place():
+    t, r = table()
+    t.preload([0, 1, 2, 3])
+    before = {layer: (ls.w13, ls.w2) for layer, ls in t.live.layers.items()}
+    copies = {layer: ls.w13.clone() for layer, ls in t.live.layers.items()}
+    r.reads.clear()
+    assert t.prepare(1, {0: [0, 1, 2, 3], 2: [0, 1, 2, 3]}) == 0
+    t.commit(1)
+    assert r.reads == [] and t.live.generation == 1
+    for layer, ls in t.live.layers.items():
+        assert ls.w13 is before[layer][0] and torch.equal(ls.w13, copies[layer])
+    # layer 0 rotates (a cycle), layer 2 swaps one expert for one it does not hold: capacity 4
+    # keeps the allocation, only the new expert is read
+    t2 = SlotTable(r, torch.float32, torch.device("cpu"), 5)  # type: ignore[arg-type]
+    t2.preload([0, 1, 2, 3])
+    ptr = t2.live.layers[2].w13.data_ptr()
+    r.reads.clear()
+    assert t2.prepare(1, {0: [1, 2, 3, 0], 2: [0, 1, 4, 3]}) == 1 and r.reads == [(2, 4)]
+    assert values(t2, 0) == [0.0, 1.0, 2.0, 3.0]  # nothing live moved before the commit
+    t2.commit(1)
+    assert values(t2, 0) == [1.0, 2.0, 3.0, 0.0] and values(t2, 2) == [200.0, 201.0, 204.0, 203.0]
+    assert t2.live.layers[2].w13.data_ptr() == ptr
+    # growing and shrinking reallocate; a layer left out holds nothing
+    t2.prepare(2, {0: [3, 4, 1, 2, 0]})
+    t2.commit(2)
+    assert values(t2, 0) == [3.0, 4.0, 1.0, 2.0, 0.0] and t2.live.layers[2].experts == ()
+
+
+def test_budget_bounds_the_extra_bytes_and_unstaged_reads_happen_at_commit():
+    t, r = table(staging=0)
+    t.preload([0, 1, 2, 3])
+    slot = t.slot_bytes()
+    base = t.resident_bytes()
+    t.peak_bytes = 0
+    r.reads.clear()
+    t.prepare(1, {0: [3, 2, 1, 0], 2: [0, 4, 5, 6]})
+    assert r.reads == [] and t.resident_bytes() == base  # nothing read ahead with no budget
+    t.commit(1)
+    assert sorted(r.reads) == [(2, 4), (2, 5), (2, 6)]
+    assert t.peak_bytes <= base + slot  # the spare slot of layer 0's swaps
+    assert values(t, 0) == [3.0, 2.0, 1.0, 0.0] and values(t, 2) == [200.0, 204.0, 205.0, 206.0]
+    # a budget of two slots: two reads ahead, the third at commit
+    t, r = table(staging=2 * slot)
+    t.preload([0, 1, 2, 3])
+    r.reads.clear()
+    t.prepare(1, {2: [7, 4, 5, 6]})
+    assert len(r.reads) == 2 and t.resident_bytes() == base + 2 * slot
+    t.commit(1)
+    assert len(r.reads) == 4 and t.resident_bytes() == base // 2  # layer 0 was left out
+
+
+def test_abort_leaves_the_live_table_and_frees_the_staging():
+    t, _ = table(staging=1 << 20)
+    t.preload([0, 1])
+    live = t.live
+    base = t.resident_bytes()
+    t.prepare(1, {0: [2, 3], 2: [1, 0]})
+    assert t.resident_bytes() > base
+    t.abort(1)
+    assert t.live is live and t.resident_bytes() == base and values(t, 0) == [0.0, 1.0]
+    with pytest.raises(errors.StaleGeneration):
+        t.commit(1)
+
+
+class FailingReader(FakeReader):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail: set[tuple[int, int]] = set()
+
+    def expert_weights(self, layer: int, e: int):
+        if (layer, e) in self.fail:
+            raise OSError(f"disk gone reading expert {e} of layer {layer}")
+        return super().expert_weights(layer, e)
+
+
+def test_a_commit_failing_half_way_refuses_requests_until_a_new_placement():
+    r = FailingReader()
+    t = SlotTable(r, torch.float32, torch.device("cpu"), 4, staging_bytes=0)  # type: ignore[arg-type]
+    w = ExpertWorker(t, TorchExpertBackend(), WorkerIdentity("cpu", "cpu", "host"))
+    t.preload([0, 1])
+    w.prepare(1, {0: [1, 0], 2: [2, 3]})
+    r.fail = {(2, 3)}
+    with pytest.raises(errors.Unavailable, match="failed half-way"):
+        w.commit(1)
+    assert t.live.generation == 0 and t.live.layers[0].experts == (1, 0)
+    assert t.live.layers[2].experts == (2, -1)  # the slot being written is unknown
+    x = torch.randn(2, H)
+    req = ExpertRequest(1, 0, 0, x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+    with pytest.raises(errors.Unavailable, match="failed half-way"):
+        w.check(req)
+    r.fail = set()
+    r.reads.clear()
+    w.prepare(2, {0: [1, 0], 2: [2, 3]})
+    w.commit(2)
+    assert r.reads == [(2, 3)] and values(t, 2) == [202.0, 203.0]
+    req = ExpertRequest(1, 2, 2, x, torch.ones(2, 1, dtype=torch.int32), torch.ones(2, 1))
+    ref = torch_moe(
+        x, torch.full((1, 2 * INTER, H), 203.0), torch.full((1, H, INTER), 203.0),
+        torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
+    )  # fmt: skip
+    assert torch.equal(w.compute(w.check(req)), ref)
+
+
+def test_lora_follows_experts_moved_in_place():
+    t, _ = table()
+    w = ExpertWorker(t, TorchExpertBackend(), WorkerIdentity("cpu", "cpu", "host"), max_loras=2)
+    w.prepare(1, {0: [3, 1], 2: [3, 1]})
+    w.commit(1)
+    g = torch.Generator().manual_seed(0)
+    lora = ExpertLoRA(
+        torch.randn(2, 3, H, generator=g),
+        torch.randn(2, 2 * INTER, 3, generator=g),
+        torch.randn(2, 2, INTER, generator=g),
+        torch.randn(2, H, 2, generator=g),
+    )  # experts (1, 3) of layer 2, sorted
+    msg = encode_adapter({2: LayerAdapter((1, 3), lora)}, torch.float32)
+    w.load_adapter(5, "a", decode_adapter(msg, H, INTER, 4, [0, 2], torch.float32))
+    hidden = torch.randn(3, H, generator=g) / 100
+    slot_ids = torch.tensor([[0, 1], [1, -1], [0, -1]], dtype=torch.int32)
+    weights = torch.rand(3, 2, generator=g)
+    adapters = torch.tensor([5, 5, -1], dtype=torch.int32)
+    w.compute(w.check(ExpertRequest(1, 1, 2, hidden, slot_ids, weights, adapters)))  # buffers resident
+    w.prepare(2, {0: [3, 1], 2: [1, 3]})  # the two experts swap slots in place
+    w.commit(2)
+    out = w.compute(w.check(ExpertRequest(1, 2, 2, hidden, slot_ids, weights, adapters)))
+    live = t.live.layers[2]
+    assert live.experts == (1, 3) and live.w13[0, 0, 0] == 201.0
+    stacked = MoELoRAWeights.stack([lora.select([0, 1])])  # slot 0 now holds expert 1
+    ref = moe_lora_reference(hidden, live.w13, live.w2, slot_ids, weights, stacked, torch.tensor([0, 0, -1]))
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
