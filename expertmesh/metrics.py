@@ -100,11 +100,33 @@ class _WorkerState(Collector):
         yield GaugeMetricFamily(
             "expertmesh_worker_placement_generation", "Live placement generation", value=live.generation
         )
+        yield from _memory(s.slots)
         yield GaugeMetricFamily(
             "expertmesh_worker_resident_adapters",
             "LoRA adapters resident",
             value=self.metrics.resident_adapters,
         )
+
+
+def _memory(slots: Any) -> Iterator[Metric]:
+    """Expert bytes (live + staged) and their peak; the process's RSS and, on CUDA, torch's
+    bytes on the GPU, now and at their peak (scraped: /proc and the allocator's counters)."""
+    from expertmesh.worker import memory  # NOTE: the worker imports this module
+
+    dev_now, dev_peak = memory.device_bytes(slots.device)
+    for name, doc, value in (
+        ("expert_bytes", "Routed expert weights resident (live placement + staged)", slots.resident_bytes()),
+        ("expert_peak_bytes", "Most routed expert bytes held at once since start", slots.peak_bytes),
+        ("process_resident_bytes", "Resident set of the server process", memory.process_rss_bytes()),
+        (
+            "process_peak_resident_bytes",
+            "Largest resident set of the process",
+            memory.process_peak_rss_bytes(),
+        ),
+        ("device_allocated_bytes", "Bytes torch has allocated on the server's GPU", dev_now),
+        ("device_peak_allocated_bytes", "Most bytes torch had allocated on the server's GPU", dev_peak),
+    ):
+        yield GaugeMetricFamily(f"expertmesh_worker_{name}", doc, value=value)
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, Thread, int]:

@@ -151,6 +151,11 @@ def encode_info(info: WorkerInfo) -> pb.DescribeResponse:
         max_message_bytes=info.max_message_bytes,
         weight_dtype=info.weight_dtype,
         weight_bytes=info.weight_bytes,
+        peak_weight_bytes=info.peak_weight_bytes,
+        process_rss_bytes=info.process_rss_bytes,
+        process_peak_rss_bytes=info.process_peak_rss_bytes,
+        device_allocated_bytes=info.device_allocated_bytes,
+        device_peak_allocated_bytes=info.device_peak_allocated_bytes,
     )
 
 
@@ -172,4 +177,9 @@ def decode_info(msg: pb.DescribeResponse) -> WorkerInfo:
         max_message_bytes=msg.max_message_bytes,
         weight_dtype=msg.weight_dtype,
         weight_bytes=msg.weight_bytes,
+        peak_weight_bytes=msg.peak_weight_bytes,
+        process_rss_bytes=msg.process_rss_bytes,
+        process_peak_rss_bytes=msg.process_peak_rss_bytes,
+        device_allocated_bytes=msg.device_allocated_bytes,
+        device_peak_allocated_bytes=msg.device_peak_allocated_bytes,
     )

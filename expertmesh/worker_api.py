@@ -70,3 +70,9 @@ class WorkerInfo:
     # routed experts as resident: stored dtype ("float8_e4m3fn" under FP8) and bytes
     weight_dtype: str = ""
     weight_bytes: int = 0
+    # memory (expertmesh/worker/memory.py): expert bytes' peak, the process's RSS, CUDA bytes
+    peak_weight_bytes: int = 0
+    process_rss_bytes: int = 0
+    process_peak_rss_bytes: int = 0
+    device_allocated_bytes: int = 0
+    device_peak_allocated_bytes: int = 0

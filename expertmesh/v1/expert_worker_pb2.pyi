@@ -13,7 +13,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("kind", "device", "dtype", "backend", "model_type", "hidden_size", "num_experts", "moe_layers", "slot_capacity", "host_id", "fast_paths", "generation", "device_uuid", "max_message_bytes", "weight_dtype", "weight_bytes")
+    __slots__ = ("kind", "device", "dtype", "backend", "model_type", "hidden_size", "num_experts", "moe_layers", "slot_capacity", "host_id", "fast_paths", "generation", "device_uuid", "max_message_bytes", "weight_dtype", "weight_bytes", "peak_weight_bytes", "process_rss_bytes", "process_peak_rss_bytes", "device_allocated_bytes", "device_peak_allocated_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,11 @@ class DescribeResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PEAK_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     device: str
     dtype: str
@@ -46,7 +51,12 @@ class DescribeResponse(_message.Message):
     max_message_bytes: int
     weight_dtype: str
     weight_bytes: int
-    def __init__(self, kind: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., slot_capacity: _Optional[int] = ..., host_id: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., device_uuid: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    peak_weight_bytes: int
+    process_rss_bytes: int
+    process_peak_rss_bytes: int
+    device_allocated_bytes: int
+    device_peak_allocated_bytes: int
+    def __init__(self, kind: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., slot_capacity: _Optional[int] = ..., host_id: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., device_uuid: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., peak_weight_bytes: _Optional[int] = ..., process_rss_bytes: _Optional[int] = ..., process_peak_rss_bytes: _Optional[int] = ..., device_allocated_bytes: _Optional[int] = ..., device_peak_allocated_bytes: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("seq", "generation", "layer", "hidden", "slot_ids", "weights", "adapter_slots", "fast_path")

@@ -44,6 +44,8 @@ class WorkerConfig:
     # SIGTERM: refuse new work, wait this long for coordinators to move off, then exit
     drain_timeout_s: float = 30.0
     link: str = "auto"  # the device link: auto | force | off (expertmesh/transport/server.py)
+    # bytes a placement prepare may read ahead beside the live experts (None: one layer of slots)
+    staging_mb: int | None = None
 
     def __post_init__(self) -> None:
         if self.link not in ("auto", "force", "off"):
@@ -60,6 +62,8 @@ class WorkerConfig:
             raise ValueError(f"--metrics-port {self.metrics_port} outside 0..65535")
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"--capacity must be positive, got {self.capacity}")
+        if self.staging_mb is not None and self.staging_mb < 0:
+            raise ValueError(f"--placement-staging-mb must be >= 0, got {self.staging_mb}")
         if self.max_loras <= 0:
             raise ValueError(f"--max-loras must be positive, got {self.max_loras}")
         if self.max_message_mb <= 0:
@@ -76,6 +80,10 @@ class WorkerConfig:
     @property
     def max_message_bytes(self) -> int:
         return self.max_message_mb << 20
+
+    @property
+    def staging_bytes(self) -> int | None:
+        return None if self.staging_mb is None else self.staging_mb << 20
 
     @property
     def fast_paths(self) -> tuple[str, ...]:
@@ -126,6 +134,14 @@ class WorkerConfig:
             help=f"secret the coordinator must send with placement/adapter pushes (or env {auth.CLUSTER_TOKEN_ENV})",
         )
         TLSConfig.add_arguments(p, "expert-server")
+        p.add_argument(
+            "--placement-staging-mb",
+            type=int,
+            default=None,
+            help="memory a placement change may use beside the resident experts to read new ones "
+            "ahead of its commit (default: one layer of slots; 0: every new expert is read during "
+            "the commit, which then takes longer)",
+        )
 
         p.add_argument(
             "--drain-timeout",
@@ -156,6 +172,7 @@ class WorkerConfig:
             tls=TLSConfig.from_args(args),
             drain_timeout_s=args.drain_timeout,
             link=link_mode(os.environ.get(LINK_ENV, "")),
+            staging_mb=args.placement_staging_mb,
         )
 
 

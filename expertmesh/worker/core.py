@@ -28,6 +28,7 @@ from expertmesh.lora import LoRABatch
 from expertmesh.lora.store import AdapterStore, AdapterStoreError, LayerAdapter
 from expertmesh.metrics import WorkerMetrics
 from expertmesh.transport.descriptor import LinkStep
+from expertmesh.worker import memory
 from expertmesh.worker.slots import SlotTable
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
 
@@ -77,6 +78,7 @@ class ExpertWorker:
 
     def info(self) -> WorkerInfo:
         cfg, ident = self.cfg, self.identity
+        dev_now, dev_peak = memory.device_bytes(self.slots.device)
         return WorkerInfo(
             kind=ident.kind,
             device=ident.device,
@@ -93,7 +95,12 @@ class ExpertWorker:
             device_uuid=ident.device_uuid,
             max_message_bytes=ident.max_message_bytes,
             weight_dtype=self.backend.weight_dtype or wire.dtype_name(self.slots.dtype),
-            weight_bytes=sum(ls.w13.nbytes + ls.w2.nbytes for ls in self.slots.live.layers.values()),
+            weight_bytes=self.slots.resident_bytes(),
+            peak_weight_bytes=self.slots.peak_bytes,
+            process_rss_bytes=memory.process_rss_bytes(),
+            process_peak_rss_bytes=memory.process_peak_rss_bytes(),
+            device_allocated_bytes=dev_now,
+            device_peak_allocated_bytes=dev_peak,
         )
 
     # ------------------------------------------------------------ checks

@@ -91,7 +91,9 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     read = getattr(backend, "read_expert", None)
     hook = (lambda layer, e: read(reader, layer, e, device)) if read is not None else None
     stack = getattr(backend, "stack_slots", None)  # NUMA placement of the stacked slots
-    slots = SlotTable(reader, config.torch_dtype, device, capacity, backend.pack_weights, hook, stack)
+    slots = SlotTable(
+        reader, config.torch_dtype, device, capacity, backend.pack_weights, hook, stack, config.staging_bytes
+    )
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
         kind=config.kind,

@@ -216,6 +216,7 @@ class SlotTable:
             read += len(experts)
         self.live = SlotSet(0, layers)
         self._note()
+        memory.release(self.device)  # the reads' temporaries
         return read
 
     def prepare(self, generation: int, table: dict[int, list[int]]) -> int:
