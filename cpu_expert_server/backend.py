@@ -117,6 +117,19 @@ class CpuExpertBackend(ExpertBackend):
         self.fmt = fmt
         return pack(w13.contiguous(), w2.contiguous(), fmt)
 
+    def slot_views(
+        self, w13: torch.Tensor, w2: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The slot table's hook: where one slot's gate, up [I, H] and down [H, I] go in its
+        packed rows ``w13 [2I, row13]``, ``w2 [H, row2]``, so the checkpoint is read straight
+        into them; unquantised rows only (gate as [I/RB, RB, H] blocks of the interleaving),
+        None for int8/int4 (quantised from the plain weights by pack_weights)."""
+        fmt = self.fmt
+        if fmt is None or fmt.quantised:
+            return None
+        blocks = w13.view(fmt.inter // fmt.rb, 2, fmt.rb, fmt.hidden)  # see packing.interleave
+        return blocks[:, 0], blocks[:, 1], w2
+
     def forward(self, x, w13, w2, slot_ids, weights, lora=None):
         if lora is None and self._qdec_limit() >= 0:
             out = self._decode_q_fast(x, w13, w2, slot_ids, weights)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from expertmesh import quant as fp8
 from expertmesh.config import ConfigError, ModelConfig
 from expertmesh.progress import LoadProgress
 from expertmesh.quant import FP8BlockQuant, QuantizationError
+from expertmesh.safetensors_io import TensorFile
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -64,6 +66,13 @@ _ST_DTYPES = {
 }
 
 
+def _fits(stored: tuple[int, ...], shape: tuple[int, ...], index: int | None) -> bool:
+    """Whether ``shape`` is the stored shape (``index``: of its ``[index]`` slice)."""
+    if index is None:
+        return stored == shape
+    return len(stored) >= 1 and stored[1:] == shape and 0 <= index < stored[0]
+
+
 class CheckpointError(ValueError):
     """A tensor is missing or has the wrong shape."""
 
@@ -90,6 +99,8 @@ class CheckpointReader:
         self.quant: FP8BlockQuant | None = self.config.quant or self._dir_quant()
         self._file_of = self._index()
         self._handles: dict[str, object] = {}
+        self._files: dict[str, TensorFile] = {}  # positional readers (expert_into)
+        self._lock = threading.Lock()  # expert_into runs on several threads
         self.progress: LoadProgress | None = None  # counts what get()/get_slice() read
 
     def _dir_quant(self) -> FP8BlockQuant | None:
@@ -149,9 +160,41 @@ class CheckpointReader:
             t = self._handle(file).get_tensor(name)  # type: ignore[attr-defined]
         else:
             t = self._handle(file).get_slice(name)[index]  # type: ignore[attr-defined]
-        if self.progress is not None:
-            self.progress.add(t.numel() * t.element_size())
+        self._count(t.numel() * t.element_size())
         return t
+
+    def _count(self, nbytes: int) -> None:
+        if self.progress is not None:
+            with self._lock:
+                self.progress.add(nbytes)
+
+    def _file(self, file: str) -> TensorFile:
+        with self._lock:
+            f = self._files.get(file)
+            if f is None:
+                f = self._files[file] = TensorFile(str(self.path / file))
+            return f
+
+    def read_into(
+        self, name: str, out: torch.Tensor, index: int | None = None, shape: tuple[int, ...] | None = None
+    ) -> None:
+        """Reads ``name`` (``index``: its ``[index]`` slice) straight into ``out`` (any dtype,
+        layout or device): one read from the page cache, no intermediate tensor beyond one
+        thread-local buffer (expertmesh/safetensors_io.py). ``shape``: the stored shape when
+        ``out`` is a blocked view of it (same elements in row-major order; default
+        ``out.shape``). Float tensors only: FP8 weights go through :meth:`get` (their scale
+        applies first)."""
+        shape = tuple(out.shape) if shape is None else shape
+        file = self._file_of.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing (expected {list(shape)})")
+        f = self._file(file)
+        span = f.spans.get(name)
+        if span is None or span.dtype not in FLOAT_DTYPES or not _fits(span.shape, shape, index):
+            t = self.get(name, shape) if index is None else self.get_slice(name, index, shape)
+            out.copy_(t.view(out.shape))
+            return
+        self._count(f.read_into(span, out, index))
 
     def _checked(self, name: str, t: torch.Tensor, index: int | None, keep_fp8: bool) -> torch.Tensor:
         """Applies the FP8 scale of ``name`` (unless ``keep_fp8``); refuses any non-float dtype."""
@@ -291,5 +334,48 @@ class CheckpointReader:
             self._scale(names[2]),
         )
 
+    def expert_into(
+        self, layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
+        """Reads one routed expert straight into ``gate [I, H]``, ``up [I, H]``, ``down [H, I]``
+        (views of a slot: the server's dtype and layout), whatever the stored layout."""
+        cfg = self.config
+        if not (0 <= layer < cfg.num_layers and cfg.moe_layers[layer]):
+            raise CheckpointError(f"layer {layer} is not an MoE layer of this {cfg.model_type} model")
+        if not 0 <= expert < cfg.num_experts:
+            raise CheckpointError(f"expert {expert} out of range [0, {cfg.num_experts})")
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        base = f"model.layers.{layer}"
+        fused = f"{base}.mlp.experts.gate_up_proj"
+        if fused in self:
+            self._fused_into(fused, expert, gate, up)
+            self.read_into(f"{base}.mlp.experts.down_proj", down, expert, (h, i))
+            return
+        names = self._expert_names(layer, expert)
+        self.read_into(names[0], gate, None, (i, h))
+        self.read_into(names[1], up, None, (i, h))
+        self.read_into(names[2], down, None, (h, i))
+
+    def _fused_into(self, name: str, expert: int, gate: torch.Tensor, up: torch.Tensor) -> None:
+        """``gate_up_proj[expert]`` ([2I, H]) into two views: read whole when they are the
+        two contiguous halves of one buffer, else through a buffer of one expert."""
+        i, h = self.config.moe_intermediate_size, self.config.hidden_size
+        if (
+            gate.is_contiguous()
+            and up.is_contiguous()
+            and gate.dtype == up.dtype
+            and up.data_ptr() == gate.data_ptr() + gate.nbytes
+        ):
+            self.read_into(name, gate.as_strided((2 * i, h), (h, 1)), expert)
+            return
+        tmp = torch.empty(2 * i, h, dtype=gate.dtype, device=gate.device)
+        self.read_into(name, tmp, expert)
+        gate.copy_(tmp[:i].view(gate.shape))
+        up.copy_(tmp[i:].view(up.shape))
+
     def close(self) -> None:
         self._handles.clear()
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()

@@ -32,7 +32,7 @@ from expertmesh.v1 import expert_worker_pb2
 from expertmesh.worker.config import WorkerConfig
 from expertmesh.worker.core import WorkerIdentity
 from expertmesh.worker.servicer import ExpertWorkerServicer, add_worker_servicer
-from expertmesh.worker.slots import SlotTable, parse_expert_spec
+from expertmesh.worker.slots import SlotTable, Views, parse_expert_spec, plain_views
 
 __all__ = ["RunningWorker", "WorkerConfig", "grpc_options", "host_id", "serve", "start_worker"]
 
@@ -81,6 +81,20 @@ class RunningWorker:
             self.metrics_server.shutdown()
 
 
+def slot_views(backend: ExpertBackend) -> Views | None:
+    """Where a slot's gate, up and down weights go in ``backend``'s layout, so the checkpoint
+    is read straight into the slot: the backend's own ``slot_views`` (the CPU backend's
+    interleaved rows), the plain halves for a backend that keeps weights as stored, None (read,
+    then pack) otherwise. A wrapper (the CUDA graphs) answers for the backend inside it."""
+    inner = getattr(backend, "inner", backend)
+    if not isinstance(inner, ExpertBackend):  # NUMA groups: one backend per node, its own stacking
+        inner = backend
+    own = getattr(inner, "slot_views", None)
+    if own is not None:
+        return own
+    return plain_views if type(inner).pack_weights is ExpertBackend.pack_weights else None
+
+
 async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> RunningWorker:
     cores.cap_default_executor()  # asyncio's helper pool, sized from this process's cores
     reader = CheckpointReader(config.model_dir)
@@ -92,8 +106,9 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     hook = (lambda layer, e: read(reader, layer, e, device)) if read is not None else None
     stack = getattr(backend, "stack_slots", None)  # NUMA placement of the stacked slots
     slots = SlotTable(
-        reader, config.torch_dtype, device, capacity, backend.pack_weights, hook, stack, config.staging_bytes
-    )
+        reader, config.torch_dtype, device, capacity, backend.pack_weights, hook, stack, config.staging_bytes,
+        slot_views(backend),
+    )  # fmt: skip
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
         kind=config.kind,

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,12 @@ from expertmesh.worker import memory
 from expertmesh.worker.moves import TEMP, LayerPlan, move_order, plan_layer, stage_reads
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # one slot: w13 row [2I, H] (or packed), w2 row [H, I]
+# a slot's rows -> where its gate [I, H], up [I, H] and down [H, I] go (views, any layout), or
+# None when the backend's layout needs the plain weights first (quantised rows)
+Views = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+# parallel checkpoint reads: page-cache copies release the GIL; more threads than this gained
+# nothing measurable on the hosts tried
+MAX_READ_THREADS = 8
 # a new slot's weights: an expert to read, or rows to copy (a live slot, a staged read)
 Source = int | Rows
 
@@ -100,6 +108,7 @@ class SlotTable:
         read_expert: Callable[[int, int], Rows] | None = None,
         stack: Callable[[list[torch.Tensor], list[torch.Tensor]], Rows] | None = None,
         staging_bytes: int | None = None,
+        views: Views | None = None,
     ) -> None:
         self.reader, self.dtype, self.device, self.capacity = reader, dtype, device, capacity
         # ExpertBackend.pack_weights: applied once per expert as it is read, so moves work on
@@ -113,6 +122,10 @@ class SlotTable:
         self.stack = stack
         # bytes a prepare may read ahead beyond the live experts (None: one layer of slots)
         self.staging_bytes = staging_bytes
+        # where a slot's weights go, to read them from the checkpoint straight into the slot
+        # (plain_views for backends that compute on the weights as stored)
+        self.views = views
+        self._pool: ThreadPoolExecutor | None = None
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
         self._staged: _Staged | None = None
@@ -130,21 +143,68 @@ class SlotTable:
         w13, w2 = torch.empty(0, 2 * i, h, dtype=dt, device=dev), torch.empty(0, h, i, dtype=dt, device=dev)
         return LayerSlots((), *(self.pack(w13, w2) if self.pack is not None else (w13, w2)))
 
+    def _row_layout(self) -> tuple[torch.Size, torch.dtype, torch.Size, torch.dtype] | None:
+        """A slot's row shapes and dtypes, when the empty layout says them (not for read_expert)."""
+        if self.read_expert is not None:
+            return None
+        e = self._empty()
+        return e.w13.shape[1:], e.w13.dtype, e.w2.shape[1:], e.w2.dtype
+
+    def _read_plain(self, layer: int, e: int) -> Rows:
+        """One expert's plain weights [2I, H], [H, I] in the server's dtype, on its device."""
+        direct = getattr(self.reader, "expert_into", None)
+        if direct is None:
+            w = self.reader.expert_weights(layer, e)
+            return w.w13.to(self.device, self.dtype), w.w2.to(self.device, self.dtype)
+        cfg = self.reader.config
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        w13 = torch.empty(2 * i, h, dtype=self.dtype, device=self.device)
+        w2 = torch.empty(h, i, dtype=self.dtype, device=self.device)
+        direct(layer, e, w13[:i], w13[i:], w2)
+        return w13, w2
+
     def _read_rows(self, layer: int, e: int) -> Rows:
         """One expert as the backend computes with it: [2I, H], [H, I] or its packed rows."""
         if self.read_expert is not None:
             return self.read_expert(layer, e)
-        w = self.reader.expert_weights(layer, e)
-        w13, w2 = w.w13.to(self.device, self.dtype)[None], w.w2.to(self.device, self.dtype)[None]
-        if self.pack is not None:
-            w13, w2 = self.pack(w13, w2)
-        return w13[0], w2[0]
+        layout = self._row_layout()
+        if self.views is not None and layout is not None:
+            a = torch.empty(layout[0], dtype=layout[1], device=self.device)
+            b = torch.empty(layout[2], dtype=layout[3], device=self.device)
+            if self.views(a, b) is not None:
+                self._read_into(layer, e, a, b)
+                return a, b
+        w13, w2 = self._read_plain(layer, e)
+        if self.pack is None:
+            return w13, w2
+        p13, p2 = self.pack(w13[None], w2[None])
+        return p13[0], p2[0]
 
     def _read_into(self, layer: int, e: int, out13: torch.Tensor, out2: torch.Tensor) -> None:
-        """Reads expert ``e`` of ``layer`` into a slot's rows."""
+        """Reads expert ``e`` of ``layer`` into a slot's rows: straight from the checkpoint when
+        the backend's layout allows it, else through its plain weights and pack."""
+        direct = getattr(self.reader, "expert_into", None)
+        v = self.views(out13, out2) if self.views is not None and self.read_expert is None else None
+        if v is not None and direct is not None:
+            direct(layer, e, *v)
+            return
         a, b = self._read_rows(layer, e)
         out13.copy_(a)
         out2.copy_(b)
+
+    def _parallel(self, jobs: list[Callable[[], object]]) -> list[object]:
+        """Runs checkpoint reads on the table's reader threads; raises the first failure."""
+        if len(jobs) <= 1:
+            return [j() for j in jobs]
+        if self._pool is None:
+            n = min(MAX_READ_THREADS, len(os.sched_getaffinity(0)))
+            # NOTE: a reader's dtype conversions run on its own thread only: torch's OpenMP team
+            # per calling thread would put n x cores threads on the cores (the setting is per
+            # thread: the compute threads keep theirs)
+            self._pool = ThreadPoolExecutor(
+                n, "expert-read", initializer=torch.set_num_threads, initargs=(1,)
+            )
+        return list(self._pool.map(lambda j: j(), jobs))
 
     def _build(self, layer: int, sources: list[Source]) -> Rows:
         """A new layer allocation holding ``sources [S]``: [S, *row13], [S, *row2]."""
@@ -152,21 +212,27 @@ class SlotTable:
             empty = self._empty()
             return empty.w13, empty.w2
         if self.stack is not None:
-            rows = [s if isinstance(s, tuple) else self._read_rows(layer, s) for s in sources]
+            got = self._parallel([_rows_job(self, layer, s) for s in sources])
+            rows = [r for r in got if isinstance(r, tuple)]
             return self.stack([r[0] for r in rows], [r[1] for r in rows])
-        first = sources[0]
-        a, b = first if isinstance(first, tuple) else self._read_rows(layer, first)
-        w13 = torch.empty((len(sources), *a.shape), dtype=a.dtype, device=self.device)
-        w2 = torch.empty((len(sources), *b.shape), dtype=b.dtype, device=self.device)
-        w13[0].copy_(a)
-        w2[0].copy_(b)
-        del a, b
-        for s, src in enumerate(sources[1:], 1):
+        layout = self._row_layout()
+        first: Rows | None = None
+        if layout is None:  # the first read tells the rows' shape
+            first = sources[0] if isinstance(sources[0], tuple) else self._read_rows(layer, sources[0])
+            layout = first[0].shape, first[0].dtype, first[1].shape, first[1].dtype
+        w13 = torch.empty((len(sources), *layout[0]), dtype=layout[1], device=self.device)
+        w2 = torch.empty((len(sources), *layout[2]), dtype=layout[3], device=self.device)
+
+        def fill(s: int, src: Source) -> None:
+            if s == 0 and first is not None:
+                src = first
             if isinstance(src, tuple):
                 w13[s].copy_(src[0])
                 w2[s].copy_(src[1])
             else:
                 self._read_into(layer, src, w13[s], w2[s])
+
+        self._parallel([_bind(fill, s, src) for s, src in enumerate(sources)])
         self._slot_bytes = self._slot_bytes or w13[0].nbytes + w2[0].nbytes
         return w13, w2
 
@@ -337,14 +403,18 @@ class SlotTable:
                 w13[dst].copy_(a)
                 w2[dst].copy_(b)
                 content[dst] = spare_expert if src == TEMP else content[src]
+            unread = []
             for dst, e in plan.reads:
                 content[dst] = -1
                 rows = staged.rows.pop((layer, dst), None)
-                if rows is not None:
-                    w13[dst].copy_(rows[0])
-                    w2[dst].copy_(rows[1])
-                else:
-                    self._read_into(layer, e, w13[dst], w2[dst])
+                if rows is None:
+                    unread.append((dst, e))
+                    continue
+                w13[dst].copy_(rows[0])
+                w2[dst].copy_(rows[1])
+                content[dst] = e
+            self._parallel([_bind(self._read_into, layer, e, w13[dst], w2[dst]) for dst, e in unread])
+            for dst, e in unread:
                 content[dst] = e
         finally:
             layers[layer] = LayerSlots(tuple(content), w13, w2)
@@ -369,3 +439,17 @@ def _live_bytes(layers: dict[int, LayerSlots]) -> int:
             seen.add(ptr)
             n += t.untyped_storage().nbytes()
     return n
+
+
+def plain_views(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A slot of a backend that computes on the weights as stored: gate rows, then up rows."""
+    i = w13.shape[0] // 2
+    return w13[:i], w13[i:], w2
+
+
+def _bind(fn: Callable[..., object], *args: object) -> Callable[[], object]:
+    return lambda: fn(*args)
+
+
+def _rows_job(table: SlotTable, layer: int, src: Source) -> Callable[[], object]:
+    return (lambda: src) if isinstance(src, tuple) else (lambda: table._read_rows(layer, src))

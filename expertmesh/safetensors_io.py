@@ -1,0 +1,158 @@
+"""Reading safetensors byte ranges straight into their destination tensor.
+
+``safe_open(...).get_tensor`` maps the file and copies the tensor into a new one; the mapped
+pages stay in the process's resident set for as long as the handle lives (a server that loaded
+60 GB of experts shows 60 GB more RSS than it holds), and a caller that wants the weights
+elsewhere (a packed slot, a GPU) copies them again. Here a tensor's bytes are read with
+``preadv`` from the page cache into the destination's own memory when its dtype and layout
+match, else into a per-thread staging buffer (pinned when the destination is on a GPU) and
+copied once, converting the dtype on the way. ``preadv`` releases the GIL, so reader threads
+run in parallel.
+
+The format: 8 bytes little-endian header size N, N bytes of JSON ``{name: {dtype, shape,
+data_offsets: [begin, end]}}`` (offsets after the header), then the data.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+# safetensors' dtype names -> torch
+ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER = 100 << 20
+_IOV_MAX = 1024  # Linux's limit on buffers per preadv
+# a destination made of more runs than this, or of runs shorter than this many bytes, goes
+# through the staging buffer instead (a syscall's buffers cost more than a copy then)
+_MAX_RUNS, _MIN_RUN = 4096, 4096
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """Where one stored tensor's bytes are: file offset, dtype, shape."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class TensorFile:
+    """One safetensors file opened for positional reads (one descriptor, any thread)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+            if n > _MAX_HEADER:
+                raise ValueError(f"{path}: safetensors header of {n} bytes")
+            header = json.loads(os.pread(self.fd, n, 8))
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._close = weakref.finalize(self, os.close, self.fd)
+        self.spans: dict[str, TensorSpan] = {}
+        for name, v in header.items():
+            if name == "__metadata__" or v["dtype"] not in ST_DTYPES:
+                continue  # NOTE: dtypes torch lacks stay on safe_open's path (which refuses them)
+            begin, _ = v["data_offsets"]
+            self.spans[name] = TensorSpan(8 + n + begin, ST_DTYPES[v["dtype"]], tuple(v["shape"]))
+
+    def read_into(self, span: TensorSpan, out: torch.Tensor, index: int | None = None) -> int:
+        """Copies the stored tensor (``index``: its ``[index]`` slice) into ``out``: any dtype,
+        layout or device, and its shape or any other with the same elements in the same
+        row-major order (a [I, H] matrix into [I/B, B, H] blocks); returns the bytes read."""
+        shape = span.shape if index is None else span.shape[1:]
+        offset = (
+            span.offset if index is None else span.offset + index * math.prod(shape) * span.dtype.itemsize
+        )
+        assert out.numel() == math.prod(shape), f"{out.shape=} {shape=}"
+        nbytes = math.prod(shape) * span.dtype.itemsize
+        runs = _runs(out) if out.device.type == "cpu" and out.dtype == span.dtype else None
+        if runs is not None:  # straight into out's memory, scattered over its blocks
+            self._pread(offset, runs)
+            return nbytes
+        buf = _staging(nbytes, out.device.type == "cuda")
+        self._pread(offset, [(buf.data_ptr(), nbytes)])
+        out.copy_(buf[:nbytes].view(span.dtype).view(out.shape))
+        return nbytes
+
+    def _pread(self, offset: int, runs: list[tuple[int, int]]) -> None:
+        """Reads consecutive file bytes from ``offset`` into ``runs`` (address, length)."""
+        views = [memoryview((ctypes.c_char * n).from_address(ptr)).cast("B") for ptr, n in runs]
+        while views:
+            batch = views[:_IOV_MAX]
+            want = sum(len(v) for v in batch)
+            got = os.preadv(self.fd, batch, offset)
+            if got <= 0:
+                raise OSError(f"{self.path}: short read at byte {offset} ({want} bytes wanted)")
+            offset += got
+            # drop what was read (a short read can stop inside a buffer)
+            while views and got >= len(views[0]):
+                got -= len(views[0])
+                views.pop(0)
+            if got:
+                views[0] = views[0][got:]
+
+    def close(self) -> None:
+        self._close()
+
+
+def _runs(out: torch.Tensor) -> list[tuple[int, int]] | None:
+    """``out``'s memory as contiguous runs (address, bytes) in its row-major order: one for a
+    contiguous tensor, one per block for a blocked view (interleaved gate/up rows); None when
+    the runs would be too many or too short."""
+    shape, strides, es = out.shape, out.stride(), out.element_size()
+    k, run = len(shape), 1
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == run):
+        run *= shape[k - 1]
+        k -= 1
+    outer = shape[:k]
+    n = math.prod(outer)
+    if n == 1:
+        return [(out.data_ptr(), run * es)]
+    if n > _MAX_RUNS or run * es < _MIN_RUN:
+        return None
+    base = out.data_ptr()
+    offsets = [0]
+    for size, stride in zip(outer, strides[:k]):
+        offsets = [o + i * stride * es for o in offsets for i in range(size)]
+    return [(base + o, run * es) for o in offsets]
+
+
+_local = threading.local()
+
+
+def _staging(nbytes: int, pinned: bool) -> torch.Tensor:
+    """This thread's staging buffer of at least ``nbytes`` (one expert tensor: a few MB)."""
+    key = "pinned" if pinned else "plain"
+    buf = getattr(_local, key, None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        setattr(_local, key, buf)
+    return buf

@@ -1,0 +1,79 @@
+"""Streaming expert reads: positional reads straight into a slot (any stored layout, dtype
+conversion, the CPU backend's interleaved rows) give the same weights as safetensors' own
+loader, and the slot table built that way equals the one built through pack."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmarks.bench_memory import write_checkpoint
+from cpu_expert_server.backend import CpuExpertBackend
+from expertmesh import safetensors_io
+from expertmesh.checkpoint import CheckpointReader
+from expertmesh.progress import LoadProgress
+from expertmesh.worker.server import slot_views
+from expertmesh.worker.slots import SlotTable, plain_views
+
+H, INTER, E, L = 128, 64, 6, 2
+
+
+def stored(path, layer: int, e: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, up, down of one expert as safetensors' own loader reads them."""
+    t = load_file(str(path / f"experts-{layer:03d}.safetensors"))
+    p = f"model.layers.{layer}.mlp.experts"
+    if fused:
+        gu = t[f"{p}.gate_up_proj"][e]
+        return gu[:INTER], gu[INTER:], t[f"{p}.down_proj"][e]
+    return tuple(t[f"{p}.{e}.{n}_proj.weight"] for n in ("gate", "up", "down"))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per_expert", "fused"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_expert_into_reads_what_safetensors_reads(tmp_path, fused, out_dtype, monkeypatch):
+    path = write_checkpoint(tmp_path, H, INTER, E, L, torch.bfloat16, fused=fused)
+    reader = CheckpointReader(path)
+    reader.progress = LoadProgress("test", 0)
+    monkeypatch.setattr(safetensors_io, "_IOV_MAX", 3)  # several preadv calls per blocked tensor
+    for layer, e in ((0, 0), (1, 5)):
+        gate, up, down = stored(path, layer, e, fused)
+        w13 = torch.full((2 * INTER, H), float("nan"), dtype=out_dtype)
+        w2 = torch.full((H, INTER), float("nan"), dtype=out_dtype)
+        reader.expert_into(layer, e, *plain_views(w13, w2))
+        assert torch.equal(w13, torch.cat([gate, up]).to(out_dtype)) and torch.equal(w2, down.to(out_dtype))
+        # the same weights into gate/up rows interleaved in blocks of 16 (the CPU bf16 layout)
+        blocks = torch.full((INTER // 16, 2, 16, H), float("nan"), dtype=out_dtype)
+        down_t = torch.empty(H, INTER, dtype=out_dtype)
+        reader.expert_into(layer, e, blocks[:, 0], blocks[:, 1], down_t)
+        assert torch.equal(blocks[:, 0].reshape(INTER, H), gate.to(out_dtype))
+        assert torch.equal(blocks[:, 1].reshape(INTER, H), up.to(out_dtype))
+    assert reader.progress.bytes == 4 * 3 * INTER * H * 2  # bf16 bytes read, counted once each
+
+
+def test_runs_of_a_blocked_view():
+    t = torch.empty(4, 2, 16, 128, dtype=torch.bfloat16)
+    runs = safetensors_io._runs(t[:, 0])
+    assert runs is not None and len(runs) == 4 and all(n == 16 * 128 * 2 for _, n in runs)
+    assert [p - t.data_ptr() for p, _ in runs] == [k * 2 * 16 * 128 * 2 for k in range(4)]
+    assert safetensors_io._runs(t) == [(t.data_ptr(), t.nbytes)]
+    assert safetensors_io._runs(t[..., :3]) is None  # 6-byte runs: staged instead
+
+
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
+def test_slot_table_streamed_equals_read_then_packed(tmp_path, wdtype):
+    path = write_checkpoint(tmp_path, H, INTER, E, L, torch.bfloat16)
+    tables = []
+    for views in (True, False):
+        b = CpuExpertBackend(threads=1, weight_dtype=wdtype)
+        t = SlotTable(
+            CheckpointReader(path), torch.bfloat16, torch.device("cpu"), E, b.pack_weights,
+            views=slot_views(b) if views else None,
+        )  # fmt: skip
+        t.preload([5, 0, 3])
+        tables.append(t)
+    if wdtype == "bfloat16":
+        assert slot_views(CpuExpertBackend(threads=1)) is not None
+    for layer in (0, 1):
+        a, b = tables[0].live.layers[layer], tables[1].live.layers[layer]
+        assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)
