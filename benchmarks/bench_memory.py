@@ -80,12 +80,15 @@ def write_checkpoint(
     # NOTE: slices of one pool of normal samples at random offsets: drawing tens of GB of fresh
     # samples would take longer than everything measured
     pool = torch.randn(1 << 22, generator=g)
+    pools: dict[int, torch.Tensor] = {}  # fan_in -> the pool scaled, in dtype
 
     def rnd(*shape: int, fan_in: int) -> torch.Tensor:
+        p = pools.setdefault(fan_in, (pool * fan_in**-0.5).to(dtype))
         n = torch.Size(shape).numel()
-        start = int(torch.randint(0, pool.numel(), (1,), generator=g))
-        reps = -(-(n + start) // pool.numel())
-        return (pool.repeat(reps)[start : start + n] * fan_in**-0.5).to(dtype).view(shape)
+        if n > p.numel():
+            p = p.repeat(-(-n // p.numel()) + 1)
+        start = int(torch.randint(0, p.numel() - n + 1, (1,), generator=g))
+        return p[start : start + n].clone().view(shape)
 
     weight_map = {}
     for layer in range(layers):
