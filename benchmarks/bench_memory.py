@@ -262,11 +262,12 @@ def snapshot(srv: Server, label: str) -> dict:
         step=label,
         generation=info.generation,
         expert_gb=info.weight_bytes / GB,
-        expert_peak_gb=info.peak_weight_bytes / GB,
+        # NOTE: getattr: a server from before these fields (a before/after run) reports 0
+        expert_peak_gb=getattr(info, "peak_weight_bytes", 0) / GB,
         rss_gb=proc_kib(pid, "VmRSS") * 1024 / GB,
         peak_rss_gb=proc_kib(pid, "VmHWM") * 1024 / GB,
-        cuda_alloc_gb=info.device_allocated_bytes / GB,
-        cuda_peak_gb=info.device_peak_allocated_bytes / GB,
+        cuda_alloc_gb=getattr(info, "device_allocated_bytes", 0) / GB,
+        cuda_peak_gb=getattr(info, "device_peak_allocated_bytes", 0) / GB,
         nvidia_smi_gb=None if (m := gpu_used_mib(pid)) is None else m * (1 << 20) / GB,
     )
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)

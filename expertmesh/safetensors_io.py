@@ -99,7 +99,16 @@ class TensorFile:
             return nbytes
         buf = _staging(nbytes, out.device.type == "cuda")
         self._pread(offset, [(buf.data_ptr(), nbytes)])
-        out.copy_(buf[:nbytes].view(span.dtype).view(out.shape))
+        src = buf[:nbytes].view(span.dtype).view(out.shape)
+        if out.device.type != "cuda":
+            out.copy_(src)
+            return nbytes
+        # NOTE: this thread's own stream: the default stream would also wait for (and hold up)
+        # the forwards a prepare runs beside; done before the buffer is reused
+        stream = _stream(out.device)
+        with torch.cuda.stream(stream):
+            out.copy_(src, non_blocking=True)
+        stream.synchronize()
         return nbytes
 
     def _pread(self, offset: int, runs: list[tuple[int, int]]) -> None:
@@ -146,6 +155,17 @@ def _runs(out: torch.Tensor) -> list[tuple[int, int]] | None:
 
 
 _local = threading.local()
+
+
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's copy stream on ``device``."""
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = {}
+    s = streams.get(device)
+    if s is None:
+        s = streams[device] = torch.cuda.Stream(device)
+    return s
 
 
 def _staging(nbytes: int, pinned: bool) -> torch.Tensor:

@@ -6,6 +6,7 @@ fails half-way, and LoRA adapters following experts that moved."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -210,3 +211,39 @@ def test_lora_follows_experts_moved_in_place():
     stacked = MoELoRAWeights.stack([lora.select([0, 1])])  # slot 0 now holds expert 1
     ref = moe_lora_reference(hidden, live.w13, live.w2, slot_ids, weights, stacked, torch.tensor([0, 0, -1]))
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+class BlockingReader(FakeReader):
+    """Its reads wait for ``go`` once ``armed`` (a commit reading from the checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def expert_weights(self, layer: int, e: int):
+        if self.armed:
+            self.inside.set()
+            assert self.go.wait(10)
+        return super().expert_weights(layer, e)
+
+
+def test_a_request_checked_during_a_commit_is_stale():
+    r = BlockingReader()
+    t = SlotTable(r, torch.float32, torch.device("cpu"), 4, staging_bytes=0)  # type: ignore[arg-type]
+    w = ExpertWorker(t, TorchExpertBackend(), WorkerIdentity("cpu", "cpu", "host"))
+    t.preload([0, 1])
+    w.prepare(1, {0: [1, 0], 2: [2, 3]})
+    r.armed = True
+    commit = threading.Thread(target=w.commit, args=(1,))
+    commit.start()
+    try:
+        assert r.inside.wait(10)
+        x = torch.randn(2, H)
+        req = ExpertRequest(1, 0, 0, x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+        with pytest.raises(errors.StaleGeneration, match="generation 0 is being replaced"):
+            w.check(req)
+    finally:
+        r.go.set()
+        commit.join(10)
+    assert t.live.generation == 1 and not t.live.committing and values(t, 2) == [202.0, 203.0]

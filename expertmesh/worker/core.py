@@ -110,7 +110,9 @@ class ExpertWorker:
         if self.draining:  # NOTE: UNAVAILABLE: the coordinator re-sends the layer to replicas
             raise Unavailable(self.draining)
         live = self.slots.live
-        if live.broken:  # a commit in progress or one that failed half-way
+        if live.committing:  # NOTE: its layers are being rewritten: the request's generation goes
+            raise StaleGeneration(f"placement generation {live.generation} is being replaced")
+        if live.broken:  # a commit that failed half-way
             raise Unavailable(live.broken)
         layer, x, slot_ids, weights = req.layer, req.hidden, req.slot_ids, req.weights
         if layer not in live.layers:

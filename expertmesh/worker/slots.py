@@ -63,8 +63,11 @@ class LayerSlots:
 class SlotSet:
     generation: int
     layers: dict[int, LayerSlots]
-    # why this table must not compute ("" = it may): a commit in progress or one that failed
+    # why this table must not compute ("" = it may): a commit that failed half-way
     broken: str = ""
+    # a commit is rewriting these layers (requests wait for it under the worker's lock, or are
+    # stale if they check now)
+    committing: bool = False
 
 
 @dataclass
@@ -346,7 +349,7 @@ class SlotTable:
             # goes as soon as its replacement exists
             old_generation = self.live.generation
             layers = dict(self.live.layers)
-            self.live = SlotSet(old_generation, layers, "a placement commit is in progress")
+            self.live = SlotSet(old_generation, layers, committing=True)
             self._commits += 1
             try:
                 with self._on_device():
