@@ -220,20 +220,27 @@ def reset_peak_rss(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
-def gpu_used_mib(pid: int) -> int | None:
-    """nvidia-smi's memory of process ``pid`` (None without nvidia-smi or the process there)."""
+def _smi(*query: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        return subprocess.run(
+            ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    for line in out.splitlines():
+
+
+def gpu_used_mib(pid: int, device: str) -> int | None:
+    """nvidia-smi's memory of process ``pid``; where it does not list the process (a container's
+    own pid namespace), the memory in use on the server's GPU; None without nvidia-smi."""
+    out = _smi("--query-compute-apps=pid,used_memory")
+    for line in (out or "").splitlines():
         p, _, mib = line.partition(",")
         if p.strip() == str(pid):
             return int(mib)
-    return None
+    index = device.partition(":")[2] or "0"
+    total = _smi("--query-gpu=memory.used", "-i", index)
+    return int(total.split()[0]) if total else None
 
 
 # ---------------------------------------------------------------------- placements
@@ -255,7 +262,7 @@ def rebalanced(layer_experts: list[int], frac: float, shift: int) -> list[int]:
     return out
 
 
-def snapshot(srv: Server, label: str) -> dict:
+def snapshot(srv: Server, label: str, device: str = "") -> dict:
     info = srv.describe()
     pid = srv.proc.pid
     row = dict(
@@ -268,7 +275,7 @@ def snapshot(srv: Server, label: str) -> dict:
         peak_rss_gb=proc_kib(pid, "VmHWM") * 1024 / GB,
         cuda_alloc_gb=getattr(info, "device_allocated_bytes", 0) / GB,
         cuda_peak_gb=getattr(info, "device_peak_allocated_bytes", 0) / GB,
-        nvidia_smi_gb=None if (m := gpu_used_mib(pid)) is None else m * (1 << 20) / GB,
+        nvidia_smi_gb=None if not device or (m := gpu_used_mib(pid, device)) is None else m * (1 << 20) / GB,
     )
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     return row
@@ -280,6 +287,7 @@ def run_server(kind: str, model: Path, args: argparse.Namespace, expert_gb: floa
         extra += ["--device", args.device]
     srv = Server(kind, model, *extra)
     rows = []
+    gpu = args.device if kind == "gpu" and args.device.startswith("cuda") else ""
     try:
         secs = srv.wait_serving()
         print(
@@ -292,7 +300,7 @@ def run_server(kind: str, model: Path, args: argparse.Namespace, expert_gb: floa
         layers = list(info.moe_layers)
         live = {layer: list(range(info.num_experts)) for layer in layers}
         srv.push(1, live)
-        rows.append(snapshot(srv, "first push (equal to the preloaded placement)"))
+        rows.append(snapshot(srv, "first push (equal to the preloaded placement)", gpu))
         moved = {layer: rebalanced(live[layer], args.move_frac, i) for i, layer in enumerate(layers)}
         t0 = time.perf_counter()
         srv.push(2, moved)
@@ -300,14 +308,14 @@ def run_server(kind: str, model: Path, args: argparse.Namespace, expert_gb: floa
             f"  rebalance {args.move_frac:.0%} of slots (moves within layers): {time.perf_counter() - t0:.2f}s",
             flush=True,
         )
-        rows.append(snapshot(srv, f"rebalance {args.move_frac:.0%}"))
+        rows.append(snapshot(srv, f"rebalance {args.move_frac:.0%}", gpu))
         t0 = time.perf_counter()
         srv.push(3, live)
         print(f"  rebalance back (dropped experts read again): {time.perf_counter() - t0:.2f}s", flush=True)
-        rows.append(snapshot(srv, "rebalance back"))
+        rows.append(snapshot(srv, "rebalance back", gpu))
         srv.apply(pb.ApplyPlacementRequest.PREPARE, 4, moved)
         srv.apply(pb.ApplyPlacementRequest.ABORT, 4)
-        rows.append(snapshot(srv, "prepare + abort"))
+        rows.append(snapshot(srv, "prepare + abort", gpu))
     finally:
         srv.stop()
     return rows

@@ -451,6 +451,7 @@ class ExpertWorker:
     def commit(self, generation: int) -> None:
         with self._serial:
             self.slots.commit(generation)
+        self.slots.release()  # NOTE: outside the lock: requests compute meanwhile
 
     def abort(self, generation: int) -> None:
         self.slots.abort(generation)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import gc
 import logging
 
 import torch
@@ -35,7 +34,6 @@ def release(device: torch.device) -> None:
     """Returns freed memory: the CUDA allocator's unused reserve on ``device``, and the host
     heap's free pages (glibc ``malloc_trim``; big tensors are their own mappings and go back
     when freed, smaller ones sit in the heap)."""
-    gc.collect()  # NOTE: a reference cycle would keep a layer alive past the swap
     if device.type == "cuda" and torch.cuda.is_initialized():
         with torch.cuda.device(device):
             torch.cuda.empty_cache()

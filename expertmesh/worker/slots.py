@@ -10,7 +10,8 @@ changed layer in place, layer by layer: moves inside a layer through one spare s
 experts copied in, the others read from the checkpoint straight into their slot; a layer whose
 slot count changes is reallocated. A placement equal to the live one touches no weight.
 :meth:`abort` drops what was staged; the live table was never touched. Memory freed by either
-goes back to the device or the OS (memory.py).
+goes back to the device or the OS (memory.py): abort does it, and the worker calls
+:meth:`release` after a commit, once requests flow again.
 
 Errors are typed: :class:`SlotError` (an InvalidRequest) for a table that cannot be built,
 ``StaleGeneration`` for a phase naming the wrong generation, ``Unavailable`` for a commit that
@@ -363,7 +364,6 @@ class SlotTable:
             self.live = SlotSet(generation, layers)
             self._staged = None
             del staged
-        memory.release(self.device)
 
     def _apply(self, layer: int, staged: _Staged, layers: dict[int, LayerSlots]) -> None:
         """Rewrites one layer of ``layers`` as planned (dropping what it used from ``staged``)."""
@@ -422,6 +422,11 @@ class SlotTable:
         finally:
             layers[layer] = LayerSlots(tuple(content), w13, w2)
         assert tuple(content) == plan.experts, f"{layer=} {content=} {plan.experts=}"
+
+    def release(self) -> None:
+        """Hands what a commit freed back to the device or the OS (memory.py); the worker calls
+        it once requests flow again (it is not free: the allocator walks its free lists)."""
+        memory.release(self.device)
 
     def abort(self, generation: int) -> None:
         with self._lock:
