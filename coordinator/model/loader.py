@@ -67,11 +67,11 @@ def _place(
             f"checkpoint tensor {ck_name!r} has no place in the {reader.config.model_type} model"
         )
     pname, rows, shape = expected[name]
-    tensor = reader.get(ck_name)
-    if tuple(tensor.shape) != shape:
-        raise CheckpointError(f"tensor {ck_name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
     dst = params[pname].data if rows is None else params[pname].data[rows]
-    dst.copy_(tensor.to(dst.dtype))
+    assert tuple(dst.shape) == shape, f"{ck_name}: {list(dst.shape)=} {list(shape)=}"
+    # straight from the file into the parameter (no full-precision copy; a stored shape other
+    # than the parameter's is a CheckpointError naming both)
+    reader.read_into(ck_name, dst)
     seen.add(name)
 
 
