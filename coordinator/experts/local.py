@@ -35,6 +35,7 @@ from expertmesh.errors import ExpertMeshError, InvalidRequest
 from expertmesh.experts import ExpertBackend, TorchExpertBackend
 from expertmesh.lora.wire import decode_adapter
 from expertmesh.net import device_uuid, host_id
+from expertmesh.progress import LoadProgress
 from expertmesh.transport import negotiate
 from expertmesh.transport.errors import MalformedAnswer
 from expertmesh.worker.core import ExpertWorker, WorkerIdentity
@@ -146,7 +147,14 @@ class LocalConnection:
 
     def prepare(self, generation: int, table: dict[int, list[int]], timeout: float) -> None:
         t0 = time.monotonic()
-        n = self._call(lambda: self.worker.prepare(generation, table))
+        reader = self.worker.slots.reader
+        total = reader.expert_nbytes() * sum(len(x) for x in table.values())
+        reader.progress = LoadProgress(f"{self.spec.name} experts", total)
+        try:
+            n = self._call(lambda: self.worker.prepare(generation, table))
+        finally:
+            reader.progress.close()
+            reader.progress = None
         self.slots_used = max((len(x) for x in table.values()), default=0)
         log.info(
             "%s: read %s experts (up to %d per layer) in %.1fs", self.spec.name, n, self.slots_used,
