@@ -219,7 +219,7 @@ class LocalConnection:
         )
         t0 = time.perf_counter()
         try:
-            out = self.worker.forward(mine)  # [T_s, H]
+            out = self.worker.forward_built(mine)  # [T_s, H]
         except ExpertMeshError as e:
             return LocalReply(None, self._error(e), None)
         return LocalReply(out, None, (time.perf_counter() - t0) * 1e3 if self._timed else None)
