@@ -22,7 +22,7 @@ from coordinator.experts.cluster_config import ClusterConfig
 from coordinator.experts.local import LocalConnection
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.demo import WEIGHTS_DIR, write_demo_model
-from tests.cluster_utils import start_server
+from tests.cluster_utils import ROOT, start_server
 from tests.hf_models import ARCHS, make_checkpoint
 from tests.test_local_member import local_engine, replicas_file, servers
 from tests.test_parity import DECODE_STEPS, hf_greedy, rel_err
@@ -91,3 +91,34 @@ def test_local_gpu_bf16_demo_model(tmp_path):
     finally:
         d.close()
         cpu.stop()
+
+
+@pytest.mark.parametrize("extra", [[], ["--num-gpu-experts", "4"]], ids=["defaults", "hybrid"])
+def test_up_on_a_gpu_serves_from_the_coordinator(extra):
+    """``expertmesh up`` on a GPU machine: coordinator on CUDA in the checkpoint's dtype, every
+    expert in process by default; with --num-gpu-experts, 'local' plus a CPU expert server."""
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "expertmesh.cli",
+        "up",
+        "--demo",
+        "--prompt",
+        "the cat",
+        "--max-new-tokens",
+        "4",
+    ]
+    out = subprocess.run(
+        [*cmd, "--http-port", "-1", *extra], capture_output=True, text=True, timeout=600, cwd=str(ROOT)
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(ln for ln in out.stderr.splitlines() if ln.startswith("expertmesh up:"))
+    assert "coordinator on cuda" in line, line
+    if extra:
+        assert "experts 0..3 of each layer in the coordinator's process" in line, line
+    else:
+        assert "every expert in the coordinator's process" in line, line
+    assert out.stdout.startswith("the cat") and len(out.stdout.split()) > 2, out.stdout
