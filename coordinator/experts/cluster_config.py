@@ -106,7 +106,7 @@ class ClusterConfig:
                 "--cpu-defer-experts needs a CPU expert server (only CPU-server experts are deferred)"
             )
         if self.gpu_prefill_token_threshold and not self.gpu:
-            raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server")
+            raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server or experts in process")
 
     def resolved(self, resolver: dns.Resolver | None = None, wait_s: float = 60.0) -> ClusterConfig:
         """This config with every ``dns:///`` server replaced by one server per address it
@@ -199,7 +199,8 @@ class ClusterConfig:
             "--gpu-prefill-token-threshold",
             type=int,
             default=ClusterConfig.gpu_prefill_token_threshold,
-            help="steps with >= T tokens run all experts on the GPU server",
+            help="steps with >= T tokens run every expert on the first GPU server, or in this process "
+            "with 'local' (which then holds every expert's weights too); 0 = off",
         )
         g.add_argument(
             "--expert-timeout",
