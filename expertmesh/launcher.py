@@ -258,47 +258,11 @@ def client_tls(tls: TLSConfig) -> TLSConfig | None:
     return TLSConfig(ca=tls.ca, server_name=tls.server_name) if tls.server_enabled else None
 
 
-def gpu_free_bytes() -> int | None:
-    """Free memory of the first visible GPU, asked of a short-lived child (a CUDA context in
-    this process would hold GPU memory for as long as the cluster runs); None without one."""
-    if not _nvidia_gpu_visible():
-        return None
-    code = "import torch; print(torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else -1)"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        free = int(out.stdout.strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-    return free if free >= 0 else None
-
-
 def plan(args: argparse.Namespace, model: Path) -> Topology:
-    from expertmesh.config import ModelConfig
-
-    cfg = ModelConfig.from_dir(model)
+    """The topology for ``args`` (GPU memory asked only when a GPU coordinator is possible)."""
     on_gpu = (args.coordinator_device or "cuda").startswith("cuda")
-    free = gpu_free_bytes() if on_gpu or args.coordinator_device is None else None
-    kv = _parse_size(args.kv_memory) if args.kv_memory else DEFAULT_KV_BYTES
-    return topology.choose(cfg, model, free, args.dtype, args.num_gpu_experts, args.coordinator_device, kv)
-
-
-DEFAULT_KV_BYTES = 256 << 20  # the coordinator's default --kv-memory
-
-
-def _parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.I)
-    if not m:
-        raise ValueError(f"--kv-memory {text!r}: expected e.g. 512MiB or 4GiB")
-    return int(float(m.group(1)) * (1 << (10 * " KMGT".index(m.group(2).upper() or " "))))
-
-
-def hybrid_threads(n: int, cpu_server: bool) -> dict[str, int]:
-    """torch threads of a CUDA coordinator and its CPU expert server: the coordinator launches
-    kernels (a few threads), the CPU server computes experts (the rest)."""
-    if not cpu_server:
-        return {"coordinator": max(1, n), "cpu-server": 0}
-    cpu = max(1, n - 4) if n > 8 else max(1, n // 2)
-    return {"coordinator": max(1, n - cpu), "cpu-server": cpu}
+    visible = (on_gpu or args.coordinator_device is None) and _nvidia_gpu_visible()
+    return topology.from_args(args, model, topology.gpu_free_bytes() if visible else None)
 
 
 def build_hybrid(args: argparse.Namespace, model: Path, topo: Topology) -> tuple[list[Child], list[str]]:
@@ -306,7 +270,7 @@ def build_hybrid(args: argparse.Namespace, model: Path, topo: Topology) -> tuple
     without its expert-server flags)."""
     cli = [sys.executable, "-m", "expertmesh.cli"]
     _, spin = core_plan(args)
-    threads = hybrid_threads(args.threads or cores.available(), topo.cpu_server)
+    threads = topology.hybrid_threads(args.threads or cores.available(), topo.cpu_server)
     if args.threads:
         threads = dict.fromkeys(threads, args.threads)
     server_tls, coord_tls = tls_flags(TLSConfig.from_args(args))

@@ -15,7 +15,11 @@ activations, the decode graphs and the kernels' workspaces.
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,3 +117,45 @@ def choose(
     else:
         n, why = fit, f"{fit} of {e} experts per layer fit ({free})"
     return Topology(dev, dtype, n, False, n < e, n, why)
+
+
+# ---------------------------------------------------------------------- expertmesh up's inputs
+
+DEFAULT_KV_BYTES = 256 << 20  # the coordinator's default --kv-memory
+
+
+def parse_size(text: str) -> int:
+    """``512MiB``, ``4GiB``, ``1.5G`` -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.I)
+    if not m:
+        raise ValueError(f"--kv-memory {text!r}: expected e.g. 512MiB or 4GiB")
+    return int(float(m.group(1)) * (1 << (10 * " KMGT".index(m.group(2).upper() or " "))))
+
+
+def gpu_free_bytes() -> int | None:
+    """Free memory of the first visible GPU, asked of a short-lived child (a CUDA context in
+    the launcher would hold GPU memory for as long as the cluster runs); None without one."""
+    code = "import torch; print(torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else -1)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        free = int(out.stdout.strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+    return free if free >= 0 else None
+
+
+def from_args(args: argparse.Namespace, model: Path, gpu_free: int | None) -> Topology:
+    """:func:`choose` for ``expertmesh up``'s flags (``--dtype``, ``--num-gpu-experts``,
+    ``--coordinator-device``, ``--kv-memory``)."""
+    kv = parse_size(args.kv_memory) if args.kv_memory else DEFAULT_KV_BYTES
+    cfg = ModelConfig.from_dir(model)
+    return choose(cfg, model, gpu_free, args.dtype, args.num_gpu_experts, args.coordinator_device, kv)
+
+
+def hybrid_threads(n: int, cpu_server: bool) -> dict[str, int]:
+    """torch threads of a CUDA coordinator and its CPU expert server out of ``n``: the
+    coordinator launches kernels (a few threads), the CPU server computes experts (the rest)."""
+    if not cpu_server:
+        return {"coordinator": max(1, n), "cpu-server": 0}
+    cpu = max(1, n - 4) if n > 8 else max(1, n // 2)
+    return {"coordinator": max(1, n - cpu), "cpu-server": cpu}

@@ -104,13 +104,13 @@ def test_build_hybrid_commands(ckpt):
 
 
 def test_hybrid_threads_leave_the_cpu_server_most_cores():
-    assert launcher.hybrid_threads(32, True) == {"coordinator": 4, "cpu-server": 28}
-    assert launcher.hybrid_threads(4, True) == {"coordinator": 2, "cpu-server": 2}
-    assert launcher.hybrid_threads(16, False)["coordinator"] == 16
+    assert topology.hybrid_threads(32, True) == {"coordinator": 4, "cpu-server": 28}
+    assert topology.hybrid_threads(4, True) == {"coordinator": 2, "cpu-server": 2}
+    assert topology.hybrid_threads(16, False)["coordinator"] == 16
 
 
 def test_kv_memory_sizes():
-    assert launcher._parse_size("512MiB") == 512 << 20
-    assert launcher._parse_size("4GiB") == 4 << 30
+    assert topology.parse_size("512MiB") == 512 << 20
+    assert topology.parse_size("4GiB") == 4 << 30
     with pytest.raises(ValueError):
-        launcher._parse_size("lots")
+        topology.parse_size("lots")
