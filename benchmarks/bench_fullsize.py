@@ -279,6 +279,8 @@ class Bench:
         res: dict = {"row": row.name}
         procs: list[Proc] = []
         extra: list[Proc] = []
+        if row.server_dtype is None:  # NOTE: a CPU server kept for later rows would hold cores and memory
+            self.close()
         try:
             if row.up:
                 cmd = [*self.cli, "up", "--model", str(self.ckpt), "--port", "0"]
@@ -337,6 +339,7 @@ class Bench:
     def close(self) -> None:
         if self.cpu is not None:
             self.cpu.stop()
+        self.cpu = self.cpu_dtype = None
 
 
 def table(results: list[dict], batches: list[int]) -> str:

@@ -5,14 +5,18 @@ hot-loaded MoE LoRA adapter.
 
 - experts split: base requests give HF's greedy tokens, adapter requests PEFT's;
 - every expert on both members: ``kill -9`` of the CPU server mid-load fails no request and
-  every request still gives HF's / PEFT's tokens (its rows fail over to ``local``).
+  every request still gives HF's / PEFT's tokens (its rows fail over to ``local``);
+- EPLB rebalancing every few steps under that load moves experts between ``local`` and the CPU
+  server (placement pushes, adapter re-pushes) with every token still HF's / PEFT's.
 """
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
+from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests import lora_utils
 from tests.cluster_utils import start_server
 from tests.fault_utils import (
@@ -107,6 +111,40 @@ def test_cpu_server_killed_mid_stream_fails_nothing_when_replicated(model):
         assert cpu.proc.poll() is not None
         wait_states(co.addr, {"local": "ready", "cpu0": "unavailable"}, timeout=30)
         check(run_load(co.addr, jobs()), base, adapted)  # on ``local`` alone
+    finally:
+        co.stop()
+        cpu.stop()
+
+
+def test_eplb_rebalances_across_local_and_the_cpu_server(model):
+    root, base, adapted = model
+    cpu = start_server("cpu", root / "model")
+    eplb = ["--eplb-interval-steps", "3", "--eplb-window-steps", "16", "--eplb-redundant-slots", "2",
+            "--eplb-skip-threshold", "0"]  # fmt: skip
+    co = start_coordinator(
+        root / "model",
+        *flags(
+            root,
+            "--cpu-server",
+            cpu.address,
+            "--num-gpu-experts",
+            "3",
+            "--replica-policy",
+            "load_aware",
+            *eplb,
+        ),
+    )
+    try:
+        wait_health(co.addr, "SERVING")
+        load_lora(co.addr, "a", root / "adapters" / "a")
+        check(run_load(co.addr, jobs()), base, adapted)
+        with grpc.insecure_channel(co.addr) as ch:
+            stub = admin_pb2_grpc.AdminStub(ch)
+            st = stub.GetEplbStatus(admin_pb2.GetEplbStatusRequest(), timeout=10)
+            placement = stub.GetPlacement(admin_pb2.GetPlacementRequest(), timeout=10)
+        assert st.rebalanced >= 1 and st.failed == 0, (st, co.output()[-3000:])
+        assert list(placement.servers) == ["local", "cpu0"] and placement.generation > 1
+        check(run_load(co.addr, jobs()), base, adapted)  # on the rebalanced placement
     finally:
         co.stop()
         cpu.stop()

@@ -125,8 +125,13 @@ class LocalConnection:
         return ExpertServerError(status.grpc_code(e), f"{self.describe_self()}: {e.message}", e)
 
     def _call(self, fn: Callable[[], object]) -> object:
+        """A control-plane call (placement phases, adapters) on the cluster's or EPLB's thread.
+        NOTE: under inference mode, as the engine's steps are: the tensors the worker makes
+        while computing (adapter buffers) are inference tensors, which only inference mode
+        may update in place."""
         try:
-            return fn()
+            with torch.inference_mode():
+                return fn()
         except ExpertMeshError as e:
             raise self._error(e) from None
 
@@ -182,7 +187,7 @@ class LocalConnection:
         self._call(lambda: w.load_adapter(adapter_slot, name, layers))
 
     def unload_adapter(self, name: str, timeout: float) -> None:
-        self.worker.unload_adapter(name)
+        self._call(lambda: self.worker.unload_adapter(name))
 
     # ------------------------------------------------------------ data plane
 
