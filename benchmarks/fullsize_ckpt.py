@@ -55,10 +55,11 @@ _POOL = 1 << 24  # samples per random block (32 MiB of bf16)
 
 def tiny_overrides(model: str) -> dict:
     """Small attention, vocab and dense widths (with --layers/--experts/--hidden: a CPU-sized run)."""
+    ids = dict(bos_token_id=1, eos_token_id=2)  # inside the small vocabulary
     if model == "qwen3-30b-a3b":
-        return dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
+        return dict(**ids, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
                     intermediate_size=512, moe_intermediate_size=128, num_experts_per_tok=2)  # fmt: skip
-    return dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
+    return dict(**ids, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
                 qk_rope_head_dim=16, v_head_dim=32, vocab_size=1024, intermediate_size=512,
                 moe_intermediate_size=128, num_experts_per_tok=2)  # fmt: skip
 
