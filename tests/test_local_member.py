@@ -91,8 +91,18 @@ def cpu_tokens(cpu) -> int:
         return pb_grpc.ExpertWorkerStub(ch).Stats(pb.StatsRequest(), timeout=10).tokens
 
 
-@pytest.mark.parametrize("which", ["split", "replicas_rr"])
-def test_local_and_cpu_server_match_hf(hybrid, which):
+def test_split_between_local_and_cpu_server_matches_hf(hybrid):
+    check_matches_hf(hybrid, "split")
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3_moe", "deepseek_v3"], indirect=True)
+def test_replicas_across_local_and_cpu_server_match_hf(hybrid):
+    """Round robin over replicas on both members (one GQA and one MLA architecture: the split
+    test covers the rest; the routing does not depend on the architecture)."""
+    check_matches_hf(hybrid, "replicas_rr")
+
+
+def check_matches_hf(hybrid, which: str) -> None:
     arch, path, hf, cpu = hybrid
     ne = CheckpointReader(path).config.num_experts
     if which == "split":
