@@ -20,6 +20,7 @@ Shapes: T rows of the step, T_s rows of this member, H hidden, K top-k.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -124,13 +125,14 @@ class LocalConnection:
     def _error(self, e: ExpertMeshError) -> ExpertServerError:
         return ExpertServerError(status.grpc_code(e), f"{self.describe_self()}: {e.message}", e)
 
-    def _call(self, fn: Callable[[], object]) -> object:
+    def _call(self, fn: Callable[[], object], inference: bool = False) -> object:
         """A control-plane call (placement phases, adapters) on the cluster's or EPLB's thread.
-        NOTE: under inference mode, as the engine's steps are: the tensors the worker makes
-        while computing (adapter buffers) are inference tensors, which only inference mode
-        may update in place."""
+        ``inference``: under inference mode, as the engine's steps are, for the adapter calls:
+        the adapter buffers the worker makes while computing are inference tensors, which only
+        inference mode may update in place. NOTE: never for the placement phases, whose reader
+        threads fill the new slots outside it."""
         try:
-            with torch.inference_mode():
+            with torch.inference_mode() if inference else contextlib.nullcontext():
                 return fn()
         except ExpertMeshError as e:
             raise self._error(e) from None
@@ -184,10 +186,10 @@ class LocalConnection:
             )  # fmt: skip
         except ValueError as e:
             raise ExpertServerError.of(InvalidRequest(f"adapter {name!r}: {e}")) from None
-        self._call(lambda: w.load_adapter(adapter_slot, name, layers))
+        self._call(lambda: w.load_adapter(adapter_slot, name, layers), inference=True)
 
     def unload_adapter(self, name: str, timeout: float) -> None:
-        self._call(lambda: self.worker.unload_adapter(name))
+        self._call(lambda: self.worker.unload_adapter(name), inference=True)
 
     # ------------------------------------------------------------ data plane
 
@@ -202,6 +204,9 @@ class LocalConnection:
 
     def reset(self, reason: str) -> None:
         pass
+
+    def retarget(self, address: str) -> None:
+        raise ValueError(f"{self.describe_self()} has no address to change (DNS names expert servers only)")
 
     def close(self) -> None:
         self._closed = True
