@@ -1,8 +1,12 @@
-"""``expertmesh up``: a whole cluster on this machine, as three child processes.
+"""``expertmesh up``: a whole cluster on this machine, as child processes.
 
-Starts a GPU expert server (experts ``< --num-gpu-experts``), a CPU expert server (the rest) and
-a coordinator connected to both, waits until the coordinator's health is SERVING, prints
-``expertmesh is serving on HOST:PORT`` and runs until Ctrl-C or SIGTERM, then stops the
+The topology comes from expertmesh/topology.py and is printed first. With a GPU: a coordinator
+on it in the checkpoint's dtype holding every expert that fits in its own process, and a CPU
+expert server for the rest only when some do not fit (or ``--num-gpu-experts`` says so).
+Without a GPU (or with ``--coordinator-device cpu``): a GPU expert server (experts
+``< --num-gpu-experts``), a CPU expert server (the rest) and a coordinator connected to both.
+It waits until the coordinator's health is SERVING (echoing the children's loading progress),
+prints ``expertmesh is serving on HOST:PORT`` and runs until Ctrl-C or SIGTERM, then stops the
 coordinator first and the expert servers after it.
 
 Children run in their own session (a terminal's Ctrl-C reaches only this process, which stops
@@ -41,13 +45,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from expertmesh import auth, cores
+from expertmesh import auth, cores, topology
 from expertmesh.tls import TLSConfig
+from expertmesh.topology import Topology
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 # the coordinator's HTTP port and the expert servers' metrics ports
 _HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on https?://\S+:(\d+)")
 _PR_SET_PDEATHSIG = 1
+_PROGRESS = re.compile(r" expertmesh\.load ")  # expertmesh/progress.py's log lines
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -97,7 +103,7 @@ class Child:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.tail.append(line)
-            if self.echo:
+            if self.echo or _PROGRESS.search(line):  # loading progress: a big model takes minutes
                 sys.stderr.write(f"[{self.name}] {line}")
             h = _HTTP.search(line)
             if h:
@@ -129,14 +135,28 @@ class Child:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the demo model)")
     p.add_argument("--demo", action="store_true", help="serve the demo model (written to a cache dir)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
-        "--num-gpu-experts", type=int, default=None, help="experts < N on the GPU server (default: half)"
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: the checkpoint's on a GPU, float32 on the CPU",
+    )
+    p.add_argument(
+        "--num-gpu-experts",
+        type=int,
+        default=None,
+        help="experts < N on the GPU: in the coordinator's process when it runs on one, else on the "
+        "GPU server (default: as many as fit in GPU memory / half)",
     )
     p.add_argument(
         "--device", default=None, help="GPU expert server's device: cpu or cuda (default: cuda if available)"
     )
-    p.add_argument("--coordinator-device", default="cpu", help="device of attention and the KV cache")
+    p.add_argument(
+        "--coordinator-device",
+        default=None,
+        help="device of attention and the KV cache (default: cuda when a GPU is visible, else cpu; "
+        "cpu on a GPU machine starts the three-process cluster with a GPU expert server)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="coordinator's bind address")
     p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free port)")
     p.add_argument(
@@ -238,11 +258,48 @@ def client_tls(tls: TLSConfig) -> TLSConfig | None:
     return TLSConfig(ca=tls.ca, server_name=tls.server_name) if tls.server_enabled else None
 
 
+def plan(args: argparse.Namespace, model: Path) -> Topology:
+    """The topology for ``args`` (GPU memory asked only when a GPU coordinator is possible)."""
+    on_gpu = (args.coordinator_device or "cuda").startswith("cuda")
+    visible = (on_gpu or args.coordinator_device is None) and _nvidia_gpu_visible()
+    return topology.from_args(args, model, topology.gpu_free_bytes() if visible else None)
+
+
+def build_hybrid(args: argparse.Namespace, model: Path, topo: Topology) -> tuple[list[Child], list[str]]:
+    """The children of a GPU coordinator: (the CPU expert server, if any; the coordinator's command
+    without its expert-server flags)."""
+    cli = [sys.executable, "-m", "expertmesh.cli"]
+    _, spin = core_plan(args)
+    threads = topology.hybrid_threads(args.threads or cores.available(), topo.cpu_server)
+    if args.threads:
+        threads = dict.fromkeys(threads, args.threads)
+    server_tls, coord_tls = tls_flags(TLSConfig.from_args(args))
+    servers = []
+    if topo.cpu_server:
+        cpu_cmd = [*cli, "cpu-server", "--model", str(model), "--dtype", topo.dtype, "--port", "0"]
+        cpu_cmd += ["--shm-spin-us", f"{spin:g}", "--threads", str(threads["cpu-server"]), *server_tls]
+        cpu_cmd += ["--metrics-port", "0"] if args.http_port >= 0 else []
+        servers.append(Child("cpu-server", cpu_cmd, args.verbose))
+    coord_cmd = [
+        *cli, "coordinator", "--model", str(model), "--dtype", topo.dtype,
+        "--host", args.host, "--port", str(args.port), "--device", topo.coordinator_device,
+        "--transport", args.transport, "--threads", str(threads["coordinator"]), "--shm-spin-us", f"{spin:g}",
+    ]  # fmt: skip
+    if topo.cpu_server:
+        coord_cmd += ["--num-gpu-experts", str(topo.num_local)]
+    if args.kv_memory:
+        coord_cmd += ["--kv-memory", args.kv_memory]
+    if args.http_port >= 0:
+        coord_cmd += ["--http-port", str(args.http_port)]
+    return servers, [*coord_cmd, *coord_tls]
+
+
 def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> tuple[Child, Child, list[str]]:
     cli = [sys.executable, "-m", "expertmesh.cli"]
     threads, spin = core_plan(args)
     server_tls, coord_tls = tls_flags(TLSConfig.from_args(args))
-    common = ["--model", str(model), "--dtype", args.dtype, "--port", "0", "--shm-spin-us", f"{spin:g}"]
+    dtype = args.dtype or "float32"
+    common = ["--model", str(model), "--dtype", dtype, "--port", "0", "--shm-spin-us", f"{spin:g}"]
     common += server_tls
     if args.http_port >= 0:  # with the coordinator's HTTP on, the servers' metrics too (free ports)
         common += ["--metrics-port", "0"]
@@ -251,7 +308,7 @@ def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> t
     cpu_cmd = [*cli, "cpu-server", *common, "--threads", str(threads["cpu-server"])]
     n = num_experts // 2 if args.num_gpu_experts is None else args.num_gpu_experts
     coord_tail = [
-        "--host", args.host, "--port", str(args.port), "--device", args.coordinator_device,
+        "--host", args.host, "--port", str(args.port), "--device", args.coordinator_device or "cpu",
         "--num-gpu-experts", str(n), "--transport", args.transport,
         "--threads", str(threads["coordinator"]), "--shm-spin-us", f"{spin:g}",
     ]  # fmt: skip
@@ -259,7 +316,7 @@ def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> t
         coord_tail += ["--kv-memory", args.kv_memory]
     if args.http_port >= 0:
         coord_tail += ["--http-port", str(args.http_port)]
-    coord_cmd = [*cli, "coordinator", "--model", str(model), "--dtype", args.dtype, *coord_tail, *coord_tls]
+    coord_cmd = [*cli, "coordinator", "--model", str(model), "--dtype", dtype, *coord_tail, *coord_tls]
     return Child("gpu-server", gpu_cmd, args.verbose), Child("cpu-server", cpu_cmd, args.verbose), coord_cmd
 
 
@@ -268,11 +325,9 @@ class Stopped(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
-    from expertmesh.config import ModelConfig
-
     try:
         model = resolve_model(args)
-        num_experts = ModelConfig.from_dir(model).num_experts
+        topo = plan(args, model)
         tls = TLSConfig.from_args(args)  # a missing file or a lone --tls-cert fails here
         if (tls.ca or tls.server_name) and not tls.server_enabled:
             raise ValueError(
@@ -282,14 +337,25 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # ConfigError, DemoModelMissing, TLSError, unreadable directory
         print(f"error: {e}", file=sys.stderr)
         return 2
-    gpu, cpu, coord_cmd = build_children(args, model, num_experts)
-    gpu.env = cpu.env = child_env()  # NOTE: the same token for the servers and the coordinator
+    print(f"expertmesh up: {topo.describe()}", file=sys.stderr, flush=True)
+    if topo.gpu_server:
+        args = argparse.Namespace(**{**vars(args), "dtype": topo.dtype})
+        from expertmesh.config import ModelConfig
+
+        gpu, cpu, coord_cmd = build_children(args, model, ModelConfig.from_dir(model).num_experts)
+        servers = [("--gpu-server", gpu), ("--cpu-server", cpu)]
+    else:
+        hybrid, coord_cmd = build_hybrid(args, model, topo)
+        servers = [("--cpu-server", c) for c in hybrid]
+    env = child_env()  # NOTE: the same token for the servers and the coordinator
+    for _, c in servers:
+        c.env = env
     children: list[Child] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        return _run(gpu, cpu, coord_cmd, args, children, stop)
+        return _run(servers, coord_cmd, env, args, children, stop)
     except Stopped:
         return 0
     finally:
@@ -311,21 +377,31 @@ def _wait(children: list[Child], stop: threading.Event, until, timeout: float, w
         stop.wait(0.1)
 
 
-def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Child], stop) -> int:
+def _run(
+    servers: list[tuple[str, Child]],
+    coord_cmd: list[str],
+    env: dict[str, str],
+    args,
+    children: list[Child],
+    stop,
+) -> int:
+    """``servers``: (the coordinator's flag naming it, the expert server) for each expert server."""
     from expertmesh.health import check
 
     tls = client_tls(TLSConfig.from_args(args))
     try:
-        for c in (gpu, cpu):
+        for _, c in servers:
             c.start()
             children.append(c)
-        _wait(children, stop, lambda: gpu.port and cpu.port, args.startup_timeout, "the expert servers")
-        coord = Child(
-            "coordinator",
-            [*coord_cmd, "--gpu-server", f"127.0.0.1:{gpu.port}", "--cpu-server", f"127.0.0.1:{cpu.port}"],
-            args.verbose,
-            env=gpu.env,
+        _wait(
+            children,
+            stop,
+            lambda: all(c.port for _, c in servers),
+            args.startup_timeout,
+            "the expert servers",
         )
+        flags = [a for flag, c in servers for a in (flag, f"127.0.0.1:{c.port}")]
+        coord = Child("coordinator", [*coord_cmd, *flags], args.verbose, env=env)
         coord.start()
         children.append(coord)
         _wait(children, stop, lambda: coord.port, args.startup_timeout, "the coordinator")
@@ -344,11 +420,8 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
     print(f"expertmesh is serving on {addr}", flush=True)
     # NOTE: one-shot (--prompt) stops by itself: no Ctrl-C hint then
     hint = "" if args.prompt is not None else "; Ctrl-C stops all"
-    print(
-        f"  gpu expert server 127.0.0.1:{gpu.port}, cpu expert server 127.0.0.1:{cpu.port}{hint}",
-        file=sys.stderr,
-        flush=True,
-    )
+    where = ", ".join(f"{c.name.replace('-', ' expert ')} 127.0.0.1:{c.port}" for _, c in servers)
+    print(f"  {where or 'every expert in the coordinator'}{hint}", file=sys.stderr, flush=True)
     if coord.http_port is not None and args.prompt is None:
         web = "https" if tls is not None else "http"  # the coordinator's HTTP uses its certificate
         print(
@@ -356,13 +429,13 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
             file=sys.stderr,
             flush=True,
         )
-        servers = ", ".join(f"http://127.0.0.1:{c.http_port}/metrics" for c in (gpu, cpu) if c.http_port)
-        if servers:
-            print(f"  expert servers' Prometheus metrics {servers}", file=sys.stderr, flush=True)
-    threads, spin = core_plan(args)
+        metrics = ", ".join(f"http://127.0.0.1:{c.http_port}/metrics" for _, c in servers if c.http_port)
+        if metrics:
+            print(f"  expert servers' Prometheus metrics {metrics}", file=sys.stderr, flush=True)
+    _, spin = core_plan(args)
+    threads = ", ".join(f"{c.name} {_flag(c.cmd, '--threads')}" for c in children)
     print(
-        f"  torch threads: coordinator {threads['coordinator']}, gpu server {threads['gpu-server']}, "
-        f"cpu server {threads['cpu-server']} ({cores.available()} cores); fast-path spin {spin:g} us",
+        f"  torch threads: {threads} ({cores.available()} cores); fast-path spin {spin:g} us",
         file=sys.stderr,
         flush=True,
     )
@@ -375,6 +448,10 @@ def _run(gpu: Child, cpu: Child, coord_cmd: list[str], args, children: list[Chil
             return 1
     print("stopping", file=sys.stderr, flush=True)
     return 0
+
+
+def _flag(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1] if flag in cmd[:-1] else "?"
 
 
 def _complete(addr: str, prompt: str, max_new_tokens: int, tls: TLSConfig | None = None) -> int:

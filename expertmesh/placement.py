@@ -184,6 +184,19 @@ def load_file(
     return parse_json(Path(path).read_text(), moe_layers, num_experts, servers, str(path))
 
 
+def file_server_names(path: str | Path) -> set[str]:
+    """The server names a placement file uses (its ``servers`` and every layer's keys); empty
+    when it cannot be read (:func:`load_file` reports why)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        names = {str(n) for n in raw.get("servers", ())}
+        for spec in raw.get("layers", {}).values():
+            names.update(str(k) for k in spec)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return set()
+    return names
+
+
 def parse_json(
     text: str, moe_layers: list[int], num_experts: int, servers: tuple[str, ...], path: str = "placement"
 ) -> Placement:

@@ -109,11 +109,21 @@ class ExpertCluster:
         connect: Callable[[ServerSpec], Connection] | None = None,
         local_side: negotiate.Side | None = None,
         resolver: dns.Resolver | None = None,
+        local: Callable[[ServerSpec], Connection] | None = None,
     ) -> None:
+        """``local`` makes the in-process member (coordinator/experts/local.py ``connector``)."""
         if not config.servers:
             raise ValueError("an expert cluster needs at least one expert server")
         self.cfg, self.config, self.device = model_config, config, torch.device(device)
-        make = connect or (lambda spec: ServerConnection(spec, config, self.device))
+
+        def remote(spec: ServerSpec) -> Connection:
+            if not spec.in_process:
+                return ServerConnection(spec, config, self.device)
+            if local is None:
+                raise ValueError(f"the in-process member {spec.name!r} needs the coordinator's checkpoint")
+            return local(spec)
+
+        make = connect or remote
         self.members = [Member(make(spec)) for spec in config.servers]
         for i, m in enumerate(self.members):
             m.conn.on_down = self._down_hook(i)

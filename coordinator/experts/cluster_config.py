@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from coordinator.experts import dns
 from expertmesh import auth, cores
+from expertmesh import placement as pl
 from expertmesh.tls import TLSConfig
 from expertmesh.transport import negotiate
 
@@ -24,17 +25,31 @@ def link_mode_from_env() -> str:
     return {"": "auto", "1": "auto", "0": "off"}.get(v, v)
 
 
+LOCAL = "local"  # the in-process member's name, in placement files and status
+LOCAL_ADDRESS = "in-process"
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     name: str
     address: str  # HOST:PORT, or dns:///NAME:PORT until ClusterConfig.resolved
     kind: str  # "gpu" | "cpu"
     dns: str = ""  # the dns:///NAME:PORT this server was found by ("" = listed)
+    # the coordinator's own experts (coordinator/experts/local.py): no process, no gRPC. Its kind
+    # is "gpu" (the fast share of a hybrid split: sent last, awaited first, never deferred, the
+    # prefill threshold's full server) even when a CPU coordinator computes it with torch
+    in_process: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "cpu"):
             raise ValueError(f"expert server {self.name}: kind {self.kind!r}, expected gpu or cpu")
+        if self.in_process != (self.name == LOCAL):
+            raise ValueError(f"the name {LOCAL!r} is the in-process member's and only its (got {self})")
         dns.parse(self.address)  # a malformed dns: address fails here, at the command line
+
+    @classmethod
+    def local(cls) -> ServerSpec:
+        return cls(LOCAL, LOCAL_ADDRESS, "gpu", in_process=True)
 
 
 @dataclass(frozen=True)
@@ -91,7 +106,7 @@ class ClusterConfig:
                 "--cpu-defer-experts needs a CPU expert server (only CPU-server experts are deferred)"
             )
         if self.gpu_prefill_token_threshold and not self.gpu:
-            raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server")
+            raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server or experts in process")
 
     def resolved(self, resolver: dns.Resolver | None = None, wait_s: float = 60.0) -> ClusterConfig:
         """This config with every ``dns:///`` server replaced by one server per address it
@@ -104,12 +119,14 @@ class ClusterConfig:
         resolver = resolver or dns.resolver_for(self.dns_hosts_file)
         found: list[tuple[str, str, str]] = []  # (kind, address, dns name)
         for spec, name in zip(self.servers, names):
+            if spec.in_process:
+                continue  # NOTE: 'local' keeps its name and its place (first)
             if name is None:
                 found.append((spec.kind, spec.address, ""))
             else:
                 found += [(spec.kind, a, str(name)) for a in dns.wait_resolved(name, resolver, wait_s)]
         count = {"gpu": 0, "cpu": 0}
-        specs = []
+        specs = [s for s in self.servers if s.in_process]
         for kind, address, name_ in found:
             specs.append(ServerSpec(f"{kind}{count[kind]}", address, kind, name_))
             count[kind] += 1
@@ -126,6 +143,10 @@ class ClusterConfig:
     @property
     def cpu(self) -> list[ServerSpec]:
         return [s for s in self.servers if s.kind == "cpu"]
+
+    @property
+    def has_local(self) -> bool:
+        return any(s.in_process for s in self.servers)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,7 +179,13 @@ class ClusterConfig:
             help="hosts-format file (IP NAME...) consulted before DNS for the dns:/// names, re-read "
             "at every resolution",
         )
-        g.add_argument("--num-gpu-experts", type=int, default=None, help="logical ids < N on GPU servers")
+        g.add_argument(
+            "--num-gpu-experts",
+            type=int,
+            default=None,
+            help="logical ids < N on GPU servers; with --cpu-server and no --gpu-server: in this "
+            "process (the cluster member 'local', on --device), the rest on the CPU servers",
+        )
         g.add_argument(
             "--placement", default=None, metavar="FILE", help="JSON placement (see expertmesh/placement.py)"
         )
@@ -172,7 +199,8 @@ class ClusterConfig:
             "--gpu-prefill-token-threshold",
             type=int,
             default=ClusterConfig.gpu_prefill_token_threshold,
-            help="steps with >= T tokens run all experts on the GPU server",
+            help="steps with >= T tokens run every expert on the first GPU server, or in this process "
+            "with 'local' (which then holds every expert's weights too); 0 = off",
         )
         g.add_argument(
             "--expert-timeout",
@@ -216,7 +244,8 @@ class ClusterConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
-        servers = [ServerSpec(f"gpu{i}", a, "gpu") for i, a in enumerate(args.gpu_server)]
+        servers = [ServerSpec.local()] if wants_local(args) else []
+        servers += [ServerSpec(f"gpu{i}", a, "gpu") for i, a in enumerate(args.gpu_server)]
         servers += [ServerSpec(f"cpu{i}", a, "cpu") for i, a in enumerate(args.cpu_server)]
         return cls(
             servers=tuple(servers),
@@ -234,3 +263,11 @@ class ClusterConfig:
             dns_refresh_s=args.dns_refresh_s,
             dns_hosts_file=args.dns_hosts_file,
         )
+
+
+def wants_local(args: argparse.Namespace) -> bool:
+    """Whether the coordinator holds experts itself: ``--num-gpu-experts N`` (N > 0) with CPU
+    servers and no GPU server, or a placement file that names ``local``."""
+    if args.placement:
+        return LOCAL in pl.file_server_names(args.placement)
+    return bool(args.num_gpu_experts) and bool(args.cpu_server) and not args.gpu_server

@@ -19,6 +19,7 @@ import torch
 
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend, TorchExpertBackend
+from expertmesh.progress import LoadProgress
 
 
 class Pending:
@@ -95,9 +96,15 @@ class LocalDispatcher(Dispatcher):
         cfg = reader.config
         self.backend = backend or default_backend(device)
         all_experts = list(range(cfg.num_experts))
-        self.slots = {
-            layer: stack_experts(reader, layer, all_experts, dtype, device) for layer in cfg.moe_layer_ids
-        }
+        total = reader.expert_nbytes() * cfg.num_experts * len(cfg.moe_layer_ids)
+        reader.progress = LoadProgress("coordinator experts", total)  # minutes for a full-size model
+        try:
+            self.slots = {
+                layer: stack_experts(reader, layer, all_experts, dtype, device) for layer in cfg.moe_layer_ids
+            }
+        finally:
+            reader.progress.close()
+            reader.progress = None
 
     def submit(self, layer, x, topk_ids, topk_weights):
         w13, w2 = self.slots[layer]

@@ -30,6 +30,7 @@ from coordinator.eplb.manager import EplbManager, RebalanceError
 from coordinator.eplb.target import ClusterTarget
 from coordinator.experts.cluster import ExpertCluster
 from coordinator.experts.load_recorder import LoadRecorder
+from coordinator.experts.local import connector
 from coordinator.experts.remote import RemoteDispatcher
 from coordinator.lora import AdapterError, LoRAAdapter, enable_lora
 from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError, LoRAService
@@ -455,7 +456,10 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
     dispatcher: Dispatcher
     cluster: ExpertCluster | None = None
     if config.cluster is not None and config.cluster.servers:
-        cluster = ExpertCluster(cfg, config.cluster, device)
+        local = (
+            connector(config.model_dir, dtype, device, config.max_loras) if config.cluster.has_local else None
+        )
+        cluster = ExpertCluster(cfg, config.cluster, device, local=local)
         dispatcher = RemoteDispatcher(cfg, config.cluster, dtype, device, cluster)
     else:
         dispatcher = LocalDispatcher(reader, dtype, device)

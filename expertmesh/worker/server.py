@@ -95,20 +95,32 @@ def slot_views(backend: ExpertBackend) -> Views | None:
     return plain_views if type(inner).pack_weights is ExpertBackend.pack_weights else None
 
 
+def slot_table(
+    reader: CheckpointReader,
+    backend: ExpertBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    capacity: int,
+    staging_bytes: int | None = None,
+) -> SlotTable:
+    """``backend``'s slot table: an expert server's, and the coordinator's in-process member's
+    (coordinator/experts/local.py)."""
+    # a backend that keeps experts as stored (FP8) reads them itself
+    read = getattr(backend, "read_expert", None)
+    hook = (lambda layer, e: read(reader, layer, e, device)) if read is not None else None
+    stack = getattr(backend, "stack_slots", None)  # NUMA placement of the stacked slots
+    return SlotTable(
+        reader, dtype, device, capacity, backend.pack_weights, hook, stack, staging_bytes, slot_views(backend)
+    )
+
+
 async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -> RunningWorker:
     cores.cap_default_executor()  # asyncio's helper pool, sized from this process's cores
     reader = CheckpointReader(config.model_dir)
     cfg = reader.config
     capacity = config.capacity or cfg.num_experts
     device = torch.device(config.device)
-    # a backend that keeps experts as stored (FP8) reads them itself
-    read = getattr(backend, "read_expert", None)
-    hook = (lambda layer, e: read(reader, layer, e, device)) if read is not None else None
-    stack = getattr(backend, "stack_slots", None)  # NUMA placement of the stacked slots
-    slots = SlotTable(
-        reader, config.torch_dtype, device, capacity, backend.pack_weights, hook, stack, config.staging_bytes,
-        slot_views(backend),
-    )  # fmt: skip
+    slots = slot_table(reader, backend, config.torch_dtype, device, capacity, config.staging_bytes)
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
         kind=config.kind,

@@ -1,0 +1,414 @@
+"""Full-size serving topologies through the real CLI processes: load time, decode speed, memory.
+
+Writes a random checkpoint from a published config.json (Qwen3-30B-A3B by default,
+DeepSeek-V2-Lite with ``--model deepseek-v2-lite``) in HF's per-expert tensor names (bf16; every
+tensor tiled from a few random blocks per fan-in: the bytes moved, which the timings depend on,
+are those of the real model; the numbers computed are noise), then for each topology starts the
+processes ``expertmesh`` users start, waits for health SERVING and measures through a streaming
+gRPC client:
+
+- ``load_s``: coordinator start -> SERVING (a CPU server reused from the row before is already
+  up; its own start is its row's ``server_load_s``);
+- TPOT p50 at batch 1 and batch 8 (``--prompt`` tokens of prompt, ``--new-tokens`` generated,
+  ``ignore_eos``; one warm-up request first), and tokens/s = batch / TPOT;
+- GPU memory per process (nvidia-smi) and resident memory of every process;
+- the per-layer split where measurable: the coordinator's mean per-member round trip per
+  MoE layer (expertmesh_expert_layer_round_trip_seconds: ``local`` is its launch on the GPU's
+  stream, a CPU server's its whole answer) and the CPU server's own compute per layer
+  (expertmesh_worker_layer_compute_seconds).
+
+Topologies (``--rows``; order matters: the CPU server of consecutive rows with the same weight
+dtype is reused, and each row's CPU share is a subset of the row before, so nothing is re-read):
+
+- ``inproc``: ``coordinator --device DEV`` with no expert server (the baseline);
+- ``cpu_int4``: every expert on ``cpu-server --weight-dtype int4``;
+- ``local25_int4`` / ``local50_int4`` / ``local75_int4``: ``--num-gpu-experts`` = 25/50/75% in
+  the coordinator's process (``local``), the rest on that CPU server;
+- ``cpu_bf16``, ``local25_bf16`` ...: the same with bf16 CPU experts;
+- ``gpusrv50_int4``: half on a ``gpu-server`` on the coordinator's GPU (the older hybrid);
+- ``up``: ``expertmesh up --model DIR`` with its defaults.
+
+Tiny run anywhere (CPU; proves the script)::
+
+    python benchmarks/bench_fullsize.py --device cpu --layers 2 --experts 8 --hidden 256 --tiny-attention \\
+        --rows inproc,cpu_int4,local50_int4,local50_bf16,up --new-tokens 8 --out /tmp/fs
+
+On a 2-GPU host with 32 cores (see benchmarks/RESULTS.md for the exact device command)::
+
+    python benchmarks/bench_fullsize.py --device cuda:0 --threads 28 --ckpt-dir /tmp/q3 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.fullsize_ckpt import CONFIGS, tiny_overrides, write_checkpoint  # noqa: E402
+from expertmesh import health  # noqa: E402
+from expertmesh.client import AsyncClient  # noqa: E402
+
+_LISTEN = re.compile(r"listening on (\S+):(\d+)")
+_UP = re.compile(r"expertmesh is serving on (\S+):(\d+)")
+_HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on https?://\S+:(\d+)")
+ROWS = "inproc,cpu_int4,local25_int4,local50_int4,local75_int4,cpu_bf16,local25_bf16,local50_bf16,local75_bf16,up"
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: subprocess.Popen
+    lines: list[str] = field(default_factory=list)
+    port: int = 0
+    http: int = 0
+
+    def rss_gib(self) -> float:
+        """Resident memory of the process and its children (``up`` starts the others)."""
+        total = 0
+        for pid in [self.proc.pid, *_children(self.proc.pid)]:
+            try:
+                m = re.search(r"^VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M)
+                total += int(m.group(1)) if m else 0
+            except OSError:
+                pass
+        return total / (1 << 20)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    out = [int(k) for k in kids]
+    return out + [g for k in out for g in _children(k)]
+
+
+def spawn(name: str, cmd: list[str], pattern: re.Pattern, timeout: float, log: Path) -> Proc:
+    """Starts ``cmd`` (its output to ``log`` and kept), waits for ``pattern``."""
+    import threading
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = Proc(
+        name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    )
+    found = threading.Event()
+
+    def drain() -> None:
+        assert p.proc.stdout is not None
+        with log.open("a") as f:
+            for line in p.proc.stdout:
+                f.write(line)
+                p.lines.append(line)
+                h = _HTTP.search(line)
+                if h and not p.http:
+                    p.http = int(h.group(1))
+                m = pattern.search(line)
+                if m and not p.port:
+                    p.port = int(m.group(2))
+                    found.set()
+        found.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not found.wait(timeout) or not p.port:
+        p.stop()
+        raise RuntimeError(f"{name} did not start within {timeout:g}s:\n{''.join(p.lines[-30:])}")
+    return p
+
+
+def wait_serving(addr: str, timeout: float, procs: list[Proc]) -> float:
+    t0 = time.monotonic()
+    while health.check(addr, 1.0) != "SERVING":
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise RuntimeError(f"{p.name} exited:\n{''.join(p.lines[-30:])}")
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"{addr} not SERVING after {timeout:g}s")
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------- measuring
+
+
+async def _stream(client: AsyncClient, ids: list[int], n: int) -> list[float]:
+    """Per generated token after the first: seconds since the token before."""
+    gaps: list[float] = []
+    last = None
+    async for chunk in client.stream(input_ids=ids, max_new_tokens=n, ignore_eos=True):
+        now = time.perf_counter()
+        k = len(chunk.token_ids)
+        if last is not None and k:
+            gaps += [(now - last) / k] * k
+        last = now
+    return gaps
+
+
+async def tpot(addr: str, batch: int, prompt: int, new_tokens: int, vocab: int) -> float:
+    """TPOT p50 (seconds) of ``batch`` concurrent streams, after a warm-up of the same batch."""
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(10, vocab - 10, (prompt,), generator=g).tolist() for _ in range(batch)]
+    async with AsyncClient(addr, timeout=1200) as c:
+        await asyncio.gather(*(_stream(c, p, 4) for p in prompts))
+        runs = await asyncio.gather(*(_stream(c, p, new_tokens) for p in prompts))
+    gaps = [x for r in runs for x in r]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def scrape(port: int) -> dict[str, tuple[float, float]]:
+    """{metric{labels}: (sum, count)} of the histograms at ``port``'s /metrics."""
+    if not port:
+        return {}
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = re.match(r"(\w+)_(sum|count)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            key = m.group(1) + (m.group(3) or "")
+            out.setdefault(key, [0.0, 0.0])[0 if m.group(2) == "sum" else 1] += float(m.group(4))
+    return {k: (s, c) for k, (s, c) in out.items()}
+
+
+def per_layer_ms(before: dict, after: dict, prefix: str) -> dict[str, float]:
+    """Mean ms per observation of each histogram named ``prefix`` between two scrapes."""
+    out = {}
+    for key, (s, c) in after.items():
+        if key.startswith(prefix):
+            s0, c0 = before.get(key, (0.0, 0.0))
+            if c > c0:
+                label = re.search(r'(?:server|layer)="([^"]*)"', key)
+                out[label.group(1) if label else key] = round((s - s0) / (c - c0) * 1e3, 3)
+    return out
+
+
+def gpu_mib() -> dict[int, int]:
+    """Used GPU memory per process id (nvidia-smi; empty without it)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    res = {}
+    for line in out.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            res[int(parts[0])] = int(parts[1])
+    return res
+
+
+# ---------------------------------------------------------------------- topologies
+
+
+@dataclass
+class Row:
+    name: str
+    server_dtype: str | None  # the CPU server's --weight-dtype (None: no CPU server)
+    gpu_share: float  # experts in process (or on the GPU server) / all
+    gpu_server: bool = False
+    up: bool = False
+
+
+def parse_row(name: str) -> Row:
+    if name == "inproc":
+        return Row(name, None, 1.0)
+    if name == "up":
+        return Row(name, None, 1.0, up=True)
+    m = re.fullmatch(r"(cpu|local(\d+)|gpusrv(\d+))_(int4|int8|bf16)", name)
+    if not m:
+        raise SystemExit(f"unknown row {name!r}")
+    share = 0.0 if m.group(1) == "cpu" else int(m.group(2) or m.group(3)) / 100
+    return Row(name, m.group(4), share, gpu_server=m.group(3) is not None)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, ckpt: Path, cfg: dict) -> None:
+        self.args, self.ckpt, self.cfg = args, ckpt, cfg
+        self.cli = [sys.executable, "-m", "expertmesh.cli"]
+        self.log = Path(args.out) / "logs.txt"
+        self.cpu: Proc | None = None
+        self.cpu_dtype: str | None = None
+        self.cpu_load_s = 0.0
+
+    def cpu_server(self, dtype: str) -> tuple[Proc, float]:
+        """The CPU server with ``dtype`` experts (reused while consecutive rows share it)."""
+        if self.cpu is not None and self.cpu_dtype == dtype and self.cpu.proc.poll() is None:
+            return self.cpu, 0.0
+        if self.cpu is not None:
+            self.cpu.stop()
+        a = self.args
+        cmd = [*self.cli, "cpu-server", "--model", str(self.ckpt), "--port", "0", "--dtype", "bfloat16",
+               "--metrics-port", "0", "--threads", str(a.threads)]  # fmt: skip
+        if dtype != "bf16":
+            cmd += ["--weight-dtype", dtype]
+        t0 = time.monotonic()
+        self.cpu = spawn(f"cpu-server {dtype}", cmd, _LISTEN, a.startup_timeout, self.log)
+        wait_serving(f"127.0.0.1:{self.cpu.port}", a.startup_timeout, [self.cpu])
+        self.cpu_dtype = dtype
+        self.cpu_load_s = time.monotonic() - t0
+        return self.cpu, self.cpu_load_s
+
+    def run_row(self, row: Row) -> dict:
+        a, e = self.args, self.cfg["experts"]
+        res: dict = {"row": row.name}
+        procs: list[Proc] = []
+        extra: list[Proc] = []
+        if row.server_dtype is None:  # NOTE: a CPU server kept for later rows would hold cores and memory
+            self.close()
+        try:
+            if row.up:
+                cmd = [*self.cli, "up", "--model", str(self.ckpt), "--port", "0"]
+                t0 = time.monotonic()
+                co = spawn("up", cmd, _UP, a.startup_timeout, self.log)
+                res["load_s"] = round(time.monotonic() - t0, 1)
+                res["topology"] = next((ln.strip() for ln in co.lines if "expertmesh up:" in ln), "")
+                procs.append(co)
+            else:
+                flags = ["--device", a.device, "--dtype", "bfloat16", "--kv-memory", a.kv_memory,
+                         "--threads", str(a.coordinator_threads), "--http-port", "0"]  # fmt: skip
+                n = round(row.gpu_share * e)
+                if row.server_dtype is not None:
+                    cpu, res["server_load_s"] = self.cpu_server(row.server_dtype)
+                    res["server_load_s"] = round(res["server_load_s"], 1)
+                    flags += ["--cpu-server", f"127.0.0.1:{cpu.port}", "--num-gpu-experts", str(n)]
+                    extra.append(cpu)
+                if row.gpu_server:
+                    gcmd = [*self.cli, "gpu-server", "--model", str(self.ckpt), "--port", "0", "--dtype",
+                            "bfloat16", "--device", a.device, "--experts", f"0-{n - 1}", "--metrics-port", "0"]  # fmt: skip
+                    gpu = spawn("gpu-server", gcmd, _LISTEN, a.startup_timeout, self.log)
+                    procs.append(gpu)
+                    wait_serving(f"127.0.0.1:{gpu.port}", a.startup_timeout, [gpu])
+                    flags += ["--gpu-server", f"127.0.0.1:{gpu.port}"]
+                t0 = time.monotonic()
+                co = spawn("coordinator", [*self.cli, "coordinator", "--model", str(self.ckpt), "--port", "0",
+                                           *flags], re.compile(r"coordinator listening on (\S+):(\d+)"),
+                           a.startup_timeout, self.log)  # fmt: skip
+                procs.append(co)
+                wait_serving(f"127.0.0.1:{co.port}", a.startup_timeout, [co, *extra])
+                res["load_s"] = round(time.monotonic() - t0, 1)
+            addr = f"127.0.0.1:{co.port}"
+            if row.up:
+                wait_serving(addr, a.startup_timeout, procs)
+            for b in a.batches:
+                m0 = scrape(co.http), scrape(self.cpu.http if extra and self.cpu else 0)
+                t = asyncio.run(tpot(addr, b, a.prompt, a.new_tokens, self.cfg["vocab"]))
+                m1 = scrape(co.http), scrape(self.cpu.http if extra and self.cpu else 0)
+                res[f"tpot_ms_b{b}"] = round(t * 1e3, 2)
+                res[f"tok_s_b{b}"] = round(b / t, 1)
+                res[f"round_trip_ms_b{b}"] = per_layer_ms(m0[0], m1[0], "expertmesh_expert_layer_round_trip")
+                cpu_ms = per_layer_ms(m0[1], m1[1], "expertmesh_worker_layer_compute")
+                if cpu_ms:
+                    res[f"cpu_compute_ms_b{b}"] = round(statistics.mean(cpu_ms.values()), 3)
+            mem = gpu_mib()
+            res["gpu_mib"] = {p.name: sum(mem.get(pid, 0) for pid in [p.proc.pid, *_children(p.proc.pid)])
+                              for p in [*procs, *extra]} if mem else {}  # fmt: skip
+            res["rss_gib"] = {p.name: round(p.rss_gib(), 1) for p in [*procs, *extra]}
+        except RuntimeError as err:
+            res["error"] = str(err)[-2000:]
+        finally:
+            for p in reversed(procs):
+                p.stop()
+        return res
+
+    def close(self) -> None:
+        if self.cpu is not None:
+            self.cpu.stop()
+        self.cpu = self.cpu_dtype = None
+
+
+def table(results: list[dict], batches: list[int]) -> str:
+    head = ["row", "load s", *(f"tok/s b{b}" for b in batches), *(f"TPOT ms b{b}" for b in batches),
+            "GPU MiB", "RSS GiB", "per-layer round trip ms (b1)", "CPU compute ms/layer (b1)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['row']} | failed: {r['error'].splitlines()[-1][:120]} |")
+            continue
+        load = f"{r['load_s']}" + (f" (+{r['server_load_s']} server)" if r.get("server_load_s") else "")
+        cells = [r["row"], load, *(str(r.get(f"tok_s_b{b}")) for b in batches),
+                 *(str(r.get(f"tpot_ms_b{b}")) for b in batches),
+                 ", ".join(f"{k} {v}" for k, v in r["gpu_mib"].items()) or "n/a",
+                 ", ".join(f"{k} {v}" for k, v in r["rss_gib"].items()),
+                 ", ".join(f"{k} {v}" for k, v in r.get(f"round_trip_ms_b{batches[0]}", {}).items()) or "-",
+                 str(r.get(f"cpu_compute_ms_b{batches[0]}", "-"))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(CONFIGS))
+    p.add_argument("--ckpt-dir", default=None, help="where the checkpoint is written (kept and reused)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 8) - 4), help="CPU server")
+    p.add_argument("--coordinator-threads", type=int, default=4)
+    p.add_argument("--rows", default=ROWS)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--kv-memory", default="2GiB")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    p.add_argument("--experts", type=int, default=None, help="override the routed experts")
+    p.add_argument("--hidden", type=int, default=None, help="override hidden_size")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--tiny-attention", action="store_true", help="a few small heads, a small vocab and MLPs")
+    args = p.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    over = {k: v for k, v in (("num_hidden_layers", args.layers), ("experts", args.experts),
+                              ("hidden_size", args.hidden), ("top_k", args.top_k)) if v is not None}  # fmt: skip
+    if args.tiny_attention:
+        over = {**tiny_overrides(args.model), **over}
+    ckpt = Path(args.ckpt_dir or out / "ckpt")
+    t0 = time.monotonic()
+    cfg, wrote = write_checkpoint(args.model, ckpt, over, args.device)
+    print(f"checkpoint {ckpt}: {'written' if wrote else 'reused'} in {time.monotonic() - t0:.0f}s "
+          f"({cfg['bytes'] / 1e9:.1f} GB)", flush=True)  # fmt: skip
+    bench = Bench(args, ckpt, cfg)
+    results = []
+    try:
+        for name in args.rows.split(","):
+            r = bench.run_row(parse_row(name))
+            print(json.dumps(r), flush=True)
+            results.append(r)
+            (out / "results.json").write_text(
+                json.dumps({"config": cfg, "args": vars(args), "rows": results})
+            )
+    finally:
+        bench.close()
+    md = table(results, args.batches)
+    (out / "table.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
