@@ -1,6 +1,6 @@
 """One expert server seen from the coordinator: channel, ``Describe``, placement phases, and the
 long-lived ``Forward`` stream (pipelined by sequence number, read by its own thread), with the
-shared-memory / CUDA IPC fast path negotiated on it (expertmesh.transport).
+shared-memory / CUDA IPC fast path or the TCP data path negotiated on it (expertmesh.transport).
 
 This is the coordinator's gRPC edge: gRPC errors become :class:`ExpertServerError` (a typed
 library error plus its status code) here and nowhere else. The connection does not decide when
@@ -36,6 +36,8 @@ from expertmesh.transport import descriptor as dsc
 from expertmesh.transport.client import LinkAreas, Reply, ShmClient
 from expertmesh.transport.errors import MalformedAnswer, Rejected
 from expertmesh.transport.handshake import Ack, HandshakeError
+from expertmesh.transport.tcp import TcpError, split_address
+from expertmesh.transport.tcp_client import TcpClient, TcpReply
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
@@ -69,7 +71,7 @@ class _Stream:
     pending: dict[int, Future] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     dead: ExpertServerError | None = None
-    fast: ShmClient | None = None  # the stream's shared-memory channel, if it has one
+    fast: ShmClient | TcpClient | None = None  # the stream's fast channel, if it has one
 
 
 class GrpcReply:
@@ -98,7 +100,7 @@ class GrpcReply:
 class FastReply:
     """An answer due on the stream's fast path (its output is a view into the ring)."""
 
-    def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply, layer: int = -1) -> None:
+    def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply | TcpReply, layer: int = -1) -> None:
         self.conn, self.st, self.reply, self.layer = conn, st, reply, layer
 
     def result(self, timeout: float) -> torch.Tensor:  # [T_s, H], a view valid until release()
@@ -300,7 +302,9 @@ class ServerConnection:
 
     def _open(self) -> _Stream:
         q: queue.Queue = queue.Queue()
-        call = self.stub.Forward(iter(q.get, None))
+        # NOTE: the cluster token rides on the stream: a server that has one opens its TCP data
+        # path only for a stream that carries it
+        call = self.stub.Forward(iter(q.get, None), metadata=auth.metadata(self.cluster.cluster_token))
         st = _Stream(call, q)
         threading.Thread(target=self._read, args=(st,), daemon=True, name=f"read-{self.spec.name}").start()
         self.transport = "grpc"
@@ -317,17 +321,28 @@ class ServerConnection:
             "local" if self.plan == "cuda_ipc" and theirs and theirs != device_uuid(self.device) else "host"
         )
         link = self._link_offer(sync)
+        fast: ShmClient | TcpClient
         try:
-            fast = ShmClient(
-                self.plan,
-                self.cluster.shm_ring_bytes,
-                self.device,
-                self.cluster.shm_spin_us,
-                cuda_sync=sync,
-                link=link,
-            )
-        except (OSError, cuda_ipc.CudaIpcError, torch.OutOfMemoryError) as e:
-            self._settle(st, None, Ack("grpc", f"cannot create the shared-memory channel here: {e}"))
+            if self.plan == "tcp":
+                fast = TcpClient(
+                    self.cluster.shm_ring_bytes,
+                    self.device,
+                    self.cluster.shm_spin_us,
+                    tls=self.cluster.tls,
+                    data_address=self.spec.data_address,
+                    server_host=split_address(self.spec.address)[0],
+                )
+            else:
+                fast = ShmClient(
+                    self.plan,
+                    self.cluster.shm_ring_bytes,
+                    self.device,
+                    self.cluster.shm_spin_us,
+                    cuda_sync=sync,
+                    link=link,
+                )
+        except (OSError, ValueError, cuda_ipc.CudaIpcError, torch.OutOfMemoryError) as e:
+            self._settle(st, None, Ack("grpc", f"cannot create the {self.plan} channel here: {e}"))
             return
         fut: Future = Future()
         with st.lock:
@@ -400,19 +415,35 @@ class ServerConnection:
             ) from None
         return "" if resp.code == 0 else f"refused ({resp.code}): {resp.message}"
 
-    def _settle(self, st: _Stream, fast: ShmClient | None, ack: Ack) -> None:
+    def _settle(self, st: _Stream, fast: ShmClient | TcpClient | None, ack: Ack) -> None:
         """Takes the server's answer (``auto`` accepts a slower path, a required path does not)."""
         requested = self.cluster.transport
         if not negotiate.acceptable(requested, self.plan, ack.transport):
             why = f"{self.describe_self()} answered {ack.transport}: {ack.reason}"
             self._refuse(st, fast, f"--transport {requested}: {why}")
-        self.transport_note = ack.reason
+        # NOTE: the plan's reason stays when the server takes the plan (why nothing faster)
+        self.transport_note = ack.reason or self.transport_note
         if ack.transport == "grpc":
             if fast is not None:
                 fast.close()
             log.info("%s: plain gRPC (%s)", self.spec.name, ack.reason)
             return
         assert fast is not None
+        if isinstance(fast, TcpClient):
+            try:
+                fast.accept(ack)
+            except TcpError as e:
+                if requested != "auto":
+                    self._refuse(st, fast, f"{self.describe_self()}: --transport {requested}: {e}")
+                # NOTE: auto goes on over plain gRPC on this stream (the server's side of the
+                # data path gives up waiting for us); the next stream tries tcp again
+                fast.close()
+                self.transport_note = str(e)
+                log.warning("%s: plain gRPC (%s)", self.spec.name, e)
+                return
+            st.fast, self.transport = fast, fast.transport
+            log.info("%s: tcp data path to %s", self.spec.name, fast.peer)
+            return
         try:
             fast.accept(ack)
         except cuda_ipc.CudaIpcError as e:
@@ -427,7 +458,7 @@ class ServerConnection:
             else:
                 log.info("%s: no device link: %s", self.spec.name, fast.link_reason)
 
-    def _refuse(self, st: _Stream, fast: ShmClient | None, message: str) -> NoReturn:
+    def _refuse(self, st: _Stream, fast: ShmClient | TcpClient | None, message: str) -> NoReturn:
         if fast is not None:
             fast.close()
         err = ExpertServerError.of(errors.Incompatible(message))
