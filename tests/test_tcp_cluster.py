@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from coordinator.experts.remote import ClusterConfig, ExpertServerError, ServerSpec
-from coordinator.model.engine import Engine
 from expertmesh.transport.delay_proxy import DelayProxy
 from tests.cluster_utils import start_server
 from tests.hf_models import ARCHS, make_checkpoint

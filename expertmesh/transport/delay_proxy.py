@@ -43,7 +43,7 @@ def check_loopback(host: str, what: str) -> None:
     except socket.gaierror as e:
         raise ValueError(f"{what} {host!r}: {e}") from None
     for info in infos:
-        if not ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback:
+        if not ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback:
             raise ValueError(f"{what} {host!r} is not a loopback address: this proxy stays on one host")
 
 
