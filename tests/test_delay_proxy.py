@@ -59,9 +59,10 @@ def round_trip_ms(port: int, n: int = 30) -> float:
 def test_the_proxy_adds_the_delay_it_claims():
     echo = Echo()
     try:
-        with DelayProxy(("127.0.0.1", echo.port), delay_us=0, spin_us=0) as p0, DelayProxy(
-            ("127.0.0.1", echo.port), delay_us=3000, spin_us=0
-        ) as p3:
+        with (
+            DelayProxy(("127.0.0.1", echo.port), delay_us=0, spin_us=0) as p0,
+            DelayProxy(("127.0.0.1", echo.port), delay_us=3000, spin_us=0) as p3,
+        ):
             base = round_trip_ms(p0.port)
             slow = round_trip_ms(p3.port)
         added = slow - base
@@ -77,7 +78,10 @@ def test_jitter_never_reorders_bytes():
         with DelayProxy(("127.0.0.1", echo.port), delay_us=200, jitter_us=200, seed=1) as p:
             payload = os.urandom(1 << 20)
             with socket.create_connection(("127.0.0.1", p.port), timeout=30) as s:
-                threading.Thread(target=lambda: [s.sendall(payload[i : i + 1000]) for i in range(0, len(payload), 1000)], daemon=True).start()
+                threading.Thread(
+                    target=lambda: [s.sendall(payload[i : i + 1000]) for i in range(0, len(payload), 1000)],
+                    daemon=True,
+                ).start()
                 got = b""
                 while len(got) < len(payload):
                     chunk = s.recv(1 << 16)

@@ -238,9 +238,7 @@ class ClusterConfig:
         unknown = set(data) - {s.name for s in servers} - {s.address for s in servers}
         if unknown:
             raise ValueError(f"--server-data-address names no expert server: {sorted(unknown)}")
-        servers = [
-            replace(s, data_address=data.get(s.name) or data.get(s.address) or "") for s in servers
-        ]
+        servers = [replace(s, data_address=data.get(s.name) or data.get(s.address) or "") for s in servers]
         return cls(
             servers=tuple(servers),
             num_gpu_experts=args.num_gpu_experts,

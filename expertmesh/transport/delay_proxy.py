@@ -118,7 +118,9 @@ class DelayProxy:
         self.to = to
         self.delay_s, self.jitter_s, self.spin_s = delay_us * 1e-6, jitter_us * 1e-6, spin_us * 1e-6
         self.rng = random.Random(seed)
-        self._sock = socket.create_server(listen, family=socket.AF_INET6 if ":" in listen[0] else socket.AF_INET)
+        self._sock = socket.create_server(
+            listen, family=socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
+        )
         self.port: int = self._sock.getsockname()[1]
         self.address = f"{listen[0]}:{self.port}"
         self._closed = False
@@ -186,12 +188,23 @@ class DelayProxy:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m expertmesh.transport.delay_proxy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--listen", required=True, metavar="HOST:PORT", help="loopback address to listen on (port 0: a free one)")
+    ap = argparse.ArgumentParser(
+        prog="python -m expertmesh.transport.delay_proxy", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--listen",
+        required=True,
+        metavar="HOST:PORT",
+        help="loopback address to listen on (port 0: a free one)",
+    )
     ap.add_argument("--to", required=True, metavar="HOST:PORT", help="loopback address to forward to")
     ap.add_argument("--delay-us", type=float, default=100.0, help="added one-way delay, microseconds")
-    ap.add_argument("--jitter-us", type=float, default=0.0, help="uniform jitter around the delay (never reorders)")
-    ap.add_argument("--spin-us", type=float, default=100.0, help="poll this long before a chunk is due (0 = sleep only)")
+    ap.add_argument(
+        "--jitter-us", type=float, default=0.0, help="uniform jitter around the delay (never reorders)"
+    )
+    ap.add_argument(
+        "--spin-us", type=float, default=100.0, help="poll this long before a chunk is due (0 = sleep only)"
+    )
     args = ap.parse_args(argv)
     host, port = args.listen.rpartition(":")[0].strip("[]"), int(args.listen.rpartition(":")[2])
     try:
@@ -201,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"delay proxy listening on {proxy.address} -> {args.to} (+{args.delay_us:g} us each way)", flush=True)
+    print(
+        f"delay proxy listening on {proxy.address} -> {args.to} (+{args.delay_us:g} us each way)", flush=True
+    )
     stop.wait()
     proxy.close()
     return 0
