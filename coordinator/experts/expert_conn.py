@@ -331,6 +331,7 @@ class ServerConnection:
                     tls=self.cluster.tls,
                     data_address=self.spec.data_address,
                     server_host=split_address(self.spec.address)[0],
+                    stall_s=self.cluster.timeout_s,
                 )
             else:
                 fast = ShmClient(

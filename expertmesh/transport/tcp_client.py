@@ -86,8 +86,10 @@ class TcpClient:
         tls: TLSConfig | None = None,
         data_address: str = "",  # HOST:PORT to connect to instead of the advertised port
         server_host: str = "127.0.0.1",  # the host of the server's gRPC address
+        stall_s: float = 30.0,  # the longest a frame may take to arrive or leave once started
     ) -> None:
         self.capacity = buffer_bytes
+        self.stall_s = stall_s
         self.device = device
         self.tls, self.data_address, self.server_host = tls, data_address, server_host
         self._token = np.random.bytes(16)
@@ -155,6 +157,9 @@ class TcpClient:
             if isinstance(e, tcp.TcpError):
                 raise
             raise tcp.TcpError(f"data port {self.peer}: {type(e).__name__}: {e}") from None
+        # NOTE: set once (each change costs a system call): a waiter polls for its answer with
+        # its own deadline first; this bounds a frame that stops half-way, and a send
+        sock.settimeout(self.stall_s)
         with self._state:
             if self._dead is not None:
                 sock.close()
@@ -207,8 +212,6 @@ class TcpClient:
         try:
             if self._dead is not None or sock is None:
                 raise OSError("the channel is closed")
-            if sock.gettimeout() is not None:  # NOTE: a send waits as long as the server takes to read
-                sock.settimeout(None)
             sock.sendall(self._wview[: tcp.HEADER + body])
         except OSError as e:
             self.kill(self._lost(f"sending failed: {e}"))
@@ -244,18 +247,15 @@ class TcpClient:
                     if not self._poll.poll(max(1, int(left * 1e3))):
                         continue
                     self._spin.blocked_for(time.monotonic() - t0)
-                self._read_one(deadline)
+                self._read_one()
 
-    def _read_one(self, deadline: float) -> None:
+    def _read_one(self) -> None:
         """Reads one answer (the oldest request's), into its room in the ring."""
         sock = self._sock
         if self._dead is not None or sock is None:
             return
         hv = memoryview(self._hdr)
         try:
-            # NOTE: a frame that started arriving is given the rest of the deadline (at least
-            # a moment): stopping inside it would leave the byte stream unreadable
-            sock.settimeout(max(0.05, deadline - time.monotonic()))
             n = tcp.recv_into(sock, hv)
             if n < tcp.HEADER:
                 self.kill(
