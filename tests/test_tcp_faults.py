@@ -1,16 +1,25 @@
 """kill -9 of a replica on the TCP data path in the middle of a streaming load: no request
 fails and no token changes (the coordinator's pending layer goes to the live replica, as on
-gRPC); the server restarted on its port rejoins over TCP. Real processes: a coordinator, a GPU
+gRPC); the server restarted on its port rejoins over TCP. A stopped replica times out and its
+rows fail over too. Real processes: a coordinator, a GPU
 expert server (on the CPU) and a CPU expert server, 8 concurrent streaming clients, half of
 them with a MoE LoRA adapter (its slots travel in the frames)."""
 
 from __future__ import annotations
 
+import json
+import signal
+import time
+
 import grpc
 import pytest
+import torch
 
+from coordinator.experts.remote import ClusterConfig, ServerSpec
+from coordinator.model.engine import Engine
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests import lora_utils
+from tests.cluster_utils import start_server
 from tests.fault_utils import (
     Zygote,
     load_lora,
@@ -20,7 +29,11 @@ from tests.fault_utils import (
     wait_health,
     wait_states,
 )
+from tests.hf_models import make_checkpoint
+from tests.test_cluster import engine_for
+from tests.test_cluster_faults import run_steps
 from tests.test_fault_tolerance import BOTH_READY, coordinator_flags, jobs, tokens
+from tests.test_parity import rel_err
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +77,38 @@ def test_kill_9_of_a_replica_on_tcp_fails_nothing(tmp_path):
         gpu.stop()
         cpu.stop()
         zygote.close()
+
+
+def test_a_stalled_replica_on_tcp_times_out_and_its_rows_fail_over(tmp_path):
+    """SIGSTOP: the server's data connection stays open but answers nothing; the layer's
+    deadline ends the wait, the rows go to the live replica, the server rejoins after SIGCONT."""
+    make_checkpoint("qwen3_moe", tmp_path)
+    gpu, cpu = start_server("gpu", tmp_path), start_server("cpu", tmp_path)
+    spec = {"servers": ["gpu0", "cpu0"], "layers": {"*": {"gpu0": [0, 1, 2, 3], "cpu0": list(range(8))}}}
+    (tmp_path / "p.json").write_text(json.dumps(spec))
+    servers = (ServerSpec("gpu0", gpu.address, "gpu"), ServerSpec("cpu0", cpu.address, "cpu"))
+    cfg = ClusterConfig(servers, placement_file=str(tmp_path / "p.json"), timeout_s=3.0, transport="tcp")
+    try:
+        eng, d = engine_for(tmp_path, cfg)
+        prompt = list(range(5, 15))
+        want = torch.stack(run_steps(Engine.from_checkpoint(str(tmp_path)), prompt, 3))
+        assert rel_err(torch.stack(run_steps(eng, prompt, 3)), want) < 1e-4
+        assert [i["transport"] for i in d.server_infos()] == ["tcp", "tcp"]
+        gpu.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert rel_err(torch.stack(run_steps(eng, prompt, 3)), want) < 1e-4
+            assert time.monotonic() - t0 < 3 * 3.0 + 5  # one deadline, then routed around
+            assert d.server_infos()[0]["state"] == "unavailable"
+        finally:
+            gpu.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not d.ready():
+            assert time.monotonic() < deadline, d.server_infos()
+            time.sleep(0.1)
+        assert rel_err(torch.stack(run_steps(eng, prompt, 3)), want) < 1e-4
+        assert [i["transport"] for i in d.server_infos()] == ["tcp", "tcp"]
+        d.close()
+    finally:
+        gpu.stop()
+        cpu.stop()
