@@ -467,15 +467,18 @@ def demo_cpu(args) -> None:
     cfg = reader.config
     vocab = cfg.vocab_size
     pages = max(args.batches) * -(-(args.prompt + args.new + 3 + 1) // 16) + 8
-    modes = [(t, t, 0.0) for t in args.demo_cpu]
+    modes = [(t, t, 0.0, 1) for t in args.demo_cpu]
     if args.delay_us and "tcp" in args.demo_cpu:
-        modes.append((f"tcp (+{args.delay_us:g} us each way)", "tcp", args.delay_us))
+        modes.append((f"tcp (+{args.delay_us:g} us each way)", "tcp", args.delay_us, 1))
+    if args.micro_batches > 1:  # the tcp modes again, decode steps split into micro-batches
+        n = args.micro_batches
+        modes += [(f"{m[0]}, {n} micro-batches", m[1], m[2], n) for m in list(modes) if m[1] == "tcp"]
     proxies: list[DelayProxy] = []
     procs: list[subprocess.Popen] = []
     engines = {}
     try:
         ref = Engine.from_checkpoint(str(ck), num_pages=pages)
-        for name, transport, delay in modes:
+        for name, transport, delay, micro in modes:
             # NOTE: a server each: every coordinator pushes its own placement generation
             proc, address, data = _demo_server(ck)
             procs.append(proc)
@@ -491,6 +494,7 @@ def demo_cpu(args) -> None:
             d.probe = []
             eng = Engine(load_model(reader, torch.float32, torch.device("cpu")), d, KVCacheSpec(pages, 16),
                          torch.float32, torch.device("cpu"))  # fmt: skip
+            eng.micro_batches = micro
             engines[name] = (eng, d, d.server_infos()[0]["transport"])
         best: dict[tuple[str, int], float] = {}
         split: dict[tuple[str, int], list[float]] = {}
@@ -583,6 +587,8 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=3, help="--demo-cpu: timed rounds per mode and batch (best kept)"
     )
+    ap.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                    help="--demo-cpu: also each tcp mode with decode steps split into N micro-batches")  # fmt: skip
     args = ap.parse_args()
     if args.demo_cpu is not None:
         return demo_cpu(args)
