@@ -93,7 +93,8 @@ class Ack:
     # out_ring (cuda_ipc.share()) and done_event (hex); with a device link offered, link_area
     # (cuda_ipc.share() of the answer area) when accepted, or link_reason (why not)
     cuda: dict = field(default_factory=dict)
-    tcp: dict = field(default_factory=dict)  # tcp: {"port": the data listener's port, "tls": bool}
+    # tcp: {"port": the data listener's port, "tls": bool, "buffer": the largest frame body it takes}
+    tcp: dict = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return MAGIC + json.dumps(asdict(self)).encode()

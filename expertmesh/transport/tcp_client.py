@@ -124,6 +124,9 @@ class TcpClient:
         """Connects to the server's data port and presents the stream token; raises TcpError
         (saying why) when that fails."""
         assert ack.transport == "tcp", ack
+        limit = ack.tcp.get("buffer")
+        if isinstance(limit, int) and 0 < limit < self.capacity:  # the server holds less: send less
+            self.capacity = limit
         if self.data_address:
             host, port = tcp.split_address(self.data_address)
         else:
@@ -206,8 +209,9 @@ class TcpClient:
         self._wview[: tcp.HEADER] = desc.pack()
         out = self._recv_area.tensor(region.offset, (t, h), dtype)
         reply = TcpReply(self, req.seq, out, region)
-        with self._lock:  # NOTE: against a waiter reading the socket: the order is the answers'
-            self._order.append(reply)
+        # NOTE: no lock: only this thread appends and only a waiter pops (deque ops are atomic),
+        # and a waiter may hold the read lock for as long as its answer takes
+        self._order.append(reply)
         sock = self._sock
         try:
             if self._dead is not None or sock is None:

@@ -186,9 +186,8 @@ class TcpServer:
         self._thread = threading.Thread(target=self._run, daemon=True, name="expert-tcp-path")
 
     def start(self) -> Future[Ack]:
-        self.ack.set_result(
-            Ack("tcp", tcp={"port": self.listener.port, "tls": self.listener.tls is not None})
-        )
+        tls = self.listener.tls is not None
+        self.ack.set_result(Ack("tcp", tcp={"port": self.listener.port, "tls": tls, "buffer": self.capacity}))
         self._thread.start()
         return self.ack
 
