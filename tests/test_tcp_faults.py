@@ -21,6 +21,7 @@ from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests import lora_utils
 from tests.cluster_utils import start_server
 from tests.fault_utils import (
+    Job,
     Zygote,
     load_lora,
     placement_file,
@@ -32,6 +33,7 @@ from tests.fault_utils import (
 from tests.hf_models import make_checkpoint
 from tests.test_cluster import engine_for
 from tests.test_cluster_faults import run_steps
+from tests.test_drain import PROMPTS
 from tests.test_fault_tolerance import BOTH_READY, coordinator_flags, jobs, tokens
 from tests.test_parity import rel_err
 
@@ -112,3 +114,41 @@ def test_a_stalled_replica_on_tcp_times_out_and_its_rows_fail_over(tmp_path):
     finally:
         gpu.stop()
         cpu.stop()
+
+
+def test_sigterm_drains_a_server_on_tcp_without_failing_requests(tmp_path):
+    """A draining server refuses new layers with UNAVAILABLE on the data connection too: the
+    coordinator re-sends them to the replica, closes its stream, and the server exits 0 long
+    before its drain timeout."""
+    make_checkpoint("qwen3_moe", tmp_path)
+    every = list(range(8))
+    p = placement_file(tmp_path / "both.json", {"*": {"gpu0": every, "cpu0": every}}, ["gpu0", "cpu0"])
+    gpu = start_server("gpu", tmp_path, 0, "--drain-timeout", "30")
+    cpu = start_server("cpu", tmp_path, 0, "--drain-timeout", "30")
+    co = None
+    try:
+        co = start_coordinator(
+            tmp_path, "--gpu-server", gpu.address, "--cpu-server", cpu.address, "--placement", p,
+            "--replica-policy", "round_robin", "--expert-timeout", "5", "--kv-memory", "8MiB",
+            "--transport", "tcp",
+        )  # fmt: skip
+        jobs = [[Job(q, 8)] for q in PROMPTS]
+        wait_health(co.addr, "SERVING")
+        assert transports(co.addr) == {"gpu0": "tcp", "cpu0": "tcp"}
+        want = tokens(run_load(co.addr, jobs))
+        sent: list[float] = []
+
+        def sigterm() -> None:
+            sent.append(time.monotonic())
+            cpu.proc.send_signal(signal.SIGTERM)
+
+        assert tokens(run_load(co.addr, jobs, at_chunks=10, action=sigterm)) == want
+        assert cpu.proc.wait(20) == 0, cpu.output()
+        assert "drained: no coordinator stream left" in cpu.output(), cpu.output()
+        assert time.monotonic() - sent[0] < 15
+        assert tokens(run_load(co.addr, jobs)) == want  # on gpu0 alone
+    finally:
+        if co is not None:
+            co.stop()
+        gpu.stop(40)
+        cpu.stop(40)
