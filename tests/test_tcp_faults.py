@@ -1,9 +1,9 @@
-"""kill -9 of a replica on the TCP data path in the middle of a streaming load: no request
-fails and no token changes (the coordinator's pending layer goes to the live replica, as on
-gRPC); the server restarted on its port rejoins over TCP. A stopped replica times out and its
-rows fail over too. Real processes: a coordinator, a GPU
-expert server (on the CPU) and a CPU expert server, 8 concurrent streaming clients, half of
-them with a MoE LoRA adapter (its slots travel in the frames)."""
+"""Faults on the TCP data path, on real processes. kill -9 of a replica in the middle of a
+streaming load (a coordinator, a GPU expert server on the CPU and a CPU expert server, 8
+concurrent streaming clients, half of them with a MoE LoRA adapter whose slots travel in the
+frames): no request fails and no token changes (the pending layer goes to the live replica, as
+on gRPC), and the server restarted on its port rejoins over TCP. A stopped replica times out and
+its rows fail over; a SIGTERM drain fails no request."""
 
 from __future__ import annotations
 
