@@ -349,9 +349,10 @@ def _cpus(cpus: list[int]) -> str:
     return ",".join(map(str, cpus))
 
 
-def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str, float]]:
+def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str, float, int]]:
     """(name, (server GPU, server graphs, spin us, ...), transport, coordinator graphs, the
-    coordinator's device link mode, added one-way delay in us) of each remote mode; spin None =
+    coordinator's device link mode, added one-way delay in us, micro-batches) of each remote
+    mode; spin None =
     the defaults of both sides, link "" = EXPERTMESH_LINK's; a delay goes through the loopback
     latency proxy (tcp modes only: the proxy sits in front of the server's data port)."""
     out = [(f"gpu-server same GPU {t}", ServerKey(0, True, None, False), t, True) for t in args.remote]
@@ -410,10 +411,13 @@ def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str, float]]:
     modes += [
         (f"cpu-server {t}", ServerKey(-1, False, None, False), t, True, "") for t in args.cpu_server_too
     ]
-    timed = [(*m, 0.0) for m in modes]
+    timed = [(*m, 0.0, 1) for m in modes]
     if args.delay_us:  # the tcp modes again, a proxy's delay away
         u = args.delay_us
-        timed += [(f"{m[0]} (+{u:g} us each way)", *m[1:], u) for m in modes if m[2] == "tcp"]
+        timed += [(f"{m[0]} (+{u:g} us each way)", *m[1:], u, 1) for m in modes if m[2] == "tcp"]
+    if args.micro_batches > 1:  # and again with micro-batched decode (eager: no decode graphs)
+        n = args.micro_batches
+        timed += [(f"{m[0]} ({n} micro-batches)", *m[1:6], n) for m in list(timed) if m[2] == "tcp"]
     return timed
 
 
@@ -590,7 +594,7 @@ def main() -> None:
         "--rounds", type=int, default=3, help="--demo-cpu: timed rounds per mode and batch (best kept)"
     )
     ap.add_argument("--micro-batches", type=int, default=1, metavar="N",
-                    help="--demo-cpu: also each tcp mode with decode steps split into N micro-batches")  # fmt: skip
+                    help="also each tcp mode with decode steps split into N micro-batches")  # fmt: skip
     args = ap.parse_args()
     if args.demo_cpu is not None:
         return demo_cpu(args)
@@ -655,7 +659,7 @@ def main() -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         try:
-            for name, key, transport, graphs, link, delay in remotes:
+            for name, key, transport, graphs, link, delay, micro in remotes:
                 t0 = time.perf_counter()
                 try:
                     # this thread (the one that waits) and the threads it starts
@@ -673,6 +677,7 @@ def main() -> None:
                     print(f"MODE FAILED {name} L={depth}: {type(e).__name__}: {e}", flush=True)
                     failed[name] = f"{type(e).__name__}: {e}"
                     continue
+                eng.micro_batches = micro
                 transports[name] = d.server_infos()[0]["transport"]
                 if d.conns[0].link() is not None:
                     transports[name] += "+link"
