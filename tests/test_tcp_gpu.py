@@ -48,3 +48,24 @@ def test_tcp_second_gpu_equals_grpc(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     _tcp_equals_grpc(tmp_path, "cuda:1")
+
+
+def test_micro_batched_decode_on_cuda_over_tcp(tmp_path):
+    """The micro-batched step (eager on CUDA) gives the graphed un-split step's greedy tokens."""
+    from tests.test_micro_batches import decode
+
+    make_checkpoint("qwen2_moe", tmp_path)
+    srv = start_server("gpu", tmp_path, 0, "--device", "cuda:0", timeout=300)
+    try:
+        eng, d = engine_for(
+            tmp_path, ClusterConfig((ServerSpec("gpu0", srv.address, "gpu"),), transport="tcp"), "cuda"
+        )
+        try:
+            want_toks, want_logp = decode(eng, 1)
+            toks, logp = decode(eng, 2)
+        finally:
+            d.close()
+        assert toks == want_toks
+        torch.testing.assert_close(logp.cpu(), want_logp.cpu(), rtol=0, atol=1e-3)
+    finally:
+        srv.stop()
