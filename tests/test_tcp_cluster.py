@@ -149,3 +149,31 @@ def test_tls_on_the_data_path(tmp_path):
             time.sleep(0.05)
     finally:
         srv.stop()
+
+
+def test_auto_takes_tcp_when_the_server_has_another_dev_shm(tmp_path):
+    """Containers on one host share the boot id but not /dev/shm: auto plans shared memory, the
+    server cannot open the segment, and the coordinator replaces the stream by a tcp one."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.cluster_utils import _LISTEN, ServerProc, spawn
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.decode().strip()}")
+    hf = make_checkpoint("qwen3_moe", tmp_path)
+    inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -m expertmesh.cli cpu-server --model {tmp_path} --port 0"
+    proc, lines, m = spawn(["unshare", "-m", "sh", "-c", inner], _LISTEN, 60.0)
+    srv = ServerProc("cpu", proc, int(m.group(2)), lines)
+    try:
+        infos = greedy_matches_hf(tmp_path, hf, ClusterConfig((ServerSpec("cpu0", srv.address, "cpu"),)))
+        assert infos[0]["transport"] == "tcp", infos
+        assert "cannot open the coordinator's shared-memory segment" in infos[0]["transport_note"], infos
+    finally:
+        srv.stop()

@@ -151,6 +151,7 @@ class ServerConnection:
         # coordinator); None: never offered
         self.link_shape: tuple[int, int, int] | None = None
         self.link_note = "not offered"  # why the current stream has no device link
+        self._retry_tcp = ""  # auto: why shared memory failed, when a tcp stream is to replace it
 
     def _channel(self, address: str) -> grpc.Channel:
         return tls.channel(  # TLS with the coordinator's --tls-* flags
@@ -310,6 +311,20 @@ class ServerConnection:
         self.transport = "grpc"
         if self.plan != "grpc":
             self._handshake(st)
+        if self._retry_tcp:
+            # NOTE: auto planned shared memory (same boot id) and the server could not open our
+            # segment: another /dev/shm on this host (containers). The TCP data path does not
+            # need one; a handshake opens a stream, so this one goes and a tcp one replaces it.
+            why, self._retry_tcp = self._retry_tcp, ""
+            with st.lock:  # NOTE: dead first: its end is no loss of the server (no on_down)
+                st.dead = ExpertServerError.of(
+                    errors.Cancelled(f"{self.spec.name}: replaced by a tcp stream")
+                )
+            st.requests.put(None)
+            st.call.cancel()
+            self.plan = "tcp"
+            st = self._open()
+            self.transport_note = self.transport_note or why
         return st
 
     def _handshake(self, st: _Stream) -> None:
@@ -427,6 +442,11 @@ class ServerConnection:
         if ack.transport == "grpc":
             if fast is not None:
                 fast.close()
+            offers = self.info.fast_paths if self.info is not None else ()
+            if requested == "auto" and self.plan in ("shm", "cuda_ipc") and "tcp" in offers:
+                self._retry_tcp = ack.reason or "the server answered plain gRPC"
+                log.info("%s: no shared memory (%s); trying the tcp data path", self.spec.name, ack.reason)
+                return
             log.info("%s: plain gRPC (%s)", self.spec.name, ack.reason)
             return
         assert fast is not None
