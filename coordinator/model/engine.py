@@ -250,6 +250,7 @@ class Engine:
                 break
             s.chain, s.indexed = blk, i + 1
 
+
 def _defers(dispatcher: Dispatcher) -> bool:
     """Whether the dispatcher holds CPU experts back a layer (--cpu-defer-experts): one held
     sum per layer, so those steps are never split into micro-batches."""
