@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.model.engine import Engine  # noqa: E402
 from coordinator.model.kv_cache import KVCacheSpec  # noqa: E402
+from expertmesh.transport.delay_proxy import DelayProxy  # noqa: E402
+from expertmesh.transport.tcp import split_address  # noqa: E402
 
 # real_depth: decoder layers of the real model; kv_per_token: elements per token per layer a
 # decode step must read from the KV history (MLA: the compressed latent, what the model needs)
@@ -252,15 +254,18 @@ def profile(eng: Engine, batch: int, prompt: int, vocab: int, out: Path, tag: st
 
 
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
+_DATA = re.compile(r"TCP data path on (\S+)")
 
 
-def start_gpu_server(ck: Path, key: ServerKey, log: Path) -> tuple[subprocess.Popen, str]:
-    """``expertmesh gpu-server`` on ``cuda:gpu`` in its own process (key: GPU, CUDA graphs,
-    fast-path spin in us or None for the default); returns it and its address."""
+def start_gpu_server(ck: Path, key: ServerKey, log: Path) -> tuple[subprocess.Popen, str, str]:
+    """``expertmesh gpu-server`` on ``cuda:gpu`` (``gpu`` -1: ``expertmesh cpu-server``) in its
+    own process (key: GPU, CUDA graphs, fast-path spin in us or None for the default); returns
+    it, its address and its TCP data path's address."""
     gpu, graphs, spin, pin, link = key
-    cmd = (["taskset", "-c", _cpus(SERVER_HALF)] if pin else []) + [sys.executable, "-m", "expertmesh.cli", "gpu-server", "--model", str(ck), "--port", "0",
-           "--device", f"cuda:{gpu}", "--dtype", "bfloat16", "--threads", "2"]  # fmt: skip
-    if not graphs:
+    kind = ["cpu-server"] if gpu < 0 else ["gpu-server", "--device", f"cuda:{gpu}"]
+    cmd = (["taskset", "-c", _cpus(SERVER_HALF)] if pin else []) + [sys.executable, "-m", "expertmesh.cli", *kind,
+           "--model", str(ck), "--port", "0", "--dtype", "bfloat16", "--threads", "2"]  # fmt: skip
+    if not graphs and gpu >= 0:
         cmd.append("--no-cuda-graphs")
     if spin is not None:
         cmd += ["--shm-spin-us", str(spin)]
@@ -275,13 +280,17 @@ def start_gpu_server(ck: Path, key: ServerKey, log: Path) -> tuple[subprocess.Po
     )
     assert proc.stdout is not None
     f = open(log, "a")  # noqa: SIM115 (kept open by the drain thread)
+    data = ""
     for line in proc.stdout:
         f.write(line)
+        d = _DATA.search(line)
+        if d:
+            data = d.group(1)
         m = _LISTEN.search(line)
         if m:
             threading.Thread(target=lambda: [f.write(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-            return proc, f"127.0.0.1:{m.group(2)}"
-    raise RuntimeError(f"gpu-server on cuda:{gpu} did not start (log: {log})")
+            return proc, f"127.0.0.1:{m.group(2)}", data
+    raise RuntimeError(f"{' '.join(kind)} did not start (log: {log})")
 
 
 def remote_engine(
@@ -293,9 +302,12 @@ def remote_engine(
     graphs: bool,
     spin: float | None,
     link: str = "",
+    data_address: str = "",
+    kind: str = "gpu",
 ):
     """A CUDA coordinator engine whose experts all live on the server at ``address``; ``link``:
-    the device link mode (coordinator/experts/cluster_config.py LINK_MODES; "" = EXPERTMESH_LINK's)."""
+    the device link mode (coordinator/experts/cluster_config.py LINK_MODES; "" = EXPERTMESH_LINK's);
+    ``data_address``: where to reach its TCP data path (the latency proxy), "" = where it says."""
     from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec
     from coordinator.model.loader import load_model
     from expertmesh.checkpoint import CheckpointReader
@@ -304,7 +316,8 @@ def remote_engine(
     kw: dict = {} if spin is None else {"shm_spin_us": spin}
     if link:
         kw["device_link"] = link
-    cluster = ClusterConfig((ServerSpec("gpu0", address, "gpu"),), transport=transport, timeout_s=120, **kw)
+    spec = ServerSpec(f"{kind}0", address, kind, data_address=data_address)
+    cluster = ClusterConfig((spec,), transport=transport, timeout_s=120, **kw)
     d = RemoteDispatcher(reader.config, cluster, dtype, "cuda")
     d.connect(300)
     dev = torch.device("cuda")
@@ -317,7 +330,7 @@ def remote_engine(
 
 
 class ServerKey(NamedTuple):
-    gpu: int
+    gpu: int  # -1: a CPU expert server
     graphs: bool  # the server's CUDA graphs
     spin: float | None  # both sides' fast-path spin in us (None: their defaults)
     pin: bool  # server and coordinator on disjoint halves of the cores
@@ -336,10 +349,12 @@ def _cpus(cpus: list[int]) -> str:
     return ",".join(map(str, cpus))
 
 
-def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str]]:
+def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str, float, int]]:
     """(name, (server GPU, server graphs, spin us, ...), transport, coordinator graphs, the
-    coordinator's device link mode) of each remote mode; spin None = the defaults of both sides,
-    link "" = EXPERTMESH_LINK's."""
+    coordinator's device link mode, added one-way delay in us, micro-batches) of each remote
+    mode; spin None =
+    the defaults of both sides, link "" = EXPERTMESH_LINK's; a delay goes through the loopback
+    latency proxy (tcp modes only: the proxy sits in front of the server's data port)."""
     out = [(f"gpu-server same GPU {t}", ServerKey(0, True, None, False), t, True) for t in args.remote]
     if args.remote_eager and args.remote:
         t = args.remote[-1]
@@ -393,7 +408,143 @@ def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str]]:
         t = args.remote[-1]
         key = ServerKey(0, True, None, False, "force")
         modes.append((f"gpu-server same GPU {t} (EXPERTMESH_LINK=force)", key, t, True, "force"))
-    return modes
+    modes += [
+        (f"cpu-server {t}", ServerKey(-1, False, None, False), t, True, "") for t in args.cpu_server_too
+    ]
+    timed = [(*m, 0.0, 1) for m in modes]
+    if args.delay_us:  # the tcp modes again, a proxy's delay away
+        u = args.delay_us
+        timed += [(f"{m[0]} (+{u:g} us each way)", *m[1:], u, 1) for m in modes if m[2] == "tcp"]
+    if args.micro_batches > 1:  # and again with micro-batched decode (eager: no decode graphs)
+        n = args.micro_batches
+        timed += [(f"{m[0]} ({n} micro-batches)", *m[1:6], n) for m in list(timed) if m[2] == "tcp"]
+    return timed
+
+
+def _demo_server(ck: Path) -> tuple[subprocess.Popen, str, str]:
+    """A ``cpu-server`` (one torch thread) of the demo model: (process, address, data address)."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=root)
+    cmd = [
+        sys.executable,
+        "-m",
+        "expertmesh.cli",
+        "cpu-server",
+        "--model",
+        str(ck),
+        "--port",
+        "0",
+        "--threads",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root
+    )
+    assert proc.stdout is not None
+    data = ""
+    for line in proc.stdout:
+        if d := _DATA.search(line):
+            data = d.group(1)
+        if m := _LISTEN.search(line):
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            return proc, f"127.0.0.1:{m.group(2)}", data
+    raise RuntimeError("cpu-server did not start")
+
+
+def demo_cpu(args) -> None:
+    """``--demo-cpu T...``: the demo model on this machine's CPU, a ``cpu-server`` process
+    holding every expert and the coordinator's engine in this process, one engine per transport
+    (each with its own stream to and server of its own), all timed in one run, batches
+    interleaved. Prints decode tokens/s and the per-layer split, medians (send: the coordinator's
+    route + encode + send; server: the server's own time per layer; then from the send's end to
+    the answer summed: the wire, both wake-ups, the shared expert, the answer's decode). Where
+    cores are few the server runs inside the coordinator's send (the socket write wakes it), so
+    its time overlaps "send" as much as the last column."""
+    from coordinator.experts.remote import ClusterConfig, RemoteDispatcher, ServerSpec
+    from coordinator.model.loader import load_model
+    from expertmesh.checkpoint import CheckpointReader
+    from expertmesh.demo import write_demo_model
+
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ck = write_demo_model(Path(args.work) / "demo-model")
+    reader = CheckpointReader(str(ck))
+    cfg = reader.config
+    vocab = cfg.vocab_size
+    pages = max(args.batches) * -(-(args.prompt + args.new + 3 + 1) // 16) + 8
+    modes = [(t, t, 0.0, 1) for t in args.demo_cpu]
+    if args.delay_us and "tcp" in args.demo_cpu:
+        modes.append((f"tcp (+{args.delay_us:g} us each way)", "tcp", args.delay_us, 1))
+    if args.micro_batches > 1:  # the tcp modes again, decode steps split into micro-batches
+        n = args.micro_batches
+        modes += [(f"{m[0]}, {n} micro-batches", m[1], m[2], n) for m in list(modes) if m[1] == "tcp"]
+    proxies: list[DelayProxy] = []
+    procs: list[subprocess.Popen] = []
+    engines = {}
+    try:
+        ref = Engine.from_checkpoint(str(ck), num_pages=pages)
+        for name, transport, delay, micro in modes:
+            # NOTE: a server each: every coordinator pushes its own placement generation
+            proc, address, data = _demo_server(ck)
+            procs.append(proc)
+            data_address = ""
+            if delay:
+                proxies.append(DelayProxy(split_address(data), delay_us=delay))
+                data_address = proxies[-1].address
+            spec = ServerSpec("cpu0", address, "cpu", data_address=data_address)
+            d = RemoteDispatcher(
+                cfg, ClusterConfig((spec,), transport=transport, timeout_s=60), torch.float32
+            )
+            d.connect(120)
+            d.probe = []
+            eng = Engine(load_model(reader, torch.float32, torch.device("cpu")), d, KVCacheSpec(pages, 16),
+                         torch.float32, torch.device("cpu"))  # fmt: skip
+            eng.micro_batches = micro
+            engines[name] = (eng, d, d.server_infos()[0]["transport"])
+        best: dict[tuple[str, int], float] = {}
+        split: dict[tuple[str, int], list[float]] = {}
+        same: dict[tuple[str, int], bool] = {}
+        for b in args.batches:
+            _, want, _ = em_decode_ms(ref, b, args.prompt, args.new, vocab)
+            for _ in range(args.rounds):
+                for name, (eng, d, _) in engines.items():
+                    ms, first, _ = em_decode_ms(eng, b, args.prompt, args.new, vocab)
+                    if ms < best.get((name, b), float("inf")):
+                        best[name, b] = ms
+                        assert d.probe is not None
+                        cols = [statistics.median(c) * 1e6 for c in zip(*d.probe)]  # route, send, server, rt
+                        split[name, b] = [cols[0] + cols[1], cols[2], cols[3]]
+                    same[name, b] = first == want
+            print(b, {n: f"{best[n, b]:.2f} ms" for n in engines}, flush=True)
+    finally:
+        for _, d, _ in engines.values():
+            d.close()
+        for p in proxies:
+            p.close()
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+    layers = len(cfg.moe_layer_ids)
+    print(f"\ndemo model ({cfg.num_layers} layers, {layers} MoE, H {cfg.hidden_size}), cpu-server, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {args.new} decode steps after a {args.prompt}-token prompt, best of {args.rounds}")  # fmt: skip
+    print(
+        "| transport (negotiated) | batch | ms per step | tok/s | vs grpc | per layer us: send / server / send's end to answer | greedy tokens = in process |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for b in args.batches:
+        for name, (_, _, negotiated) in engines.items():
+            ms = best[name, b]
+            base = best.get(("grpc", b))
+            ratio = f"{base / ms:.2f}x" if base else ""
+            sp = " / ".join(f"{x:.0f}" for x in split[name, b])
+            print(
+                f"| {name} ({negotiated}) | {b} | {ms:.2f} | {b / ms * 1e3:.0f} | {ratio} | {sp} | {same[name, b]} |"
+            )
+            rows.append(dict(mode=name, transport=negotiated, batch=b, ms=ms, tok_s=b / ms * 1e3,
+                             split_us=split[name, b], same_tokens=same[name, b]))  # fmt: skip
+    (out / "bench_e2e_demo_cpu.json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
 
 
 def main() -> None:
@@ -420,6 +571,10 @@ def main() -> None:
                     help="also the last --remote / first --second-gpu transport with server and coordinator on disjoint cores")  # fmt: skip
     ap.add_argument("--spin-us-too", type=float, default=0.0, metavar="U",
                     help="also the last --remote / first --second-gpu transport with both sides spinning U us")  # fmt: skip
+    ap.add_argument("--cpu-server-too", nargs="*", default=[], metavar="TRANSPORT",
+                    help="also a CPU expert server holding every expert over each transport (e.g. tcp grpc)")  # fmt: skip
+    ap.add_argument("--delay-us", type=float, default=0.0, metavar="U",
+                    help="also each tcp mode through the loopback latency proxy adding U us each way")  # fmt: skip
     ap.add_argument("--no-link-too", action="store_true",
                     help="also each remote mode with the device link off (EXPERTMESH_LINK=0)")  # fmt: skip
     ap.add_argument("--link-force-same", action="store_true",
@@ -433,7 +588,16 @@ def main() -> None:
         "--reuse", action="store_true", help="reuse the checkpoints a previous run wrote to --work"
     )
     ap.add_argument("--out", default=".")
+    ap.add_argument("--demo-cpu", nargs="*", default=None, metavar="TRANSPORT",
+                    help="instead: the demo model on the CPU against a cpu-server over each transport (grpc tcp)")  # fmt: skip
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="--demo-cpu: timed rounds per mode and batch (best kept)"
+    )
+    ap.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                    help="also each tcp mode with decode steps split into N micro-batches")  # fmt: skip
     args = ap.parse_args()
+    if args.demo_cpu is not None:
+        return demo_cpu(args)
     widths = TINY if args.tiny else MODELS[args.model]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     out = Path(args.out)
@@ -461,6 +625,7 @@ def main() -> None:
         hf = write_checkpoint(ck, widths, depth, dtype, args.device, args.reuse)
         sizes = layer_bytes(hf)
         print(f"checkpoint L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
+        proxies: list[DelayProxy] = []
         servers = {  # they load while the in-process modes are timed
             key: start_gpu_server(ck, key, out / f"gpu_server{'_'.join(map(str, key))}_L{depth}.log")
             for key in sorted({r[1] for r in remotes}, key=str)
@@ -494,18 +659,25 @@ def main() -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         try:
-            for name, key, transport, graphs, link in remotes:
+            for name, key, transport, graphs, link, delay, micro in remotes:
                 t0 = time.perf_counter()
                 try:
                     # this thread (the one that waits) and the threads it starts
                     os.sched_setaffinity(0, COORD_HALF if key.pin else COORD_HALF + SERVER_HALF)
+                    data = ""
+                    if delay:
+                        proxy = DelayProxy(split_address(servers[key][2]), delay_us=delay)
+                        proxies.append(proxy)
+                        data = proxy.address
+                    kind = "cpu" if key.gpu < 0 else "gpu"
                     eng, d = remote_engine(
-                        ck, servers[key][1], transport, dtype, pages, graphs, key.spin, link
+                        ck, servers[key][1], transport, dtype, pages, graphs, key.spin, link, data, kind
                     )
                 except Exception as e:  # noqa: BLE001  # NOTE: a mode that cannot start is reported, the others run
                     print(f"MODE FAILED {name} L={depth}: {type(e).__name__}: {e}", flush=True)
                     failed[name] = f"{type(e).__name__}: {e}"
                     continue
+                eng.micro_batches = micro
                 transports[name] = d.server_infos()[0]["transport"]
                 if d.conns[0].link() is not None:
                     transports[name] += "+link"
@@ -545,7 +717,9 @@ def main() -> None:
                     torch.cuda.empty_cache()
                     os.sched_setaffinity(0, COORD_HALF + SERVER_HALF)
         finally:
-            for proc, _ in servers.values():
+            for p in proxies:
+                p.close()
+            for proc, _, _ in servers.values():
                 proc.terminate()
                 proc.wait(30)
     bw = copy_bandwidth(args.device)
@@ -598,7 +772,7 @@ def main() -> None:
     )
     print(f"linked decode steps / re-runs without the link (last depth, all batches): {linked}")
     print(f"| mode | transport | batch | per-layer ms | fixed ms | tok/s at {real} layers | HBM floor per layer ms "
-          "| two-process floor ms | greedy tokens = in process | per-layer pieces us (replay+sync / route+send / wait; route / send / server) |")  # fmt: skip
+          "| two-process floor ms | greedy tokens = in process | per-layer pieces us (replay+sync / route+send / wait; route / send / server / send's end to answer summed) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         tp = f"{two_proc[r['batch']]:.3f}" if r["mode"].startswith("gpu-server same") else ""

@@ -96,6 +96,9 @@ class CoordinatorConfig:
 
     lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these
     max_loras: int = 4  # MoE LoRA adapters loaded at once
+    # a decode step of 2+ sequences runs as up to N micro-batches whose attention overlaps the
+    # other micro-batches' remote experts (eager, not the decode graphs: CausalLM.forward_micro); 1 = off
+    micro_batches: int = 1
     # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
     admin_token: str | None = field(default=None, repr=False)
     tls: TLSConfig | None = None  # the public port serves TLS only with a certificate
@@ -123,6 +126,8 @@ class CoordinatorConfig:
             raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if not 1 <= self.micro_batches <= 8:
+            raise ValueError(f"--micro-batches must be in [1, 8], got {self.micro_batches}")
         if self.max_loras <= 0:
             raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.default_max_new_tokens <= 0:

@@ -73,6 +73,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-context", type=int, default=C.max_context, help="default: the model's, capped by the KV cache"
     )
     g.add_argument("--default-max-new-tokens", type=int, default=C.default_max_new_tokens)
+    g.add_argument(
+        "--micro-batches",
+        type=int,
+        default=C.micro_batches,
+        metavar="N",
+        help="split a decode step of 2+ sequences into up to N micro-batches, one's attention overlapping "
+        "another's remote experts (such steps run eagerly, without the decode graphs; 1 = off)",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--max-message-mb", type=int, default=C.max_message_mb)
     g.add_argument(
@@ -139,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         eplb=EplbConfig.from_args(args),
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras,
+        micro_batches=args.micro_batches,
         admin_token=args.admin_token or auth.token_from_env(auth.ADMIN_TOKEN_ENV),
         input_limits=InputLimits.from_args(args),
         tls=TLSConfig.from_args(args),

@@ -46,6 +46,15 @@ class WorkerMetrics:
         )
         for code in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAVAILABLE"):
             self.rejected.labels(code)  # exported at 0 from the start
+        self.data_dropped = Counter(
+            "expertmesh_worker_data_connections_dropped",
+            "TCP data-path connections dropped for a malformed or truncated frame, a bad preamble "
+            "or a failed TLS handshake, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("malformed", "truncated", "preamble", "tls"):
+            self.data_dropped.labels(reason)
         self.resident_adapters = 0  # set by the LoRA code once it exists
         self.registry.register(_WorkerState(servicer, self))
         self._children: dict[int, Any] = {}
@@ -63,6 +72,9 @@ class WorkerMetrics:
             _CODE_NAMES[err.status] if err is not None and 0 <= err.status < len(_CODE_NAMES) else "UNKNOWN"
         )
         self.rejected.labels(code).inc()
+
+    def dropped(self, reason: str) -> None:
+        self.data_dropped.labels(reason).inc()
 
 
 class _WorkerState(Collector):

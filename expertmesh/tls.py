@@ -18,7 +18,10 @@ Every flag has an environment variable (``EXPERTMESH_TLS_CERT``, ``..._KEY``, ``
 The shared-memory and CUDA IPC fast paths (same host only) are set up by a handshake that
 travels inside the Forward stream, i.e. over the TLS channel when TLS is on; the tensors they
 carry then never leave the host's memory (the coordinator creates its ``/dev/shm`` segments mode
-0600: only processes of its own user can open them), so TLS leaves them on.
+0600: only processes of its own user can open them), so TLS leaves them on. The TCP data path
+(expertmesh/transport/tcp.py) crosses the network: with TLS configured its port serves TLS with
+the same certificate (client certificates required with a CA), and the coordinator wraps its
+connection with its own ``--tls-*`` settings.
 """
 
 from __future__ import annotations

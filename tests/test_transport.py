@@ -169,6 +169,39 @@ def test_bad_hello_is_rejected(raw, words):
         Hello.decode(raw)
 
 
+def _tcp_hello(**kw) -> Hello:
+    return Hello(
+        **{
+            **dict(transport="tcp", segment="", size=0, ring_offset=0, ring_bytes=1 << 20, token="ab" * 16),
+            **kw,
+        }
+    )
+
+
+def test_tcp_hello_and_ack_round_trip():
+    h = _tcp_hello()
+    assert Hello.decode(h.encode()) == h
+    a = Ack("tcp", tcp={"port": 5000, "tls": False})
+    assert Ack.decode(a.encode()) == a
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (_tcp_hello(segment=f"expertmesh-1-2-{'ab' * 8}").encode(), "names no segment"),
+        (_tcp_hello(token="zz" * 16).encode(), "32 hex digits"),
+        (_tcp_hello(ring_bytes=1 << 40).encode(), "tcp buffer"),
+        (_tcp_hello(ring_bytes=True).encode(), "tcp buffer"),
+        (Ack("tcp", tcp={"port": 0, "tls": False}).encode(), "needs a port"),
+        (Ack("tcp", tcp={"port": 5000}).encode(), "needs a port"),
+    ],
+)
+def test_bad_tcp_handshake_is_rejected(raw, words):
+    decode = Ack.decode if b'"reason"' in raw else Hello.decode
+    with pytest.raises(HandshakeError, match=words):
+        decode(raw)
+
+
 # ---------------------------------------------------------------------- negotiation
 
 HOST, GPU = "boot-a", "GPU-1"
@@ -196,6 +229,11 @@ COORD_GPU = Side(HOST, GPU)
         ("cuda_ipc", Side(HOST, GPU, peers=("GPU-2",)), Side(HOST, "GPU-2", ("shm", "cuda_ipc")), "cuda_ipc"),
         ("auto", Side(HOST, GPU, peers=("GPU-3",)), Side(HOST, "GPU-2", ("shm", "cuda_ipc")), "shm"),
         ("auto", Side("boot-b", GPU, peers=("GPU-2",)), Side(HOST, "GPU-2", ("shm", "cuda_ipc")), "grpc"),
+        # the TCP data path: another host, or a server without shared memory; required: any host
+        ("auto", COORD_GPU, Side("boot-b", GPU, ("tcp", "shm", "cuda_ipc")), "tcp"),
+        ("auto", COORD_CPU, Side(HOST, "", ("tcp",)), "tcp"),
+        ("auto", COORD_CPU, Side(HOST, "", ("tcp", "shm")), "shm"),
+        ("tcp", COORD_GPU, Side(HOST, GPU, ("tcp", "shm", "cuda_ipc")), "tcp"),
     ],
 )
 def test_negotiation_picks_the_fastest_common_path(requested, coord, server, want):
@@ -216,6 +254,7 @@ def test_negotiation_picks_the_fastest_common_path(requested, coord, server, wan
             "peer access",
         ),
         ("cuda_ipc", COORD_GPU, CPU_SRV, "offers no CUDA IPC"),
+        ("tcp", COORD_CPU, CPU_SRV, "--no-tcp"),
     ],
 )
 def test_required_path_that_is_impossible_says_why(requested, coord, server, words):
@@ -228,6 +267,7 @@ def test_auto_accepts_a_slower_answer_required_does_not():
     assert negotiate.acceptable("shm", "shm", "shm")
     assert not negotiate.acceptable("shm", "shm", "grpc")
     assert not negotiate.acceptable("cuda_ipc", "cuda_ipc", "shm")
+    assert negotiate.acceptable("tcp", "tcp", "tcp") and not negotiate.acceptable("tcp", "tcp", "grpc")
 
 
 def test_wrapped_memory_is_an_alias_not_a_copy():

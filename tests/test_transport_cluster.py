@@ -172,7 +172,8 @@ def test_corrupted_handshake_is_invalid_argument(cluster, raw, words):
 
 def test_server_with_no_shm(tmp_path):
     make_checkpoint("qwen3_moe", tmp_path)
-    srv = start_server("cpu", tmp_path, 0, "--no-shm")
+    # NOTE: --no-tcp too: auto takes the TCP data path where shared memory is off
+    srv = start_server("cpu", tmp_path, 0, "--no-shm", "--no-tcp")
     try:
         servers = (ServerSpec("cpu0", srv.address, "cpu"),)
         eng, d = engine_for(tmp_path, ClusterConfig(servers, transport="auto"))

@@ -12,6 +12,7 @@ from expertmesh import auth, cores
 from expertmesh import placement as pl
 from expertmesh.tls import TLSConfig
 from expertmesh.transport import negotiate
+from expertmesh.transport.tcp import split_address
 
 REPLICA_POLICIES = ("static", "round_robin", "load_aware")
 # --- the device link (expertmesh/transport/link.py): EXPERTMESH_LINK ---
@@ -39,6 +40,10 @@ class ServerSpec:
     # is "gpu" (the fast share of a hybrid split: sent last, awaited first, never deferred, the
     # prefill threshold's full server) even when a CPU coordinator computes it with torch
     in_process: bool = False
+    # HOST:PORT where the coordinator reaches the server's TCP data path ("" = the gRPC
+    # address's host and the port the server advertises): something in between (a NAT, the
+    # loopback latency proxy of expertmesh/transport/delay_proxy.py)
+    data_address: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "cpu"):
@@ -46,6 +51,8 @@ class ServerSpec:
         if self.in_process != (self.name == LOCAL):
             raise ValueError(f"the name {LOCAL!r} is the in-process member's and only its (got {self})")
         dns.parse(self.address)  # a malformed dns: address fails here, at the command line
+        if self.data_address:
+            split_address(self.data_address)
 
     @classmethod
     def local(cls) -> ServerSpec:
@@ -60,7 +67,7 @@ class ClusterConfig:
     replica_policy: str = "static"
     gpu_prefill_token_threshold: int = 0  # 0 = off
     timeout_s: float = 30.0
-    transport: str = "auto"  # auto | grpc | shm | cuda_ipc (expertmesh/transport/negotiate.py)
+    transport: str = "auto"  # auto | grpc | tcp | shm | cuda_ipc (expertmesh/transport/negotiate.py)
     max_message_mb: int = 256
     shm_ring_mb: float = 64  # per server stream; a payload that does not fit goes over gRPC
     # poll for a fast-path answer this long before sleeping (0 where cores are scarce)
@@ -212,8 +219,17 @@ class ClusterConfig:
             "--transport",
             default=ClusterConfig.transport,
             choices=list(negotiate.CHOICES),
-            help="data path to the expert servers: auto = the fastest both sides offer; shm / cuda_ipc = "
-            "require shared memory / CUDA IPC (same host / same GPU); grpc = plain gRPC",
+            help="data path to the expert servers: auto = the fastest both sides offer (shared memory on "
+            "this host, tcp to other hosts); tcp = binary frames on a TCP connection of their own; shm / "
+            "cuda_ipc = require shared memory / CUDA IPC (same host / same GPU); grpc = plain gRPC",
+        )
+        g.add_argument(
+            "--server-data-address",
+            action="append",
+            default=[],
+            metavar="SERVER=HOST:PORT",
+            help="reach SERVER's TCP data path (SERVER: its --gpu-server/--cpu-server address or its "
+            "name, gpu0, cpu1, ...) at HOST:PORT instead of the port it advertises (repeatable)",
         )
         g.add_argument(
             "--shm-ring-mb",
@@ -244,9 +260,14 @@ class ClusterConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
+        data = data_addresses(getattr(args, "server_data_address", []))
         servers = [ServerSpec.local()] if wants_local(args) else []
         servers += [ServerSpec(f"gpu{i}", a, "gpu") for i, a in enumerate(args.gpu_server)]
         servers += [ServerSpec(f"cpu{i}", a, "cpu") for i, a in enumerate(args.cpu_server)]
+        unknown = set(data) - {s.name for s in servers} - {s.address for s in servers}
+        if unknown:
+            raise ValueError(f"--server-data-address names no expert server: {sorted(unknown)}")
+        servers = [replace(s, data_address=data.get(s.name) or data.get(s.address) or "") for s in servers]
         return cls(
             servers=tuple(servers),
             num_gpu_experts=args.num_gpu_experts,
@@ -271,3 +292,15 @@ def wants_local(args: argparse.Namespace) -> bool:
     if args.placement:
         return LOCAL in pl.file_server_names(args.placement)
     return bool(args.num_gpu_experts) and bool(args.cpu_server) and not args.gpu_server
+
+
+def data_addresses(items: list[str]) -> dict[str, str]:
+    """``--server-data-address SERVER=HOST:PORT`` flags -> {SERVER: HOST:PORT}."""
+    out = {}
+    for item in items:
+        server, sep, address = item.partition("=")
+        if not sep or not server:
+            raise ValueError(f"--server-data-address {item!r}: expected SERVER=HOST:PORT")
+        split_address(address)
+        out[server] = address
+    return out

@@ -1,6 +1,6 @@
 """One expert server seen from the coordinator: channel, ``Describe``, placement phases, and the
 long-lived ``Forward`` stream (pipelined by sequence number, read by its own thread), with the
-shared-memory / CUDA IPC fast path negotiated on it (expertmesh.transport).
+shared-memory / CUDA IPC fast path or the TCP data path negotiated on it (expertmesh.transport).
 
 This is the coordinator's gRPC edge: gRPC errors become :class:`ExpertServerError` (a typed
 library error plus its status code) here and nowhere else. The connection does not decide when
@@ -36,6 +36,8 @@ from expertmesh.transport import descriptor as dsc
 from expertmesh.transport.client import LinkAreas, Reply, ShmClient
 from expertmesh.transport.errors import MalformedAnswer, Rejected
 from expertmesh.transport.handshake import Ack, HandshakeError
+from expertmesh.transport.tcp import TcpError, split_address
+from expertmesh.transport.tcp_client import TcpClient, TcpReply
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
@@ -69,7 +71,7 @@ class _Stream:
     pending: dict[int, Future] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     dead: ExpertServerError | None = None
-    fast: ShmClient | None = None  # the stream's shared-memory channel, if it has one
+    fast: ShmClient | TcpClient | None = None  # the stream's fast channel, if it has one
 
 
 class GrpcReply:
@@ -98,7 +100,7 @@ class GrpcReply:
 class FastReply:
     """An answer due on the stream's fast path (its output is a view into the ring)."""
 
-    def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply, layer: int = -1) -> None:
+    def __init__(self, conn: ServerConnection, st: _Stream, reply: Reply | TcpReply, layer: int = -1) -> None:
         self.conn, self.st, self.reply, self.layer = conn, st, reply, layer
 
     def result(self, timeout: float) -> torch.Tensor:  # [T_s, H], a view valid until release()
@@ -149,6 +151,7 @@ class ServerConnection:
         # coordinator); None: never offered
         self.link_shape: tuple[int, int, int] | None = None
         self.link_note = "not offered"  # why the current stream has no device link
+        self._retry_tcp = ""  # auto: why shared memory failed, when a tcp stream is to replace it
 
     def _channel(self, address: str) -> grpc.Channel:
         return tls.channel(  # TLS with the coordinator's --tls-* flags
@@ -300,12 +303,28 @@ class ServerConnection:
 
     def _open(self) -> _Stream:
         q: queue.Queue = queue.Queue()
-        call = self.stub.Forward(iter(q.get, None))
+        # NOTE: the cluster token rides on the stream: a server that has one opens its TCP data
+        # path only for a stream that carries it
+        call = self.stub.Forward(iter(q.get, None), metadata=auth.metadata(self.cluster.cluster_token))
         st = _Stream(call, q)
         threading.Thread(target=self._read, args=(st,), daemon=True, name=f"read-{self.spec.name}").start()
         self.transport = "grpc"
         if self.plan != "grpc":
             self._handshake(st)
+        if self._retry_tcp:
+            # NOTE: auto planned shared memory (same boot id) and the server could not open our
+            # segment: another /dev/shm on this host (containers). The TCP data path does not
+            # need one; a handshake opens a stream, so this one goes and a tcp one replaces it.
+            why, self._retry_tcp = self._retry_tcp, ""
+            with st.lock:  # NOTE: dead first: its end is no loss of the server (no on_down)
+                st.dead = ExpertServerError.of(
+                    errors.Cancelled(f"{self.spec.name}: replaced by a tcp stream")
+                )
+            st.requests.put(None)
+            st.call.cancel()
+            self.plan = "tcp"
+            st = self._open()
+            self.transport_note = self.transport_note or why
         return st
 
     def _handshake(self, st: _Stream) -> None:
@@ -317,17 +336,29 @@ class ServerConnection:
             "local" if self.plan == "cuda_ipc" and theirs and theirs != device_uuid(self.device) else "host"
         )
         link = self._link_offer(sync)
+        fast: ShmClient | TcpClient
         try:
-            fast = ShmClient(
-                self.plan,
-                self.cluster.shm_ring_bytes,
-                self.device,
-                self.cluster.shm_spin_us,
-                cuda_sync=sync,
-                link=link,
-            )
-        except (OSError, cuda_ipc.CudaIpcError, torch.OutOfMemoryError) as e:
-            self._settle(st, None, Ack("grpc", f"cannot create the shared-memory channel here: {e}"))
+            if self.plan == "tcp":
+                fast = TcpClient(
+                    self.cluster.shm_ring_bytes,
+                    self.device,
+                    self.cluster.shm_spin_us,
+                    tls=self.cluster.tls,
+                    data_address=self.spec.data_address,
+                    server_host=split_address(self.spec.address)[0],
+                    stall_s=self.cluster.timeout_s,
+                )
+            else:
+                fast = ShmClient(
+                    self.plan,
+                    self.cluster.shm_ring_bytes,
+                    self.device,
+                    self.cluster.shm_spin_us,
+                    cuda_sync=sync,
+                    link=link,
+                )
+        except (OSError, ValueError, cuda_ipc.CudaIpcError, torch.OutOfMemoryError) as e:
+            self._settle(st, None, Ack("grpc", f"cannot create the {self.plan} channel here: {e}"))
             return
         fut: Future = Future()
         with st.lock:
@@ -400,19 +431,40 @@ class ServerConnection:
             ) from None
         return "" if resp.code == 0 else f"refused ({resp.code}): {resp.message}"
 
-    def _settle(self, st: _Stream, fast: ShmClient | None, ack: Ack) -> None:
+    def _settle(self, st: _Stream, fast: ShmClient | TcpClient | None, ack: Ack) -> None:
         """Takes the server's answer (``auto`` accepts a slower path, a required path does not)."""
         requested = self.cluster.transport
         if not negotiate.acceptable(requested, self.plan, ack.transport):
             why = f"{self.describe_self()} answered {ack.transport}: {ack.reason}"
             self._refuse(st, fast, f"--transport {requested}: {why}")
-        self.transport_note = ack.reason
+        # NOTE: the plan's reason stays when the server takes the plan (why nothing faster)
+        self.transport_note = ack.reason or self.transport_note
         if ack.transport == "grpc":
             if fast is not None:
                 fast.close()
+            offers = self.info.fast_paths if self.info is not None else ()
+            if requested == "auto" and self.plan in ("shm", "cuda_ipc") and "tcp" in offers:
+                self._retry_tcp = ack.reason or "the server answered plain gRPC"
+                log.info("%s: no shared memory (%s); trying the tcp data path", self.spec.name, ack.reason)
+                return
             log.info("%s: plain gRPC (%s)", self.spec.name, ack.reason)
             return
         assert fast is not None
+        if isinstance(fast, TcpClient):
+            try:
+                fast.accept(ack)
+            except TcpError as e:
+                if requested != "auto":
+                    self._refuse(st, fast, f"{self.describe_self()}: --transport {requested}: {e}")
+                # NOTE: auto goes on over plain gRPC on this stream (the server's side of the
+                # data path gives up waiting for us); the next stream tries tcp again
+                fast.close()
+                self.transport_note = str(e)
+                log.warning("%s: plain gRPC (%s)", self.spec.name, e)
+                return
+            st.fast, self.transport = fast, fast.transport
+            log.info("%s: tcp data path to %s", self.spec.name, fast.peer)
+            return
         try:
             fast.accept(ack)
         except cuda_ipc.CudaIpcError as e:
@@ -427,7 +479,7 @@ class ServerConnection:
             else:
                 log.info("%s: no device link: %s", self.spec.name, fast.link_reason)
 
-    def _refuse(self, st: _Stream, fast: ShmClient | None, message: str) -> NoReturn:
+    def _refuse(self, st: _Stream, fast: ShmClient | TcpClient | None, message: str) -> NoReturn:
         if fast is not None:
             fast.close()
         err = ExpertServerError.of(errors.Incompatible(message))

@@ -89,8 +89,9 @@ class RemoteDispatcher(Dispatcher):
         self.server_time_hook: Callable[[int, int, float, int], None] | None = None
         # set to a list to get, per layer, seconds of (route, send, the first server's own time):
         # benchmarks/bench_e2e.py's profile of the remote decode step
-        self.probe: list[tuple[float, float, float]] | None = None
-        self._probe_send = (0.0, 0.0)
+        # (route, send, the first server's own time, from the send's end to its answer summed)
+        self.probe: list[tuple[float, float, float, float]] | None = None
+        self._probe_send = (0.0, 0.0, 0.0)  # route s, send s, perf_counter at the send's end
         # --- the device link (coordinator/model/remote_graphs.py) ---
         # [L_moe, E] int32 on our GPU: the local slot of each logical expert per MoE layer (in
         # moe_layer_ids order) on the one server every layer routes to; refreshed in place when
@@ -229,7 +230,8 @@ class RemoteDispatcher(Dispatcher):
         t0 = time.perf_counter()
         sent = self._send(tables, layer, x, batches, adapters)
         if self.probe is not None:
-            self._probe_send = (t0 - t_start, time.perf_counter() - t0)
+            now_s = time.perf_counter()
+            self._probe_send = (t0 - t_start, now_s - t0, now_s)
         now = None if held is None else ~held  # a re-send must not repeat held pairs
         wait, _ = self._waiter(tables, layer, x, ids, w, phys, adapters, sent, t0, now, out)
         # --- the held-back pairs go last (a server answers in arrival order) ---
@@ -309,8 +311,8 @@ class RemoteDispatcher(Dispatcher):
             ):  # the server's own time: the fast path's descriptor, gRPC's field
                 fast = getattr(sent[0][1], "reply", None)
                 ms = fast.server_ms if fast is not None else getattr(sent[0][1], "compute_ms", None)
-                route_s, send_s = self._probe_send
-                self.probe.append((route_s, send_s, (ms or 0.0) * 1e-3))
+                route_s, send_s, sent_at = self._probe_send
+                self.probe.append((route_s, send_s, (ms or 0.0) * 1e-3, time.perf_counter() - sent_at))
             return dst
 
         def abandon() -> None:

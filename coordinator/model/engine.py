@@ -83,6 +83,10 @@ class Engine:
 
             self.graphs = RemoteDecodeGraphs(model, self.cache, spec.num_pages, load_hook, dispatcher)  # type: ignore[arg-type]
 
+        # a decode step of 2+ sequences runs as up to this many micro-batches (whole sequences
+        # each, eagerly: CausalLM.forward_micro); 1 = off
+        self.micro_batches = 1
+
         # called after every forward step on the step's thread (the EPLB manager's counter)
         self.after_step: Callable[[], None] | None = None
 
@@ -190,7 +194,20 @@ class Engine:
         decode = not all_logits and not uses_lora and all(len(toks) == 1 for _, toks in items)
         if self.lora is not None:
             self.lora.begin_step(token_adapter if uses_lora else None)
-        if decode and self.graphs is not None and self.graphs.bucket(len(items)) is not None:
+        n = min(self.micro_batches, len(items))
+        if decode and n >= 2 and not uses_lora and not _defers(self.dispatcher):
+            groups = [items[j * len(items) // n : (j + 1) * len(items) // n] for j in range(n)]
+            batches = [
+                ForwardBatch.build(
+                    [(toks, self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in g],
+                    self.page_size,
+                    self.device,
+                )
+                for g in groups
+            ]
+            self.dispatcher.begin_step(len(items))
+            logits = self.model.forward_micro(batches, self.cache)  # [B, V]
+        elif decode and self.graphs is not None and self.graphs.bucket(len(items)) is not None:
             self.dispatcher.begin_step(len(items))
             logits = self.graphs.run(
                 [(toks[0], self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in items]
@@ -232,3 +249,10 @@ class Engine:
                 s.indexing = False
                 break
             s.chain, s.indexed = blk, i + 1
+
+
+def _defers(dispatcher: Dispatcher) -> bool:
+    """Whether the dispatcher holds CPU experts back a layer (--cpu-defer-experts): one held
+    sum per layer, so those steps are never split into micro-batches."""
+    cluster = getattr(dispatcher, "cluster", None)
+    return bool(getattr(cluster, "cpu_defer_experts", 0))

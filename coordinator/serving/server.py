@@ -468,6 +468,7 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
     engine = Engine(
         model, dispatcher, spec, dtype, device, load_hook=load.record, prefix_cache=config.prefix_cache
     )
+    engine.micro_batches = config.micro_batches
     tokenizer = TextTokenizer.from_dir(config.model_dir)
     limits = SchedulerLimits(
         config.max_batch_tokens,

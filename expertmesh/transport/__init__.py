@@ -1,4 +1,7 @@
-"""Fast paths between the coordinator and an expert server on the same host (and GPU).
+"""Fast paths between the coordinator and an expert server: on the same host (and GPU) through
+shared memory, across hosts through a TCP connection of their own (:mod:`.tcp`: binary frames
+of the descriptors below and raw tensor bytes; :mod:`.tcp_server`, :mod:`.tcp_client`, and a
+loopback latency proxy to measure it, :mod:`.delay_proxy`).
 
 The plain path puts every tensor inside the gRPC messages of one bidirectional ``Forward``
 stream per server. When both sides share the host, that stream stays (it carries the

@@ -59,12 +59,12 @@ def _seal(body: bytes) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def _open(raw: bytes, magic: bytes) -> bytes:
+def _open(raw: bytes | bytearray, magic: bytes) -> bytes:
     if len(raw) != SIZE:
         raise DescriptorError(f"truncated descriptor: {len(raw)} bytes, expected {SIZE}")
     if raw[:4] != magic:
         raise DescriptorError(f"bad descriptor magic {raw[:4]!r}, expected {magic!r}")
-    body = raw[:_BODY]
+    body = bytes(raw[:_BODY])
     if zlib.crc32(body) != _CRC.unpack_from(raw, _BODY)[0]:
         raise DescriptorError("descriptor checksum mismatch (corrupted descriptor)")
     return body
@@ -126,7 +126,7 @@ class Request:
         )
 
     @classmethod
-    def parse(cls, raw: bytes, host_bytes: int, gpu_bytes: int) -> Request:
+    def parse(cls, raw: bytes | bytearray, host_bytes: int, gpu_bytes: int) -> Request:
         """Parses and bounds-checks against the host ring and (FLAG_GPU) the GPU rings."""
         body = _open(raw, REQUEST_MAGIC)
         magic, version, flags, seq, gen, layer, t, h, k, hd, od, h_off, r_off, o_off = _REQ.unpack_from(body)
@@ -168,7 +168,7 @@ class Response:
         )
 
     @classmethod
-    def parse(cls, raw: bytes) -> Response:
+    def parse(cls, raw: bytes | bytearray) -> Response:
         body = _open(raw, RESPONSE_MAGIC)
         _, version, code, seq, ms, n = _RESP.unpack_from(body)
         if version != VERSION or n > MAX_MESSAGE:

@@ -3,7 +3,12 @@
 The coordinator sends ``ForwardRequest{seq: 0, fast_path: Hello}``; the server answers
 ``ForwardResponse{seq: 0, fast_path: Ack}`` with the transport it accepts (possibly a slower
 one, with the reason) and then serves the stream: fast-path requests through the shared
-segment, anything else (payloads too big for the ring) as plain gRPC messages.
+segment (or the TCP data connection, :mod:`.tcp`), anything else (payloads too big for the
+ring) as plain gRPC messages.
+
+A ``tcp`` Hello names no segment: ``ring_bytes`` is the largest frame body the coordinator
+will send, ``token`` the stream token it will present on the data connection; the Ack's
+``tcp`` says where to connect (``{"port": P, "tls": bool}``).
 
 Hello and Ack are a magic prefix and a small JSON object; this runs once per stream, so
 readability beats compactness. A message that does not parse is an INVALID_ARGUMENT.
@@ -18,7 +23,8 @@ from expertmesh.transport.cuda_ipc import SYNC_MODES
 from expertmesh.transport.segment import is_segment_name
 
 MAGIC = b"EMHS1"
-TRANSPORTS = ("grpc", "shm", "cuda_ipc")  # slowest to fastest
+TRANSPORTS = ("grpc", "tcp", "shm", "cuda_ipc")  # slowest to fastest
+MAX_TCP_BUFFER = 1 << 30  # a tcp Hello's largest frame body
 
 
 class HandshakeError(ValueError):
@@ -38,8 +44,8 @@ class CudaHello:
 
 @dataclass(frozen=True)
 class Hello:
-    transport: str  # "shm" | "cuda_ipc"
-    segment: str
+    transport: str  # "tcp" | "shm" | "cuda_ipc"
+    segment: str  # "" for tcp
     size: int  # bytes of the segment
     ring_offset: int
     ring_bytes: int
@@ -57,6 +63,9 @@ class Hello:
             hello = cls(**d, cuda=CudaHello(**cuda) if cuda is not None else None)
         except TypeError as e:
             raise HandshakeError(f"malformed fast-path handshake: {e}") from None
+        if hello.transport == "tcp":
+            _check_tcp(hello)
+            return hello
         if not is_segment_name(hello.segment):
             raise HandshakeError(f"fast-path handshake: {hello.segment!r} is not an expertmesh segment name")
         if not isinstance(hello.token, str) or len(hello.token) != 32:
@@ -84,6 +93,8 @@ class Ack:
     # out_ring (cuda_ipc.share()) and done_event (hex); with a device link offered, link_area
     # (cuda_ipc.share() of the answer area) when accepted, or link_reason (why not)
     cuda: dict = field(default_factory=dict)
+    # tcp: {"port": the data listener's port, "tls": bool, "buffer": the largest frame body it takes}
+    tcp: dict = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return MAGIC + json.dumps(asdict(self)).encode()
@@ -96,7 +107,28 @@ class Ack:
             raise HandshakeError(f"malformed fast-path answer: {e}") from None
         if ack.transport not in TRANSPORTS:
             raise HandshakeError(f"unknown transport {ack.transport!r} in the fast-path answer")
+        if ack.transport == "tcp":
+            tcp = ack.tcp if isinstance(ack.tcp, dict) else {}
+            port, tls = tcp.get("port"), tcp.get("tls")
+            if not (isinstance(port, int) and 0 < port < 65536 and isinstance(tls, bool)):
+                raise HandshakeError(f"fast-path answer: tcp needs a port and a tls flag, got {ack.tcp!r}")
         return ack
+
+
+def _check_tcp(hello: Hello) -> None:
+    if hello.segment or hello.size or hello.ring_offset or hello.cuda is not None:
+        raise HandshakeError("fast-path handshake: a tcp hello names no segment and no CUDA fields")
+    if not isinstance(hello.token, str) or len(hello.token) != 32:
+        raise HandshakeError("fast-path handshake: the token must be 32 hex digits")
+    try:
+        bytes.fromhex(hello.token)
+    except ValueError:
+        raise HandshakeError("fast-path handshake: the token must be 32 hex digits") from None
+    b = hello.ring_bytes
+    if not isinstance(b, int) or isinstance(b, bool) or not 4096 <= b <= MAX_TCP_BUFFER:
+        raise HandshakeError(
+            f"fast-path handshake: tcp buffer of {b!r} bytes outside [4096, {MAX_TCP_BUFFER}]"
+        )
 
 
 def _check_link(link: object) -> None:

@@ -3,11 +3,14 @@
 ``requested`` is the coordinator's ``--transport``:
 
 - ``grpc``: tensors inside the gRPC messages, always possible.
+- ``tcp``: binary frames on a TCP connection of their own (expertmesh/transport/tcp.py), any
+  host; required.
 - ``shm``: payloads in a shared-memory ring on this host; required, an error if impossible.
 - ``cuda_ipc``: hidden states and outputs stay in GPU memory (CUDA IPC): the GPU both use, or
   two GPUs of the host when the coordinator's reaches the server's by peer access; small
   routing data in the host ring; required.
-- ``auto``: the fastest path both sides offer.
+- ``auto``: the fastest path both sides offer: shared memory / CUDA IPC on the same host,
+  tcp otherwise (or when the server offers no shared memory), gRPC when nothing else is offered.
 
 The choice here rests on what the server says in ``Describe`` (its boot id, the fast paths it
 offers, its GPU's UUID); the handshake then proves it (the server must open the segment the
@@ -18,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CHOICES = ("auto", "grpc", "shm", "cuda_ipc")
-RANK = {"grpc": 0, "shm": 1, "cuda_ipc": 2}
+CHOICES = ("auto", "grpc", "tcp", "shm", "cuda_ipc")
+RANK = {"grpc": 0, "tcp": 1, "shm": 2, "cuda_ipc": 3}
 
 
 class NegotiationError(ValueError):
@@ -44,6 +47,13 @@ def choose(requested: str, coordinator: Side, server: Side, name: str = "the ser
     assert requested in CHOICES, f"{requested=}"
     if requested == "grpc":
         return Choice("grpc", "--transport grpc")
+    why_not_tcp = (
+        "" if "tcp" in server.fast_paths else f"{name} offers no TCP data path (started with --no-tcp?)"
+    )
+    if requested == "tcp":
+        if why_not_tcp:
+            raise NegotiationError(f"--transport tcp is impossible: {why_not_tcp}")
+        return Choice("tcp")
     why_not_shm = ""
     if not coordinator.host_id or coordinator.host_id != server.host_id:
         why_not_shm = f"{name} runs on another host (boot id {server.host_id or '?'}, ours {coordinator.host_id or '?'})"
@@ -68,7 +78,9 @@ def choose(requested: str, coordinator: Side, server: Side, name: str = "the ser
         return Choice("shm", why_not_cuda if requested == "auto" else "")
     if requested == "shm":
         raise NegotiationError(f"--transport shm is impossible: {why_not_shm}")
-    return Choice("grpc", why_not_shm)
+    if not why_not_tcp:
+        return Choice("tcp", why_not_shm)
+    return Choice("grpc", f"{why_not_shm}; {why_not_tcp}")
 
 
 def acceptable(requested: str, planned: str, answered: str) -> bool:

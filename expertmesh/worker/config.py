@@ -32,6 +32,8 @@ class WorkerConfig:
     capacity: int | None = None  # local slots per layer; default: the model's expert count
     max_message_mb: int = 256
     shm: bool = True  # offer the shared-memory (and, on CUDA, CUDA IPC) fast paths
+    tcp: bool = True  # offer the TCP data path (expertmesh/transport/tcp.py)
+    data_port: int = 0  # its listening port on ``host`` (0 = a free one, printed)
     # fast paths: poll this long for the next request before sleeping (0 where cores are scarce)
     shm_spin_us: float = field(default_factory=cores.default_spin_us)
     metrics_port: int | None = None  # Prometheus /metrics here (0 = a free one); None = off
@@ -58,6 +60,8 @@ class WorkerConfig:
             raise ValueError(f"--dtype {self.dtype!r}: expected one of {DTYPES}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} outside 0..65535")
+        if not 0 <= self.data_port < 65536:
+            raise ValueError(f"--data-port {self.data_port} outside 0..65535")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port {self.metrics_port} outside 0..65535")
         if self.capacity is not None and self.capacity <= 0:
@@ -87,9 +91,10 @@ class WorkerConfig:
 
     @property
     def fast_paths(self) -> tuple[str, ...]:
+        tcp = ("tcp",) if self.tcp else ()
         if not self.shm or not segment.available():
-            return ()
-        return ("shm", "cuda_ipc") if self.device.startswith("cuda") else ("shm",)
+            return tcp
+        return (*tcp, "shm", "cuda_ipc") if self.device.startswith("cuda") else (*tcp, "shm")
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -114,6 +119,17 @@ class WorkerConfig:
             "--no-shm",
             action="store_true",
             help="offer no shared-memory or CUDA IPC fast path: coordinators on this host use gRPC",
+        )
+        p.add_argument(
+            "--no-tcp",
+            action="store_true",
+            help="offer no TCP data path (coordinators on other hosts then use gRPC)",
+        )
+        p.add_argument(
+            "--data-port",
+            type=int,
+            default=WorkerConfig.data_port,
+            help="the TCP data path's port on --host (0 = a free one, printed)",
         )
         p.add_argument(
             "--shm-spin-us",
@@ -165,6 +181,8 @@ class WorkerConfig:
             capacity=args.capacity,
             max_message_mb=args.max_message_mb,
             shm=not args.no_shm,
+            tcp=not args.no_tcp,
+            data_port=args.data_port,
             shm_spin_us=args.shm_spin_us,
             metrics_port=args.metrics_port,
             max_loras=args.max_loras,

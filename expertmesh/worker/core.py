@@ -270,6 +270,12 @@ class ExpertWorker:
         self.stats.errors += 1
         self.metrics.reject(err)
 
+    def data_path_error(self, reason: str, err: ExpertMeshError | None = None) -> None:
+        """A data connection dropped (a malformed or truncated frame, a bad preamble): counted
+        with the errors, and by ``reason`` (expertmesh/transport/tcp_server.py DROP_REASONS)."""
+        self.count_error(err)
+        self.metrics.dropped(reason)
+
     def _compute_locked(
         self, req: ExpertRequest, to_host: bool, into: torch.Tensor | None = None, loaded: object = None
     ) -> torch.Tensor:

@@ -27,7 +27,8 @@ from expertmesh.health import LIVENESS
 from expertmesh.metrics import serve_metrics
 from expertmesh.net import grpc_options, host_id
 from expertmesh.progress import LoadProgress
-from expertmesh.transport import segment
+from expertmesh.transport import segment, tcp
+from expertmesh.transport.tcp_server import DataListener
 from expertmesh.v1 import expert_worker_pb2
 from expertmesh.worker.config import WorkerConfig
 from expertmesh.worker.core import WorkerIdentity
@@ -49,6 +50,11 @@ class RunningWorker:
     preload: asyncio.Task
     metrics_port: int | None = None
     metrics_server: Any = None
+    data: DataListener | None = None  # the TCP data path's listener (None: --no-tcp)
+
+    @property
+    def data_port(self) -> int | None:
+        return self.data.port if self.data is not None else None
 
     async def drain(self, timeout: float) -> bool:
         """Graceful drain (SIGTERM): health NOT_SERVING, new streams and layers refused with
@@ -77,6 +83,8 @@ class RunningWorker:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         self.servicer.close()
+        if self.data is not None:
+            self.data.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
 
@@ -133,6 +141,10 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     if config.fast_paths:
         for name in segment.sweep():
             log.info("removed %s from %s (its creator is gone)", name, segment.SHM_DIR)
+    data = None
+    if config.tcp:
+        # NOTE: the gRPC port's host and certificate; its token checks happen in the handshake
+        data = DataListener(config.host, config.data_port, tcp.server_context(config.tls))
     servicer = ExpertWorkerServicer(
         slots,
         backend,
@@ -141,7 +153,10 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         config.max_loras,
         config.cluster_token,
         link=config.link,  # the device link
+        data=data,
     )
+    if data is not None:
+        data.on_drop = servicer.worker.data_path_error
     if not config.cluster_token:
         log.warning(
             "no cluster token: any client that reaches %s:%d can push this server a placement "
@@ -162,6 +177,8 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     # TLS (mutual with --tls-ca) when configured
     port = tls.add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     if port == 0:
+        if data is not None:
+            data.close()
         raise OSError(f"could not bind {config.host}:{config.port}")
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -181,7 +198,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    w = RunningWorker(server, port, servicer, health_servicer, asyncio.create_task(preload()))
+    w = RunningWorker(server, port, servicer, health_servicer, asyncio.create_task(preload()), data=data)
     if config.metrics_port is not None:
         registry = servicer.worker.metrics.registry
         w.metrics_server, _, w.metrics_port = serve_metrics(registry, config.host, config.metrics_port)
@@ -197,6 +214,9 @@ def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if w.data is not None:
+            tls = " (TLS)" if w.data.tls is not None else ""
+            print(f"TCP data path on {config.host}:{w.data.port}{tls}", flush=True)
         print(f"{config.kind} expert server listening on {config.host}:{w.port}", flush=True)
         if w.metrics_port is not None:
             print(f"Prometheus metrics on http://{config.host}:{w.metrics_port}/metrics", flush=True)

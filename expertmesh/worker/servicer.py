@@ -3,8 +3,10 @@
 encode; typed errors become gRPC status codes here (expertmesh.status), by class.
 
 A ``Forward`` stream whose first message is a fast-path handshake also gets a shared-memory
-channel (expertmesh.transport.server): its requests come through the channel's thread and go
-to the same core (:meth:`ExpertWorker.forward`).
+channel (expertmesh.transport.server) or a TCP data connection (expertmesh.transport.tcp_server):
+its requests come through that channel's thread and go to the same core
+(:meth:`ExpertWorker.forward_into`). A server with a cluster token opens a TCP data path only
+for a stream that carries the token in its metadata.
 
 Shapes: T tokens, H hidden.
 """
@@ -25,6 +27,7 @@ from expertmesh.experts import ExpertBackend
 from expertmesh.lora.wire import decode_adapter
 from expertmesh.transport.handshake import Ack, HandshakeError, Hello
 from expertmesh.transport.server import ShmServer
+from expertmesh.transport.tcp_server import DataListener, TcpServer
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
 from expertmesh.worker.core import ExpertWorker, WorkerIdentity, WorkerStats
@@ -50,9 +53,11 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         max_loras: int = 4,
         cluster_token: str | None = None,
         link: str = "auto",  # the device link's mode (WorkerConfig.link)
+        data: DataListener | None = None,  # the TCP data path's port (None: not offered)
     ) -> None:
         self.worker = ExpertWorker(slots, backend, identity, max_loras)
         self.link = link
+        self.data = data
         self.shm_spin_us = shm_spin_us
         self.cluster_token = cluster_token  # None: control RPCs are open (a warning at start)
         # NOTE: one compute thread for gRPC requests and commits (the core's lock orders them
@@ -71,7 +76,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         self, request_iterator: AsyncIterator[pb.ForwardRequest], context
     ) -> AsyncIterator[pb.ForwardResponse]:
         loop = asyncio.get_running_loop()
-        fast: ShmServer | None = None
+        fast: ShmServer | TcpServer | None = None
         try:  # --- drain: a draining server opens no stream; open ones are counted
             self.worker.stream_opened()
         except ExpertMeshError as e:
@@ -83,7 +88,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                     if isinstance(msg, InvalidRequest):  # bytes protobuf could not parse
                         raise msg
                     if msg.fast_path and msg.seq == 0 and fast is None:
-                        fast, ack = await self._open_fast_path(msg.fast_path)
+                        fast, ack = await self._open_fast_path(msg.fast_path, context)
                         yield pb.ForwardResponse(seq=0, fast_path=ack.encode())
                         continue
                     if msg.fast_path:
@@ -115,11 +120,15 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                 return out
         return await loop.run_in_executor(self._compute, self.worker.compute, req)
 
-    async def _open_fast_path(self, raw: bytes) -> tuple[ShmServer | None, Ack]:
+    async def _open_fast_path(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> tuple[ShmServer | TcpServer | None, Ack]:
         try:
             hello = Hello.decode(raw)
         except HandshakeError as e:
             raise InvalidRequest(str(e)) from None
+        if hello.transport == "tcp":
+            return self._open_tcp(hello, context)
         if "shm" not in self.worker.identity.fast_paths:
             return None, Ack("grpc", "this server offers no shared-memory fast path (--no-shm)")
         w = self.worker
@@ -129,6 +138,21 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         )  # fmt: skip
         ack = await asyncio.wrap_future(fast.start())
         return (fast if ack.transport != "grpc" else None), ack
+
+    def _open_tcp(self, hello: Hello, context: grpc.aio.ServicerContext) -> tuple[TcpServer | None, Ack]:
+        if self.data is None:
+            return None, Ack("grpc", "this server offers no TCP data path (--no-tcp)")
+        try:
+            auth.check_token(self.cluster_token, context.invocation_metadata(), "the TCP data path")
+        except ExpertMeshError as e:
+            self.worker.count_error(e)
+            return None, Ack("grpc", e.message)
+        w = self.worker
+        fast = TcpServer(
+            hello, self.data, w.slots.device, w.forward, w.data_path_error, self.shm_spin_us,
+            forward_into=w.forward_into, max_buffer=w.identity.max_message_bytes or (256 << 20),
+        )  # fmt: skip
+        return fast, fast.start().result()
 
     async def ApplyPlacement(self, request, context):
         loop = asyncio.get_running_loop()

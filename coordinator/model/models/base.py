@@ -109,3 +109,38 @@ class CausalLM(nn.Module):
                 x = carry.after_layer(layer(x, batch, (cache.k[i], cache.v[i])))
             x = carry.finish(x)[batch.logits_index]
         return self.lm_head(self.model.norm(x)).float()
+
+    @torch.inference_mode()
+    def forward_micro(self, batches: list[ForwardBatch], cache: KVCache) -> torch.Tensor:  # [sum B', V]
+        """One step as micro-batches of whole sequences, pipelined over the layers: a
+        micro-batch's wait for its routed experts of layer i comes after the other
+        micro-batches' attention, so that attention overlaps the experts on the wire. The same
+        maths as :meth:`forward` row by row (no deferred CPU experts here: the caller runs
+        those steps whole)."""
+        xs = [self.model.embed_tokens(b.input_ids) for b in batches]  # [T_m, H] each
+        # per micro-batch: (residual after attention [T_m, H], the MLP output's finish) of the
+        # layer in flight
+        flight: list[tuple[torch.Tensor, Callable[[], torch.Tensor]] | None] = [None] * len(batches)
+        for i, layer in enumerate(self.decoder_layers()):
+            kv = (cache.k[i], cache.v[i])
+            for m, b in enumerate(batches):
+                prev = flight[m]
+                if prev is not None:
+                    xs[m] = prev[0] + prev[1]()
+                h = xs[m] + layer.self_attn(layer.input_layernorm(xs[m]), b, kv)
+                y = layer.post_attention_layernorm(h)
+                if isinstance(layer.mlp, MoEBlock):
+                    flight[m] = (h, layer.mlp.start(y))
+                else:
+                    flight[m] = (h, _done(layer.mlp(y)))
+        outs = []
+        for m, b in enumerate(batches):
+            prev = flight[m]
+            assert prev is not None
+            outs.append((prev[0] + prev[1]())[b.logits_index])
+        return self.lm_head(self.model.norm(torch.cat(outs))).float()
+
+
+def _done(y: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A dense layer's MLP output, in the shape of an MoE block's finish."""
+    return lambda: y

@@ -59,6 +59,12 @@ class MoEBlock(nn.Module):
         self.load_hook: LoadHook | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]
+        return self.start(x)()
+
+    def start(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:  # x [T, H]
+        """Routes ``x`` and sends its routed experts; the returned call runs the shared expert,
+        waits for the routed sum and returns the block's output ``[T, H]`` (micro-batched
+        decode runs another micro-batch's attention in between)."""
         assert self.dispatcher is not None, "MoEBlock used before a dispatcher was attached"
         if self.logits_fp32:
             logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
@@ -68,9 +74,13 @@ class MoEBlock(nn.Module):
         if self.load_hook is not None:
             self.load_hook(self.layer, topk_ids)
         pending = self.dispatcher.submit(self.layer, x, topk_ids, topk_weights)
-        shared = getattr(self, self.shared_name, None)
-        shared_out = shared(x) if shared is not None else None
-        if shared_out is not None and self.shared_expert_gate is not None:
-            shared_out = torch.sigmoid(self.shared_expert_gate(x)) * shared_out
-        routed = pending.wait()
-        return routed if shared_out is None else routed + shared_out
+
+        def finish() -> torch.Tensor:
+            shared = getattr(self, self.shared_name, None)
+            shared_out = shared(x) if shared is not None else None
+            if shared_out is not None and self.shared_expert_gate is not None:
+                shared_out = torch.sigmoid(self.shared_expert_gate(x)) * shared_out
+            routed = pending.wait()
+            return routed if shared_out is None else routed + shared_out
+
+        return finish
