@@ -29,6 +29,7 @@ from expertmesh.lora.store import AdapterStore, AdapterStoreError, LayerAdapter
 from expertmesh.metrics import WorkerMetrics
 from expertmesh.transport.descriptor import LinkStep
 from expertmesh.worker import memory
+from expertmesh.worker.lease import PlacementLease
 from expertmesh.worker.slots import SlotTable
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
 
@@ -65,6 +66,10 @@ class ExpertWorker:
         # layer -> [S] tokens routed to each slot (a device link's counts come every
         # gpu_server/link_graphs.FOLD_EVERY steps and at its close)
         self.tokens_per_slot: dict[int, np.ndarray] = {}
+        self.tokens_per_expert: dict[int, np.ndarray] = {}  # layer -> [E] since start
+        # coordinators sharing this server: who may push placements (expertmesh/worker/lease.py)
+        self.lease = PlacementLease()
+        self.adapter_sources: dict[str, str] = {}  # adapter name -> where its coordinator read it
         # MoE-LoRA adapter slots pushed here (LoadAdapter); -1 in a request = no adapter
         self.adapter_slots: frozenset[int] = frozenset()
         self.lora = AdapterStore(max_loras, slots.dtype, slots.device)
@@ -302,12 +307,27 @@ class ExpertWorker:
         # NOTE: numpy: on these few numbers its ops cost a fraction of torch's per-op overhead
         ids = req.slot_ids.numpy().ravel()  # [T * K]
         counts = np.bincount(ids[ids >= 0], minlength=len(layer.experts))  # [S]
+        self._count_experts(req.layer, layer.experts, counts)
         prev = self.tokens_per_slot.get(req.layer)
         if prev is None or prev.shape != counts.shape:
             self.tokens_per_slot[req.layer] = counts
         else:
             prev += counts
         return out
+
+    def _count_experts(self, layer: int, experts: tuple[int, ...], per_slot: np.ndarray) -> None:
+        """Adds ``per_slot [S]`` tokens of ``layer``'s slots holding ``experts`` to its
+        per-logical-expert counts ``[E]`` (which outlive placement changes: every coordinator's
+        EPLB reads them from Stats)."""
+        n = self.cfg.num_experts
+        per_expert = np.bincount(
+            np.asarray(experts, dtype=np.int64), weights=per_slot[: len(experts)], minlength=n
+        ).astype(np.int64)
+        prev = self.tokens_per_expert.get(layer)
+        if prev is None:
+            self.tokens_per_expert[layer] = per_expert[:n]
+        else:
+            prev += per_expert[:n]
 
     def _lora(self, req: ExpertRequest, experts: tuple[int, ...]) -> LoRABatch | None:
         """The request's MoE-LoRA inputs: resident buffers of its layer (LRU-loaded) and each
@@ -399,7 +419,10 @@ class ExpertWorker:
     def _link_report(self, graphs: Any, report: Any) -> None:
         """Folds a finished step's token counts into the stats; a step that timed out or met
         bad slot ids is an error, logged once per link and kind."""
+        live = self.slots.live
         for layer, counts in zip(self.slots.moe_layers, report.counts):
+            if counts.shape[0] == len(live.layers[layer].experts):
+                self._count_experts(layer, live.layers[layer].experts, counts)
             prev = self.tokens_per_slot.get(layer)
             if prev is None or prev.shape != counts.shape:
                 self.tokens_per_slot[layer] = counts.copy()  # NOTE: never an alias of the report's
@@ -421,13 +444,25 @@ class ExpertWorker:
 
     # ------------------------------------------------------------ MoE LoRA adapters
 
-    def load_adapter(self, adapter_slot: int, name: str, layers: dict[int, LayerAdapter]) -> None:
-        """Keeps ``layers`` (this server's experts of each MoE layer) as adapter ``adapter_slot``."""
+    def load_adapter(
+        self, adapter_slot: int, name: str, layers: dict[int, LayerAdapter], source: str = ""
+    ) -> None:
+        """Keeps ``layers`` (this server's experts of each MoE layer) as adapter ``adapter_slot``
+        (again for the same name: its experts change with the placement). A slot holding
+        another adapter is refused: two coordinators sharing this server chose the same slot,
+        and replacing it would silently change the other's requests."""
         if adapter_slot < 0:
             raise InvalidRequest(f"adapter_slot must be >= 0, got {adapter_slot}")
         with self._serial:
+            held = self.lora.names().get(adapter_slot)
+            if held is not None and held != name:
+                raise InvalidRequest(
+                    f"adapter slot {adapter_slot} holds adapter {held!r}; unload it before loading {name!r} there"
+                )
             self.lora.add(adapter_slot, name, layers)
             self.adapter_slots = frozenset(self.lora.adapters)
+            if source:
+                self.adapter_sources[name] = source
 
     def unload_adapter(self, name: str) -> bool:
         """Drops every adapter slot holding ``name``; False if there was none."""
@@ -435,6 +470,7 @@ class ExpertWorker:
             ids = [i for i, n in self.lora.names().items() if n == name]
             for i in ids:
                 self.lora.remove(i)
+            self.adapter_sources.pop(name, None)
             self.adapter_slots = frozenset(self.lora.adapters)
         return bool(ids)
 
