@@ -62,6 +62,11 @@ class Coordinator:
             load = admin_pb2_grpc.AdminStub(ch).GetExpertLoad(admin_pb2.GetExpertLoadRequest(), timeout=10)
         return sum(sum(layer.tokens) for layer in load.layers)
 
+    def transports(self) -> list[str]:
+        with self.admin() as ch:
+            resp = admin_pb2_grpc.AdminStub(ch).ListServers(admin_pb2.ListServersRequest(), timeout=10)
+        return [s.transport for s in resp.servers]
+
     def load_lora(self, name: str, path: Path) -> None:
         with self.admin() as ch:
             admin_pb2_grpc.AdminStub(ch).LoadLoRA(
@@ -137,6 +142,8 @@ def test_two_coordinators_share_one_expert_pool(model):
             "--placement-lease", str(LEASE_S), "--expert-timeout", "5", "--connect-timeout", "5",
             "--lora-dir", str(root / "adapters"), "--max-loras", "2",
             "--page-size", "4", "--kv-memory", "8MiB",
+            # NOTE: the shared-memory path (one channel per coordinator on each server)
+            "--transport", "shm", "--shm-ring-mb", "4",
         ]  # fmt: skip
         coords = [Coordinator(h, mdir, *flags) for h in COORD_HOSTS]
         for c in coords:
@@ -156,6 +163,7 @@ def test_two_coordinators_share_one_expert_pool(model):
         gen = ps[0].generation
 
         assert both(coords, jobs) == [[[w] for w in want]] * 2
+        assert [c.transports() for c in coords] == [["shm", "shm"]] * 2
 
         # the follower may not rebalance; the holder's rebalance is followed by the follower
         refused = follower.rebalance()
@@ -182,15 +190,24 @@ def test_two_coordinators_share_one_expert_pool(model):
         wait_for("the adapter on the holder", lambda: _lora_runs(holder, ad))
         assert both([holder], ad)[0] == via_follower
 
-        # kill -9 of the holder: the follower takes the role and keeps serving
-        holder.kill()
-        t0 = time.monotonic()
+        # kill -9 of the holder while the follower streams: the follower's requests all finish
+        # (a coordinator that dies loses only its own), it takes the role and keeps serving
+        t0 = [0.0]
+
+        def kill_holder() -> None:
+            holder.kill()
+            t0[0] = time.monotonic()
+
+        res = run_load(follower.addr, [js * 2 for js in jobs], at_chunks=len(jobs) * 2, action=kill_holder)
+        assert [[o.tokens for o in outs] for outs in res] == [[w, w] for w in want], [
+            o.error for outs in res for o in outs
+        ]
         p = wait_for(
             "the follower holding the role",
             lambda: (q := follower.placement()).placement_holder == q.coordinator_id and q,
             timeout=LEASE_S * 5 + 10,
         )
-        took = time.monotonic() - t0
+        took = time.monotonic() - t0[0]
         assert both([follower], jobs)[0] == [[w] for w in want]
         out = follower.rebalance()
         assert out.outcome == "rebalanced" and out.generation > p.generation, out

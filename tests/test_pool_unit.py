@@ -1,0 +1,199 @@
+"""The pieces of a shared expert pool without processes: the servers' placement lease (fake
+clock), the previous generation a server keeps computing after a commit, its per-expert token
+counts, and the election between coordinators (coordinator/experts/pool.py) over fake servers
+that hold real leases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from coordinator.experts.expert_conn import ExpertServerError
+from coordinator.experts.pool import PoolRole
+from expertmesh import errors
+from expertmesh.experts import TorchExpertBackend, torch_moe
+from expertmesh.worker.core import ExpertWorker, WorkerIdentity
+from expertmesh.worker.lease import PlacementLease
+from expertmesh.worker.slots import SlotTable
+from tests.test_slots import FakeReader
+from tests.test_worker_core import request
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_lease_goes_to_one_holder_until_it_expires_or_is_released():
+    clock = Clock()
+    lease = PlacementLease(clock)
+    assert lease.acquire("a", 3.0).granted
+    b = lease.acquire("b", 3.0)
+    assert (b.granted, b.holder) == (False, "a") and b.left_s == pytest.approx(3.0)
+    assert lease.may_push("b") == "a" and lease.may_push("a") == ""
+    clock.t += 2.0
+    assert lease.acquire("a", 3.0).granted  # renewed: 3 s from now
+    clock.t += 2.5
+    assert not lease.acquire("b", 3.0).granted
+    clock.t += 1.0  # a did not renew: expired
+    assert lease.observe().holder == ""
+    assert lease.may_push("anyone") == ""
+    assert lease.acquire("b", 3.0).granted
+    assert lease.release("a").holder == "b"  # not a's to release
+    assert lease.release("b").holder == ""
+    assert lease.acquire("a", 3.0).granted
+    for bad in (0.0, -1.0, 301.0):
+        with pytest.raises(ValueError):
+            lease.acquire("a", bad)
+    with pytest.raises(ValueError):
+        lease.acquire("", 1.0)
+
+
+@pytest.fixture
+def worker() -> ExpertWorker:
+    slots = SlotTable(FakeReader(), torch.float32, torch.device("cpu"), 4)  # type: ignore[arg-type]
+    slots.preload([0, 1, 2, 3])
+    return ExpertWorker(slots, TorchExpertBackend(), WorkerIdentity("cpu", "cpu", "host"))
+
+
+def test_the_generation_before_the_live_one_computes_until_the_next_prepare(worker):
+    old = worker.slots.live.layers[2]
+    worker.prepare(1, {layer: [3, 2, 1, 0] for layer in worker.slots.moe_layers})
+    worker.commit(1)
+    new = worker.slots.live.layers[2]
+    for gen, w in ((0, old), (1, new)):  # a follower still on 0 and the holder on 1
+        req = request(generation=gen)
+        out = worker.compute(worker.check(req))
+        assert torch.equal(out, torch_moe(req.hidden, w.w13, w.w2, req.slot_ids, req.weights))
+    worker.prepare(2, {layer: [0, 1] for layer in worker.slots.moe_layers})
+    with pytest.raises(errors.StaleGeneration):
+        worker.check(request(generation=0))
+    worker.check(request(generation=1))  # still the live one until the commit
+    worker.commit(2)
+    with pytest.raises(errors.StaleGeneration):
+        worker.check(request(generation=0))
+
+
+def test_tokens_per_logical_expert_survive_placement_changes(worker):
+    e = worker.cfg.num_experts
+    want = torch.zeros(e, dtype=torch.long)
+    for gen, experts in ((0, [0, 1, 2, 3]), (1, [3, 2, 1, 0])):
+        if gen:
+            worker.prepare(gen, {layer: experts for layer in worker.slots.moe_layers})
+            worker.commit(gen)
+        req = request(t=5, generation=gen)
+        worker.compute(worker.check(req))
+        ids = req.slot_ids.flatten()
+        want += torch.bincount(torch.tensor(experts)[ids[ids >= 0].long()], minlength=e)
+    assert worker.tokens_per_expert[2].tolist() == want.tolist()
+
+
+def test_a_slot_holding_another_adapter_is_refused(worker):
+    worker.load_adapter(0, "x", {}, "/adapters/x")
+    worker.load_adapter(0, "x", {})  # the same name again (a placement change re-pushes it)
+    with pytest.raises(errors.InvalidRequest, match="holds adapter 'x'"):
+        worker.load_adapter(0, "y", {})
+    assert worker.adapter_sources == {"x": "/adapters/x"}
+    worker.unload_adapter("x")
+    worker.load_adapter(0, "y", {})
+
+
+# ---------------------------------------------------------------- the election
+
+
+@dataclass
+class Answer:
+    granted: bool
+    holder: str
+    generation: int = 0
+    adapters: list = field(default_factory=list)
+
+
+class FakeServer:
+    """A reachable (or not) server with a real lease on a shared fake clock."""
+
+    def __init__(self, clock: Clock, address: str) -> None:
+        self.lease, self.address, self.up = PlacementLease(clock), address, True
+        self.asked: list[str] = []
+
+    def conn(self):
+        server = self
+
+        class Conn:
+            def lease(self, holder, ttl_s, timeout, release=False, observe=False):
+                if not server.up:
+                    raise ExpertServerError.of(errors.Unavailable("down"))
+                server.asked.append(holder)
+                lease = server.lease
+                st = (
+                    lease.observe(holder)
+                    if observe
+                    else lease.release(holder)
+                    if release
+                    else lease.acquire(holder, ttl_s)
+                )
+                return Answer(st.granted, st.holder)
+
+        return Conn()
+
+
+def role(servers: list[FakeServer], name: str) -> PoolRole:
+    conns = [s.conn() for s in servers]
+    return PoolRole(lambda: conns, lambda: [s.address for s in servers], 3.0, holder_id=name)
+
+
+def test_one_coordinator_holds_the_role_and_another_takes_it_when_the_lease_expires():
+    clock = Clock()
+    servers = [FakeServer(clock, "127.0.0.5:1"), FakeServer(clock, "127.0.0.4:1")]
+    a, b = role(servers, "a"), role(servers, "b")
+    a.round()
+    b.round()
+    assert (a.holder, b.holder) == (True, False)
+    assert a.seen_holder == b.seen_holder == "a"
+    clock.t += 2.0
+    a.round()  # renewed
+    b.round()
+    clock.t += 2.0
+    b.round()
+    assert not b.holder  # a renewed 2 s ago: its lease runs 1 s more
+    # a dies (no more renewals): b takes the role once the leases expired
+    clock.t += 1.5
+    b.round()
+    assert b.holder and b.seen_holder == "b"
+    # a comes back (a paused process): refused, it gives the role up and follows
+    a.round()
+    assert not a.holder and a.seen_holder == "b"
+
+
+def test_two_candidates_meet_on_the_first_server_by_address():
+    clock = Clock()
+    servers = [FakeServer(clock, "127.0.0.5:1"), FakeServer(clock, "127.0.0.4:1")]
+    a, b = role(servers, "a"), role(servers, "b")
+    servers[1].lease.acquire("b", 3.0)  # b got the first server (by address) in a race
+    a.round()  # a sees b's lease and stays a follower, taking nothing
+    assert not a.holder and servers[0].lease.observe().holder == ""
+    b.round()  # b's own lease is no one else's: it takes the rest
+    assert b.holder
+
+
+def test_an_unreachable_server_counts_for_nobody():
+    clock = Clock()
+    servers = [FakeServer(clock, "127.0.0.4:1"), FakeServer(clock, "127.0.0.5:1")]
+    a, b = role(servers, "a"), role(servers, "b")
+    a.round()
+    servers[1].up = False  # a lost server: the holder keeps the role on the others
+    clock.t += 2.0
+    a.round()
+    assert a.holder
+    servers[0].up = False
+    a.round()  # nothing reachable: no lease renewed, no role
+    assert not a.holder
+    servers[0].up = servers[1].up = True
+    clock.t += 4.0
+    b.round()
+    assert b.holder
