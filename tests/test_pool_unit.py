@@ -5,18 +5,24 @@ that hold real leases."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
+from coordinator.experts.cluster import ExpertCluster
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 from coordinator.experts.expert_conn import ExpertServerError
 from coordinator.experts.pool import PoolRole
 from expertmesh import errors
+from expertmesh import placement as pl
 from expertmesh.experts import TorchExpertBackend, torch_moe
+from expertmesh.transport import negotiate
 from expertmesh.worker.core import ExpertWorker, WorkerIdentity
 from expertmesh.worker.lease import PlacementLease
 from expertmesh.worker.slots import SlotTable
+from tests import test_cluster_state as cluster_state
 from tests.test_slots import FakeReader
 from tests.test_worker_core import request
 
@@ -197,3 +203,86 @@ def test_an_unreachable_server_counts_for_nobody():
     clock.t += 4.0
     b.round()
     assert b.holder
+
+
+# ---------------------------------------------------------------- two clusters on fake servers
+
+
+class LeasedServer(cluster_state.FakeServer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lease = PlacementLease()
+
+
+class LeasedConn(cluster_state.FakeConn):
+    """A fake server connection that also answers the pool's calls (a real lease)."""
+
+    lease_holder = ""
+
+    def prepare(self, generation, table, timeout):
+        if self.server.lease.may_push(self.lease_holder):
+            raise ExpertServerError.of(errors.StaleGeneration("another coordinator holds the lease"))
+        super().prepare(generation, table, timeout)
+
+    def lease(self, holder, ttl_s, timeout, release=False, observe=False):
+        self._need_up()
+        lease = self.server.lease
+        st = (
+            lease.observe(holder)
+            if observe
+            else lease.release(holder)
+            if release
+            else lease.acquire(holder, ttl_s)
+        )
+        return Answer(st.granted, st.holder, self.server.generation)
+
+    def live_placement(self, timeout):
+        self._need_up()
+        return self.server.generation, {k: list(v) for k, v in self.server.table.items()}
+
+
+def leased_cluster(servers: list[LeasedServer]) -> ExpertCluster:
+    specs = (ServerSpec("gpu0", "fake:1", "gpu"), ServerSpec("cpu0", "fake:2", "cpu"))
+    config = ClusterConfig(specs, num_gpu_experts=2, timeout_s=2.0, placement_lease_s=30.0)
+    by_name = dict(zip((s.name for s in specs), servers))
+    return ExpertCluster(
+        cluster_state.MODEL,  # type: ignore[arg-type]
+        config,
+        "cpu",
+        connect=lambda spec: LeasedConn(spec, by_name[spec.name]),  # type: ignore[arg-type,return-value]
+        local_side=negotiate.Side("host"),
+    )
+
+
+def test_the_second_coordinator_adopts_the_placement_and_follows_the_holders_pushes():
+    servers = [LeasedServer(), LeasedServer()]
+    a, b = leased_cluster(servers), leased_cluster(servers)
+    try:
+        a.connect(5)
+        assert a.holds_role() and a.placement.generation == 1
+        pushes = [list(s.calls) for s in servers]
+        b.connect(5)  # a pool that serves: adopted, nothing pushed
+        assert not b.holds_role() and b.ready()
+        assert [s.calls for s in servers] == pushes
+        assert b.placement.layers == a.placement.layers and b.placement.generation == 1
+        with pytest.raises(ExpertServerError, match="holds the placement role"):
+            b.update_placement(a.placement.with_generation(2), 2.0)
+        # the holder moves expert 1 of every layer to the CPU server; the follower adopts it
+        lists = {layer: {"gpu0": [0], "cpu0": [1, 2, 3]} for layer in (0, 1)}
+        new = pl.from_server_lists(2, ("gpu0", "cpu0"), 4, lists)
+        assert a.update_placement(new, 2.0) == []
+        b.pool.round()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10
+        while b.placement.generation != 2:
+            assert time.monotonic() < deadline, "the follower never adopted generation 2"
+            time.sleep(0.02)
+        assert b.placement.layers == new.layers
+        # the holder stops: it gives the role back, the follower takes it at its next round
+        a.close()
+        b.pool.round()  # type: ignore[union-attr]
+        assert b.holds_role()
+        assert b.update_placement(pl.from_server_lists(3, ("gpu0", "cpu0"), 4, lists), 2.0) == []
+        assert [s.generation for s in servers] == [3, 3]
+    finally:
+        a.close()
+        b.close()

@@ -35,7 +35,7 @@ import torch
 from coordinator.experts import dns
 from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 from coordinator.experts.expert_conn import ExpertServerError, ServerConnection
-from coordinator.experts.pool import PoolRole
+from coordinator.experts.pool import PoolRole, placement_of_servers
 from expertmesh import errors
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
@@ -676,12 +676,10 @@ class ExpertCluster:
                 )
             )
         names = tuple(s.name for s in self.config.servers)
-        per_layer: dict[int, dict[str, list[int]]] = {}
-        for i, (_, table) in got.items():
-            for layer, experts in table.items():
-                per_layer.setdefault(layer, {})[names[i]] = experts
         try:
-            placement = pl.from_server_lists(gens[0], names, self.cfg.num_experts, per_layer)
+            placement = placement_of_servers(
+                gens[0], names, self.cfg.num_experts, {i: t for i, (_, t) in got.items()}
+            )
         except pl.PlacementError as e:
             raise ExpertServerError.of(
                 errors.Unavailable(f"the placement the expert servers hold cannot serve: {e}")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.experts.expert_conn import ExpertServerError
+from expertmesh import placement as pl
 
 log = logging.getLogger("expertmesh.pool")
 
@@ -54,6 +55,19 @@ class PoolAdapter:
     name: str
     slot: int
     source: str  # the path the loading coordinator read it from ("" = unknown)
+
+
+def placement_of_servers(
+    generation: int, names: tuple[str, ...], num_experts: int, tables: dict[int, dict[int, list[int]]]
+) -> pl.Placement:
+    """The placement the servers hold: ``tables`` maps a server's index to its live slot table
+    (layer -> logical expert per local slot); a server missing there holds nothing. Raises
+    PlacementError when some expert has no slot."""
+    per_layer: dict[int, dict[str, list[int]]] = {}
+    for i, table in tables.items():
+        for layer, experts in table.items():
+            per_layer.setdefault(layer, {})[names[i]] = experts
+    return pl.from_server_lists(generation, names, num_experts, per_layer)
 
 
 def coordinator_id() -> str:
