@@ -5,9 +5,11 @@ that hold real leases."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
 import torch
 
@@ -19,10 +21,15 @@ from expertmesh import errors
 from expertmesh import placement as pl
 from expertmesh.experts import TorchExpertBackend, torch_moe
 from expertmesh.transport import negotiate
+from expertmesh.v1 import expert_worker_pb2 as pb
+from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
+from expertmesh.worker.config import WorkerConfig
 from expertmesh.worker.core import ExpertWorker, WorkerIdentity
 from expertmesh.worker.lease import PlacementLease
+from expertmesh.worker.server import start_worker
 from expertmesh.worker.slots import SlotTable
 from tests import test_cluster_state as cluster_state
+from tests.hf_models import make_checkpoint
 from tests.test_slots import FakeReader
 from tests.test_worker_core import request
 
@@ -286,3 +293,44 @@ def test_the_second_coordinator_adopts_the_placement_and_follows_the_holders_pus
     finally:
         a.close()
         b.close()
+
+
+def test_an_expert_server_grants_its_lease_to_one_coordinator_and_fences_pushes(tmp_path):
+    make_checkpoint("qwen3_moe", tmp_path)
+    P = pb.ApplyPlacementRequest
+
+    async def main() -> None:
+        w = await start_worker(
+            WorkerConfig("cpu", str(tmp_path), port=0, experts="none"), TorchExpertBackend()
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{w.port}") as ch:
+                stub = pb_grpc.ExpertWorkerStub(ch)
+                moe = list((await stub.Describe(pb.DescribeRequest())).moe_layers)
+                table = [pb.LayerSlots(layer=layer, experts=[1, 0]) for layer in moe]
+                lease = stub.PlacementLease
+                assert (await lease(pb.PlacementLeaseRequest(holder="a", ttl_ms=5000))).granted
+                got = await lease(pb.PlacementLeaseRequest(holder="b", ttl_ms=5000))
+                assert (got.granted, got.holder) == (False, "a") and 0 < got.ttl_left_ms <= 5000
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await stub.ApplyPlacement(
+                        P(phase=P.PREPARE, generation=1, layers=table, lease_holder="b")
+                    )
+                assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "'a'" in ei.value.details()
+                await stub.ApplyPlacement(P(phase=P.PREPARE, generation=1, layers=table, lease_holder="a"))
+                await stub.ApplyPlacement(P(phase=P.COMMIT, generation=1, lease_holder="a"))
+                live = await stub.LivePlacement(pb.LivePlacementRequest())
+                assert live.generation == 1 and {ls.layer: list(ls.experts) for ls in live.layers} == {
+                    layer: [1, 0] for layer in moe
+                }
+                seen = await lease(pb.PlacementLeaseRequest(holder="b", observe=True))
+                assert (seen.granted, seen.holder, seen.generation) == (False, "a", 1)
+                await lease(pb.PlacementLeaseRequest(holder="a", release=True))
+                assert (await lease(pb.PlacementLeaseRequest(holder="b", ttl_ms=5000))).granted
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await lease(pb.PlacementLeaseRequest(holder="c", ttl_ms=0))
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await w.stop(0)
+
+    asyncio.run(main())
