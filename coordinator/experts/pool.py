@@ -92,6 +92,7 @@ class PoolRole:
         self.generations: dict[int, int] = {}  # server index -> its live generation, last round
         self.adapters: dict[str, PoolAdapter] = {}  # the union of what the servers hold
         self.rounds = 0
+        self.answered = 0  # servers that answered the last round
         self._cond = threading.Condition()
         self._round_lock = threading.Lock()  # the thread's rounds and a bring-up's
         self._stop = False
@@ -151,6 +152,7 @@ class PoolRole:
             for ad in a.adapters:
                 adapters.setdefault(ad.name, PoolAdapter(ad.name, ad.adapter_slot, ad.source))
         self.adapters = adapters
+        self.answered = len(answers)
         self.rounds += 1
         if self.holder != was:
             log.info("placement role %s (coordinator %s)", "taken" if self.holder else "given up", self.id)

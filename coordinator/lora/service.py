@@ -142,21 +142,32 @@ class LoRAService:
         pool = getattr(self.cluster, "pool", None)
         if pool is None or not pool.rounds:
             return
+        if not pool.answered:  # NOTE: no server reached: nothing is known to be gone
+            return
         seen, rounds = dict(pool.adapters), pool.rounds
-        with self._lock:
-            for name, ad in sorted(seen.items()):
-                if name not in self.manager.adapters and name not in self._not_loadable:
-                    self._install_pooled(name, ad.slot, ad.source, rounds)
-            for name in sorted(self.manager.adapters):
-                due = self._pooled.get(name)
-                if due is not None and name not in seen and rounds > due:
-                    log.info("adapter %r left every expert server: unloading it here too", name)
-                    self.usable.discard(name)
-                    self.between_steps(functools.partial(self.manager.unload, name)).result()
-                    del self._pooled[name]
-                    self.sources.pop(name, None)
-            for name in [n for n in self._not_loadable if n not in seen]:
-                del self._not_loadable[name]  # unloaded: a later load by that name is tried again
+        # NOTE: a load or unload running here holds the lock for its pushes: the maintenance
+        # thread does not wait for it (the next round syncs)
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._sync(seen, rounds)
+        finally:
+            self._lock.release()
+
+    def _sync(self, seen: dict, rounds: int) -> None:
+        for name, ad in sorted(seen.items()):
+            if name not in self.manager.adapters and name not in self._not_loadable:
+                self._install_pooled(name, ad.slot, ad.source, rounds)
+        for name in sorted(self.manager.adapters):
+            due = self._pooled.get(name)
+            if due is not None and name not in seen and rounds > due:
+                log.info("adapter %r left every expert server: unloading it here too", name)
+                self.usable.discard(name)
+                self.between_steps(functools.partial(self.manager.unload, name)).result()
+                del self._pooled[name]
+                self.sources.pop(name, None)
+        for name in [n for n in self._not_loadable if n not in seen]:
+            del self._not_loadable[name]  # unloaded: a later load by that name is tried again
 
     def _install_pooled(self, name: str, slot: int, source: str, rounds: int) -> None:
         why = ""
