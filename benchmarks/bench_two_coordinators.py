@@ -1,8 +1,9 @@
 """Two coordinators sharing one GPU expert server vs one coordinator, at the same total
 concurrency: aggregate output tokens/s and the expert server's batch size per layer call.
 
-    python benchmarks/bench_two_coordinators.py [--model DIR] [--server-device cuda:0]
-        [--coord-devices cuda:0 cuda:0] [--concurrency 16 64] [--new-tokens 64]
+    python benchmarks/bench_two_coordinators.py [--model DIR | --widths qwen3-30b-a3b --layers 4]
+        [--server-device cuda:0] [--coord-devices cuda:0 cuda:0] [--concurrency 16 64]
+        [--new-tokens 64] [--coord-flags "--dtype bfloat16"] [--server-flags "--dtype bfloat16"]
 
 One GPU expert server (every expert) runs for the whole benchmark; for each level and mode a
 fresh set of coordinators starts with the real CLI (``--placement-lease``, so they share the
@@ -122,6 +123,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
     ap.add_argument(
+        "--widths",
+        default=None,
+        choices=["qwen3-30b-a3b", "deepseek-v2-lite"],
+        help="instead of --model: a random checkpoint of these real widths (bench_e2e.py's), --layers deep",
+    )
+    ap.add_argument("--layers", type=int, default=4, help="with --widths: decoder layers")
+    ap.add_argument(
         "--server-device", default="cpu", help="the expert server's device (cuda:0 on the device)"
     )
     ap.add_argument("--coord-devices", nargs=2, default=["cpu", "cpu"], metavar="DEV")
@@ -135,7 +143,15 @@ def main() -> None:
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        model, what = prepare_model(args.model, Path(tmp))
+        if args.widths:
+            import torch
+            from bench_e2e import MODELS, write_checkpoint
+
+            model = Path(tmp) / args.widths
+            write_checkpoint(model, MODELS[args.widths], args.layers, torch.bfloat16, "cpu")
+            what = f"{args.widths} widths, {args.layers} layers, random bf16 weights"
+        else:
+            model, what = prepare_model(args.model, Path(tmp))
         from expertmesh.checkpoint import CheckpointReader
 
         vocab = CheckpointReader(str(model)).config.vocab_size
