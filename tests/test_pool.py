@@ -8,6 +8,8 @@ server (on the CPU) on 127.0.0.4 and a CPU expert server on 127.0.0.5.
 - a rebalance by the holder is followed by the other, plans with the tokens routed through
   both (the servers' counts), and the follower may not rebalance;
 - an adapter loaded through one coordinator is usable through the other;
+- an expert server restarted on its port gets the placement and the adapter from the holder,
+  and both coordinators serve through it again;
 - kill -9 of the holder: the other takes the role within the lease and keeps serving.
 """
 
@@ -23,6 +25,8 @@ import grpc
 import pytest
 
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
+from expertmesh.v1 import expert_worker_pb2 as pb
+from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
 from tests import lora_utils
 from tests.cluster_utils import spawn
 from tests.fault_utils import Job, Zygote, run_load, wait_health
@@ -61,6 +65,11 @@ class Coordinator:
         with self.admin() as ch:
             load = admin_pb2_grpc.AdminStub(ch).GetExpertLoad(admin_pb2.GetExpertLoadRequest(), timeout=10)
         return sum(sum(layer.tokens) for layer in load.layers)
+
+    def states(self) -> list[str]:
+        with self.admin() as ch:
+            resp = admin_pb2_grpc.AdminStub(ch).ListServers(admin_pb2.ListServersRequest(), timeout=10)
+        return [s.state for s in resp.servers]
 
     def transports(self) -> list[str]:
         with self.admin() as ch:
@@ -190,6 +199,18 @@ def test_two_coordinators_share_one_expert_pool(model):
         wait_for("the adapter on the holder", lambda: _lora_runs(holder, ad))
         assert both([holder], ad)[0] == via_follower
 
+        # an expert server restarts on its port: the holder pushes it the live placement and the
+        # adapter (learned from the servers), the follower waits for that; then both serve as before
+        live = holder.placement().generation
+        cpu.kill()
+        cpu = zygote.start("cpu", mdir, cpu.port, "--host", CPU_HOST)
+        wait_for(
+            "the restarted server at the live generation", lambda: _generation(CPU_HOST, cpu.port) == live
+        )
+        wait_for("both coordinators ready", lambda: all(c.states() == ["ready", "ready"] for c in coords))
+        assert both(coords, jobs) == [[[w] for w in want]] * 2
+        assert both(coords, ad) == [via_follower] * 2
+
         # kill -9 of the holder while the follower streams: the follower's requests all finish
         # (a coordinator that dies loses only its own), it takes the role and keeps serving
         t0 = [0.0]
@@ -217,6 +238,11 @@ def test_two_coordinators_share_one_expert_pool(model):
         for c in coords:
             c.stop()
         zygote.close()
+
+
+def _generation(host: str, port: int) -> int:
+    with grpc.insecure_channel(f"{host}:{port}") as ch:
+        return int(pb_grpc.ExpertWorkerStub(ch).Describe(pb.DescribeRequest(), timeout=10).generation)
 
 
 def _lora_runs(c: Coordinator, jobs: list[list[Job]]) -> bool:
