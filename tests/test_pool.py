@@ -144,7 +144,8 @@ def test_two_coordinators_share_one_expert_pool(model):
     zygote = Zygote(root)
     coords: list[Coordinator] = []
     try:
-        gpu = zygote.start("gpu", mdir, 0, "--host", GPU_HOST)
+        # NOTE: the GPU server batches the two coordinators' waiting requests, the CPU one does not
+        gpu = zygote.start("gpu", mdir, 0, "--host", GPU_HOST, "--combine-streams")
         cpu = zygote.start("cpu", mdir, 0, "--host", CPU_HOST)
         flags = [
             "--gpu-server", f"{GPU_HOST}:{gpu.port}", "--cpu-server", f"{CPU_HOST}:{cpu.port}",

@@ -6,6 +6,7 @@ that hold real leases."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -334,3 +335,43 @@ def test_an_expert_server_grants_its_lease_to_one_coordinator_and_fences_pushes(
             await w.stop(0)
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------- cross-stream batching
+
+
+def test_waiting_requests_of_several_streams_are_computed_together_and_a_bad_one_fails_alone():
+    slots = SlotTable(FakeReader(), torch.float32, torch.device("cpu"), 4)  # type: ignore[arg-type]
+    slots.preload([0, 1, 2, 3])
+    worker = ExpertWorker(slots, TorchExpertBackend(), WorkerIdentity("cpu", "cpu", "host"), combine=True)
+    # the second names slots this server does not have
+    reqs = [request(t=3), request(t=4, slot_ids=torch.full((4, 2), 7, dtype=torch.int32)), request(t=5)]
+    outs = [torch.full(r.hidden.shape, float("nan")) for r in reqs]
+    errs: list[BaseException | None] = [None] * 3
+    combiner = worker.combiner
+    assert combiner is not None
+
+    def run(i: int) -> None:
+        try:
+            worker.forward_into(reqs[i], outs[i])
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertions
+            errs[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    with worker._serial:  # the server is busy: all three wait
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(combiner._waiting) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    for t in threads:
+        t.join(10)
+    assert isinstance(errs[1], errors.InvalidRequest) and errs[0] is None and errs[2] is None
+    w = worker.slots.live.layers[2]
+    for i in (0, 2):
+        r = reqs[i]
+        want = torch_moe(r.hidden, w.w13, w.w2, r.slot_ids, r.weights)
+        torch.testing.assert_close(outs[i], want)
+    assert (combiner.batches, combiner.combined) == (1, 2)
+    assert (worker.stats.requests, worker.stats.tokens, worker.stats.errors) == (1, 8, 1)

@@ -29,6 +29,7 @@ from expertmesh.lora.store import AdapterStore, AdapterStoreError, LayerAdapter
 from expertmesh.metrics import WorkerMetrics
 from expertmesh.transport.descriptor import LinkStep
 from expertmesh.worker import memory
+from expertmesh.worker.combine import StreamCombiner
 from expertmesh.worker.lease import PlacementLease
 from expertmesh.worker.slots import SlotTable
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
@@ -57,7 +58,12 @@ class WorkerStats:
 
 class ExpertWorker:
     def __init__(
-        self, slots: SlotTable, backend: ExpertBackend, identity: WorkerIdentity, max_loras: int = 4
+        self,
+        slots: SlotTable,
+        backend: ExpertBackend,
+        identity: WorkerIdentity,
+        max_loras: int = 4,
+        combine: bool = False,
     ) -> None:
         self.slots, self.backend, self.identity = slots, backend, identity
         self.cfg = slots.reader.config
@@ -80,6 +86,8 @@ class ExpertWorker:
         # and the Forward streams open now (the drain waits for coordinators to move off)
         self.draining = ""
         self.open_streams = 0
+        # fast-path requests of several streams for one layer computed together (opt-in)
+        self.combiner = StreamCombiner(self) if combine else None
 
     def info(self) -> WorkerInfo:
         cfg, ident = self.cfg, self.identity
@@ -226,7 +234,15 @@ class ExpertWorker:
 
     def forward_into(self, req: ExpertRequest, out: torch.Tensor) -> None:
         """Check + compute for a fast-path request, the answer written into ``out [T, H]`` (the
-        ring the coordinator reads; on the GPU: queued on this device's stream, not waited for)."""
+        ring the coordinator reads; on the GPU: queued on this device's stream, not waited for),
+        with the requests of other streams waiting for the same layer when combining
+        (expertmesh/worker/combine.py)."""
+        if self.combiner is not None:
+            self.combiner.forward_into(req, out)
+        else:
+            self.forward_into_alone(req, out)
+
+    def forward_into_alone(self, req: ExpertRequest, out: torch.Tensor) -> None:
         try:
             with self._serial:
                 loaded = self._load_input(req)

@@ -129,6 +129,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         config.max_loras,
         config.cluster_token,
         link=config.link,  # the device link
+        combine=config.combine_streams,
     )
     if not config.cluster_token:
         log.warning(

@@ -51,8 +51,9 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         max_loras: int = 4,
         cluster_token: str | None = None,
         link: str = "auto",  # the device link's mode (WorkerConfig.link)
+        combine: bool = False,  # WorkerConfig.combine_streams
     ) -> None:
-        self.worker = ExpertWorker(slots, backend, identity, max_loras)
+        self.worker = ExpertWorker(slots, backend, identity, max_loras, combine)
         self.link = link
         self.shm_spin_us = shm_spin_us
         self.cluster_token = cluster_token  # None: control RPCs are open (a warning at start)
