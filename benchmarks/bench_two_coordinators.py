@@ -5,18 +5,20 @@ concurrency: aggregate output tokens/s and the expert server's batch size per la
         [--server-device cuda:0] [--coord-devices cuda:0 cuda:0] [--concurrency 16 64]
         [--new-tokens 64] [--coord-flags "--dtype bfloat16"] [--server-flags "--dtype bfloat16"]
 
-One GPU expert server (every expert) runs for the whole benchmark; for each level and mode a
-fresh set of coordinators starts with the real CLI (``--placement-lease``, so they share the
-server; the first one places the experts, the second follows):
+For each level and mode a fresh GPU expert server (every expert) and fresh coordinators start
+with the real CLI (``--placement-lease``, so they share the server; the first one places the
+experts, the second follows):
 
-  one   a single coordinator (the first of ``--coord-devices``) with all ``c`` clients;
-  two   two coordinators (``--coord-devices``: one per GPU, or both on one), ``c/2`` clients each.
+  one             a single coordinator (the first of ``--coord-devices``) with all ``c`` clients;
+  two             two coordinators (``--coord-devices``: one per GPU, or both on one), ``c/2``
+                  clients each;
+  two, combined   (``--combine-too``) the same on a server started with ``--combine-streams``.
 
 Clients are closed-loop (each sends its next request when the previous one finished), greedy
 with ``ignore_eos``, ``max(2c, 8)`` requests per level after one warm-up request per client.
 The server's rows per layer call come from its ``Stats`` (tokens / requests over the level):
-with two coordinators each layer call carries one coordinator's rows (the server computes
-each stream's requests as they come; there is no cross-coordinator batching).
+without ``--combine-streams`` each layer call carries one coordinator's rows; with it, the
+requests of both that wait for the same layer are one call (expertmesh/worker/combine.py).
 
 On a machine without a GPU everything runs on the CPU (``--server-device cpu``): a smoke run
 of the protocol, not a speed figure.
@@ -47,6 +49,9 @@ from expertmesh.client import AsyncClient  # noqa: E402
 from expertmesh.health import check  # noqa: E402
 from expertmesh.v1 import expert_worker_pb2 as pb  # noqa: E402
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc  # noqa: E402
+
+LISTEN = r"listening on (\S+):(\d+)"
+COORD_LISTEN = r"coordinator listening on (\S+):(\d+)"
 
 
 @dataclass
@@ -137,6 +142,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default max(2c, 8))")
+    ap.add_argument(
+        "--combine-too",
+        action="store_true",
+        help="also run two coordinators on a server started with --combine-streams",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--coord-flags", default="", help="extra coordinator flags, one string")
     ap.add_argument("--server-flags", default="", help="extra expert-server flags, one string")
@@ -156,60 +166,39 @@ def main() -> None:
 
         vocab = CheckpointReader(str(model)).config.vocab_size
         cli = [sys.executable, "-m", "expertmesh.cli"]
-        server = start(
-            [*cli, "gpu-server", "--model", str(model), "--port", "0", "--device", args.server_device,
-             *args.server_flags.split()],
-            r"listening on (\S+):(\d+)", args.threads,
-        )  # fmt: skip
+        modes = [("one", args.coord_devices[:1], False), ("two", args.coord_devices, False)]
+        if args.combine_too:
+            modes.append(("two, combined", args.coord_devices, True))
         rows = []
-        try:
-            for c in args.concurrency:
-                n = args.requests or max(2 * c, 8)
-                for mode, devs in (("one", args.coord_devices[:1]), ("two", args.coord_devices)):
-                    coords = []
-                    try:
-                        for dev in devs:
-                            coords.append(
-                                start(
-                                    [
-                                        *cli,
-                                        "coordinator",
-                                        "--model",
-                                        str(model),
-                                        "--port",
-                                        "0",
-                                        "--device",
-                                        dev,
-                                        "--threads",
-                                        str(args.threads),
-                                        "--gpu-server",
-                                        server.addr,
-                                        "--placement-lease",
-                                        "5",
-                                        *args.coord_flags.split(),
-                                    ],
-                                    r"coordinator listening on (\S+):(\d+)",
-                                    args.threads,
-                                )  # fmt: skip
-                            )
-                        calls0, toks0 = server_counts(server.addr)
-                        made, secs = asyncio.run(
-                            run_level(
-                                [p.addr for p in coords], c, n, args.prompt_tokens, args.new_tokens, vocab
-                            )
-                        )
-                        calls1, toks1 = server_counts(server.addr)
-                    finally:
-                        for p in coords:
-                            p.stop()
-                    calls, toks = calls1 - calls0, toks1 - toks0
-                    rows.append((c, mode, made / secs, toks / max(1, calls), calls))
-                    print(
-                        f"c={c} {mode}: {made / secs:.1f} tok/s, {toks / max(1, calls):.1f} rows per layer call",
-                        flush=True,
+        for c in args.concurrency:
+            n = args.requests or max(2 * c, 8)
+            for mode, devs, combine in modes:
+                # NOTE: a fresh server per run: its counts and caches start from the same state
+                server_cmd = [*cli, "gpu-server", "--model", str(model), "--port", "0"]
+                server_cmd += ["--device", args.server_device, *args.server_flags.split()]
+                server = start(server_cmd + (["--combine-streams"] if combine else []), LISTEN, args.threads)
+                coords: list[Proc] = []
+                try:
+                    for dev in devs:
+                        cmd = [*cli, "coordinator", "--model", str(model), "--port", "0", "--device", dev]
+                        cmd += ["--threads", str(args.threads), "--gpu-server", server.addr]
+                        cmd += ["--placement-lease", "5", *args.coord_flags.split()]
+                        coords.append(start(cmd, COORD_LISTEN, args.threads))
+                    calls0, toks0 = server_counts(server.addr)
+                    addrs = [p.addr for p in coords]
+                    made, secs = asyncio.run(
+                        run_level(addrs, c, n, args.prompt_tokens, args.new_tokens, vocab)
                     )
-        finally:
-            server.stop()
+                    calls1, toks1 = server_counts(server.addr)
+                finally:
+                    for p in coords:
+                        p.stop()
+                    server.stop()
+                calls, toks = calls1 - calls0, toks1 - toks0
+                rows.append((c, mode, made / secs, toks / max(1, calls), calls))
+                print(
+                    f"c={c} {mode}: {made / secs:.1f} tok/s, {toks / max(1, calls):.1f} rows per layer call"
+                )
     print(
         f"\nmodel: {what}; expert server on {args.server_device}; coordinators on {' / '.join(args.coord_devices)}"
     )
