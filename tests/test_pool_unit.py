@@ -251,7 +251,7 @@ class LeasedConn(cluster_state.FakeConn):
 
 def leased_cluster(servers: list[LeasedServer]) -> ExpertCluster:
     specs = (ServerSpec("gpu0", "fake:1", "gpu"), ServerSpec("cpu0", "fake:2", "cpu"))
-    config = ClusterConfig(specs, num_gpu_experts=2, timeout_s=2.0, placement_lease_s=30.0)
+    config = ClusterConfig(specs, num_gpu_experts=2, timeout_s=2.0, placement_lease_s=1.5)
     by_name = dict(zip((s.name for s in specs), servers))
     return ExpertCluster(
         cluster_state.MODEL,  # type: ignore[arg-type]

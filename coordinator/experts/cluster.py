@@ -156,6 +156,7 @@ class ExpertCluster:
         self.round_hooks: list[Callable[[], None]] = []
         # several coordinators share these servers: who places experts (coordinator/experts/pool.py)
         self.pool: PoolRole | None = None
+        self._last_push = 0.0  # monotonic time of this coordinator's last placement push
         if config.placement_lease_s > 0:
             self.pool = PoolRole(
                 lambda: self.conns,
@@ -415,6 +416,7 @@ class ExpertCluster:
             self._guard(i, lambda c: c.open_stream())
             self._set(i, ServerState.READY)
         self._placed = self._serving = True
+        self._last_push = time.monotonic()
 
     def _prepare_member(self, i: int, tables: pl.ServerTables, deadline: float) -> bool:
         """Describe, check, choose the data path, wait for health, and prepare the placement
@@ -787,14 +789,21 @@ class ExpertCluster:
             self.conns[i].prepare(gen, tables.slots[i], timeout_s)
             self._after_prepare(i, tables.slots[i], timeout_s)  # e.g. LoRA of moved experts
 
-        return self.two_phase(
-            prepare=prepare,
-            commit=lambda i: self.conns[i].commit(gen, timeout_s),
-            abort=lambda i: self.conns[i].abort(gen, timeout_s),
-            members=[i for i, m in enumerate(self.members) if m.state is ServerState.READY],
-            swap=swap,
-            between_steps=between_steps,
-        )
+        if self.pool is not None:
+            # NOTE: a PREPARE drops the generation before the live one on the servers: the
+            # followers get two lease rounds after our last commit to switch off it first
+            time.sleep(max(0.0, self._last_push + self.pool.ttl_s * 2 / 3 + 0.5 - time.monotonic()))
+        try:
+            return self.two_phase(
+                prepare=prepare,
+                commit=lambda i: self.conns[i].commit(gen, timeout_s),
+                abort=lambda i: self.conns[i].abort(gen, timeout_s),
+                members=[i for i, m in enumerate(self.members) if m.state is ServerState.READY],
+                swap=swap,
+                between_steps=between_steps,
+            )
+        finally:
+            self._last_push = time.monotonic()
 
     def close(self) -> None:
         if self.pool is not None:  # NOTE: first: another coordinator takes the role at once
