@@ -75,21 +75,28 @@ def worker() -> ExpertWorker:
     return ExpertWorker(slots, TorchExpertBackend(), WorkerIdentity("cpu", "cpu", "host"))
 
 
-def test_the_generation_before_the_live_one_computes_until_the_next_prepare(worker):
-    old = worker.slots.live.layers[2]
-    worker.prepare(1, {layer: [3, 2, 1, 0] for layer in worker.slots.moe_layers})
-    worker.commit(1)
-    new = worker.slots.live.layers[2]
-    for gen, w in ((0, old), (1, new)):  # a follower still on 0 and the holder on 1
+def test_the_generation_before_the_live_one_is_computed_on_the_slots_holding_its_experts(worker):
+    moe = worker.slots.moe_layers
+    gen0 = {layer: (ls.w13.clone(), ls.w2.clone()) for layer, ls in worker.slots.live.layers.items()}
+    worker.prepare(1, {layer: [3, 2, 1, 0] for layer in moe})
+    worker.commit(1)  # NOTE: the weights are rewritten in place: gen0 holds copies
+    for gen in (0, 1):  # a follower still on 0 and the holder on 1
         req = request(generation=gen)
-        out = worker.compute(worker.check(req))
-        assert torch.equal(out, torch_moe(req.hidden, w.w13, w.w2, req.slot_ids, req.weights))
-    worker.prepare(2, {layer: [0, 1] for layer in worker.slots.moe_layers})
-    with pytest.raises(errors.StaleGeneration):
-        worker.check(request(generation=0))
-    worker.check(request(generation=1))  # still the live one until the commit
+        checked = worker.check(req)
+        assert checked.generation == 1
+        out = worker.compute(checked)
+        w13, w2 = gen0[2] if gen == 0 else (worker.slots.live.layers[2].w13, worker.slots.live.layers[2].w2)
+        assert torch.equal(out, torch_moe(req.hidden, w13, w2, req.slot_ids, req.weights))
+    worker.prepare(2, {layer: [0, 1] for layer in moe})
     worker.commit(2)
-    with pytest.raises(errors.StaleGeneration):
+    # generation 1's slots 0, 1 held experts 3, 2, gone from this server now; 2, 3 held 1, 0
+    with pytest.raises(errors.StaleGeneration, match="no longer on this server"):
+        worker.check(
+            request(generation=1, slot_ids=torch.tensor([[0, 2], [3, -1], [2, 3]], dtype=torch.int32))
+        )
+    kept = request(generation=1, slot_ids=torch.tensor([[2, 3], [3, -1], [-1, 2]], dtype=torch.int32))
+    assert worker.check(kept).slot_ids.tolist() == [[1, 0], [0, -1], [-1, 1]]
+    with pytest.raises(errors.StaleGeneration):  # two generations back
         worker.check(request(generation=0))
 
 

@@ -790,7 +790,7 @@ class ExpertCluster:
             self._after_prepare(i, tables.slots[i], timeout_s)  # e.g. LoRA of moved experts
 
         if self.pool is not None:
-            # NOTE: a PREPARE drops the generation before the live one on the servers: the
+            # NOTE: a commit makes the servers forget the generation before the live one: the
             # followers get two lease rounds after our last commit to switch off it first
             time.sleep(max(0.0, self._last_push + self.pool.ttl_s * 2 / 3 + 0.5 - time.monotonic()))
         try:

@@ -81,7 +81,7 @@ class StreamCombiner:
         ok: list[_Waiting] = []
         for x in mine:
             try:
-                self.worker.check(x.req)
+                x.req = self.worker.check(x.req)  # NOTE: may be renumbered to the live generation
                 ok.append(x)
             except ExpertMeshError as e:
                 x.error = e

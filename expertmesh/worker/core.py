@@ -12,6 +12,7 @@ Shapes: T tokens, K top-k, H hidden, S local slots.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -132,10 +133,15 @@ class ExpertWorker:
             raise InvalidRequest(
                 f"layer {layer} is not an MoE layer of this model (MoE layers: {self.slots.moe_layers})"
             )
+        prev = None
         if req.generation != live.generation:
-            raise StaleGeneration(
-                f"placement generation {req.generation} is not the live generation {live.generation}"
-            )
+            # NOTE: the generation the last commit replaced is still answered (on the live slots
+            # holding its experts): coordinators following another's placement switch a moment later
+            prev = self.slots.previous
+            if prev is None or prev.generation != req.generation:
+                raise StaleGeneration(
+                    f"placement generation {req.generation} is not the live generation {live.generation}"
+                )
         h = self.cfg.hidden_size
         if x.dtype != self.slots.dtype:
             raise InvalidRequest(
@@ -155,7 +161,7 @@ class ExpertWorker:
             raise InvalidRequest(
                 f"weights must be float32 [{t}, {k}], got {wire.dtype_name(weights.dtype)} {list(weights.shape)}"
             )
-        n_slots = len(live.layers[layer].experts)
+        n_slots = len(live.layers[layer].experts) if prev is None else len(prev.to_live[layer])
         if t:
             # NOTE: numpy on the host: on a few dozen ids its min/max cost a fraction of torch's
             ids = slot_ids.numpy() if slot_ids.device.type == "cpu" else None
@@ -172,6 +178,14 @@ class ExpertWorker:
             raise InvalidRequest("weights contain NaN or infinity")
         if req.adapter_slots is not None:
             self._check_adapters(req.adapter_slots, t)
+        if prev is not None:
+            moved = prev.translate(layer, slot_ids)  # [T, K] live slots
+            if moved is None:
+                raise StaleGeneration(
+                    f"placement generation {req.generation} was replaced by {live.generation}, and experts "
+                    f"it routes to layer {layer} here are no longer on this server"
+                )
+            req = dataclasses.replace(req, generation=live.generation, slot_ids=moved)
         return req
 
     def _check_adapters(self, a: torch.Tensor, t: int) -> None:
@@ -246,7 +260,7 @@ class ExpertWorker:
         try:
             with self._serial:
                 loaded = self._load_input(req)
-                self.check(req)
+                req = self.check(req)
                 self._compute_locked(req, False, out, loaded)
         except ExpertMeshError as e:
             self.count_error(e)
