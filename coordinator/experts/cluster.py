@@ -792,7 +792,7 @@ class ExpertCluster:
         if self.pool is not None:
             # NOTE: a commit makes the servers forget the generation before the live one: the
             # followers get two lease rounds after our last commit to switch off it first
-            time.sleep(max(0.0, self._last_push + self.pool.ttl_s * 2 / 3 + 0.5 - time.monotonic()))
+            time.sleep(max(0.0, self._last_push + self.pool.period_s * 2 + 0.5 - time.monotonic()))
         try:
             return self.two_phase(
                 prepare=prepare,

@@ -6,7 +6,7 @@ placements: bring-up, EPLB, degraded re-placement, an operator's SetPlacement) h
 coordinator/experts/cluster.py).
 
 The role is a lease on the expert servers themselves (expertmesh/worker/lease.py), so no other
-service is needed: every ``ttl/3`` seconds this module's thread
+service is needed: every ``ttl/3`` seconds (at most ROUND_S) this module's thread
 
 - as holder, renews the lease on every reachable server; refused anywhere (another coordinator
   holds it there), it gives the role up and releases its leases;
@@ -40,6 +40,8 @@ from coordinator.experts.expert_conn import ExpertServerError
 from expertmesh import placement as pl
 
 log = logging.getLogger("expertmesh.pool")
+
+ROUND_S = 0.5  # the longest time between two lease rounds
 
 
 class LeaseConn(Protocol):
@@ -97,6 +99,12 @@ class PoolRole:
         self._round_lock = threading.Lock()  # the thread's rounds and a bring-up's
         self._stop = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def period_s(self) -> float:
+        """Between two rounds: a third of the lease (renewed twice before it runs out), and
+        at most ROUND_S, so followers see a new generation soon after its commit."""
+        return min(self.ttl_s / 3, ROUND_S)
 
     @property
     def timeout_s(self) -> float:
@@ -191,7 +199,7 @@ class PoolRole:
             except Exception:  # noqa: BLE001 - the thread's boundary: it must outlive any bug
                 log.exception("placement lease round failed")
             with self._cond:
-                self._cond.wait(self.ttl_s / 3)
+                self._cond.wait(self.period_s)
                 if self._stop:
                     return
 
