@@ -12,6 +12,11 @@ After each forward step the serving thread calls :meth:`EplbManager.on_step` (a 
 
 Every outcome (rebalanced, skipped, failed) is logged and counted; :meth:`status` reports the
 counters and the last outcomes for ``Admin``.
+
+Expert servers shared by several coordinators: only the one holding the placement role
+rebalances (the others skip, or fail an operator's request naming the holder), and it plans
+with the servers' counts of every coordinator's tokens (the target's ``pool_window``) instead
+of its own recorder's window.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ class Outcome:
     prepare_ms: float = 0.0
     commit_ms: float = 0.0
     error: str = ""
+    window_tokens: int = 0  # routed (token, expert) pairs of the load the plan used
+    load_source: str = ""  # "servers" (every coordinator's tokens) | "coordinator" (its own)
 
     def line(self) -> str:
         parts = [f"{self.kind} ({self.trigger}), live generation {self.generation}"]
@@ -108,6 +115,7 @@ class EplbManager:
         self._steps = 0
         self._busy = threading.Lock()  # one rebalance at a time
         self._thread: threading.Thread | None = None
+        self._last_window: tuple[int, str] = (0, "")  # what the last plan() used
 
     # ------------------------------------------------------------ triggers
 
@@ -151,8 +159,12 @@ class EplbManager:
         speed = snap.server_speed()
         if speed is None:
             speed = self.target.default_speed()
+        pool_window = getattr(self.target, "pool_window", None)  # NOTE: test targets lack it
+        shared = pool_window(list(snap.moe_layers)) if pool_window is not None else None
+        window = shared if shared is not None else snap.window  # [L, E]
+        self._last_window = (int(window.sum()), "servers" if shared is not None else "coordinator")
         return plan_rebalance(
-            snap.window.double(),
+            window.double(),
             live,
             list(snap.moe_layers),
             self.target.slot_capacity(),
@@ -162,17 +174,40 @@ class EplbManager:
             force=force,
         )
 
+    def _follower(self) -> str:
+        """Why this coordinator may not push ("" when it may): another holds the placement role."""
+        holds = getattr(self.target, "holds_role", None)
+        if holds is None or holds():
+            return ""
+        holder = getattr(self.target, "role_holder", lambda: "")()
+        return f"coordinator {holder or '(none yet)'} holds the placement role of the shared expert servers"
+
     def _run(self, trigger: str, dry_run: bool, force: bool) -> Outcome:
         live_gen = self.target.live_placement().generation
+        follower = self._follower()
+        if follower and not dry_run:
+            kind = "skipped" if trigger == "periodic" else "failed"
+            return self._record(Outcome(kind, time.time(), trigger, None, live_gen, error=follower))
         try:
             plan = self.plan(force)
         except (ValueError, RuntimeError) as e:
             return self._record(Outcome("failed", time.time(), trigger, None, live_gen, error=f"plan: {e}"))
+        tokens, source = self._last_window
         if dry_run:
-            return self._record(Outcome("dry-run", time.time(), trigger, plan, live_gen))
+            return self._record(
+                Outcome(
+                    "dry-run", time.time(), trigger, plan, live_gen, window_tokens=tokens, load_source=source
+                )
+            )
         if plan.skipped or plan.placement is None:
-            return self._record(Outcome("skipped", time.time(), trigger, plan, live_gen))
-        return self._push(plan.placement, trigger, plan)
+            return self._record(
+                Outcome(
+                    "skipped", time.time(), trigger, plan, live_gen, window_tokens=tokens, load_source=source
+                )
+            )
+        out = self._push(plan.placement, trigger, plan)
+        out.window_tokens, out.load_source = tokens, source
+        return out
 
     def set_placement(self, new: pl.Placement, timeout_s: float = 120.0) -> Outcome:
         """Pushes an operator's placement (Admin/SetPlacement) as the next generation."""
@@ -180,6 +215,11 @@ class EplbManager:
             raise RebalanceError(f"a rebalance is still running after {timeout_s:g}s")
         try:
             live = self.target.live_placement()
+            follower = self._follower()
+            if follower:
+                return self._record(
+                    Outcome("failed", time.time(), "set-placement", None, live.generation, error=follower)
+                )
             return self._push(new.with_generation(live.generation + 1), "set-placement", None)
         finally:
             self._busy.release()
@@ -208,6 +248,9 @@ class EplbManager:
             stage = "commit" if "prepared" in marks else "prepare"
             return self._record(Outcome("failed", time.time(), trigger, plan, gen, error=f"{stage}: {e}"))
         prepare_ms = (marks.get("prepared", time.perf_counter()) - t0) * 1e3
+        mark = getattr(self.target, "mark_pushed", None)
+        if mark is not None:  # the next shared load window starts at this placement
+            mark(list(self.recorder.moe_layers))
         kind = "rebalanced" if plan is not None else "placement-set"
         out = Outcome(
             kind, time.time(), trigger, plan, new.generation, prepare_ms, marks.get("commit_ms", 0.0)

@@ -1,6 +1,14 @@
 """EPLB's view of the expert cluster: live placement, slot capacities, and the push through
 :meth:`ExpertCluster.update_placement` (prepare on all, abort on any failure, commit between
-steps). The manager (coordinator/eplb/manager.py) only sees this small interface."""
+steps). The manager (coordinator/eplb/manager.py) only sees this small interface.
+
+With expert servers shared by several coordinators (``--placement-lease``), the load a
+rebalance plans with is the servers' own count of tokens per logical expert (``Stats``), which
+covers every coordinator's tokens, since the last push this coordinator made (or since the
+servers started): :meth:`ClusterTarget.pool_window`.
+
+Shapes: L MoE layers, E logical experts, S servers.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +38,50 @@ class ClusterTarget:
             ValueError,
             *stopped,
         )
+
+        self._base: dict[int, torch.Tensor] = {}  # server -> [L, E] counts at the last push
+
+    def holds_role(self) -> bool:
+        return self.cluster.holds_role()
+
+    def role_holder(self) -> str:
+        pool = self.cluster.pool
+        return pool.seen_holder if pool is not None else ""
+
+    def _server_counts(self, moe_layers: list[int]) -> dict[int, torch.Tensor]:  # server -> [L, E]
+        out = {}
+        e = self.cluster.cfg.num_experts
+        for i, c in enumerate(self.cluster.conns):
+            try:
+                per_layer = c.expert_tokens(min(5.0, self.timeout_s))
+            except ExpertServerError:
+                continue  # a server down now: its tokens since the last push are not counted
+            t = torch.zeros(len(moe_layers), e, dtype=torch.long)
+            for row, layer in enumerate(moe_layers):
+                got = per_layer.get(layer)
+                if got is not None and len(got) == e:
+                    t[row] = torch.tensor(got, dtype=torch.long)
+            out[i] = t
+        return out
+
+    def pool_window(self, moe_layers: list[int]) -> torch.Tensor | None:  # [L, E]
+        """Tokens per (layer, logical expert) every coordinator sent to the servers since this
+        coordinator's last push; None when it does not share the servers."""
+        if self.cluster.pool is None:
+            return None
+        total = torch.zeros(len(moe_layers), self.cluster.cfg.num_experts, dtype=torch.long)
+        for i, now in self._server_counts(moe_layers).items():
+            base = self._base.get(i)
+            # NOTE: a server that restarted counts from zero again: all of its counts are new
+            if base is None or bool((now < base).any()):
+                base = torch.zeros_like(now)
+            total += now - base
+        return total
+
+    def mark_pushed(self, moe_layers: list[int]) -> None:
+        """The next window starts now (after a push)."""
+        if self.cluster.pool is not None:
+            self._base = self._server_counts(moe_layers)
 
     def live_placement(self) -> pl.Placement:
         return self.cluster.placement

@@ -20,6 +20,7 @@ connections (tests/test_cluster_state.py). No gRPC here: connections raise
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ import torch
 from coordinator.experts import dns
 from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 from coordinator.experts.expert_conn import ExpertServerError, ServerConnection
+from coordinator.experts.pool import PoolRole, placement_of_servers
 from expertmesh import errors
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
@@ -67,8 +69,16 @@ class Connection(Protocol):
     def prepare(self, generation: int, table: dict[int, list[int]], timeout: float) -> None: ...
     def commit(self, generation: int, timeout: float) -> None: ...
     def abort(self, generation: int, timeout: float) -> None: ...
-    def load_adapter(self, adapter_slot: int, name: str, tensors: dict, timeout: float) -> None: ...
+    def load_adapter(
+        self, adapter_slot: int, name: str, tensors: dict, timeout: float, source: str = ""
+    ) -> None: ...
     def unload_adapter(self, name: str, timeout: float) -> None: ...
+    # servers shared by several coordinators (coordinator/experts/pool.py)
+    def lease(
+        self, holder: str, ttl_s: float, timeout: float, release: bool = False, observe: bool = False
+    ): ...
+    def live_placement(self, timeout: float) -> tuple[int, dict[int, list[int]]]: ...
+    def expert_tokens(self, timeout: float) -> dict[int, list[int]]: ...
     def open_stream(self) -> object: ...
     def stream_alive(self) -> bool: ...
     def serving(self, timeout: float) -> bool: ...
@@ -154,6 +164,18 @@ class ExpertCluster:
         # run at the end of every maintenance round, once serving, whether the round's
         # reconnections worked or not (coordinator/eplb/degraded.py re-places experts from here)
         self.round_hooks: list[Callable[[], None]] = []
+        # several coordinators share these servers: who places experts (coordinator/experts/pool.py)
+        self.pool: PoolRole | None = None
+        self._last_push = 0.0  # monotonic time of this coordinator's last placement push
+        if config.placement_lease_s > 0:
+            self.pool = PoolRole(
+                lambda: self.conns,
+                lambda: [m.conn.spec.address for m in self.members],
+                config.placement_lease_s,
+                self._pool_changed,
+            )
+            for c in self.conns:
+                c.lease_holder = self.pool.id  # type: ignore[attr-defined]  # NOTE: ServerConnection's
 
     # ------------------------------------------------------------ reading
 
@@ -164,6 +186,15 @@ class ExpertCluster:
     @property
     def conns(self) -> list[Connection]:
         return [m.conn for m in self.members]
+
+    def holds_role(self) -> bool:
+        """Whether this coordinator places experts (always, unless it shares the servers)."""
+        return self.pool is None or self.pool.holder
+
+    def _pool_changed(self) -> None:
+        """After a lease round: the maintenance thread adopts a newer generation at once."""
+        if self.pool is not None and self._placed and self.pool.generation > self.tables.generation:
+            self._kick()
 
     def ready(self) -> bool:
         return all(m.state is ServerState.READY for m in self.members)
@@ -347,6 +378,8 @@ class ExpertCluster:
                 self._connect_timeout_s = connect_timeout_s
             if self._thread is not None or self._stop:
                 return
+            if self.pool is not None:
+                self.pool.start()
             self._kicked = True  # the first round at once
             self._thread = threading.Thread(target=self._maintain, daemon=True, name="expert-cluster")
         self._thread.start()
@@ -355,6 +388,8 @@ class ExpertCluster:
         """Numbers a placement above every server's and pushes it to all (two phases): the
         first bring-up, and the renumbering after a server was found holding a newer one."""
         infos = [self._guard(i, lambda c: _describe_until(c, deadline)) for i, c in enumerate(self.conns)]
+        if self.pool is not None and self._join_pool(infos, deadline):
+            return
         for i, info in enumerate(infos):
             if info.generation >= pl.MAX_GENERATION:
                 err = ExpertServerError.of(
@@ -391,6 +426,7 @@ class ExpertCluster:
             self._guard(i, lambda c: c.open_stream())
             self._set(i, ServerState.READY)
         self._placed = self._serving = True
+        self._last_push = time.monotonic()
 
     def _prepare_member(self, i: int, tables: pl.ServerTables, deadline: float) -> bool:
         """Describe, check, choose the data path, wait for health, and prepare the placement
@@ -401,6 +437,8 @@ class ExpertCluster:
         self._guard(i, lambda c: c.wait_serving(deadline))
         if info.generation == tables.generation:
             return False
+        if self.pool is not None and not self.pool.holder:
+            self._guard(i, lambda c: self._follower_waits(c, info.generation, tables.generation))
         if info.generation > tables.generation and self._placed:
             # NOTE: someone else (another coordinator, a third party) committed a newer
             # generation there: ours can no longer be pushed, so all servers are renumbered
@@ -469,6 +507,8 @@ class ExpertCluster:
                 if not self._placed:
                     self._connect_all(time.monotonic() + self._connect_timeout_s)
                 else:
+                    if self.pool is not None and self.pool.generation > self.tables.generation:
+                        self._adopt(time.monotonic() + self._reconnect_s())
                     for i, m in enumerate(self.members):
                         if not self._usable(m) and not m.gone and not self._stop:
                             self._bring_back(i, time.monotonic() + self._reconnect_s())
@@ -579,6 +619,92 @@ class ExpertCluster:
     def _reconnect_s(self) -> float:
         return min(RECONNECT_WAIT_S, self.config.timeout_s)
 
+    # ------------------------------------------------------------ a shared pool
+
+    def _join_pool(self, infos: list[WorkerInfo], deadline: float) -> bool:
+        """Bring-up on a shared pool: adopts the placement every server holds (True), or
+        lets the placement holder push its own (False, when that is us); a follower waits."""
+        assert self.pool is not None
+        self.pool.round()
+        gens = {info.generation for info in infos}
+        if gens == {0} or len(gens) > 1:
+            if self.pool.holder:
+                return False  # the first coordinator of a fresh pool, or a holder fixing a mixed one
+            raise ExpertServerError.of(
+                errors.Unavailable(
+                    f"the expert servers hold placement generations {sorted(gens)}: waiting for the "
+                    f"placement holder ({self.pool.seen_holder or 'none yet'}) to push one to all of them"
+                )
+            )
+        self._adopt(deadline)
+        for i, info in enumerate(infos):
+            self._guard(i, functools.partial(self._check, info=info, need=self.tables.slots_needed(i)))
+            self._guard(i, functools.partial(_plan_transport, info=info, local=self.local_side))
+            self._guard(i, lambda c: c.wait_serving(deadline))
+            self._guard(i, lambda c: c.open_stream())
+            self._set(i, ServerState.READY)
+        self._placed = self._serving = True
+        return True
+
+    def _follower_waits(self, conn: Connection, theirs: int, ours: int) -> None:
+        """A follower never pushes: a server with another generation is adopted (newer) or
+        waited for (the holder re-pushes to a server that restarted)."""
+        assert self.pool is not None
+        if theirs > ours:
+            self._kick()
+            raise ExpertServerError.of(
+                errors.StaleGeneration(
+                    f"{conn.spec.name} holds placement generation {theirs}, newer than ours ({ours}): adopting it"
+                )
+            )
+        raise ExpertServerError.of(
+            errors.Unavailable(
+                f"{conn.spec.name} holds placement generation {theirs}: waiting for the placement "
+                f"holder ({self.pool.seen_holder or 'none yet'}) to push generation {ours} to it"
+            )
+        )
+
+    def _adopt(self, deadline: float) -> None:
+        """Takes the placement the servers hold as ours (between two steps once serving): every
+        server that answers must hold the same generation; one that does not answer holds
+        nothing in it (the holder placed around it, or it is gone)."""
+        got: dict[int, tuple[int, dict[int, list[int]]]] = {}
+        for i, c in enumerate(self.conns):
+            try:
+                got[i] = c.live_placement(max(0.5, min(2.0, deadline - time.monotonic())))
+            except ExpertServerError:
+                continue
+        gens = sorted({g for g, _ in got.values()})
+        if len(gens) != 1 or gens[0] == 0:
+            if self.pool is not None and self.pool.holder and self._placed:
+                # NOTE: the last holder died between its commits (or a server restarted since):
+                # the holder renumbers its placement on every server, as at a bring-up
+                self._placed = False
+                self._kick()
+            raise ExpertServerError.of(
+                errors.Unavailable(
+                    f"the expert servers hold placement generations {gens}: waiting for the placement "
+                    "holder's commit to reach all of them"
+                )
+            )
+        names = tuple(s.name for s in self.config.servers)
+        try:
+            placement = placement_of_servers(
+                gens[0], names, self.cfg.num_experts, {i: t for i, (_, t) in got.items()}
+            )
+        except pl.PlacementError as e:
+            raise ExpertServerError.of(
+                errors.Unavailable(f"the placement the expert servers hold cannot serve: {e}")
+            ) from None
+        tables = pl.server_tables(placement, self._full_server)
+
+        def swap() -> None:
+            with self._cond:
+                self.tables = tables
+
+        self._run_between_steps(swap)
+        log.info("following placement generation %d of the shared expert servers", gens[0])
+
     # ------------------------------------------------------------ broadcasts
 
     def two_phase(
@@ -646,6 +772,13 @@ class ExpertCluster:
         it off the scheduler thread. Returns the
         servers whose commit failed; a server that was down gets the new generation when it
         comes back."""
+        if self.pool is not None and not self.pool.holder:
+            raise ExpertServerError.of(
+                errors.StaleGeneration(
+                    f"coordinator {self.pool.seen_holder or '(none yet)'} holds the placement role of "
+                    f"these expert servers; this one ({self.pool.id}) follows it and pushes no placement"
+                )
+            )
         if new.generation <= self.placement.generation or new.servers != self.placement.servers:
             raise ValueError(
                 f"placement generation {new.generation} over servers {new.servers} cannot replace "
@@ -666,16 +799,25 @@ class ExpertCluster:
             self.conns[i].prepare(gen, tables.slots[i], timeout_s)
             self._after_prepare(i, tables.slots[i], timeout_s)  # e.g. LoRA of moved experts
 
-        return self.two_phase(
-            prepare=prepare,
-            commit=lambda i: self.conns[i].commit(gen, timeout_s),
-            abort=lambda i: self.conns[i].abort(gen, timeout_s),
-            members=[i for i, m in enumerate(self.members) if m.state is ServerState.READY],
-            swap=swap,
-            between_steps=between_steps,
-        )
+        if self.pool is not None:
+            # NOTE: a commit makes the servers forget the generation before the live one: the
+            # followers get two lease rounds after our last commit to switch off it first
+            time.sleep(max(0.0, self._last_push + self.pool.period_s * 2 + 0.5 - time.monotonic()))
+        try:
+            return self.two_phase(
+                prepare=prepare,
+                commit=lambda i: self.conns[i].commit(gen, timeout_s),
+                abort=lambda i: self.conns[i].abort(gen, timeout_s),
+                members=[i for i, m in enumerate(self.members) if m.state is ServerState.READY],
+                swap=swap,
+                between_steps=between_steps,
+            )
+        finally:
+            self._last_push = time.monotonic()
 
     def close(self) -> None:
+        if self.pool is not None:  # NOTE: first: another coordinator takes the role at once
+            self.pool.close()
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -695,3 +837,7 @@ def _describe_until(conn: Connection, deadline: float) -> WorkerInfo:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)
+
+
+def _plan_transport(conn: Connection, info: WorkerInfo, local: negotiate.Side) -> None:
+    conn.plan_transport(info, local)

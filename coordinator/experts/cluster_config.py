@@ -83,6 +83,9 @@ class ClusterConfig:
     # seconds between two resolutions of the dns:/// servers' names
     dns_refresh_s: float = 10.0
     dns_hosts_file: str | None = None  # looked up before the system resolver (dns.resolver_for)
+    # several coordinators share these servers: the placement role is a lease of this many seconds
+    # on them (coordinator/experts/pool.py); 0 = this coordinator alone places experts on them
+    placement_lease_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.device_link not in LINK_MODES:
@@ -111,6 +114,15 @@ class ClusterConfig:
         if self.cpu_defer_experts and not self.cpu:
             raise ValueError(
                 "--cpu-defer-experts needs a CPU expert server (only CPU-server experts are deferred)"
+            )
+        if not 0 <= self.placement_lease_s <= 300:
+            raise ValueError(f"--placement-lease {self.placement_lease_s:g}: expected 0 (off) or up to 300 s")
+        if self.placement_lease_s and any(s.in_process for s in self.servers):
+            # NOTE: the pool's one placement covers the servers every coordinator shares; a
+            # coordinator's own experts are nobody else's to place
+            raise ValueError(
+                "--placement-lease (coordinators sharing expert servers) cannot be combined with "
+                f"experts in the coordinator's process ({LOCAL!r}): give the GPU experts to a gpu-server"
             )
         if self.gpu_prefill_token_threshold and not self.gpu:
             raise ValueError("--gpu-prefill-token-threshold needs a GPU expert server or experts in process")
@@ -253,6 +265,15 @@ class ClusterConfig:
             "later, so CPU work overlaps the next layer (KTransformers-style; coordinator/model/deferral.py); 0 = off",
         )
         g.add_argument(
+            "--placement-lease",
+            type=float,
+            default=ClusterConfig.placement_lease_s,
+            metavar="SECONDS",
+            help="several coordinators share these expert servers: one at a time places experts, by a "
+            "lease of SECONDS on the servers (renewed; another takes over that long after it dies); "
+            "the others follow its placement. 0 = off (this coordinator alone places experts)",
+        )
+        g.add_argument(
             "--cluster-token",
             default=None,
             help=f"secret the expert servers require for placement pushes (or env {auth.CLUSTER_TOKEN_ENV})",
@@ -283,6 +304,7 @@ class ClusterConfig:
             cpu_defer_experts=args.cpu_defer_experts,
             dns_refresh_s=args.dns_refresh_s,
             dns_hosts_file=args.dns_hosts_file,
+            placement_lease_s=args.placement_lease,
         )
 
 

@@ -152,6 +152,8 @@ class ServerConnection:
         self.link_shape: tuple[int, int, int] | None = None
         self.link_note = "not offered"  # why the current stream has no device link
         self._retry_tcp = ""  # auto: why shared memory failed, when a tcp stream is to replace it
+        # this coordinator's id in placement pushes when several share the servers ("": none)
+        self.lease_holder = ""
 
     def _channel(self, address: str) -> grpc.Channel:
         return tls.channel(  # TLS with the coordinator's --tls-* flags
@@ -274,9 +276,13 @@ class ServerConnection:
     def abort(self, generation: int, timeout: float) -> None:
         self._apply(pb.ApplyPlacementRequest.ABORT, generation, timeout)
 
-    def load_adapter(self, adapter_slot: int, name: str, tensors: dict, timeout: float) -> None:
+    def load_adapter(
+        self, adapter_slot: int, name: str, tensors: dict, timeout: float, source: str = ""
+    ) -> None:
         """MoE LoRA: the server keeps adapter ``name`` (its experts' part) as ``adapter_slot``."""
-        req = pb.LoadAdapterRequest(name=name, adapter_slot=adapter_slot, tensors=tensors, scaling=1.0)
+        req = pb.LoadAdapterRequest(
+            name=name, adapter_slot=adapter_slot, tensors=tensors, scaling=1.0, source=source
+        )
         try:
             self.stub.LoadAdapter(req, timeout=timeout, metadata=auth.metadata(self.cluster.cluster_token))
         except grpc.RpcError as e:
@@ -292,8 +298,42 @@ class ServerConnection:
         except grpc.RpcError as e:
             raise _status_error(self.spec, e) from None
 
+    def lease(self, holder: str, ttl_s: float, timeout: float, release: bool = False, observe: bool = False):
+        """The server's placement lease: take or renew it, give it up, or only look
+        (``PlacementLeaseResponse``: granted, holder, generation, adapters held)."""
+        req = pb.PlacementLeaseRequest(
+            holder=holder, ttl_ms=int(ttl_s * 1e3), release=release, observe=observe
+        )
+        try:
+            return self.stub.PlacementLease(
+                req, timeout=timeout, metadata=auth.metadata(self.cluster.cluster_token)
+            )
+        except grpc.RpcError as e:
+            raise _status_error(self.spec, e) from None
+
+    def live_placement(self, timeout: float) -> tuple[int, dict[int, list[int]]]:
+        """The server's live generation and slot table (layer -> logical expert per slot)."""
+        try:
+            r = self.stub.LivePlacement(pb.LivePlacementRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise _status_error(self.spec, e) from None
+        return r.generation, {ls.layer: list(ls.experts) for ls in r.layers}
+
+    def expert_tokens(self, timeout: float) -> dict[int, list[int]]:
+        """The server's tokens per logical expert since it started: layer -> [E]."""
+        try:
+            r = self.stub.Stats(pb.StatsRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise _status_error(self.spec, e) from None
+        return {ls.layer: list(ls.tokens_per_expert) for ls in r.layers if ls.tokens_per_expert}
+
     def _apply(self, phase: int, generation: int, timeout: float, layers: list | None = None) -> None:
-        req = pb.ApplyPlacementRequest(phase=phase, generation=generation, layers=layers or [])  # type: ignore[arg-type]
+        req = pb.ApplyPlacementRequest(
+            phase=phase,  # type: ignore[arg-type]
+            generation=generation,
+            layers=layers or [],
+            lease_holder=self.lease_holder,
+        )
         try:
             self.stub.ApplyPlacement(req, timeout=timeout, metadata=auth.metadata(self.cluster.cluster_token))
         except grpc.RpcError as e:

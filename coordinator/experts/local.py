@@ -174,7 +174,9 @@ class LocalConnection:
     def abort(self, generation: int, timeout: float) -> None:
         self._call(lambda: self.worker.abort(generation))
 
-    def load_adapter(self, adapter_slot: int, name: str, tensors: dict, timeout: float) -> None:
+    def load_adapter(
+        self, adapter_slot: int, name: str, tensors: dict, timeout: float, source: str = ""
+    ) -> None:
         """The same decoding and checks as an expert server's LoadAdapter (the tensors come
         encoded as for the wire: one payload builder for every member)."""
         w = self.worker
@@ -190,6 +192,18 @@ class LocalConnection:
 
     def unload_adapter(self, name: str, timeout: float) -> None:
         self._call(lambda: self.worker.unload_adapter(name), inference=True)
+
+    def lease(self, holder: str, ttl_s: float, timeout: float, release: bool = False, observe: bool = False):
+        """Never asked: a coordinator with experts of its own shares no pool (ClusterConfig
+        refuses ``--placement-lease`` with ``local``)."""
+        raise ExpertServerError.of(InvalidRequest(f"{self.describe_self()} take part in no placement lease"))
+
+    def live_placement(self, timeout: float) -> tuple[int, dict[int, list[int]]]:
+        live = self.worker.slots.live
+        return live.generation, {layer: list(ls.experts) for layer, ls in live.layers.items()}
+
+    def expert_tokens(self, timeout: float) -> dict[int, list[int]]:
+        return {layer: counts.tolist() for layer, counts in self.worker.tokens_per_expert.items()}
 
     # ------------------------------------------------------------ data plane
 

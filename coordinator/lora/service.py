@@ -15,11 +15,22 @@ from the coordinator (between steps) and from every server.
 Placement changes and returning servers: the cluster calls :meth:`LoRAService.on_prepare` after
 each server's PREPARE, which pushes every loaded adapter for the experts of the new slot table
 and of the live one (both generations stay covered until the commit).
+
+Expert servers shared by several coordinators (``--placement-lease``): the servers hold each
+adapter's expert part under one slot number for all of them, so a load takes a slot no server
+uses for another name (the servers refuse a slot holding another name), and sends the path it
+read. Every coordinator learns from the servers' lease answers which adapters they hold
+(:meth:`LoRAService.sync_pool`, on the cluster's maintenance thread): one it lacks is read from
+that path (under its own ``--lora-dir``: the adapters live on a volume every coordinator mounts,
+like the checkpoint) and installed under the same slot, so its non-expert parts exist here too;
+one gone from every server (unloaded through another coordinator) is dropped here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +45,7 @@ from expertmesh.lora.wire import encode_adapter
 from expertmesh.paths import PathNotAllowed, confine, resolve_roots
 
 BetweenSteps = Callable[[Callable[[], object]], Future]
+log = logging.getLogger("expertmesh.lora")
 
 
 class LoRAPermissionError(PathNotAllowed):
@@ -64,8 +76,14 @@ class LoRAService:
         self.timeout_s, self.unload_timeout_s = timeout_s, unload_timeout_s
         self.usable: set[str] = set()  # names requests may use (all servers acknowledged)
         self._lock = threading.Lock()  # one load/unload at a time
+        self.sources: dict[str, str] = {}  # name -> the path it was read from
+        # shared servers: name -> the pool round after which the servers must report it
+        self._pooled: dict[str, int] = {}
+        self._not_loadable: dict[str, str] = {}  # name -> why this coordinator cannot load it
         if cluster is not None:
             cluster.prepare_hooks.append(self.on_prepare)
+            if getattr(cluster, "pool", None) is not None:
+                cluster.round_hooks.append(self.sync_pool)
 
     # ---------------------------------------------------------------- load
 
@@ -88,16 +106,92 @@ class LoRAService:
             if name in self.manager.adapters:
                 raise AdapterError(f"adapter {name!r} is already loaded (unload it first)")
             used = set(self.manager.slot_of.values())
+            pooled = self._pool_slots()  # name -> slot on shared servers
+            used |= {s for n, s in pooled.items() if n != name}
             free = [s for s in range(self.manager.max_loras) if s not in used]
+            if name in pooled:  # loaded through another coordinator already: the same slot here
+                free = [pooled[name]] if pooled[name] in free else []
             if not free:
                 raise AdapterError(f"all {self.manager.max_loras} adapter slots are in use (--max-loras)")
             adapter = load_adapter(name, p, self.manager.model_cfg, self.manager.table)
             slot = free[0]
-            skipped = self._push(adapter, slot) if self.cluster is not None else []
+            self.sources[name] = str(p)
+            try:
+                skipped = self._push(adapter, slot) if self.cluster is not None else []
+            except LoRAPushError:
+                self.sources.pop(name, None)
+                raise
             self.between_steps(lambda: self.manager.install(adapter, slot)).result()
             self.usable.add(name)
             self._catch_up(adapter, slot, skipped)
+            pool = getattr(self.cluster, "pool", None)
+            if pool is not None:
+                self._pooled[name] = pool.rounds + 1
             return adapter
+
+    def _pool_slots(self) -> dict[str, int]:
+        """The adapters the shared servers hold now (name -> slot); {} when not shared."""
+        pool = getattr(self.cluster, "pool", None)
+        if pool is None:
+            return {}
+        return {a.name: a.slot for a in pool.observe_adapters().values()}
+
+    def sync_pool(self) -> None:
+        """Shared servers: installs the adapters they hold that this coordinator lacks (read
+        from the path the loading coordinator sent) and drops those gone from every server."""
+        pool = getattr(self.cluster, "pool", None)
+        if pool is None or not pool.rounds:
+            return
+        if not pool.answered:  # NOTE: no server reached: nothing is known to be gone
+            return
+        seen, rounds = dict(pool.adapters), pool.rounds
+        # NOTE: a load or unload running here holds the lock for its pushes: the maintenance
+        # thread does not wait for it (the next round syncs)
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._sync(seen, rounds)
+        finally:
+            self._lock.release()
+
+    def _sync(self, seen: dict, rounds: int) -> None:
+        for name, ad in sorted(seen.items()):
+            if name not in self.manager.adapters and name not in self._not_loadable:
+                self._install_pooled(name, ad.slot, ad.source, rounds)
+        for name in sorted(self.manager.adapters):
+            due = self._pooled.get(name)
+            if due is not None and name not in seen and rounds > due:
+                log.info("adapter %r left every expert server: unloading it here too", name)
+                self.usable.discard(name)
+                self.between_steps(functools.partial(self.manager.unload, name)).result()
+                del self._pooled[name]
+                self.sources.pop(name, None)
+        for name in [n for n in self._not_loadable if n not in seen]:
+            del self._not_loadable[name]  # unloaded: a later load by that name is tried again
+
+    def _install_pooled(self, name: str, slot: int, source: str, rounds: int) -> None:
+        why = ""
+        if slot in self.manager.slot_of.values() or not 0 <= slot < self.manager.max_loras:
+            why = f"its slot {slot} is taken here or outside --max-loras {self.manager.max_loras}"
+        elif not source:
+            why = "the servers do not say where it was read from"
+        adapter = None
+        if not why:
+            try:
+                adapter = load_adapter(
+                    name, self.check_path(source), self.manager.model_cfg, self.manager.table
+                )
+            except (LoRAPermissionError, AdapterError, OSError) as e:
+                why = str(e)
+        if adapter is None:
+            self._not_loadable[name] = why
+            log.warning("adapter %r (loaded through another coordinator) is not usable here: %s", name, why)
+            return
+        self.between_steps(lambda: self.manager.install(adapter, slot)).result()
+        self.usable.add(name)
+        self.sources[name] = source
+        self._pooled[name] = rounds
+        log.info("adapter %r loaded through another coordinator: usable here too (slot %d)", name, slot)
 
     def on_prepare(self, server: int, table: dict[int, list[int]], timeout: float) -> None:
         """A placement PREPARE (or a returning server): push every loaded adapter's LoRA of the
@@ -105,7 +199,8 @@ class LoRAService:
         adapters = {n: (a, self.manager.slot_of[n]) for n, a in list(self.manager.adapters.items())}
         conn = self.cluster.conns[server]  # type: ignore[union-attr]
         for name, (adapter, slot) in adapters.items():
-            conn.load_adapter(slot, name, self._payload(adapter, server, table), timeout)
+            payload = self._payload(adapter, server, table)
+            conn.load_adapter(slot, name, payload, timeout, self.sources.get(name, ""))
 
     def _payload(self, adapter: LoRAAdapter, server: int, extra: dict[int, list[int]] | None = None) -> dict:
         assert self.cluster is not None
@@ -130,7 +225,7 @@ class LoRAService:
         try:
             cluster.two_phase(
                 prepare=lambda i: cluster.conns[i].load_adapter(
-                    slot, adapter.name, payloads[i], self.timeout_s
+                    slot, adapter.name, payloads[i], self.timeout_s, self.sources.get(adapter.name, "")
                 ),
                 commit=lambda i: None,
                 abort=lambda i: cluster.conns[i].unload_adapter(adapter.name, self.timeout_s),
@@ -154,7 +249,10 @@ class LoRAService:
             if i in down:
                 continue  # it rejoins later and gets the adapter then
             try:
-                cluster.conns[i].load_adapter(slot, adapter.name, self._payload(adapter, i), self.timeout_s)
+                payload = self._payload(adapter, i)
+                cluster.conns[i].load_adapter(
+                    slot, adapter.name, payload, self.timeout_s, self.sources.get(adapter.name, "")
+                )
             except ExpertServerError as e:
                 cluster.mark_down(i, e)
 
@@ -174,6 +272,8 @@ class LoRAService:
                     )
                 time.sleep(0.05)
             self.between_steps(lambda: self.manager.unload(name)).result()
+            self._pooled.pop(name, None)
+            self.sources.pop(name, None)
             if self.cluster is not None:
                 from coordinator.experts.expert_conn import ExpertServerError
 

@@ -25,6 +25,8 @@ def outcome_pb(out: Outcome) -> admin_pb2.RebalanceOutcome:
         prepare_ms=out.prepare_ms,
         commit_ms=out.commit_ms,
         unix_time=out.at,
+        window_tokens=out.window_tokens,
+        load_source=out.load_source,
     )
     p = out.plan
     if p is not None:

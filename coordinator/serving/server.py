@@ -167,7 +167,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if cluster is None:
             return admin_pb2.PlacementInfo()
         p = cluster.placement
+        pool = cluster.pool
         return admin_pb2.PlacementInfo(
+            coordinator_id=pool.id if pool is not None else "",
+            placement_holder=pool.seen_holder if pool is not None else "",
             generation=p.generation,
             servers=list(p.servers),
             layers=[

@@ -93,14 +93,18 @@ class LayerPlacement(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., phy2log: _Optional[_Iterable[int]] = ..., owner: _Optional[_Iterable[int]] = ..., local_slot: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlacementInfo(_message.Message):
-    __slots__ = ("generation", "servers", "layers")
+    __slots__ = ("generation", "servers", "layers", "coordinator_id", "placement_holder")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_HOLDER_FIELD_NUMBER: _ClassVar[int]
     generation: int
     servers: _containers.RepeatedScalarFieldContainer[str]
     layers: _containers.RepeatedCompositeFieldContainer[LayerPlacement]
-    def __init__(self, generation: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[_Union[LayerPlacement, _Mapping]]] = ...) -> None: ...
+    coordinator_id: str
+    placement_holder: str
+    def __init__(self, generation: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[_Union[LayerPlacement, _Mapping]]] = ..., coordinator_id: _Optional[str] = ..., placement_holder: _Optional[str] = ...) -> None: ...
 
 class GetExpertLoadRequest(_message.Message):
     __slots__ = ()
@@ -147,7 +151,7 @@ class RebalanceRequest(_message.Message):
     def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
 
 class RebalanceOutcome(_message.Message):
-    __slots__ = ("outcome", "trigger", "reason", "error", "generation", "token_balance_before", "token_balance_after", "time_before", "time_after", "weights_moved", "bytes_moved", "compute_ms", "prepare_ms", "commit_ms", "layers_kept", "layers_searched", "layers_scratch", "placement_json", "unix_time")
+    __slots__ = ("outcome", "trigger", "reason", "error", "generation", "token_balance_before", "token_balance_after", "time_before", "time_after", "weights_moved", "bytes_moved", "compute_ms", "prepare_ms", "commit_ms", "layers_kept", "layers_searched", "layers_scratch", "placement_json", "unix_time", "window_tokens", "load_source")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +171,8 @@ class RebalanceOutcome(_message.Message):
     LAYERS_SCRATCH_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_JSON_FIELD_NUMBER: _ClassVar[int]
     UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SOURCE_FIELD_NUMBER: _ClassVar[int]
     outcome: str
     trigger: str
     reason: str
@@ -186,7 +192,9 @@ class RebalanceOutcome(_message.Message):
     layers_scratch: int
     placement_json: str
     unix_time: float
-    def __init__(self, outcome: _Optional[str] = ..., trigger: _Optional[str] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., generation: _Optional[int] = ..., token_balance_before: _Optional[float] = ..., token_balance_after: _Optional[float] = ..., time_before: _Optional[float] = ..., time_after: _Optional[float] = ..., weights_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., compute_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., layers_kept: _Optional[int] = ..., layers_searched: _Optional[int] = ..., layers_scratch: _Optional[int] = ..., placement_json: _Optional[str] = ..., unix_time: _Optional[float] = ...) -> None: ...
+    window_tokens: int
+    load_source: str
+    def __init__(self, outcome: _Optional[str] = ..., trigger: _Optional[str] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., generation: _Optional[int] = ..., token_balance_before: _Optional[float] = ..., token_balance_after: _Optional[float] = ..., time_before: _Optional[float] = ..., time_after: _Optional[float] = ..., weights_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., compute_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., layers_kept: _Optional[int] = ..., layers_searched: _Optional[int] = ..., layers_scratch: _Optional[int] = ..., placement_json: _Optional[str] = ..., unix_time: _Optional[float] = ..., window_tokens: _Optional[int] = ..., load_source: _Optional[str] = ...) -> None: ...
 
 class RebalanceResponse(_message.Message):
     __slots__ = ("outcome",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from expertmesh.v1 import tensor_pb2 as expertmesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!expertmesh/v1/expert_worker.proto\x12\rexpertmesh.v1\x1a\x1a\x65xpertmesh/v1/tensor.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xf0\x03\n\x10\x44\x65scribeResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\nmodel_type\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x07 \x01(\x05\x12\x12\n\nmoe_layers\x18\x08 \x03(\x05\x12\x15\n\rslot_capacity\x18\t \x01(\x05\x12\x0f\n\x07host_id\x18\n \x01(\t\x12\x12\n\nfast_paths\x18\x0b \x03(\t\x12\x12\n\ngeneration\x18\x0c \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\r \x01(\t\x12\x19\n\x11max_message_bytes\x18\x0e \x01(\x05\x12\x15\n\x0cweight_dtype\x18\xa0\x01 \x01(\t\x12\x15\n\x0cweight_bytes\x18\xa1\x01 \x01(\x04\x12\x1a\n\x11peak_weight_bytes\x18\xa2\x01 \x01(\x04\x12\x1a\n\x11process_rss_bytes\x18\xa3\x01 \x01(\x04\x12\x1f\n\x16process_peak_rss_bytes\x18\xa4\x01 \x01(\x04\x12\x1f\n\x16\x64\x65vice_allocated_bytes\x18\xa5\x01 \x01(\x04\x12$\n\x1b\x64\x65vice_peak_allocated_bytes\x18\xa6\x01 \x01(\x04\"\xf9\x01\n\x0e\x46orwardRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\x05\x12%\n\x06hidden\x18\x04 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\'\n\x08slot_ids\x18\x05 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12&\n\x07weights\x18\x06 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12,\n\radapter_slots\x18\x07 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\x11\n\tfast_path\x18\x08 \x01(\x0c\"l\n\x0f\x46orwardResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12%\n\x06output\x18\x02 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\x11\n\tfast_path\x18\x03 \x01(\x0c\x12\x12\n\ncompute_ms\x18\x04 \x01(\x02\",\n\nLayerSlots\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\"\xd5\x01\n\x15\x41pplyPlacementRequest\x12\x39\n\x05phase\x18\x01 \x01(\x0e\x32*.expertmesh.v1.ApplyPlacementRequest.Phase\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12)\n\x06layers\x18\x03 \x03(\x0b\x32\x19.expertmesh.v1.LayerSlots\"B\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREPARE\x10\x01\x12\n\n\x06\x43OMMIT\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\"D\n\x16\x41pplyPlacementResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x16\n\x0e\x65xperts_loaded\x18\x02 \x01(\x05\"\xd1\x01\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_slot\x18\x02 \x01(\x05\x12?\n\x07tensors\x18\x03 \x03(\x0b\x32..expertmesh.v1.LoadAdapterRequest.TensorsEntry\x12\x0f\n\x07scaling\x18\x04 \x01(\x02\x1a\x45\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.expertmesh.v1.Tensor:\x02\x38\x01\"\x15\n\x13LoadAdapterResponse\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x0e\n\x0cStatsRequest\"4\n\nLayerStats\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x17\n\x0ftokens_per_slot\x18\x02 \x03(\x03\"\x99\x01\n\rStatsResponse\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12)\n\x06layers\x18\x05 \x03(\x0b\x32\x19.expertmesh.v1.LayerStats\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x32\xfe\x03\n\x0c\x45xpertWorker\x12K\n\x08\x44\x65scribe\x12\x1e.expertmesh.v1.DescribeRequest\x1a\x1f.expertmesh.v1.DescribeResponse\x12L\n\x07\x46orward\x12\x1d.expertmesh.v1.ForwardRequest\x1a\x1e.expertmesh.v1.ForwardResponse(\x01\x30\x01\x12]\n\x0e\x41pplyPlacement\x12$.expertmesh.v1.ApplyPlacementRequest\x1a%.expertmesh.v1.ApplyPlacementResponse\x12T\n\x0bLoadAdapter\x12!.expertmesh.v1.LoadAdapterRequest\x1a\".expertmesh.v1.LoadAdapterResponse\x12Z\n\rUnloadAdapter\x12#.expertmesh.v1.UnloadAdapterRequest\x1a$.expertmesh.v1.UnloadAdapterResponse\x12\x42\n\x05Stats\x12\x1b.expertmesh.v1.StatsRequest\x1a\x1c.expertmesh.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!expertmesh/v1/expert_worker.proto\x12\rexpertmesh.v1\x1a\x1a\x65xpertmesh/v1/tensor.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xf0\x03\n\x10\x44\x65scribeResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\nmodel_type\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x07 \x01(\x05\x12\x12\n\nmoe_layers\x18\x08 \x03(\x05\x12\x15\n\rslot_capacity\x18\t \x01(\x05\x12\x0f\n\x07host_id\x18\n \x01(\t\x12\x12\n\nfast_paths\x18\x0b \x03(\t\x12\x12\n\ngeneration\x18\x0c \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\r \x01(\t\x12\x19\n\x11max_message_bytes\x18\x0e \x01(\x05\x12\x15\n\x0cweight_dtype\x18\xa0\x01 \x01(\t\x12\x15\n\x0cweight_bytes\x18\xa1\x01 \x01(\x04\x12\x1a\n\x11peak_weight_bytes\x18\xa2\x01 \x01(\x04\x12\x1a\n\x11process_rss_bytes\x18\xa3\x01 \x01(\x04\x12\x1f\n\x16process_peak_rss_bytes\x18\xa4\x01 \x01(\x04\x12\x1f\n\x16\x64\x65vice_allocated_bytes\x18\xa5\x01 \x01(\x04\x12$\n\x1b\x64\x65vice_peak_allocated_bytes\x18\xa6\x01 \x01(\x04\"\xf9\x01\n\x0e\x46orwardRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\x05\x12%\n\x06hidden\x18\x04 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\'\n\x08slot_ids\x18\x05 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12&\n\x07weights\x18\x06 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12,\n\radapter_slots\x18\x07 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\x11\n\tfast_path\x18\x08 \x01(\x0c\"l\n\x0f\x46orwardResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12%\n\x06output\x18\x02 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\x11\n\tfast_path\x18\x03 \x01(\x0c\x12\x12\n\ncompute_ms\x18\x04 \x01(\x02\",\n\nLayerSlots\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\"\xeb\x01\n\x15\x41pplyPlacementRequest\x12\x39\n\x05phase\x18\x01 \x01(\x0e\x32*.expertmesh.v1.ApplyPlacementRequest.Phase\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12)\n\x06layers\x18\x03 \x03(\x0b\x32\x19.expertmesh.v1.LayerSlots\x12\x14\n\x0clease_holder\x18\x04 \x01(\t\"B\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREPARE\x10\x01\x12\n\n\x06\x43OMMIT\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\"D\n\x16\x41pplyPlacementResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x16\n\x0e\x65xperts_loaded\x18\x02 \x01(\x05\"\xe1\x01\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_slot\x18\x02 \x01(\x05\x12?\n\x07tensors\x18\x03 \x03(\x0b\x32..expertmesh.v1.LoadAdapterRequest.TensorsEntry\x12\x0f\n\x07scaling\x18\x04 \x01(\x02\x12\x0e\n\x06source\x18\x05 \x01(\t\x1a\x45\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.expertmesh.v1.Tensor:\x02\x38\x01\"\x15\n\x13LoadAdapterResponse\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x0e\n\x0cStatsRequest\"O\n\nLayerStats\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x17\n\x0ftokens_per_slot\x18\x02 \x03(\x03\x12\x19\n\x11tokens_per_expert\x18\x03 \x03(\x03\"\x99\x01\n\rStatsResponse\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12)\n\x06layers\x18\x05 \x03(\x0b\x32\x19.expertmesh.v1.LayerStats\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"Y\n\x15PlacementLeaseRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x0f\n\x07release\x18\x03 \x01(\x08\x12\x0f\n\x07observe\x18\x04 \x01(\x08\"A\n\x0b\x41\x64\x61pterName\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_slot\x18\x02 \x01(\x05\x12\x0e\n\x06source\x18\x03 \x01(\t\"\x90\x01\n\x16PlacementLeaseResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x13\n\x0bttl_left_ms\x18\x03 \x01(\r\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12,\n\x08\x61\x64\x61pters\x18\x05 \x03(\x0b\x32\x1a.expertmesh.v1.AdapterName\"\x16\n\x14LivePlacementRequest\"V\n\x15LivePlacementResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12)\n\x06layers\x18\x02 \x03(\x0b\x32\x19.expertmesh.v1.LayerSlots2\xb9\x05\n\x0c\x45xpertWorker\x12K\n\x08\x44\x65scribe\x12\x1e.expertmesh.v1.DescribeRequest\x1a\x1f.expertmesh.v1.DescribeResponse\x12L\n\x07\x46orward\x12\x1d.expertmesh.v1.ForwardRequest\x1a\x1e.expertmesh.v1.ForwardResponse(\x01\x30\x01\x12]\n\x0e\x41pplyPlacement\x12$.expertmesh.v1.ApplyPlacementRequest\x1a%.expertmesh.v1.ApplyPlacementResponse\x12T\n\x0bLoadAdapter\x12!.expertmesh.v1.LoadAdapterRequest\x1a\".expertmesh.v1.LoadAdapterResponse\x12Z\n\rUnloadAdapter\x12#.expertmesh.v1.UnloadAdapterRequest\x1a$.expertmesh.v1.UnloadAdapterResponse\x12\x42\n\x05Stats\x12\x1b.expertmesh.v1.StatsRequest\x1a\x1c.expertmesh.v1.StatsResponse\x12]\n\x0ePlacementLease\x12$.expertmesh.v1.PlacementLeaseRequest\x1a%.expertmesh.v1.PlacementLeaseResponse\x12Z\n\rLivePlacement\x12#.expertmesh.v1.LivePlacementRequest\x1a$.expertmesh.v1.LivePlacementResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,27 +45,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYERSLOTS']._serialized_start=960
   _globals['_LAYERSLOTS']._serialized_end=1004
   _globals['_APPLYPLACEMENTREQUEST']._serialized_start=1007
-  _globals['_APPLYPLACEMENTREQUEST']._serialized_end=1220
-  _globals['_APPLYPLACEMENTREQUEST_PHASE']._serialized_start=1154
-  _globals['_APPLYPLACEMENTREQUEST_PHASE']._serialized_end=1220
-  _globals['_APPLYPLACEMENTRESPONSE']._serialized_start=1222
-  _globals['_APPLYPLACEMENTRESPONSE']._serialized_end=1290
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1293
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1502
-  _globals['_LOADADAPTERREQUEST_TENSORSENTRY']._serialized_start=1433
-  _globals['_LOADADAPTERREQUEST_TENSORSENTRY']._serialized_end=1502
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1504
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1525
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1527
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1563
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1565
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1588
-  _globals['_STATSREQUEST']._serialized_start=1590
-  _globals['_STATSREQUEST']._serialized_end=1604
-  _globals['_LAYERSTATS']._serialized_start=1606
-  _globals['_LAYERSTATS']._serialized_end=1658
-  _globals['_STATSRESPONSE']._serialized_start=1661
-  _globals['_STATSRESPONSE']._serialized_end=1814
-  _globals['_EXPERTWORKER']._serialized_start=1817
-  _globals['_EXPERTWORKER']._serialized_end=2327
+  _globals['_APPLYPLACEMENTREQUEST']._serialized_end=1242
+  _globals['_APPLYPLACEMENTREQUEST_PHASE']._serialized_start=1176
+  _globals['_APPLYPLACEMENTREQUEST_PHASE']._serialized_end=1242
+  _globals['_APPLYPLACEMENTRESPONSE']._serialized_start=1244
+  _globals['_APPLYPLACEMENTRESPONSE']._serialized_end=1312
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1315
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1540
+  _globals['_LOADADAPTERREQUEST_TENSORSENTRY']._serialized_start=1471
+  _globals['_LOADADAPTERREQUEST_TENSORSENTRY']._serialized_end=1540
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1542
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1563
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1565
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1601
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1603
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1626
+  _globals['_STATSREQUEST']._serialized_start=1628
+  _globals['_STATSREQUEST']._serialized_end=1642
+  _globals['_LAYERSTATS']._serialized_start=1644
+  _globals['_LAYERSTATS']._serialized_end=1723
+  _globals['_STATSRESPONSE']._serialized_start=1726
+  _globals['_STATSRESPONSE']._serialized_end=1879
+  _globals['_PLACEMENTLEASEREQUEST']._serialized_start=1881
+  _globals['_PLACEMENTLEASEREQUEST']._serialized_end=1970
+  _globals['_ADAPTERNAME']._serialized_start=1972
+  _globals['_ADAPTERNAME']._serialized_end=2037
+  _globals['_PLACEMENTLEASERESPONSE']._serialized_start=2040
+  _globals['_PLACEMENTLEASERESPONSE']._serialized_end=2184
+  _globals['_LIVEPLACEMENTREQUEST']._serialized_start=2186
+  _globals['_LIVEPLACEMENTREQUEST']._serialized_end=2208
+  _globals['_LIVEPLACEMENTRESPONSE']._serialized_start=2210
+  _globals['_LIVEPLACEMENTRESPONSE']._serialized_end=2296
+  _globals['_EXPERTWORKER']._serialized_start=2299
+  _globals['_EXPERTWORKER']._serialized_end=2996
 # @@protoc_insertion_point(module_scope)

@@ -99,7 +99,7 @@ class LayerSlots(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ApplyPlacementRequest(_message.Message):
-    __slots__ = ("phase", "generation", "layers")
+    __slots__ = ("phase", "generation", "layers", "lease_holder")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[ApplyPlacementRequest.Phase]
@@ -113,10 +113,12 @@ class ApplyPlacementRequest(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_HOLDER_FIELD_NUMBER: _ClassVar[int]
     phase: ApplyPlacementRequest.Phase
     generation: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSlots]
-    def __init__(self, phase: _Optional[_Union[ApplyPlacementRequest.Phase, str]] = ..., generation: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSlots, _Mapping]]] = ...) -> None: ...
+    lease_holder: str
+    def __init__(self, phase: _Optional[_Union[ApplyPlacementRequest.Phase, str]] = ..., generation: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSlots, _Mapping]]] = ..., lease_holder: _Optional[str] = ...) -> None: ...
 
 class ApplyPlacementResponse(_message.Message):
     __slots__ = ("generation", "experts_loaded")
@@ -127,7 +129,7 @@ class ApplyPlacementResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., experts_loaded: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "adapter_slot", "tensors", "scaling")
+    __slots__ = ("name", "adapter_slot", "tensors", "scaling", "source")
     class TensorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,11 +141,13 @@ class LoadAdapterRequest(_message.Message):
     ADAPTER_SLOT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SCALING_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     adapter_slot: int
     tensors: _containers.MessageMap[str, _tensor_pb2.Tensor]
     scaling: float
-    def __init__(self, name: _Optional[str] = ..., adapter_slot: _Optional[int] = ..., tensors: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., scaling: _Optional[float] = ...) -> None: ...
+    source: str
+    def __init__(self, name: _Optional[str] = ..., adapter_slot: _Optional[int] = ..., tensors: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., scaling: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ()
@@ -164,12 +168,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LayerStats(_message.Message):
-    __slots__ = ("layer", "tokens_per_slot")
+    __slots__ = ("layer", "tokens_per_slot", "tokens_per_expert")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
     layer: int
     tokens_per_slot: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layer: _Optional[int] = ..., tokens_per_slot: _Optional[_Iterable[int]] = ...) -> None: ...
+    tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., tokens_per_slot: _Optional[_Iterable[int]] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("requests", "tokens", "errors", "compute_seconds", "layers", "generation")
@@ -186,3 +192,51 @@ class StatsResponse(_message.Message):
     layers: _containers.RepeatedCompositeFieldContainer[LayerStats]
     generation: int
     def __init__(self, requests: _Optional[int] = ..., tokens: _Optional[int] = ..., errors: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class PlacementLeaseRequest(_message.Message):
+    __slots__ = ("holder", "ttl_ms", "release", "observe")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    ttl_ms: int
+    release: bool
+    observe: bool
+    def __init__(self, holder: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., release: _Optional[bool] = ..., observe: _Optional[bool] = ...) -> None: ...
+
+class AdapterName(_message.Message):
+    __slots__ = ("name", "adapter_slot", "source")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    adapter_slot: int
+    source: str
+    def __init__(self, name: _Optional[str] = ..., adapter_slot: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class PlacementLeaseResponse(_message.Message):
+    __slots__ = ("granted", "holder", "ttl_left_ms", "generation", "adapters")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    TTL_LEFT_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    granted: bool
+    holder: str
+    ttl_left_ms: int
+    generation: int
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterName]
+    def __init__(self, granted: _Optional[bool] = ..., holder: _Optional[str] = ..., ttl_left_ms: _Optional[int] = ..., generation: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterName, _Mapping]]] = ...) -> None: ...
+
+class LivePlacementRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LivePlacementResponse(_message.Message):
+    __slots__ = ("generation", "layers")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSlots]
+    def __init__(self, generation: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSlots, _Mapping]]] = ...) -> None: ...

@@ -65,6 +65,16 @@ class ExpertWorkerStub:
                 request_serializer=expertmesh_dot_v1_dot_expert__worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_v1_dot_expert__worker__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.PlacementLease = channel.unary_unary(
+                '/expertmesh.v1.ExpertWorker/PlacementLease',
+                request_serializer=expertmesh_dot_v1_dot_expert__worker__pb2.PlacementLeaseRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_expert__worker__pb2.PlacementLeaseResponse.FromString,
+                _registered_method=True)
+        self.LivePlacement = channel.unary_unary(
+                '/expertmesh.v1.ExpertWorker/LivePlacement',
+                request_serializer=expertmesh_dot_v1_dot_expert__worker__pb2.LivePlacementRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_expert__worker__pb2.LivePlacementResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertWorkerServicer:
@@ -114,6 +124,22 @@ class ExpertWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlacementLease(self, request, context):
+        """Several coordinators sharing these servers: the placement role is a lease the servers
+        grant to one coordinator at a time (renewed by it, free again when it expires). Also
+        reports who holds it, the live generation and the adapters held (observe = take nothing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LivePlacement(self, request, context):
+        """The live slot table, so a coordinator that does not hold the placement role adopts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +172,16 @@ def add_ExpertWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=expertmesh_dot_v1_dot_expert__worker__pb2.StatsRequest.FromString,
                     response_serializer=expertmesh_dot_v1_dot_expert__worker__pb2.StatsResponse.SerializeToString,
+            ),
+            'PlacementLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlacementLease,
+                    request_deserializer=expertmesh_dot_v1_dot_expert__worker__pb2.PlacementLeaseRequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_expert__worker__pb2.PlacementLeaseResponse.SerializeToString,
+            ),
+            'LivePlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.LivePlacement,
+                    request_deserializer=expertmesh_dot_v1_dot_expert__worker__pb2.LivePlacementRequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_expert__worker__pb2.LivePlacementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +347,60 @@ class ExpertWorker:
             '/expertmesh.v1.ExpertWorker/Stats',
             expertmesh_dot_v1_dot_expert__worker__pb2.StatsRequest.SerializeToString,
             expertmesh_dot_v1_dot_expert__worker__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlacementLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.ExpertWorker/PlacementLease',
+            expertmesh_dot_v1_dot_expert__worker__pb2.PlacementLeaseRequest.SerializeToString,
+            expertmesh_dot_v1_dot_expert__worker__pb2.PlacementLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LivePlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.ExpertWorker/LivePlacement',
+            expertmesh_dot_v1_dot_expert__worker__pb2.LivePlacementRequest.SerializeToString,
+            expertmesh_dot_v1_dot_expert__worker__pb2.LivePlacementResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,8 @@ class WorkerConfig:
     link: str = "auto"  # the device link: auto | force | off (expertmesh/transport/server.py)
     # bytes a placement prepare may read ahead beside the live experts (None: one layer of slots)
     staging_mb: int | None = None
+    # fast-path requests of several coordinators for one layer computed together (combine.py)
+    combine_streams: bool = False
 
     def __post_init__(self) -> None:
         if self.link not in ("auto", "force", "off"):
@@ -139,6 +141,12 @@ class WorkerConfig:
             "default: %(default)g here, 0 unless there are more cores than the 3 processes of a cluster)",
         )
         p.add_argument(
+            "--combine-streams",
+            action="store_true",
+            help="several coordinators share this server: compute their fast-path requests for the same "
+            "layer that wait together as one batch (off: one after the other)",
+        )
+        p.add_argument(
             "--max-loras",
             type=int,
             default=4,
@@ -191,6 +199,7 @@ class WorkerConfig:
             drain_timeout_s=args.drain_timeout,
             link=link_mode(os.environ.get(LINK_ENV, "")),
             staging_mb=args.placement_staging_mb,
+            combine_streams=args.combine_streams,
         )
 
 

@@ -12,6 +12,7 @@ Shapes: T tokens, K top-k, H hidden, S local slots.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -29,6 +30,8 @@ from expertmesh.lora.store import AdapterStore, AdapterStoreError, LayerAdapter
 from expertmesh.metrics import WorkerMetrics
 from expertmesh.transport.descriptor import LinkStep
 from expertmesh.worker import memory
+from expertmesh.worker.combine import StreamCombiner
+from expertmesh.worker.lease import PlacementLease
 from expertmesh.worker.slots import SlotTable
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
 
@@ -56,7 +59,12 @@ class WorkerStats:
 
 class ExpertWorker:
     def __init__(
-        self, slots: SlotTable, backend: ExpertBackend, identity: WorkerIdentity, max_loras: int = 4
+        self,
+        slots: SlotTable,
+        backend: ExpertBackend,
+        identity: WorkerIdentity,
+        max_loras: int = 4,
+        combine: bool = False,
     ) -> None:
         self.slots, self.backend, self.identity = slots, backend, identity
         self.cfg = slots.reader.config
@@ -65,6 +73,10 @@ class ExpertWorker:
         # layer -> [S] tokens routed to each slot (a device link's counts come every
         # gpu_server/link_graphs.FOLD_EVERY steps and at its close)
         self.tokens_per_slot: dict[int, np.ndarray] = {}
+        self.tokens_per_expert: dict[int, np.ndarray] = {}  # layer -> [E] since start
+        # coordinators sharing this server: who may push placements (expertmesh/worker/lease.py)
+        self.lease = PlacementLease()
+        self.adapter_sources: dict[str, str] = {}  # adapter name -> where its coordinator read it
         # MoE-LoRA adapter slots pushed here (LoadAdapter); -1 in a request = no adapter
         self.adapter_slots: frozenset[int] = frozenset()
         self.lora = AdapterStore(max_loras, slots.dtype, slots.device)
@@ -75,6 +87,8 @@ class ExpertWorker:
         # and the Forward streams open now (the drain waits for coordinators to move off)
         self.draining = ""
         self.open_streams = 0
+        # fast-path requests of several streams for one layer computed together (opt-in)
+        self.combiner = StreamCombiner(self) if combine else None
 
     def info(self) -> WorkerInfo:
         cfg, ident = self.cfg, self.identity
@@ -119,10 +133,15 @@ class ExpertWorker:
             raise InvalidRequest(
                 f"layer {layer} is not an MoE layer of this model (MoE layers: {self.slots.moe_layers})"
             )
+        prev = None
         if req.generation != live.generation:
-            raise StaleGeneration(
-                f"placement generation {req.generation} is not the live generation {live.generation}"
-            )
+            # NOTE: the generation the last commit replaced is still answered (on the live slots
+            # holding its experts): coordinators following another's placement switch a moment later
+            prev = self.slots.previous
+            if prev is None or prev.generation != req.generation:
+                raise StaleGeneration(
+                    f"placement generation {req.generation} is not the live generation {live.generation}"
+                )
         h = self.cfg.hidden_size
         if x.dtype != self.slots.dtype:
             raise InvalidRequest(
@@ -142,7 +161,7 @@ class ExpertWorker:
             raise InvalidRequest(
                 f"weights must be float32 [{t}, {k}], got {wire.dtype_name(weights.dtype)} {list(weights.shape)}"
             )
-        n_slots = len(live.layers[layer].experts)
+        n_slots = len(live.layers[layer].experts) if prev is None else len(prev.to_live[layer])
         if t:
             # NOTE: numpy on the host: on a few dozen ids its min/max cost a fraction of torch's
             ids = slot_ids.numpy() if slot_ids.device.type == "cpu" else None
@@ -159,6 +178,14 @@ class ExpertWorker:
             raise InvalidRequest("weights contain NaN or infinity")
         if req.adapter_slots is not None:
             self._check_adapters(req.adapter_slots, t)
+        if prev is not None:
+            moved = prev.translate(layer, slot_ids)  # [T, K] live slots
+            if moved is None:
+                raise StaleGeneration(
+                    f"placement generation {req.generation} was replaced by {live.generation}, and experts "
+                    f"it routes to layer {layer} here are no longer on this server"
+                )
+            req = dataclasses.replace(req, generation=live.generation, slot_ids=moved)
         return req
 
     def _check_adapters(self, a: torch.Tensor, t: int) -> None:
@@ -235,11 +262,19 @@ class ExpertWorker:
 
     def forward_into(self, req: ExpertRequest, out: torch.Tensor) -> None:
         """Check + compute for a fast-path request, the answer written into ``out [T, H]`` (the
-        ring the coordinator reads; on the GPU: queued on this device's stream, not waited for)."""
+        ring the coordinator reads; on the GPU: queued on this device's stream, not waited for),
+        with the requests of other streams waiting for the same layer when combining
+        (expertmesh/worker/combine.py)."""
+        if self.combiner is not None:
+            self.combiner.forward_into(req, out)
+        else:
+            self.forward_into_alone(req, out)
+
+    def forward_into_alone(self, req: ExpertRequest, out: torch.Tensor) -> None:
         try:
             with self._serial:
                 loaded = self._load_input(req)
-                self.check(req)
+                req = self.check(req)
                 self._compute_locked(req, False, out, loaded)
         except ExpertMeshError as e:
             self.count_error(e)
@@ -322,12 +357,27 @@ class ExpertWorker:
         # NOTE: numpy: on these few numbers its ops cost a fraction of torch's per-op overhead
         ids = req.slot_ids.numpy().ravel()  # [T * K]
         counts = np.bincount(ids[ids >= 0], minlength=len(layer.experts))  # [S]
+        self._count_experts(req.layer, layer.experts, counts)
         prev = self.tokens_per_slot.get(req.layer)
         if prev is None or prev.shape != counts.shape:
             self.tokens_per_slot[req.layer] = counts
         else:
             prev += counts
         return out
+
+    def _count_experts(self, layer: int, experts: tuple[int, ...], per_slot: np.ndarray) -> None:
+        """Adds ``per_slot [S]`` tokens of ``layer``'s slots holding ``experts`` to its
+        per-logical-expert counts ``[E]`` (which outlive placement changes: every coordinator's
+        EPLB reads them from Stats)."""
+        n = self.cfg.num_experts
+        per_expert = np.bincount(
+            np.asarray(experts, dtype=np.int64), weights=per_slot[: len(experts)], minlength=n
+        ).astype(np.int64)
+        prev = self.tokens_per_expert.get(layer)
+        if prev is None:
+            self.tokens_per_expert[layer] = per_expert[:n]
+        else:
+            prev += per_expert[:n]
 
     def _lora(self, req: ExpertRequest, experts: tuple[int, ...]) -> LoRABatch | None:
         """The request's MoE-LoRA inputs: resident buffers of its layer (LRU-loaded) and each
@@ -419,7 +469,10 @@ class ExpertWorker:
     def _link_report(self, graphs: Any, report: Any) -> None:
         """Folds a finished step's token counts into the stats; a step that timed out or met
         bad slot ids is an error, logged once per link and kind."""
+        live = self.slots.live
         for layer, counts in zip(self.slots.moe_layers, report.counts):
+            if counts.shape[0] == len(live.layers[layer].experts):
+                self._count_experts(layer, live.layers[layer].experts, counts)
             prev = self.tokens_per_slot.get(layer)
             if prev is None or prev.shape != counts.shape:
                 self.tokens_per_slot[layer] = counts.copy()  # NOTE: never an alias of the report's
@@ -441,13 +494,25 @@ class ExpertWorker:
 
     # ------------------------------------------------------------ MoE LoRA adapters
 
-    def load_adapter(self, adapter_slot: int, name: str, layers: dict[int, LayerAdapter]) -> None:
-        """Keeps ``layers`` (this server's experts of each MoE layer) as adapter ``adapter_slot``."""
+    def load_adapter(
+        self, adapter_slot: int, name: str, layers: dict[int, LayerAdapter], source: str = ""
+    ) -> None:
+        """Keeps ``layers`` (this server's experts of each MoE layer) as adapter ``adapter_slot``
+        (again for the same name: its experts change with the placement). A slot holding
+        another adapter is refused: two coordinators sharing this server chose the same slot,
+        and replacing it would silently change the other's requests."""
         if adapter_slot < 0:
             raise InvalidRequest(f"adapter_slot must be >= 0, got {adapter_slot}")
         with self._serial:
+            held = self.lora.names().get(adapter_slot)
+            if held is not None and held != name:
+                raise InvalidRequest(
+                    f"adapter slot {adapter_slot} holds adapter {held!r}; unload it before loading {name!r} there"
+                )
             self.lora.add(adapter_slot, name, layers)
             self.adapter_slots = frozenset(self.lora.adapters)
+            if source:
+                self.adapter_sources[name] = source
 
     def unload_adapter(self, name: str) -> bool:
         """Drops every adapter slot holding ``name``; False if there was none."""
@@ -455,6 +520,7 @@ class ExpertWorker:
             ids = [i for i, n in self.lora.names().items() if n == name]
             for i in ids:
                 self.lora.remove(i)
+            self.adapter_sources.pop(name, None)
             self.adapter_slots = frozenset(self.lora.adapters)
         return bool(ids)
 

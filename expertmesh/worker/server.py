@@ -154,6 +154,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         config.cluster_token,
         link=config.link,  # the device link
         data=data,
+        combine=config.combine_streams,
     )
     if data is not None:
         data.on_drop = servicer.worker.data_path_error

@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import torch
 
 from expertmesh import auth, status, tolerant, wire
-from expertmesh.errors import ExpertMeshError, InvalidRequest
+from expertmesh.errors import ExpertMeshError, InvalidRequest, StaleGeneration
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora.wire import decode_adapter
 from expertmesh.transport.handshake import Ack, HandshakeError, Hello
@@ -54,8 +55,9 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         cluster_token: str | None = None,
         link: str = "auto",  # the device link's mode (WorkerConfig.link)
         data: DataListener | None = None,  # the TCP data path's port (None: not offered)
+        combine: bool = False,  # WorkerConfig.combine_streams
     ) -> None:
-        self.worker = ExpertWorker(slots, backend, identity, max_loras)
+        self.worker = ExpertWorker(slots, backend, identity, max_loras, combine)
         self.link = link
         self.data = data
         self.shm_spin_us = shm_spin_us
@@ -159,6 +161,12 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         phase, gen = request.phase, request.generation
         try:
             auth.check_token(self.cluster_token, context.invocation_metadata(), "ApplyPlacement")
+            holder = self.worker.lease.may_push(request.lease_holder)
+            if holder and phase != pb.ApplyPlacementRequest.ABORT:
+                raise StaleGeneration(
+                    f"coordinator {holder!r} holds the placement lease here; "
+                    f"{request.lease_holder or 'a coordinator without one'!r} may not push placements"
+                )
             if phase == pb.ApplyPlacementRequest.PREPARE:
                 table = {ls.layer: list(ls.experts) for ls in request.layers}
                 read = await loop.run_in_executor(self._loader, self.worker.prepare, gen, table)
@@ -184,7 +192,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
             )  # fmt: skip
             if request.scaling not in (0.0, 1.0):
                 raise ValueError(f"scaling {request.scaling}: B must come with the scaling folded in (1)")
-            w.load_adapter(request.adapter_slot, request.name, layers)
+            w.load_adapter(request.adapter_slot, request.name, layers, request.source)
         except ValueError as e:
             await _abort(context, InvalidRequest(f"adapter {request.name!r}: {e}"))
         except InvalidRequest as e:
@@ -207,9 +215,14 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
     async def Stats(self, request, context):
         w = self.worker
         s = w.stats
+        empty = np.zeros(0, dtype=np.int64)
         layers = [
-            pb.LayerStats(layer=layer, tokens_per_slot=c.tolist())
-            for layer, c in sorted(w.tokens_per_slot.items())
+            pb.LayerStats(
+                layer=layer,
+                tokens_per_slot=w.tokens_per_slot.get(layer, empty).tolist(),
+                tokens_per_expert=w.tokens_per_expert.get(layer, empty).tolist(),
+            )
+            for layer in sorted(set(w.tokens_per_slot) | set(w.tokens_per_expert))
         ]
         return pb.StatsResponse(
             requests=s.requests,
@@ -219,6 +232,36 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
             layers=layers,
             generation=w.generation,
         )
+
+    async def PlacementLease(self, request, context):
+        await self._control(context, "PlacementLease")
+        lease = self.worker.lease
+        try:
+            if request.observe:
+                st = lease.observe(request.holder)
+            elif request.release:
+                st = lease.release(request.holder)
+            else:
+                st = lease.acquire(request.holder, request.ttl_ms / 1e3)
+        except ValueError as e:
+            await _abort(context, InvalidRequest(str(e)))
+        w = self.worker
+        sources = w.adapter_sources
+        return pb.PlacementLeaseResponse(
+            granted=st.granted,
+            holder=st.holder,
+            ttl_left_ms=int(st.left_s * 1e3),
+            generation=w.generation,
+            adapters=[
+                pb.AdapterName(name=n, adapter_slot=i, source=sources.get(n, ""))
+                for i, n in sorted(w.lora.names().items())
+            ],
+        )
+
+    async def LivePlacement(self, request, context):
+        live = self.worker.slots.live
+        layers = [pb.LayerSlots(layer=layer, experts=ls.experts) for layer, ls in sorted(live.layers.items())]
+        return pb.LivePlacementResponse(generation=live.generation, layers=layers)
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)

@@ -71,6 +71,39 @@ class SlotSet:
     committing: bool = False
 
 
+@dataclass(frozen=True)
+class PreviousSlots:
+    """The generation the last commit replaced, as a map from its slots to the live ones:
+    a coordinator that follows another's placement (coordinator/experts/pool.py) sends that
+    generation for a moment after the commit, and its requests are computed on the live slots
+    holding the same experts."""
+
+    generation: int
+    to_live: dict[int, torch.Tensor]  # layer -> [S_old] int64 live slot of each old slot, -2: gone
+
+    @classmethod
+    def between(
+        cls, generation: int, before: dict[int, tuple[int, ...]], layers: dict[int, LayerSlots]
+    ) -> PreviousSlots:
+        to_live = {}
+        for layer, old in before.items():
+            where: dict[int, int] = {}
+            for s, e in enumerate(layers[layer].experts):
+                if e >= 0:
+                    where.setdefault(e, s)
+            to_live[layer] = torch.tensor([where.get(e, -2) for e in old], dtype=torch.long)
+        return cls(generation, to_live)
+
+    def translate(self, layer: int, slot_ids: torch.Tensor) -> torch.Tensor | None:
+        """``slot_ids [T, K]`` (checked in range of the old layer) as live slots (-1 stays);
+        None when a routed expert is no longer on this server."""
+        m = self.to_live[layer].to(slot_ids.device)
+        out = torch.where(slot_ids >= 0, m[slot_ids.clamp(min=0).long()], -1)
+        if bool((out == -2).any()):
+            return None
+        return out.to(torch.int32)
+
+
 @dataclass
 class _Staged:
     generation: int
@@ -132,6 +165,7 @@ class SlotTable:
         self._pool: ThreadPoolExecutor | None = None
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
+        self.previous: PreviousSlots | None = None  # the generation the last commit replaced
         self._staged: _Staged | None = None
         self._commits = 0
         self._slot_bytes = 0  # one slot's w13 + w2 bytes, known once a slot was read
@@ -350,6 +384,8 @@ class SlotTable:
             # goes as soon as its replacement exists
             old_generation = self.live.generation
             layers = dict(self.live.layers)
+            before = {layer: ls.experts for layer, ls in layers.items()}
+            self.previous = None
             self.live = SlotSet(old_generation, layers, committing=True)
             self._commits += 1
             try:
@@ -362,6 +398,7 @@ class SlotTable:
                 self._staged = None
                 raise Unavailable(why) from e
             self.live = SlotSet(generation, layers)
+            self.previous = PreviousSlots.between(old_generation, before, layers)
             self._staged = None
             del staged
 
