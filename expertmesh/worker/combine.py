@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from expertmesh.errors import ExpertMeshError, Internal
 from expertmesh.worker_api import ExpertRequest
 
-if TYPE_CHECKING:
-    from expertmesh.worker.core import ExpertWorker
+
+class Worker(Protocol):
+    """What the combiner needs of the worker core (expertmesh/worker/core.py), which owns it."""
+
+    _serial: threading.Lock
+
+    def forward_into_alone(self, req: ExpertRequest, out: torch.Tensor) -> None: ...
+    def check(self, req: ExpertRequest) -> ExpertRequest: ...
+    def count_error(self, err: ExpertMeshError | None = None) -> None: ...
+    def _compute_locked(
+        self, req: ExpertRequest, to_host: bool, into: torch.Tensor | None = None, loaded: object = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass(eq=False)
@@ -49,7 +59,7 @@ def batch_key(req: ExpertRequest) -> tuple | None:
 
 
 class StreamCombiner:
-    def __init__(self, worker: ExpertWorker) -> None:
+    def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self._waiting: list[_Waiting] = []
         self._lock = threading.Lock()  # guards _waiting (never held while computing)
