@@ -26,6 +26,10 @@ dtype is reused, and each row's CPU share is a subset of the row before, so noth
   the coordinator's process (``local``), the rest on that CPU server;
 - ``cpu_bf16``, ``local25_bf16`` ...: the same with bf16 CPU experts;
 - ``gpusrv50_int4``: half on a ``gpu-server`` on the coordinator's GPU (the older hybrid);
+- ``remote_T[_dUS][_mbN]``: every expert on a ``gpu-server`` on ``--remote-device`` (another GPU
+  standing in for another machine) over ``--transport T`` (grpc, tcp, shm, auto); ``_dUS``: the
+  TCP data path through the loopback delay proxy adding US microseconds each way
+  (``--server-data-address``); ``_mbN``: ``--micro-batches N``;
 - ``up``: ``expertmesh up --model DIR`` with its defaults.
 
 Tiny run anywhere (CPU; proves the script)::
@@ -64,6 +68,8 @@ from expertmesh.client import AsyncClient  # noqa: E402
 
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 _UP = re.compile(r"expertmesh is serving on (\S+):(\d+)")
+_DATA = re.compile(r"TCP data path on (\S+):(\d+)")
+_PROXY = re.compile(r"delay proxy listening on (\S+):(\d+)")
 _HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on https?://\S+:(\d+)")
 ROWS = "inproc,cpu_int4,local25_int4,local50_int4,local75_int4,cpu_bf16,local25_bf16,local50_bf16,local75_bf16,up"
 
@@ -233,6 +239,9 @@ class Row:
     gpu_share: float  # experts in process (or on the GPU server) / all
     gpu_server: bool = False
     up: bool = False
+    transport: str = ""  # remote rows: every expert on a gpu-server on --remote-device over this
+    delay_us: int = 0  # remote rows: the data path through the delay proxy
+    micro_batches: int = 0
 
 
 def parse_row(name: str) -> Row:
@@ -240,6 +249,12 @@ def parse_row(name: str) -> Row:
         return Row(name, None, 1.0)
     if name == "up":
         return Row(name, None, 1.0, up=True)
+    r = re.fullmatch(r"remote_(grpc|tcp|shm|auto)(?:_d(\d+))?(?:_mb(\d+))?", name)
+    if r:
+        if r.group(2) and r.group(1) != "tcp":
+            raise SystemExit(f"row {name!r}: the delay proxy sits on the TCP data path only")
+        return Row(name, None, 1.0, True, transport=r.group(1), delay_us=int(r.group(2) or 0),
+                   micro_batches=int(r.group(3) or 0))  # fmt: skip
     m = re.fullmatch(r"(cpu|local(\d+)|gpusrv(\d+))_(int4|int8|bf16)", name)
     if not m:
         raise SystemExit(f"unknown row {name!r}")
@@ -299,12 +314,28 @@ class Bench:
                     flags += ["--cpu-server", f"127.0.0.1:{cpu.port}", "--num-gpu-experts", str(n)]
                     extra.append(cpu)
                 if row.gpu_server:
+                    dev = a.remote_device if row.transport else a.device
                     gcmd = [*self.cli, "gpu-server", "--model", str(self.ckpt), "--port", "0", "--dtype",
-                            "bfloat16", "--device", a.device, "--experts", f"0-{n - 1}", "--metrics-port", "0"]  # fmt: skip
+                            "bfloat16", "--device", dev, "--experts", f"0-{n - 1}", "--metrics-port", "0"]  # fmt: skip
                     gpu = spawn("gpu-server", gcmd, _LISTEN, a.startup_timeout, self.log)
                     procs.append(gpu)
+                    t0 = time.monotonic()
                     wait_serving(f"127.0.0.1:{gpu.port}", a.startup_timeout, [gpu])
+                    res["server_load_s"] = round(time.monotonic() - t0, 1)
                     flags += ["--gpu-server", f"127.0.0.1:{gpu.port}"]
+                if row.transport:
+                    flags += ["--transport", row.transport]
+                if row.micro_batches:
+                    flags += ["--micro-batches", str(row.micro_batches)]
+                if row.delay_us:
+                    data = next((m for ln in gpu.lines if (m := _DATA.search(ln))), None)
+                    if data is None:
+                        raise RuntimeError("the gpu-server printed no TCP data port")
+                    pcmd = [sys.executable, "-m", "expertmesh.transport.delay_proxy", "--listen", "127.0.0.1:0",
+                            "--to", f"127.0.0.1:{data.group(2)}", "--delay-us", str(row.delay_us)]  # fmt: skip
+                    proxy = spawn("delay-proxy", pcmd, _PROXY, a.startup_timeout, self.log)
+                    procs.append(proxy)
+                    flags += ["--server-data-address", f"gpu0=127.0.0.1:{proxy.port}"]
                 t0 = time.monotonic()
                 co = spawn("coordinator", [*self.cli, "coordinator", "--model", str(self.ckpt), "--port", "0",
                                            *flags], re.compile(r"coordinator listening on (\S+):(\d+)"),
@@ -315,16 +346,22 @@ class Bench:
             addr = f"127.0.0.1:{co.port}"
             if row.up:
                 wait_serving(addr, a.startup_timeout, procs)
+            # the expert server whose own compute per layer is read: the CPU server, else the GPU one
+            srv_http = (
+                self.cpu.http
+                if extra and self.cpu
+                else next((p.http for p in procs if p.name == "gpu-server"), 0)
+            )
             for b in a.batches:
-                m0 = scrape(co.http), scrape(self.cpu.http if extra and self.cpu else 0)
+                m0 = scrape(co.http), scrape(srv_http)
                 t = asyncio.run(tpot(addr, b, a.prompt, a.new_tokens, self.cfg["vocab"]))
-                m1 = scrape(co.http), scrape(self.cpu.http if extra and self.cpu else 0)
+                m1 = scrape(co.http), scrape(srv_http)
                 res[f"tpot_ms_b{b}"] = round(t * 1e3, 2)
                 res[f"tok_s_b{b}"] = round(b / t, 1)
                 res[f"round_trip_ms_b{b}"] = per_layer_ms(m0[0], m1[0], "expertmesh_expert_layer_round_trip")
                 cpu_ms = per_layer_ms(m0[1], m1[1], "expertmesh_worker_layer_compute")
                 if cpu_ms:
-                    res[f"cpu_compute_ms_b{b}"] = round(statistics.mean(cpu_ms.values()), 3)
+                    res[f"server_compute_ms_b{b}"] = round(statistics.mean(cpu_ms.values()), 3)
             mem = gpu_mib()
             res["gpu_mib"] = {p.name: sum(mem.get(pid, 0) for pid in [p.proc.pid, *_children(p.proc.pid)])
                               for p in [*procs, *extra]} if mem else {}  # fmt: skip
@@ -344,7 +381,7 @@ class Bench:
 
 def table(results: list[dict], batches: list[int]) -> str:
     head = ["row", "load s", *(f"tok/s b{b}" for b in batches), *(f"TPOT ms b{b}" for b in batches),
-            "GPU MiB", "RSS GiB", "per-layer round trip ms (b1)", "CPU compute ms/layer (b1)"]  # fmt: skip
+            "GPU MiB", "RSS GiB", "per-layer round trip ms (b1)", "server compute ms/layer (b1)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "error" in r:
@@ -356,7 +393,7 @@ def table(results: list[dict], batches: list[int]) -> str:
                  ", ".join(f"{k} {v}" for k, v in r["gpu_mib"].items()) or "n/a",
                  ", ".join(f"{k} {v}" for k, v in r["rss_gib"].items()),
                  ", ".join(f"{k} {v}" for k, v in r.get(f"round_trip_ms_b{batches[0]}", {}).items()) or "-",
-                 str(r.get(f"cpu_compute_ms_b{batches[0]}", "-"))]  # fmt: skip
+                 str(r.get(f"server_compute_ms_b{batches[0]}", "-"))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -369,6 +406,13 @@ def main() -> None:
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 8) - 4), help="CPU server")
     p.add_argument("--coordinator-threads", type=int, default=4)
+    p.add_argument(
+        "--remote-device",
+        default="cuda:1"
+        if torch.cuda.device_count() > 1
+        else ("cuda:0" if torch.cuda.is_available() else "cpu"),
+        help="the gpu-server of the remote_* rows (another GPU stands in for another machine)",
+    )
     p.add_argument("--rows", default=ROWS)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--prompt", type=int, default=64)
