@@ -1,6 +1,7 @@
 """``expertmesh placement show|set FILE|rebalance [--dry-run] --addr HOST:PORT``.
 
-- ``show``: the live placement as a placement file (JSON), with its generation on stderr.
+- ``show``: the live placement as a placement file (JSON), with its generation (and, when
+  several coordinators share the servers, which of them places the experts) on stderr.
 - ``set FILE``: push a placement file (two phases; the old placement stays on any failure).
 - ``rebalance [--dry-run]``: run EPLB now; with ``--dry-run`` only print the plan and its
   predicted balance.
@@ -70,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
             if args.action == "show":
                 info = stub.GetPlacement(admin_pb2.GetPlacementRequest(), timeout=args.timeout)
                 print(f"generation {info.generation}", file=sys.stderr)
+                if info.placement_holder:  # several coordinators share the expert servers
+                    role = " (this coordinator)" if info.placement_holder == info.coordinator_id else ""
+                    print(f"placed by coordinator {info.placement_holder}{role}", file=sys.stderr)
                 print(json.dumps(placement_json(info), indent=1))
                 return 0
             if args.action == "set":
