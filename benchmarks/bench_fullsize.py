@@ -366,8 +366,8 @@ class Bench:
             res["gpu_mib"] = {p.name: sum(mem.get(pid, 0) for pid in [p.proc.pid, *_children(p.proc.pid)])
                               for p in [*procs, *extra]} if mem else {}  # fmt: skip
             res["rss_gib"] = {p.name: round(p.rss_gib(), 1) for p in [*procs, *extra]}
-        except RuntimeError as err:
-            res["error"] = str(err)[-2000:]
+        except Exception as err:  # noqa: BLE001 - a failed row is reported, the next rows still run
+            res["error"] = f"{type(err).__name__}: {err}"[-2000:]
         finally:
             for p in reversed(procs):
                 p.stop()

@@ -227,6 +227,10 @@ class RemoteDecodeGraphs(DecodeGraphs):
 
     # ------------------------------------------------------------ the device link
 
+    # NOTE: under inference mode, as an eager step is (CausalLM.forward): the host dispatch
+    # between two segments runs the coordinator's own experts (coordinator/experts/local.py),
+    # whose buffers an eager step may have made as inference tensors
+    @torch.inference_mode()
     def run(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:  # [b, V] float32
         b = len(seqs)
         bucket = self.bucket(b)
