@@ -54,6 +54,7 @@ from coordinator.model.engine import Engine
 from coordinator.serving.outputs import DeadlineExceeded, Output, QueueFull, SchedulerStopped, Sink
 from coordinator.serving.sampler import SamplingParams, make_generator, sample
 from coordinator.serving.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from expertmesh import errors
 
 if TYPE_CHECKING:
     from coordinator.serving.metrics import CoordinatorMetrics
@@ -410,6 +411,16 @@ class Scheduler:
                     self._finish(plan[i][0], "error", error=exc)
                 self._run_step([p for i, p in enumerate(plan) if i not in hit])
                 return
+            if len(plan) > 1 and _refused_input(exc):
+                # NOTE: a server refused what one request's own input made of the step (an
+                # adapter or prompt that turns hidden states non-finite, say): halve the step
+                # until the requests responsible run alone, so only they fail; KV positions of
+                # the rest are rewritten by the re-run, as above
+                log.warning("step of %d requests refused, running it in halves: %s", len(plan), exc)
+                half = len(plan) // 2
+                self._run_step(plan[:half])
+                self._run_step(plan[half:])
+                return
             log.warning("step of %d requests failed: %s", len(plan), exc)
             for req, _ in plan:
                 self._finish(req, "error", error=exc)
@@ -496,6 +507,12 @@ def _top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:  # l
     the sampled token's logprob)."""
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(n, logits.shape[-1]))
     return list(zip(ids.tolist(), values.tolist()))
+
+
+def _refused_input(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal of the step's input (INVALID_ARGUMENT), typed or carried by
+    an expert server's error, as opposed to a server or the coordinator failing."""
+    return isinstance(getattr(exc, "error", exc), errors.InvalidRequest)
 
 
 def _requests_of_rows(plan: list[tuple[Request, int]], rows: tuple[int, ...] | None) -> set[int]:
