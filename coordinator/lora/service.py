@@ -75,6 +75,8 @@ class LoRAService:
         self.roots = resolve_roots(lora_dirs)
         self.timeout_s, self.unload_timeout_s = timeout_s, unload_timeout_s
         self.usable: set[str] = set()  # names requests may use (all servers acknowledged)
+        # told each "load", "load_failed" and "unload" (the coordinator's metrics count them)
+        self.on_event: Callable[[str], None] = lambda event: None
         self._lock = threading.Lock()  # one load/unload at a time
         self.sources: dict[str, str] = {}  # name -> the path it was read from
         # shared servers: name -> the pool round after which the servers must report it
@@ -99,6 +101,15 @@ class LoRAService:
         return p
 
     def load(self, name: str, path: str) -> LoRAAdapter:
+        try:
+            adapter = self._load(name, path)
+        except BaseException:
+            self.on_event("load_failed")
+            raise
+        self.on_event("load")
+        return adapter
+
+    def _load(self, name: str, path: str) -> LoRAAdapter:
         if not name or "/" in name:
             raise AdapterError(f"adapter name {name!r}: give a non-empty name without '/'")
         p = self.check_path(path)
@@ -281,6 +292,7 @@ class LoRAService:
                     # NOTE: a server that is down now has nothing to unload we could reach
                     with contextlib.suppress(ExpertServerError):
                         conn.unload_adapter(name, self.timeout_s)
+        self.on_event("unload")
 
     def list(self) -> list[LoRAAdapter]:
         return [a for n, a in sorted(self.manager.adapters.items()) if n in self.usable]
