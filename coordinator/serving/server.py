@@ -363,12 +363,17 @@ class CoordinatorServer(grpc.aio.Server):
             return "the coordinator is draining (shutting down)"
         return "in process" if self.cluster is None else self.cluster.describe_state()
 
-    async def set_health(self, serving: bool) -> None:
-        await self._set_health(serving)
+    def serving(self) -> bool:
+        """What both health surfaces answer (grpc.health.v1 and HTTP ``/health``): not draining,
+        and every expert has a live server (a request may need any of them)."""
+        return self._covered and not self.draining
 
-    async def _set_health(self, serving: bool) -> None:
+    async def set_health(self) -> None:
+        """Publishes :meth:`serving` to the gRPC health service (HTTP reads it per request)."""
         status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING
+            if self.serving()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", GENERATION, ADMIN):
             await self.health.set(name, status)
@@ -387,7 +392,7 @@ class CoordinatorServer(grpc.aio.Server):
                 log.info("expert servers %s", "ready" if covered else f"not ready: {self.expert_state()}")
             self._covered = covered
             self.experts_ready = ready and not self.draining
-            await self._set_health(covered and not self.draining)
+            await self.set_health()
             await asyncio.sleep(1.0 if covered else 0.2)
 
     # grpc.aio.Server
@@ -409,7 +414,7 @@ class CoordinatorServer(grpc.aio.Server):
         return tls.add_port(self.server, address, self.config.tls)
 
     async def start(self) -> None:
-        await self._set_health(self.experts_ready)
+        await self.set_health()
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self.scheduler.start()
         await self.server.start()

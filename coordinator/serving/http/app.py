@@ -56,7 +56,7 @@ def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if coord.experts_ready:
+        if coord.serving():  # NOTE: the gRPC health service publishes the same function
             return Response(status_code=200)
         return JSONResponse(
             APIError(503, f"expert servers are not ready: {coord.expert_state()}", "service_unavailable_error").body(),
