@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
+from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests.hf_models import make_checkpoint
 from tests.serving_utils import write_word_tokenizer
 
@@ -94,8 +96,16 @@ def start_up(*args: str) -> subprocess.Popen:
     )
 
 
-def test_up_generate_and_clean_shutdown(model):
-    up = start_up("--model", str(model), "--device", "cpu", "--threads", "1")
+def test_up_generate_and_clean_shutdown(model, tmp_path):
+    """Also: the coordinator flags ``up`` takes reach the coordinator (LoRA roots, EPLB, a
+    pass-through group), and each child's output is in the log directory the banner names."""
+    (tmp_path / "adapters").mkdir()
+    logs = tmp_path / "logs"
+    up = start_up(
+        "--model", str(model), "--device", "cpu", "--threads", "1", "--http-port", "-1",
+        "--lora-dir", str(tmp_path / "adapters"), "--eplb-interval-steps", "50",
+        "--coordinator-args", "--eplb-window-steps 7 --max-loras 2", "--log-dir", str(logs),
+    )  # fmt: skip
     try:
         assert up.stdout is not None and up.stderr is not None
         line = up.stdout.readline()  # blocks until serving (or exit)
@@ -104,8 +114,16 @@ def test_up_generate_and_clean_shutdown(model):
         addr, port = f"{m.group(1)}:{m.group(2)}", int(m.group(2))
         ports = [port] + [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", up.stderr.readline())]
         assert len(ports) == 3
+        banner = [up.stderr.readline(), up.stderr.readline()]
+        assert f"logs: {logs}/" in banner[1] and "--verbose" in banner[1], banner
         kids = children_of(up.pid)
         assert len(kids) == 3
+
+        with grpc.insecure_channel(addr) as ch:
+            st = admin_pb2_grpc.AdminStub(ch).GetEplbStatus(admin_pb2.GetEplbStatusRequest(), timeout=10)
+        assert (st.interval_steps, st.window_steps) == (50, 7)
+        r = cli("lora", "load", "x", str(tmp_path / "adapters" / "missing"), "--addr", addr)
+        assert r.returncode != 0 and "not a directory" in r.stderr, r.stderr  # under --lora-dir
 
         r = cli(
             "generate",
@@ -137,6 +155,8 @@ def test_up_generate_and_clean_shutdown(model):
     while not all(gone(k) for k in kids) or any(listening(p) for p in ports):
         assert time.monotonic() < deadline, f"left behind: {[k for k in kids if not gone(k)]} {ports}"
         time.sleep(0.1)
+    for name in ("coordinator", "gpu-server", "cpu-server"):
+        assert "listening on" in (logs / f"{name}.log").read_text(), name
 
 
 def test_generate_reports_unreachable_server():
