@@ -60,6 +60,14 @@ class LoRAPushError(RuntimeError):
     pass
 
 
+class AdapterNameError(AdapterError):
+    """The name is the problem (empty, or already loaded), not the adapter at the path."""
+
+
+class AdapterSlotsFull(AdapterError):
+    """Every adapter slot is taken (--max-loras): neither the name nor the path is wrong."""
+
+
 class LoRAService:
     def __init__(
         self,
@@ -111,11 +119,11 @@ class LoRAService:
 
     def _load(self, name: str, path: str) -> LoRAAdapter:
         if not name or "/" in name:
-            raise AdapterError(f"adapter name {name!r}: give a non-empty name without '/'")
+            raise AdapterNameError(f"adapter name {name!r}: give a non-empty name without '/'")
         p = self.check_path(path)
         with self._lock:
             if name in self.manager.adapters:
-                raise AdapterError(f"adapter {name!r} is already loaded (unload it first)")
+                raise AdapterNameError(f"adapter {name!r} is already loaded (unload it first)")
             used = set(self.manager.slot_of.values())
             pooled = self._pool_slots()  # name -> slot on shared servers
             used |= {s for n, s in pooled.items() if n != name}
@@ -123,7 +131,7 @@ class LoRAService:
             if name in pooled:  # loaded through another coordinator already: the same slot here
                 free = [pooled[name]] if pooled[name] in free else []
             if not free:
-                raise AdapterError(f"all {self.manager.max_loras} adapter slots are in use (--max-loras)")
+                raise AdapterSlotsFull(f"all {self.manager.max_loras} adapter slots are in use (--max-loras)")
             adapter = load_adapter(name, p, self.manager.model_cfg, self.manager.table)
             slot = free[0]
             self.sources[name] = str(p)

@@ -29,6 +29,7 @@ from coordinator.eplb.degraded import DegradedPlacement
 from coordinator.eplb.manager import EplbManager, RebalanceError
 from coordinator.eplb.target import ClusterTarget
 from coordinator.experts.cluster import ExpertCluster
+from coordinator.experts.expert_conn import ExpertServerError
 from coordinator.experts.load_recorder import LoadRecorder
 from coordinator.experts.local import connector
 from coordinator.experts.remote import RemoteDispatcher
@@ -212,9 +213,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             live = m.target.live_placement()
             layers = self.coord.scheduler.engine.config.moe_layer_ids
             new = pl.parse_json(request.placement_json, layers, live.num_experts, live.servers)
+            # NOTE: checked before any push: a server refusing it would be marked down for it
+            pl.check_capacity(new, m.target.slot_capacity().tolist())
             out = await asyncio.to_thread(m.set_placement, new)
         except pl.PlacementError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ExpertServerError as e:  # a server not described yet: its capacity is unknown
+            await context.abort(e.code, str(e))
         except (_AdminError, RebalanceError) as e:
             await _abort(context, e)
         if out.kind == "failed":

@@ -23,7 +23,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from coordinator.lora import AdapterError
-from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError
+from coordinator.lora.service import (
+    AdapterNameError,
+    AdapterSlotsFull,
+    LoRANotFound,
+    LoRAPermissionError,
+    LoRAPushError,
+)
 from coordinator.serving.http.limits import BodyLimit
 from coordinator.serving.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from coordinator.serving.http.serving import Serving, adapter_names
@@ -152,12 +158,19 @@ _LORA_HTTP = ((LoRAPermissionError, 403), (LoRANotFound, 404), (AdapterError, 40
               (TimeoutError, 504))  # fmt: skip
 
 
+# the request field each refusal is about (first match); an AdapterError otherwise is the
+# adapter found at lora_path (unreadable, malformed, not made for this model)
+_LORA_PARAM = ((LoRAPermissionError, "lora_path"), (AdapterNameError, "lora_name"), (AdapterSlotsFull, None),
+               (LoRANotFound, "lora_name"), (TimeoutError, "lora_name"), (AdapterError, "lora_path"))  # fmt: skip
+
+
 async def _lora_call(fn: Any, *args: str) -> None:
     try:
         await asyncio.to_thread(fn, *args)
     except tuple(kind for kind, _ in _LORA_HTTP) as e:
         status = next(code for kind, code in _LORA_HTTP if isinstance(e, kind))
-        raise APIError(status, e.args[0] if e.args else str(e), param="lora_name") from None
+        param = next((p for kind, p in _LORA_PARAM if isinstance(e, kind)), None)
+        raise APIError(status, e.args[0] if e.args else str(e), param=param) from None
 
 
 async def _disconnected(request: Request) -> None:
