@@ -49,6 +49,7 @@ class Chunk:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     usage: Usage | None = None
     request_id: str = ""
+    prompt_logprobs: list[float] | None = None  # the first chunk's, when asked (prompt_logprobs=True)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class Completion:
     logprobs: list[float] | None = None  # one per token id, when asked
     request_id: str = ""
     chunks: int = field(default=0, compare=False)  # how many streamed pieces it came in
+    # when asked: each prompt token's log-probability given the tokens before it, from the
+    # second prompt token on (the first has no context)
+    prompt_logprobs: list[float] | None = None
 
 
 def build_request(
@@ -77,6 +81,7 @@ def build_request(
     logprobs: bool = False,
     lora: str = "",
     request_id: str = "",
+    prompt_logprobs: bool = False,
 ) -> generation_pb2.GenerateRequest:
     """The wire request; unset options take the server's defaults (greedy, 64 new tokens)."""
     req = generation_pb2.GenerateRequest(
@@ -88,6 +93,7 @@ def build_request(
         logprobs=logprobs,
         lora=lora,
         request_id=request_id,
+        prompt_logprobs=prompt_logprobs,
     )
     for name, value in (
         ("max_new_tokens", max_new_tokens),
@@ -107,7 +113,8 @@ def to_chunk(resp: generation_pb2.GenerateResponse) -> Chunk:
     if resp.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
         finish = generation_pb2.FinishReason.Name(resp.finish_reason).lower()
         usage = Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.cached_tokens)
-    return Chunk(list(resp.token_ids), resp.text, list(resp.logprobs), finish, usage, resp.request_id)
+    prompt = list(resp.prompt_logprobs) if resp.prompt_logprobs else None
+    return Chunk(list(resp.token_ids), resp.text, list(resp.logprobs), finish, usage, resp.request_id, prompt)
 
 
 class _Collector:
@@ -118,8 +125,11 @@ class _Collector:
         self.logprobs: list[float] = []
         self.last: Chunk | None = None
         self.n = 0
+        self.prompt_logprobs: list[float] | None = None
 
     def add(self, c: Chunk) -> None:
+        if c.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = c.prompt_logprobs
         self.ids += c.token_ids
         self.text.append(c.text)
         self.logprobs += c.logprobs
@@ -138,6 +148,7 @@ class _Collector:
             self.logprobs if self.want_logprobs else None,
             last.request_id,
             self.n,
+            self.prompt_logprobs,
         )
 
 
@@ -213,6 +224,9 @@ class Client:
         - ``stop`` (strings that end the completion, cut from its text), ``stop_token_ids``,
           ``ignore_eos`` (bool: go on past the end-of-sequence token);
         - ``logprobs`` (bool): each token's log-probability in ``Completion.logprobs``;
+        - ``prompt_logprobs`` (bool): each prompt token's, from the second on, given the tokens
+          before it, in ``Completion.prompt_logprobs`` (``max_new_tokens=0`` then scores the
+          prompt alone);
         - ``lora`` (str): the name of a loaded MoE LoRA adapter ("" = the base model);
         - ``request_id`` (str): a name for the request in the coordinator's logs.
 

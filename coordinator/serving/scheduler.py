@@ -83,6 +83,9 @@ class Request:
         self.num_prompt = len(prompt_ids)
         self.tokens = list(prompt_ids)
         self.logprobs: list[float] = []
+        # params.prompt_logprobs: [i] for prompt token i + 1, filled by the prefill's chunks
+        self.prompt_lps: list[float] = []
+        self.prompt_top: list[list[tuple[int, float]]] = []
         self.generator = make_generator(params, device)
         self.detok: IncrementalDetokenizer | None = tokenizer.detokenizer(prompt_ids) if tokenizer else None
         self.stops = StopMatcher(params.stop) if params.stop else None
@@ -397,8 +400,10 @@ class Scheduler:
             assert req.seq is not None
             items.append((req.seq, req.tokens[req.computed : req.computed + n]))
         adapters = [req.lora for req, _ in plan]
+        # NOTE: every position's logits only when a request in prefill asks for its prompt's logprobs
+        scoring = any(r.params.prompt_logprobs and r.computed < r.num_prompt for r, _ in plan)
         try:
-            logits = self.engine.step(items, adapters=adapters if any(adapters) else None)
+            logits = self.engine.step(items, all_logits=scoring, adapters=adapters if any(adapters) else None)
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
         except Exception as exc:  # noqa: BLE001 - the thread boundary (above)
@@ -430,8 +435,15 @@ class Scheduler:
             self.metrics.step(sum(n for _, n in plan))
         done = []
         for (req, n), row in zip(plan, logits):
+            if scoring:  # row: [n, V], one per computed token
+                if req.params.prompt_logprobs:
+                    self._score_prompt(req, row)
+                row = row[-1]
             req.computed += n
-            if req.pending == 0:
+            if req.pending == 0 and req.params.max_new_tokens == 0:  # prompt logprobs only
+                self._finish(req, "length", Output([], prompt_logprobs=req.prompt_lps,
+                                                   prompt_top_logprobs=req.prompt_top))  # fmt: skip
+            elif req.pending == 0:
                 done.append((req, row))
         if done:
             reqs = [r for r, _ in done]
@@ -441,6 +453,21 @@ class Scheduler:
             for (req, row), tok, lp in zip(done, toks.tolist(), lps.tolist()):
                 top = _top_logprobs(row, req.params.top_logprobs) if req.params.top_logprobs else []
                 self._emit_token(req, tok, lp, top)
+
+    def _score_prompt(self, req: Request, rows: torch.Tensor) -> None:  # rows [n, V]
+        """Logprobs of the prompt tokens this chunk's logits predict (each position once: a
+        request recomputed after a preemption scores nothing again)."""
+        first = req.computed + 1  # the prompt position row 0 predicts
+        end = min(req.num_prompt, req.computed + rows.shape[0] + 1)
+        start = 1 + len(req.prompt_lps)
+        if start >= end:
+            return
+        lsm = torch.log_softmax(rows[start - first : end - first].float(), dim=-1)  # [m, V]
+        want = torch.tensor(req.tokens[start:end], device=lsm.device)
+        req.prompt_lps += lsm.gather(1, want[:, None]).squeeze(1).tolist()
+        if req.params.top_logprobs:
+            values, ids = lsm.topk(min(req.params.top_logprobs, lsm.shape[-1]))
+            req.prompt_top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _emit_token(self, req: Request, tok: int, logprob: float, top: list[tuple[int, float]]) -> None:
         req.tokens.append(tok)
@@ -461,10 +488,13 @@ class Scheduler:
                 text += self._flush_text(req)
         lps = [logprob] if p.logprobs else []
         tops = [top] if p.top_logprobs else []
+        prompt = req.prompt_lps if p.prompt_logprobs and req.num_generated == 1 else None
+        out = Output([tok], text, lps, top_logprobs=tops, prompt_logprobs=prompt,
+                     prompt_top_logprobs=req.prompt_top if prompt is not None else [])  # fmt: skip
         if reason is None:
-            req.sink(Output([tok], text, lps, top_logprobs=tops))
+            req.sink(out)
         else:
-            self._finish(req, reason, Output([tok], text, lps, top_logprobs=tops))
+            self._finish(req, reason, out)
 
     def _flush_text(self, req: Request) -> str:
         tail = req.detok.flush() if req.detok is not None else ""
@@ -498,6 +528,8 @@ class Scheduler:
                 cached_tokens=req.cached_tokens or 0,
                 error=error,
                 top_logprobs=last.top_logprobs,
+                prompt_logprobs=last.prompt_logprobs,
+                prompt_top_logprobs=last.prompt_top_logprobs,
             )
         )
 

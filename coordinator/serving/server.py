@@ -122,7 +122,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     code, msg = error_status(out.error)
                     await context.abort(code, msg)
                 resp = generation_pb2.GenerateResponse(
-                    token_ids=out.token_ids, text=out.text, logprobs=out.logprobs, request_id=request_id
+                    token_ids=out.token_ids,
+                    text=out.text,
+                    logprobs=out.logprobs,
+                    request_id=request_id,
+                    prompt_logprobs=out.prompt_logprobs or (),
                 )
                 if finished:
                     resp.finish_reason = _FINISH[out.finish_reason]  # type: ignore[index]

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.lora import AdapterError
 from coordinator.lora.service import (
@@ -31,7 +32,7 @@ from coordinator.lora.service import (
     LoRAPushError,
 )
 from coordinator.serving.http.limits import BodyLimit
-from coordinator.serving.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from coordinator.serving.http.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorType
 from coordinator.serving.http.serving import Serving, adapter_names
 from expertmesh import auth
 from expertmesh.errors import Unauthenticated
@@ -46,6 +47,13 @@ def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
     app.add_middleware(
         BodyLimit, max_bytes=coord.request_limits.input.max_body_bytes, on_refused=coord.metrics.invalid
     )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # NOTE: unknown routes and methods answer OpenAI's error object, as every other error
+        kind: ErrorType = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        what = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(APIError(exc.status_code, what, kind).body(), status_code=exc.status_code)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
