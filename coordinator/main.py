@@ -19,7 +19,7 @@ from coordinator.config import DTYPES, CoordinatorConfig, InputLimits, parse_siz
 from coordinator.eplb.plan import EplbConfig
 from coordinator.experts.cluster_config import ClusterConfig
 from expertmesh import auth, cores
-from expertmesh.net import BindError
+from expertmesh.errors import BindError
 from expertmesh.tls import TLSConfig
 
 C = CoordinatorConfig  # NOTE: the defaults live in the config dataclass, read here once

@@ -79,6 +79,13 @@ dump_stack() {
     compose ps || true
     log "service logs:"
     compose logs --no-color --tail=200 || true
+    local svc id
+    for svc in cpu-server gpu-server coordinator; do
+        id=$(compose ps -q "$svc" 2>/dev/null) || continue
+        [[ -n $id ]] || continue
+        log "$svc: last health checks:"
+        docker inspect -f '{{if .State.Health}}{{range .State.Health.Log}}{{.ExitCode}} {{.Output}}{{end}}{{end}}' "$id" 2>/dev/null | tail -20 || true
+    done
 }
 
 cleanup() {

@@ -16,8 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from expertmesh.errors import ExpertMeshError
-from expertmesh.net import BindError
+from expertmesh.errors import BindError, ExpertMeshError
 
 # gRPC status codes by number (the worker core is gRPC-free: its errors carry the number)
 _CODE_NAMES = (

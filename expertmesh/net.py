@@ -4,7 +4,6 @@
   ``SO_REUSEPORT``, so a stale server cannot silently share a port).
 - :func:`host_id`: the kernel's boot id; equal values = same host (shared-memory fast path).
 - :func:`device_uuid`: the GPU's UUID ("" off CUDA); equal values = same GPU (CUDA IPC).
-- :class:`BindError`: a port a server cannot listen on, said in one line naming the flag.
 """
 
 from __future__ import annotations
@@ -12,18 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-
-class BindError(OSError):
-    """A port this process cannot listen on; the message names the address and the flag that
-    chose it (entry points print it as one line, no traceback)."""
-
-    def __init__(self, address: str, flag: str, why: str = "") -> None:
-        because = f" ({why})" if why else ""
-        super().__init__(
-            f"cannot listen on {address}{because}: the port is in use or the address is not this "
-            f"host's; choose another with {flag} (0 = a free port)"
-        )
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from expertmesh.net import BindError
+from expertmesh.errors import BindError
 
 ENV = {"cert": "EXPERTMESH_TLS_CERT", "key": "EXPERTMESH_TLS_KEY", "ca": "EXPERTMESH_TLS_CA",
        "server_name": "EXPERTMESH_TLS_SERVER_NAME"}  # fmt: skip

@@ -119,3 +119,17 @@ def test_status_keeps_a_down_servers_error_out_of_the_table():
     assert len(row) < 100, row
     (err,) = [x for x in lines if "failed to connect" in x]
     assert err.strip().startswith("cpu0:") and len(err) <= 130 and err.endswith("..."), err
+
+
+def test_the_health_check_command_stays_light():
+    """Container health checks run ``expertmesh health`` every few seconds under a 10 s timeout:
+    it must not import torch (seconds of start-up on a loaded machine)."""
+    code = (
+        "import sys\nfrom expertmesh.cli import main\n"
+        "rc = main(['health', '--addr', '127.0.0.1:1', '--timeout', '1'])\n"
+        "print('torch' in sys.modules)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=60
+    )
+    assert r.stdout.split()[-1] == "False", r.stdout + r.stderr

@@ -23,10 +23,11 @@ from grpc_reflection.v1alpha import reflection
 
 from expertmesh import cores, tls
 from expertmesh.checkpoint import CheckpointReader
+from expertmesh.errors import BindError
 from expertmesh.experts import ExpertBackend
 from expertmesh.health import LIVENESS
 from expertmesh.metrics import serve_metrics
-from expertmesh.net import BindError, grpc_options, host_id
+from expertmesh.net import grpc_options, host_id
 from expertmesh.progress import LoadProgress
 from expertmesh.transport import segment, tcp
 from expertmesh.transport.tcp_server import DataListener

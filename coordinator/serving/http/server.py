@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from coordinator.serving.http.app import create_app
-from expertmesh.net import BindError
+from expertmesh.errors import BindError
 
 log = logging.getLogger("expertmesh.http")
 
