@@ -313,7 +313,7 @@ EOF
     # plain gRPC here means the fast path was lost (the coordinator's log says why)
     local on_shm
     on_shm=$(grep -cE '^expertmesh_expert_server_transport\{[^}]*transport="shm"[^}]*\} 1' <<<"$out" || true)
-    [[ $on_shm == 2 ]] || die "$on_shm of 2 expert servers on the shm fast path: $(grep '^expertmesh_expert_server_transport' <<<"$out")"
+    [[ $on_shm == 2 ]] || die "$on_shm of 2 expert servers on the shm fast path: $(grep '^expertmesh_expert_server_transport' <<<"$out" | tr '\n' ' ')"
     log "ok: both expert servers on the shm fast path"
     # the expert servers' metrics ports are not published: scrape one from inside the network
     compose exec -T coordinator python -c \
