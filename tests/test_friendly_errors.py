@@ -98,11 +98,12 @@ def test_status_keeps_a_down_servers_error_out_of_the_table():
         "uptime_seconds": 5,
         "placement_generation": 1,
         "requests": {"running": 0, "waiting": 0, "finished": 0},
-        "kv": {"pages_used": 0, "pages_total": 10, "page_size": 16},
+        "kv": {"pages_used": 0, "pages_total": 10, "page_size": 16, "pages_cached": 0},
         "throughput": dict(
             interval_seconds=1.0,
             generation_tokens_per_s=0,
             prompt_tokens_per_s=0,
+            prompt_tokens_cached_per_s=0,
             requests_per_s=0,
             steps_per_s=0,
         ),

@@ -359,14 +359,17 @@ class Scheduler:
                 prefill_budget -= n
         while self._waiting and len(self._running) < self.limits.max_running and prefill_budget > 0:
             req = self._waiting[0]
-            shared, kept = self.engine.prefix_hit(req.tokens, req.lora)
+            # NOTE: a prompt still to be scored computes every position: no cached prefix
+            scoring = req.params.prompt_logprobs and len(req.prompt_lps) < req.num_prompt - 1
+            tokens = () if scoring else req.tokens
+            shared, kept = self.engine.prefix_hit(tokens, req.lora)
             whole = min(-(-(req.pending + 1) // self.engine.page_size), self.engine.pages.num_pages)
             if whole - shared + kept > free:
                 break
             self._waiting.popleft()
             self._dequeue(req)
             before = self.engine.pages.num_free
-            req.seq = self.engine.new_seq(req.tokens, req.lora)
+            req.seq = self.engine.new_seq(tokens, req.lora)
             req.computed = self.engine.seqs[req.seq].cached
             free -= before - self.engine.pages.num_free  # kept pages it now shares
             if req.cached_tokens is None:  # not a preempted request coming back
@@ -462,6 +465,7 @@ class Scheduler:
         start = 1 + len(req.prompt_lps)
         if start >= end:
             return
+        assert start >= first, f"prompt positions {start}..{first - 1} were never computed"
         lsm = torch.log_softmax(rows[start - first : end - first].float(), dim=-1)  # [m, V]
         want = torch.tensor(req.tokens[start:end], device=lsm.device)
         req.prompt_lps += lsm.gather(1, want[:, None]).squeeze(1).tolist()
