@@ -19,6 +19,7 @@ from coordinator.config import DTYPES, CoordinatorConfig, InputLimits, parse_siz
 from coordinator.eplb.plan import EplbConfig
 from coordinator.experts.cluster_config import ClusterConfig
 from expertmesh import auth, cores
+from expertmesh.errors import BindError
 from expertmesh.tls import TLSConfig
 
 C = CoordinatorConfig  # NOTE: the defaults live in the config dataclass, read here once
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve the OpenAI-compatible HTTP API, /health and /metrics on this port (0 = a free one)",
     )
-    p.add_argument("--dtype", default=C.dtype, choices=list(DTYPES))
+    p.add_argument("--dtype", default=C.dtype, choices=list(DTYPES), help="dtype of weights and activations")
     p.add_argument("--device", default=C.device, help="device of attention, router and KV cache (cpu, cuda)")
     g = p.add_argument_group("scheduling and KV cache")
     g.add_argument("--page-size", type=int, default=C.page_size, help="tokens per KV cache page")
@@ -162,9 +163,6 @@ async def serve(config: CoordinatorConfig) -> int:
 
     server = create_server(config)
     port = server.add_port(f"{config.host}:{config.port}")  # TLS with --tls-cert
-    if port == 0:
-        print(f"error: could not bind {config.host}:{config.port}", file=sys.stderr)
-        return 1
     await server.start()
     print(f"coordinator listening on {config.host}:{port}", flush=True)
     if server.http is not None:
@@ -214,3 +212,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad flags, checkpoint or config: ConfigError, CheckpointError, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BindError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -79,6 +79,13 @@ dump_stack() {
     compose ps || true
     log "service logs:"
     compose logs --no-color --tail=200 || true
+    local svc id
+    for svc in cpu-server gpu-server coordinator; do
+        id=$(compose ps -q "$svc" 2>/dev/null) || continue
+        [[ -n $id ]] || continue
+        log "$svc: last health checks:"
+        docker inspect -f '{{if .State.Health}}{{range .State.Health.Log}}{{.ExitCode}} {{.Output}}{{end}}{{end}}' "$id" 2>/dev/null | tail -20 || true
+    done
 }
 
 cleanup() {
@@ -302,6 +309,12 @@ EOF
     out=$(curl -sS --fail --max-time 30 "http://127.0.0.1:$HTTP_PORT/metrics") || die "GET /metrics failed"
     grep -E '^expertmesh_requests_total\{status="length"\} [1-9]' <<<"$out" ||
         die "coordinator /metrics does not count the finished request"
+    # both expert servers on the shared-memory fast path (the services share one /dev/shm);
+    # plain gRPC here means the fast path was lost (the coordinator's log says why)
+    local on_shm
+    on_shm=$(grep -cE '^expertmesh_expert_server_transport\{[^}]*transport="shm"[^}]*\} 1' <<<"$out" || true)
+    [[ $on_shm == 2 ]] || die "$on_shm of 2 expert servers on the shm fast path: $(grep '^expertmesh_expert_server_transport' <<<"$out" | tr '\n' ' ')"
+    log "ok: both expert servers on the shm fast path"
     # the expert servers' metrics ports are not published: scrape one from inside the network
     compose exec -T coordinator python -c \
         'import urllib.request; print(urllib.request.urlopen("http://cpu-server:9061/metrics").read().decode())' |

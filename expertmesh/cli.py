@@ -28,13 +28,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Shows a flag's default after its help unless the help says it already (or there is
+    nothing to show: no default, a switch, a positional)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        d = action.default
+        if (
+            not action.option_strings
+            or d is None
+            or d is argparse.SUPPRESS
+            or isinstance(d, bool)
+            or d in ([], ())
+            or "default" in text
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="expertmesh", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, formatter_class=_Formatter)
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
     args = ap.parse_args(argv)

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             return _stream(client, args, kw)
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {connect.describe_error(e, args)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

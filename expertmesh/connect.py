@@ -74,3 +74,13 @@ def open_channel(args: argparse.Namespace, options: list[tuple[str, Any]] | None
     channel = tls.channel(args.addr, TLSConfig.from_args(args), options or ())
     token = admin_token(args)
     return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
+
+
+def describe_error(e: grpc.RpcError, args: argparse.Namespace) -> str:
+    """One line for a failed call: ``CODE: details``, with a hint when a plaintext client seems
+    to have met a TLS server."""
+    from expertmesh import tls
+
+    details = e.details() or ""
+    hint = tls.plaintext_hint(e.code(), details, TLSConfig.from_args(args))
+    return f"{e.code().name}: {details}{hint if hint not in details else ''}"

@@ -83,6 +83,18 @@ class Internal(ExpertMeshError):
     status = INTERNAL
 
 
+class BindError(OSError):
+    """A port this process cannot listen on; the message names the address and the flag that
+    chose it (entry points print it as one line, no traceback)."""
+
+    def __init__(self, address: str, flag: str, why: str = "") -> None:
+        because = f" ({why})" if why else ""
+        super().__init__(
+            f"cannot listen on {address}{because}: the port is in use or the address is not this "
+            f"host's; choose another with {flag} (0 = a free port)"
+        )
+
+
 _BY_STATUS: dict[int, type[ExpertMeshError]] = {
     InvalidRequest.status: InvalidRequest,
     FAILED_PRECONDITION: StaleGeneration,

@@ -15,6 +15,13 @@ child exits while starting or serving, the others are stopped, the tail of its o
 printed and the exit status is non-zero. With ``--prompt``, it prints one completion once
 serving and then stops everything (``make demo``).
 
+Each child's output goes to ``NAME.log`` in ``--log-dir`` (default: a fresh directory under the
+temporary directory), which the banner names; ``--verbose`` also echoes it to stderr. The
+coordinator's flags that make sense for a local cluster (LoRA, EPLB, scheduling limits) are
+``up``'s own and passed on when given; any other flag reaches a child through
+``--coordinator-args``, ``--gpu-server-args`` or ``--cpu-server-args`` (one shell-quoted string
+each, after ``up``'s own flags so that it wins over them).
+
 The cluster is closed to other local users' placement pushes: the children share a cluster
 token (``EXPERTMESH_CLUSTER_TOKEN`` if set, else a fresh random one) given to them through their
 environment, not their command lines (which ``ps`` shows every user). The coordinator binds
@@ -37,13 +44,16 @@ import ctypes
 import os
 import re
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from expertmesh import auth, cores, topology
 from expertmesh.tls import TLSConfig
@@ -84,6 +94,7 @@ class Child:
     listening: threading.Event = field(default_factory=threading.Event)
     http_port: int | None = None  # the coordinator's HTTP API; an expert server's /metrics
     env: dict[str, str] | None = None  # None: this process's environment
+    log: Path | None = None  # where its whole output goes (None: only the tail is kept)
 
     def start(self) -> None:
         env = dict(self.env if self.env is not None else os.environ, PYTHONUNBUFFERED="1")
@@ -101,8 +112,20 @@ class Child:
 
     def _drain(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        out: IO[str] | None = self.log.open("w", encoding="utf-8") if self.log is not None else None
+        try:
+            self._read(self.proc.stdout, out)
+        finally:
+            if out is not None:
+                out.close()
+        self.listening.set()  # EOF: wake whoever waits for the port
+
+    def _read(self, lines: IO[str], out: IO[str] | None) -> None:
+        for line in lines:
             self.tail.append(line)
+            if out is not None:
+                out.write(line)
+                out.flush()
             if self.echo or _PROGRESS.search(line):  # loading progress: a big model takes minutes
                 sys.stderr.write(f"[{self.name}] {line}")
             h = _HTTP.search(line)
@@ -112,15 +135,14 @@ class Child:
             if m and self.port is None:
                 self.port = int(m.group(2))
                 self.listening.set()
-        self.listening.set()  # EOF: wake whoever waits for the port
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def report(self) -> str:
-        return f"{self.name} exited with status {self.proc.returncode}; its last output:\n" + "".join(
-            self.tail
-        )
+        where = f" (all of it: {self.log})" if self.log is not None else ""
+        head = f"{self.name} exited with status {self.proc.returncode}; its last output{where}:\n"
+        return head + "".join(self.tail)
 
     def stop(self, timeout: float) -> None:
         if self.alive():
@@ -130,6 +152,27 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+# the coordinator's flags ``up`` takes itself: (flag, type, help); passed on only when given
+_COORDINATOR_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--max-loras", int, "MoE LoRA adapters loaded at once"),
+    ("--eplb-interval-steps", int, "EPLB: rebalance every N steps (0 = off)"),
+    ("--eplb-window-steps", int, "EPLB: balance the load of the last W steps"),
+    ("--eplb-redundant-slots", int, "EPLB: extra slots per server for replicas"),
+    ("--eplb-skip-threshold", float, "EPLB: skip a rebalance that gains less than this (fraction)"),
+    ("--eplb-move-threshold", float, "EPLB: keep a layer in place unless moving gains more (fraction)"),
+    ("--replica-policy", str, "which replica of an expert a token goes to"),
+    ("--expert-timeout", float, "seconds an expert server may take for one layer"),
+    ("--page-size", int, "tokens per KV cache page"),
+    ("--max-batch-tokens", int, "tokens per forward step"),
+    ("--max-running-requests", int, "requests holding KV pages at once"),
+    ("--max-queued-requests", int, "requests waiting for admission (beyond: RESOURCE_EXHAUSTED / 429)"),
+    ("--max-queued-tokens", int, "prompt tokens of the queued requests"),
+    ("--max-context", int, "prompt + generated tokens of one request"),
+    ("--default-max-new-tokens", int, "when a request gives none"),
+    ("--request-timeout", float, "seconds a request may take (queued + generating)"),
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -185,7 +228,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{cores.default_spin_us():g} here; 0 unless there are more cores than the 3 processes)",
     )
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait until serving")
-    p.add_argument("--verbose", action="store_true", help="echo the children's output to stderr")
+    p.add_argument(
+        "--verbose", action="store_true", help="also echo the children's output (see --log-dir) to stderr"
+    )
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="write each child's output to NAME.log here (default: a new directory in the temporary "
+        "directory, printed)",
+    )
     p.add_argument(
         "--prompt",
         default=None,
@@ -193,6 +244,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=32, help="for --prompt")
     TLSConfig.add_arguments(p, "coordinator")  # passed on to all three processes
+    g = p.add_argument_group(
+        "coordinator flags passed on when given (defaults: `expertmesh coordinator --help`)"
+    )
+    g.add_argument(
+        "--lora-dir", action="append", default=[], help="root under which adapters may be loaded (repeatable)"
+    )
+    for flag, typ, text in _COORDINATOR_FLAGS:
+        g.add_argument(flag, type=typ, default=None, help=text)
+    x = p.add_argument_group("any other flag of a child: one shell-quoted string each, appended last")
+    x.add_argument("--coordinator-args", default="", metavar="ARGS", help='e.g. "--placement p.json"')
+    x.add_argument("--gpu-server-args", default="", metavar="ARGS", help='e.g. "--no-cuda-graphs"')
+    x.add_argument("--cpu-server-args", default="", metavar="ARGS", help='e.g. "--weight-dtype int8"')
 
 
 def demo_dir() -> Path:
@@ -320,6 +383,22 @@ def build_children(args: argparse.Namespace, model: Path, num_experts: int) -> t
     return Child("gpu-server", gpu_cmd, args.verbose), Child("cpu-server", cpu_cmd, args.verbose), coord_cmd
 
 
+def coordinator_flags(args: argparse.Namespace) -> list[str]:
+    """The coordinator flags given to ``up`` (``_COORDINATOR_FLAGS``, ``--lora-dir`` made absolute)."""
+    out = []
+    for d in args.lora_dir:
+        out += ["--lora-dir", str(Path(d).resolve())]
+    for flag, _, _ in _COORDINATOR_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _log_file(args: argparse.Namespace, name: str) -> Path | None:
+    return Path(args.log_dir) / f"{name}.log" if getattr(args, "log_dir", None) else None
+
+
 class Stopped(Exception):
     pass
 
@@ -334,6 +413,12 @@ def run(args: argparse.Namespace) -> int:
                 "--tls-ca/--tls-server-name need --tls-cert and --tls-key here: "
                 "one certificate serves all three processes of `expertmesh up`"
             )
+        for flag in ("coordinator", "gpu_server", "cpu_server"):
+            shlex.split(getattr(args, f"{flag}_args"))  # unbalanced quotes fail here, not in a child
+        if args.log_dir:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        else:
+            args.log_dir = tempfile.mkdtemp(prefix="expertmesh-up-")
     except (ValueError, OSError) as e:  # ConfigError, DemoModelMissing, TLSError, unreadable directory
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -347,9 +432,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         hybrid, coord_cmd = build_hybrid(args, model, topo)
         servers = [("--cpu-server", c) for c in hybrid]
+    coord_cmd += [*coordinator_flags(args), *shlex.split(args.coordinator_args)]
     env = child_env()  # NOTE: the same token for the servers and the coordinator
     for _, c in servers:
         c.env = env
+        c.cmd += shlex.split(args.gpu_server_args if c.name == "gpu-server" else args.cpu_server_args)
+        c.log = _log_file(args, c.name)
     children: list[Child] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -401,7 +489,9 @@ def _run(
             "the expert servers",
         )
         flags = [a for flag, c in servers for a in (flag, f"127.0.0.1:{c.port}")]
-        coord = Child("coordinator", [*coord_cmd, *flags], args.verbose, env=env)
+        coord = Child(
+            "coordinator", [*coord_cmd, *flags], args.verbose, env=env, log=_log_file(args, "coordinator")
+        )
         coord.start()
         children.append(coord)
         _wait(children, stop, lambda: coord.port, args.startup_timeout, "the coordinator")
@@ -439,6 +529,9 @@ def _run(
         file=sys.stderr,
         flush=True,
     )
+    echo = "; --verbose echoes them here too" if not args.verbose else ""
+    logs = ", ".join(f"{c.name}.log" for c in children)
+    print(f"  logs in {args.log_dir}: {logs}{echo}", file=sys.stderr, flush=True)
     if args.prompt is not None:
         return _complete(addr, args.prompt, args.max_new_tokens, tls)
     while not stop.wait(0.5):

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                 admin_pb2.GetExpertLoadRequest(), timeout=args.timeout
             )
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {connect.describe_error(e, args)}", file=sys.stderr)
         return 1
     if args.json:
         print(

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from expertmesh.errors import ExpertMeshError
+from expertmesh.errors import BindError, ExpertMeshError
 
 # gRPC status codes by number (the worker core is gRPC-free: its errors carry the number)
 _CODE_NAMES = (
@@ -144,5 +144,8 @@ def _memory(slots: Any) -> Iterator[Metric]:
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, Thread, int]:
     """Starts prometheus_client's own HTTP server (a thread) for ``registry``; returns
     ``(server, thread, bound port)``; ``server.shutdown()`` stops it."""
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise BindError(f"{host}:{port}", "--metrics-port", e.strerror or "") from None
     return server, thread, int(server.server_port)

@@ -20,6 +20,7 @@ several servers (or twice by one) is replicated. Every expert must appear at lea
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -314,6 +315,17 @@ class ServerTables:
     def slots_needed(self, server: int) -> int:
         """The most slots of any layer on ``server`` (compare with its capacity)."""
         return max((len(x) for x in self.slots[server].values()), default=0)
+
+
+def check_capacity(placement: Placement, capacity: Sequence[int]) -> None:
+    """Raises :class:`PlacementError` when the placement gives a server more slots in some layer
+    than it accepts (``capacity[i]``, the server's slots per layer)."""
+    for i, name in enumerate(placement.servers):
+        need = max((len(x) for x in placement.server_slots(i).values()), default=0)
+        if need > capacity[i]:
+            raise PlacementError(
+                f"{name} holds at most {capacity[i]} slots per layer, the placement gives it {need}"
+            )
 
 
 def server_tables(placement: Placement, full_server: int | None = None) -> ServerTables:

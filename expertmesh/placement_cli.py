@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_outcome(out.outcome))
             return 1 if out.outcome.outcome == "failed" else 0
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {connect.describe_error(e, args)}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,6 +21,8 @@ import grpc
 from expertmesh import connect
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 
+ERROR_WIDTH = 120  # characters of a server's last error shown under the table
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     connect.add_arguments(p, admin=True)
@@ -110,11 +112,12 @@ def render(addr: str, s: dict[str, Any]) -> str:
         rows = [("SERVER", "KIND", "STATE", "TRANSPORT", "SLOTS", "LAYER RTT", "ADDRESS")]
         for v in s["servers"]:
             rtt = f"{v['layer_round_trip_ms']:.2f} ms" if v["layer_round_trip_ms"] is not None else "-"
-            state = v["state"] + (f" ({v['last_error']})" if v["last_error"] else "")
             slots = f"{v['slots_used']}/{v['slot_capacity']}"
-            rows.append((v["name"], v["kind"], state, v["transport"], slots, rtt, v["address"]))
+            rows.append((v["name"], v["kind"], v["state"], v["transport"], slots, rtt, v["address"]))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        # NOTE: below the table, one line each: an error message would stretch every row
+        lines += [f"  {v['name']}: {_short(v['last_error'])}" for v in s["servers"] if v["last_error"]]
     else:
         lines.append("expert servers: none (every expert runs in the coordinator)")
     lines += ["", "hottest experts per layer (share of routed tokens since start):"]
@@ -122,6 +125,12 @@ def render(addr: str, s: dict[str, Any]) -> str:
         text = ", ".join(f"e{e} {f * 100:.1f}%" for e, f in top) or "(no tokens yet)"
         lines.append(f"  layer {layer:>3}: {text}")
     return "\n".join(lines)
+
+
+def _short(text: str, width: int = ERROR_WIDTH) -> str:
+    """``text`` on one line, cut to ``width`` characters."""
+    one = " ".join(text.split())
+    return one if len(one) <= width else one[: width - 3] + "..."
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
                     return 0
                 prev = cur
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {connect.describe_error(e, args)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0 if args.watch else 130

@@ -35,6 +35,8 @@ from typing import Any
 
 import grpc
 
+from expertmesh.errors import BindError
+
 ENV = {"cert": "EXPERTMESH_TLS_CERT", "key": "EXPERTMESH_TLS_KEY", "ca": "EXPERTMESH_TLS_CA",
        "server_name": "EXPERTMESH_TLS_SERVER_NAME"}  # fmt: skip
 
@@ -123,12 +125,21 @@ class TLSConfig:
             )
 
 
-def add_port(server: Any, address: str, tls: TLSConfig | None, require_client_cert: bool = False) -> int:
+def add_port(
+    server: Any, address: str, tls: TLSConfig | None, require_client_cert: bool = False, flag: str = "--port"
+) -> int:
     """Binds ``address`` on a grpc (sync or aio) server, TLS when ``tls`` has a certificate.
-    Returns the port (0 = could not bind)."""
-    if tls is not None and tls.server_enabled:
-        return int(server.add_secure_port(address, tls.server_credentials(require_client_cert)))
-    return int(server.add_insecure_port(address))
+    Returns the port; raises :class:`BindError` (naming ``flag``) when it cannot bind."""
+    try:
+        if tls is not None and tls.server_enabled:
+            port = int(server.add_secure_port(address, tls.server_credentials(require_client_cert)))
+        else:
+            port = int(server.add_insecure_port(address))
+    except RuntimeError:  # NOTE: grpcio raises "Failed to bind" where older versions returned 0
+        port = 0
+    if port == 0:
+        raise BindError(address, flag)
+    return port
 
 
 def channel(address: str, tls: TLSConfig | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
@@ -143,3 +154,16 @@ def aio_channel(
     if tls is not None and tls.client_enabled:
         return grpc.aio.secure_channel(address, tls.channel_credentials(), [*options, *tls.channel_options()])
     return grpc.aio.insecure_channel(address, options=list(options))
+
+
+# what a plaintext client sees of a TLS server: it closes the connection at the first bytes
+_PLAINTEXT_AT_TLS = "Socket closed"
+
+
+def plaintext_hint(code: grpc.StatusCode, details: str, tls: TLSConfig | None) -> str:
+    """A hint to add to an error that looks like a plaintext client meeting a TLS server ("")."""
+    if code != grpc.StatusCode.UNAVAILABLE or (tls is not None and tls.client_enabled):
+        return ""
+    if _PLAINTEXT_AT_TLS not in details:
+        return ""
+    return " (if the server uses TLS, pass --tls-ca CA.pem; in Python, tls=TLSConfig(ca=...))"

@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from tests.leaks import pytest_sessionfinish  # noqa: F401 (hook: no process outlives the session)
+
 # NOTE: must be set before any Triton kernel is defined. Without a GPU the kernels run in
 # Triton's interpreter; on a GPU they compile (unless TRITON_INTERPRET is set explicitly).
 if not torch.cuda.is_available():

@@ -128,7 +128,7 @@ async def _run_client(
                     toks += chunk.token_ids
                     on_chunk()
                 out.append(Outcome(toks, seconds=time.monotonic() - t0))
-            except grpc.aio.AioRpcError as e:
+            except grpc.RpcError as e:  # the client's typed errors (expertmesh.errors) are RpcErrors
                 out.append(Outcome(toks, (e.code(), e.details() or ""), time.monotonic() - t0))
     return out
 

@@ -86,6 +86,14 @@ def test_http_admin_endpoints_need_the_token_when_set(with_token, model):
         for path in escapes:
             r = http.post(f"{base}/load_lora_adapter", json={"lora_name": "x", "lora_path": path}, headers=ok)
             assert r.status_code == 403 and "--lora-dir" in r.json()["error"]["message"], path
+            assert r.json()["error"]["param"] == "lora_path", r.text
+        # each refusal names the field it is about
+        for body, status, param in (
+            ({"lora_name": "x", "lora_path": str(model / "adapters" / "missing")}, 400, "lora_path"),
+            ({"lora_name": "", "lora_path": str(model / "adapters")}, 400, "lora_name"),
+        ):
+            r = http.post(f"{base}/load_lora_adapter", json=body, headers=ok)
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
         with grpc.insecure_channel(with_token.addr) as ch:  # the same over gRPC
             for path in escapes:
                 with pytest.raises(grpc.RpcError) as ei:

@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
+from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests.hf_models import make_checkpoint
 from tests.serving_utils import write_word_tokenizer
 
@@ -165,3 +167,41 @@ def test_up_with_prompt_prints_one_completion_and_stops(model):
     words = lines[1].split()
     assert words[:3] == ["w5", "w6", "w7"] and len(words) == 9, lines
     assert serving_processes(model) == []
+
+
+def test_up_passes_coordinator_flags_and_writes_each_childs_log(model, tmp_path):
+    """The coordinator flags ``up`` takes reach the coordinator (LoRA roots, EPLB, a pass-through
+    group), and each child's whole output is in the log directory the banner names."""
+    (tmp_path / "adapters").mkdir()
+    logs = tmp_path / "logs"
+    up = start_up(
+        "--model", str(model), "--device", "cpu", "--threads", "1", "--http-port", "-1",
+        "--lora-dir", str(tmp_path / "adapters"), "--eplb-interval-steps", "50",
+        "--coordinator-args", "--eplb-window-steps 7 --max-loras 2", "--log-dir", str(logs),
+    )  # fmt: skip
+    names: list[str] = []
+    try:
+        assert up.stdout is not None and up.stderr is not None
+        line = up.stdout.readline()  # blocks until serving (or exit)
+        m = re.search(r"expertmesh is serving on (\S+:\d+)", line)
+        assert m, f"no address line: {line!r}; stderr:\n{up.stderr.read() if up.poll() is not None else ''}"
+        addr = m.group(1)
+        banner: list[str] = []
+        while not any("logs in" in b for b in banner):
+            banner.append(up.stderr.readline())
+            assert len(banner) < 50 and banner[-1], banner
+        where = banner[-1]
+        assert f"logs in {logs}:" in where and "--verbose" in where, where
+        names = re.findall(r"([a-z-]+)\.log", where)
+        assert "coordinator" in names and len(names) >= 2, where  # the coordinator and its servers
+        with grpc.insecure_channel(addr) as ch:
+            st = admin_pb2_grpc.AdminStub(ch).GetEplbStatus(admin_pb2.GetEplbStatusRequest(), timeout=10)
+        assert (st.interval_steps, st.window_steps) == (50, 7)
+        r = cli("lora", "load", "x", str(tmp_path / "adapters" / "missing"), "--addr", addr)
+        assert r.returncode != 0 and "not a directory" in r.stderr, r.stderr  # it is under --lora-dir
+    finally:
+        up.send_signal(signal.SIGTERM)
+        rc = up.wait(60)
+    assert rc == 0
+    for name in names:
+        assert "listening on" in (logs / f"{name}.log").read_text(), name

@@ -38,12 +38,12 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     path = write_demo_model(tmp_path_factory.mktemp("demo") / "model")
-    a, b = start_server("cpu", path, 0, "--threads", "1"), start_server("cpu", path, 0, "--threads", "1")
+    procs = [start_server("cpu", path, 0, "--threads", "1"), start_server("cpu", path, 0, "--threads", "1")]
     try:
-        yield path, [a, b]
+        yield path, procs
     finally:
-        a.stop()
-        b.stop()
+        for p in procs:  # NOTE: whatever runs now: a test may have restarted one in its place
+            p.stop()
 
 
 def coordinator(path, procs, transport: str = "auto", **eplb) -> ServerThread:
@@ -95,12 +95,21 @@ def test_eplb_cluster(servers):
         layer = load.layers[0].layer
         lists = {"cpu0": list(range(8)), "cpu1": list(range(8, 16))}
         lists["cpu0" if hot >= 8 else "cpu1"].append(hot)  # the hottest expert on both servers
-        # bad placements are refused with INVALID_ARGUMENT and change nothing
-        for bad in ("{not json", json.dumps({"layers": {"*": {"cpu0": [0], "cpu1": [99]}}})):
+        # bad placements are refused with INVALID_ARGUMENT and change nothing: malformed, an
+        # unknown expert, more slots than a server holds (16 per layer by default)
+        over = {"cpu0": [*range(16), 3], "cpu1": list(range(16))}
+        for bad in (
+            "{not json",
+            json.dumps({"layers": {"*": {"cpu0": [0], "cpu1": [99]}}}),
+            json.dumps({"servers": ["cpu0", "cpu1"], "layers": {"*": over}}),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 admin(s.addr).SetPlacement(admin_pb2.SetPlacementRequest(placement_json=bad))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "holds at most 16 slots" in err.value.details()
         assert admin(s.addr).GetPlacement(admin_pb2.GetPlacementRequest()).generation == 1
+        listed = admin(s.addr).ListServers(admin_pb2.ListServersRequest()).servers
+        assert [x.state for x in listed] == ["ready", "ready"]  # a refused placement downs no server
         text = json.dumps({"servers": ["cpu0", "cpu1"], "layers": {"*": lists}})
         admin(s.addr).SetPlacement(admin_pb2.SetPlacementRequest(placement_json=text))
         before = [slot_tokens(p.address, layer) for p in procs]

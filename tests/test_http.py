@@ -173,7 +173,7 @@ def test_n_seed_and_stop(oai):
         (dict(max_tokens=0), 400, "max_tokens"),
         (dict(max_tokens=100000), 400, None),
         (dict(n=0), 400, "n"),
-        (dict(presence_penalty=0.5), 400, "penalty"),
+        (dict(presence_penalty=0.5), 400, "presence_penalty"),
         (dict(prompt=[]), 400, "prompt"),
         (dict(prompt=[5, 100000]), 400, None),
         (dict(model="no-such-model"), 404, "model"),

@@ -85,6 +85,15 @@ def _reshape_b(module: str):
     return f
 
 
+def _poison(module: str, value: float):
+    def f(t: dict) -> None:
+        k = f"{P}.{module}.lora_B.weight"
+        t[k] = t[k].clone()
+        t[k][0, 0] = value
+
+    return f
+
+
 CASES = {
     # (which adapter, tensors mutation, config mutation, words the message must contain)
     "wrong_rank": ("fused", None, _set("r", 3), ["rank 4", "r=3"]),
@@ -128,6 +137,13 @@ CASES = {
     ),
     "dora_config": ("fused", None, _set("use_dora", True), ["use_dora", "DoRA"]),
     "modules_to_save": ("fused", None, _set("modules_to_save", ["lm_head"]), ["modules_to_save"]),
+    "nan": ("fused", _poison("0.self_attn.q_proj", float("nan")), None, ["0.self_attn.q_proj.lora_B", "NaN"]),
+    "inf_expert": (
+        "per_expert",
+        _poison("2.mlp.experts.5.down_proj", float("-inf")),
+        None,
+        ["2.mlp.experts.5.down_proj.lora_B", "infinite"],
+    ),
     "router_gate": ("fused", _add(f"{P}.0.mlp.gate.lora_A.weight", (4, 64)), None, ["mlp.gate"]),
 }
 

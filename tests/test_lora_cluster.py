@@ -122,6 +122,43 @@ def test_hot_loaded_adapter_matches_peft_beside_base(lora_cluster, capsys):
     assert base_refs[0][0] != lora_refs[0][0] or base_refs[2][0] != lora_refs[2][0]
 
 
+def test_an_adapter_the_servers_refuse_fails_only_its_own_requests(lora_cluster, capsys):
+    """An adapter whose (finite) weights overflow the hidden states: every layer its rows reach
+    is refused by the expert servers, yet base requests of the same steps get the base model's
+    tokens and log-probabilities; NaN in an adapter is refused at load, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    root, s, base_refs, _, _ = lora_cluster
+    src = root / "adapters" / "a"
+    for name, value in (("huge", 3e38), ("nan", float("nan"))):
+        dst = root / "adapters" / name
+        shutil.copytree(src, dst)
+        t = load_file(dst / "adapter_model.safetensors")
+        key = next(k for k in t if "0.self_attn.o_proj.lora_B" in k)
+        t[key] = torch.full_like(t[key], value)
+        save_file(t, dst / "adapter_model.safetensors")
+    assert cli(["lora", "load", "nan", str(root / "adapters" / "nan"), "--addr", s.addr]) != 0
+    assert "0.self_attn.o_proj.lora_B" in capsys.readouterr().err
+    assert cli(["lora", "load", "huge", str(root / "adapters" / "huge"), "--addr", s.addr]) == 0
+
+    async def mixed() -> list:
+        async with AsyncClient(s.addr) as c:
+            kw = dict(max_new_tokens=STEPS, logprobs=True, ignore_eos=True)
+            jobs = [c.generate(input_ids=p, **kw) for p in PROMPTS]
+            jobs.insert(1, c.generate(input_ids=PROMPTS[1], lora="huge", **kw))
+            return await asyncio.gather(*jobs, return_exceptions=True)
+
+    try:
+        results = asyncio.run(mixed())
+        bad = results.pop(1)
+        assert isinstance(bad, grpc.RpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        for r, ref in zip(results, base_refs):
+            assert not isinstance(r, BaseException), r
+            _check(r, ref)
+    finally:
+        assert cli(["lora", "unload", "huge", "--addr", s.addr]) == 0
+
+
 def test_adapter_follows_a_placement_change(lora_cluster):
     """Experts moved and replicated across servers by a new placement keep the adapter's LoRA:
     each server gets the LoRA of its new experts in the same PREPARE."""

@@ -10,6 +10,7 @@ import time
 import grpc
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.experts.remote import ClusterConfig, ServerSpec
@@ -47,7 +48,9 @@ def total(m: dict, name: str, **match: str) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    path = write_demo_model(tmp_path_factory.mktemp("demo") / "demo-model")
+    root = tmp_path_factory.mktemp("demo")
+    path = write_demo_model(root / "demo-model")
+    (root / "adapters").mkdir()
     mport = free_port()
     srv = start_server("cpu", path, 0, "--metrics-port", str(mport))
     for _ in range(300):
@@ -59,6 +62,7 @@ def cluster(tmp_path_factory):
         port=0,
         http_port=0,
         cluster=ClusterConfig((ServerSpec("cpu0", srv.address, "cpu"),), timeout_s=20.0, transport="grpc"),
+        lora_dirs=(str(root / "adapters"),),
     )
     try:
         with ServerThread(cfg) as coord:
@@ -181,3 +185,50 @@ def test_grafana_dashboard_uses_exported_metrics(cluster):
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"\bexpertmesh_\w+", e)}
     assert len(used) >= 15 and used <= names, sorted(used - names)
+
+
+def _demo_adapter(model_dir, out):
+    """A PEFT adapter (attention q/v) for the demo model, saved to ``out``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(hf, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        out
+    )
+    return out
+
+
+def test_every_documented_metric_gets_a_sample(cluster):
+    """Every metric the README's tables and the Grafana dashboard name has a sample once the
+    action that produces it ran: requests, an EPLB rebalance and dry run, LoRA load, a failed
+    load and an unload."""
+    import json
+    import re
+    from pathlib import Path
+
+    from expertmesh.cli import main
+
+    path, coord, url, _, mport = cluster
+    root = Path(__file__).resolve().parent.parent
+    dash = json.loads((root / "docker" / "grafana-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    named = set(re.findall(r"\bexpertmesh_\w*[a-z]\b", (root / "README.md").read_text() + exprs))
+    assert {"expertmesh_rebalances_total", "expertmesh_lora_events_total"} <= named
+    adapter = _demo_adapter(path, path.parent / "adapters" / "demo")
+    with Client(coord.addr) as c:
+        c.generate("A cat", max_new_tokens=3)
+    addr = ["--addr", coord.addr]
+    assert main(["placement", "rebalance", "--dry-run", *addr]) == 0
+    assert main(["placement", "rebalance", *addr]) == 0
+    assert main(["lora", "load", "demo", str(adapter), *addr]) == 0
+    assert main(["lora", "load", "nope", str(path.parent / "adapters" / "nope"), *addr]) != 0
+    assert main(["lora", "unload", "demo", *addr]) == 0
+    samples = {n for n, _ in scrape(url)} | {n for n, _ in scrape(f"http://127.0.0.1:{mport}/metrics")}
+    missing = {n for n in named if not {n, f"{n}_bucket", f"{n}_total"} & samples}
+    assert not missing, sorted(missing)
+    m = scrape(url)
+    assert total(m, "expertmesh_rebalances_total", result="rebalanced") == 1
+    assert total(m, "expertmesh_rebalances_total", result="dry-run") == 1
+    for event in ("load", "load_failed", "unload"):
+        assert total(m, "expertmesh_lora_events_total", event=event) == 1, event

@@ -3,7 +3,8 @@ server (on the CPU) + a CPU expert server, over loopback gRPC.
 
 16 concurrent greedy requests equal HF transformers' greedy tokens and logprobs; admin reports
 the servers and placement; a killed expert server fails only the requests under way (UNAVAILABLE,
-pages freed), health drops to NOT_SERVING, and serving resumes when the server comes back."""
+pages freed), health drops to NOT_SERVING on gRPC and HTTP alike, and serving resumes when the
+server comes back."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import time
 
 import grpc
+import httpx
 import pytest
 
 from coordinator.experts.remote import ClusterConfig, ServerSpec
@@ -55,6 +57,7 @@ def cluster(tmp_path_factory):
         max_running=16,
         connect_timeout_s=2.0,
         cluster=ClusterConfig(servers, num_gpu_experts=4, timeout_s=10.0),
+        http_port=0,
     )
     try:
         with ServerThread(config) as s:
@@ -104,11 +107,14 @@ def test_killed_expert_server_fails_requests_and_serving_resumes(cluster):
         st = wait_idle(s)
         assert st["free_pages"] == st["total_pages"]
         wait_health(s.addr, "NOT_SERVING")
+        health_url = f"http://127.0.0.1:{s.server.http.port}/health"
+        assert httpx.get(health_url, timeout=10).status_code == 503  # a load balancer's view
         with pytest.raises(grpc.RpcError) as e:
             c.generate(input_ids=[1, 2, 3], max_new_tokens=3)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         restarted = start_server("cpu", path, port)
         cluster[4].proc = restarted.proc  # the fixture stops whatever runs now
         wait_health(s.addr, "SERVING")
+        assert httpx.get(health_url, timeout=10).status_code == 200
         out = c.generate(input_ids=PROMPTS[3], max_new_tokens=OUT_LENS[3], ignore_eos=True)
         assert out.token_ids == refs[3][0]

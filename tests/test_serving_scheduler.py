@@ -1,5 +1,6 @@
 """Scheduler behaviour below the gRPC layer: EOS, cancellation within a step, a failing step
-(an expert server error) failing only its requests, and the same failure through the API."""
+(an expert server error) failing only its requests, a step a server refuses because of one
+request's input failing that request alone, and the same failure through the API."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from coordinator.experts.remote import ExpertServerError
 from coordinator.model.dispatch import Dispatcher
@@ -15,6 +17,7 @@ from coordinator.model.engine import Engine
 from coordinator.serving.sampler import SamplingParams
 from coordinator.serving.scheduler import Output, Scheduler, SchedulerLimits
 from coordinator.serving.server import CoordinatorConfig
+from expertmesh import errors
 from expertmesh.client import Client
 from tests.hf_models import make_checkpoint
 from tests.serving_utils import (
@@ -42,6 +45,20 @@ class Flaky(Dispatcher):
         return self.inner.submit(layer, x, topk_ids, topk_weights)
 
 
+class Picky(Dispatcher):
+    """Delegates to the real dispatcher; refuses a layer whose routing weights are not finite,
+    as an expert server does (INVALID_ARGUMENT)."""
+
+    def __init__(self, inner: Dispatcher) -> None:
+        self.inner, self.refused = inner, 0
+
+    def submit(self, layer, x, topk_ids, topk_weights):
+        if not bool(torch.isfinite(topk_weights).all()):
+            self.refused += 1
+            raise ExpertServerError.of(errors.InvalidRequest("weights contain NaN or infinity"))
+        return self.inner.submit(layer, x, topk_ids, topk_weights)
+
+
 class Collect:
     def __init__(self) -> None:
         self.q: queue.Queue[Output] = queue.Queue()
@@ -58,12 +75,13 @@ class Collect:
                 return toks, out
 
 
-def make_scheduler(ckpt, eos=(), num_pages=64) -> tuple[Scheduler, Flaky]:
+def make_scheduler(ckpt, eos=(), num_pages=64, start=True) -> tuple[Scheduler, Flaky]:
     eng = Engine.from_checkpoint(str(ckpt), num_pages=num_pages, page_size=4)
     flaky = Flaky(eng.dispatcher)
     eng.model.attach(flaky)
     s = Scheduler(eng, SchedulerLimits(max_batch_tokens=16, max_running=8, max_context=128), eos_ids=eos)
-    s.start()
+    if start:
+        s.start()
     return s, flaky
 
 
@@ -143,6 +161,50 @@ def test_failed_step_fails_its_requests_and_frees_their_pages(ckpt):
         s.submit([1, 2, 3], SamplingParams(max_new_tokens=5), c)
         toks, last = c.run()
         assert last.finish_reason == "length" and len(toks) == 5
+    finally:
+        s.stop()
+
+
+def test_a_request_whose_input_a_server_refuses_fails_alone(ckpt):
+    """One request's prompt turns its hidden states into NaN (as a broken adapter would): the
+    servers refuse every step it is part of, yet its batch neighbours finish with the tokens
+    they get alone."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    s, _ = make_scheduler(ckpt)
+    try:
+        alone = []
+        for p in prompts:
+            c = Collect()
+            s.submit(p, params, c)
+            alone.append(c.run()[0])
+    finally:
+        s.stop()
+    used = {t for p, toks in zip(prompts, alone) for t in p + toks}
+    poison = next(t for t in range(20, 100) if t not in used)
+
+    s, _ = make_scheduler(ckpt, start=False)  # all five are queued before the first step
+    picky = Picky(s.engine.dispatcher)
+    s.engine.model.attach(picky)
+
+    def nan_rows(_mod, inp, out):  # the poisoned token's embedding is NaN
+        return out.masked_fill((inp[0] == poison)[:, None], float("nan"))
+
+    s.engine.model.model.embed_tokens.register_forward_hook(nan_rows)
+    try:
+        cs = [Collect() for _ in range(len(prompts) + 1)]
+        for c, p in zip(cs, [*prompts[:2], [poison, 5, 6], *prompts[2:]]):
+            s.submit(p, params, c)
+        s.start()
+        results = [c.run() for c in cs]
+        bad = results.pop(2)[1]
+        assert bad.finish_reason == "error" and isinstance(bad.error, ExpertServerError)
+        assert isinstance(bad.error.error, errors.InvalidRequest)
+        assert picky.refused > 0
+        for (toks, last), want in zip(results, alone):
+            assert last.finish_reason == "length" and last.error is None
+            assert toks == want
+        assert s.stats()["free_pages"] == s.stats()["total_pages"]
     finally:
         s.stop()
 

@@ -170,6 +170,35 @@ def test_corrupted_handshake_is_invalid_argument(cluster, raw, words):
         assert b'"transport": "grpc"' in resp.fast_path and b"cannot open" in resp.fast_path
 
 
+def test_a_lost_fast_path_is_a_warning(cluster, monkeypatch, caplog):
+    """A shared-memory channel that cannot be created (a container's small /dev/shm) falls back
+    to gRPC with a WARNING naming the cause: the user expected the fast path."""
+    import errno
+    import logging
+
+    from coordinator.experts import expert_conn
+
+    _, path, _, gpu, cpu = cluster
+
+    def full(*_a, **_kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(expert_conn, "ShmClient", full)
+    monkeypatch.setattr(expert_conn, "TcpClient", full)  # auto's next try after shared memory
+    servers = (ServerSpec("cpu0", cpu.address, "cpu"),)
+    with caplog.at_level(logging.INFO, "coordinator.experts.expert_conn"):
+        _, d = engine_for(path, ClusterConfig(servers, transport="auto"))
+    try:
+        assert d.server_infos()[0]["transport"] == "grpc"
+        lost = [r for r in caplog.records if "fast path is lost" in r.getMessage()]
+        assert lost and all(r.levelno == logging.WARNING for r in lost), [
+            r.getMessage() for r in caplog.records
+        ]
+        assert "No space left on device" in lost[-1].getMessage()
+    finally:
+        d.close()
+
+
 def test_server_with_no_shm(tmp_path):
     make_checkpoint("qwen3_moe", tmp_path)
     # NOTE: --no-tcp too: auto takes the TCP data path where shared memory is off

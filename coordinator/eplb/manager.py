@@ -112,6 +112,8 @@ class EplbManager:
         self.expert_bytes, self.between_steps = expert_bytes, between_steps
         self.commit_timeout_s = commit_timeout_s
         self.counters = Counters()
+        # told each outcome's kind (the coordinator's metrics count them)
+        self.on_outcome: Callable[[str], None] = lambda kind: None
         self._steps = 0
         self._busy = threading.Lock()  # one rebalance at a time
         self._thread: threading.Thread | None = None
@@ -274,5 +276,6 @@ class EplbManager:
         else:
             c.dry_runs += 1
         c.history.append(out)
+        self.on_outcome(out.kind)
         (log.warning if out.kind == "failed" else log.info)("EPLB %s", out.line())
         return out

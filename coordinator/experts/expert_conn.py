@@ -487,7 +487,17 @@ class ServerConnection:
                 self._retry_tcp = ack.reason or "the server answered plain gRPC"
                 log.info("%s: no shared memory (%s); trying the tcp data path", self.spec.name, ack.reason)
                 return
-            log.info("%s: plain gRPC (%s)", self.spec.name, ack.reason)
+            if self.plan == "grpc":
+                log.info("%s: plain gRPC (%s)", self.spec.name, ack.reason)
+            else:
+                # NOTE: loud: the negotiation found a faster path both sides can use, so a user
+                # expects it and every layer now pays gRPC's copies instead
+                log.warning(
+                    "%s: the %s fast path is lost, every layer goes over plain gRPC (slower): %s",
+                    self.spec.name,
+                    self.plan,
+                    ack.reason,
+                )
             return
         assert fast is not None
         if isinstance(fast, TcpClient):

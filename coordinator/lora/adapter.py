@@ -129,6 +129,11 @@ def _pairs(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor
             raise AdapterError(f"tensor {key!r} is {what}: unsupported")
         if not t.is_floating_point() or t.dim() != 2:
             raise AdapterError(f"tensor {key!r}: expected a 2-D float tensor, got {t.dtype} {list(t.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            # NOTE: refused here, once: a non-finite weight would make the expert servers refuse
+            # every layer of every step its requests take part in
+            bad = int((~torch.isfinite(t)).sum())
+            raise AdapterError(f"tensor {key!r}: {bad} of its {t.numel()} values are NaN or infinite")
         out.setdefault(_normalise(m["module"]), {})[m["ab"]] = t.float()
     for module, ab in out.items():
         if set(ab) != {"A", "B"}:

@@ -60,6 +60,14 @@ class LoRAPushError(RuntimeError):
     pass
 
 
+class AdapterNameError(AdapterError):
+    """The name is the problem (empty, or already loaded), not the adapter at the path."""
+
+
+class AdapterSlotsFull(AdapterError):
+    """Every adapter slot is taken (--max-loras): neither the name nor the path is wrong."""
+
+
 class LoRAService:
     def __init__(
         self,
@@ -75,6 +83,8 @@ class LoRAService:
         self.roots = resolve_roots(lora_dirs)
         self.timeout_s, self.unload_timeout_s = timeout_s, unload_timeout_s
         self.usable: set[str] = set()  # names requests may use (all servers acknowledged)
+        # told each "load", "load_failed" and "unload" (the coordinator's metrics count them)
+        self.on_event: Callable[[str], None] = lambda event: None
         self._lock = threading.Lock()  # one load/unload at a time
         self.sources: dict[str, str] = {}  # name -> the path it was read from
         # shared servers: name -> the pool round after which the servers must report it
@@ -99,12 +109,21 @@ class LoRAService:
         return p
 
     def load(self, name: str, path: str) -> LoRAAdapter:
+        try:
+            adapter = self._load(name, path)
+        except BaseException:
+            self.on_event("load_failed")
+            raise
+        self.on_event("load")
+        return adapter
+
+    def _load(self, name: str, path: str) -> LoRAAdapter:
         if not name or "/" in name:
-            raise AdapterError(f"adapter name {name!r}: give a non-empty name without '/'")
+            raise AdapterNameError(f"adapter name {name!r}: give a non-empty name without '/'")
         p = self.check_path(path)
         with self._lock:
             if name in self.manager.adapters:
-                raise AdapterError(f"adapter {name!r} is already loaded (unload it first)")
+                raise AdapterNameError(f"adapter {name!r} is already loaded (unload it first)")
             used = set(self.manager.slot_of.values())
             pooled = self._pool_slots()  # name -> slot on shared servers
             used |= {s for n, s in pooled.items() if n != name}
@@ -112,7 +131,7 @@ class LoRAService:
             if name in pooled:  # loaded through another coordinator already: the same slot here
                 free = [pooled[name]] if pooled[name] in free else []
             if not free:
-                raise AdapterError(f"all {self.manager.max_loras} adapter slots are in use (--max-loras)")
+                raise AdapterSlotsFull(f"all {self.manager.max_loras} adapter slots are in use (--max-loras)")
             adapter = load_adapter(name, p, self.manager.model_cfg, self.manager.table)
             slot = free[0]
             self.sources[name] = str(p)
@@ -281,6 +300,7 @@ class LoRAService:
                     # NOTE: a server that is down now has nothing to unload we could reach
                     with contextlib.suppress(ExpertServerError):
                         conn.unload_adapter(name, self.timeout_s)
+        self.on_event("unload")
 
     def list(self) -> list[LoRAAdapter]:
         return [a for n, a in sorted(self.manager.adapters.items()) if n in self.usable]

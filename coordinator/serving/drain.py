@@ -21,7 +21,7 @@ async def drain(coord: CoordinatorServer, timeout: float) -> int:
     """Returns how many requests were still waiting or running when ``timeout`` passed."""
     coord.draining = True
     coord.experts_ready = False  # NOTE: the admission check of gRPC and HTTP alike
-    await coord.set_health(False)
+    await coord.set_health()  # NOT_SERVING: draining
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

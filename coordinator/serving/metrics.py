@@ -100,13 +100,13 @@ class CoordinatorMetrics:
         )
         self.rebalances = Counter(
             "expertmesh_rebalances",
-            "EPLB placement changes by result (committed, aborted, skipped)",
+            "EPLB runs by result (rebalanced, skipped, failed, dry-run, placement-set)",
             ["result"],
             registry=r,
         )
         self.lora_events = Counter(
             "expertmesh_lora_events",
-            "LoRA adapter events (load, unload, load_failed, evict)",
+            "LoRA adapter events (load, load_failed, unload)",
             ["event"],
             registry=r,
         )
@@ -119,6 +119,9 @@ class CoordinatorMetrics:
         self.round_trips: dict[str, list[float]] = {}  # server -> [count, seconds]
         # the two hooks that observe the hot path
         coord.scheduler.metrics = self
+        coord.lora.on_event = self.lora_event
+        if coord.eplb is not None:
+            coord.eplb.on_outcome = self.rebalance
         if hasattr(coord.dispatcher, "on_round_trip"):
             coord.dispatcher.on_round_trip = self.round_trip
 
@@ -177,11 +180,11 @@ class CoordinatorMetrics:
         acc[1] += seconds
 
     def rebalance(self, result: str) -> None:
-        """For the EPLB manager: ``committed``, ``aborted`` or ``skipped``."""
+        """For the EPLB manager: an outcome's kind (``rebalanced``, ``skipped``, ``failed``, ...)."""
         self.rebalances.labels(result).inc()
 
     def lora_event(self, event: str) -> None:
-        """For the LoRA manager: ``load``, ``unload``, ``load_failed`` or ``evict``."""
+        """For the LoRA service: ``load``, ``load_failed`` or ``unload``."""
         self.lora_events.labels(event).inc()
 
     def exposition(self) -> bytes:

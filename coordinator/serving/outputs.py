@@ -40,6 +40,10 @@ class Output:
     error: BaseException | None = None  # set with finish_reason "error"
     # per token, the params.top_logprobs most likely (token id, logprob) pairs, when asked
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # params.prompt_logprobs, in the request's first output: one per prompt token after the
+    # first (which has no context), and their top_logprobs as above
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 Sink = Callable[[Output], None]

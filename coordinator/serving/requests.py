@@ -177,8 +177,8 @@ def finish_parse(
     room = limits.max_context - len(ids)
     if req.HasField("max_new_tokens"):
         n = req.max_new_tokens
-        if n <= 0:
-            raise InvalidRequest(f"max_new_tokens must be positive, got {n}")
+        if n < 0 or (n == 0 and not req.prompt_logprobs):
+            raise InvalidRequest(f"max_new_tokens must be positive (0 only with prompt_logprobs), got {n}")
         if n > room:
             raise InvalidRequest(
                 f"max_new_tokens {n} with a prompt of {len(ids)} tokens exceeds the max context of "
@@ -211,6 +211,7 @@ def finish_parse(
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         logprobs=req.logprobs,
+        prompt_logprobs=req.prompt_logprobs,
     )
     return ids, params
 

@@ -33,12 +33,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # also return this many most likely tokens per step (HTTP API)
+    # also each prompt token's logprob given the tokens before it (and its top_logprobs), from
+    # the prefill; with max_new_tokens 0 the request ends there (scoring a text, not extending it)
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         assert math.isfinite(self.temperature) and self.temperature >= 0, f"{self.temperature=}"
         assert 0 < self.top_p <= 1, f"{self.top_p=}"
         assert self.top_k >= 0, f"{self.top_k=}"
-        assert self.max_new_tokens > 0, f"{self.max_new_tokens=}"
+        assert self.max_new_tokens > 0 or (self.prompt_logprobs and self.max_new_tokens == 0), f"{self}"
         assert all(self.stop), f"empty stop string in {self.stop=}"
         assert self.top_logprobs >= 0, f"{self.top_logprobs=}"
 

@@ -54,6 +54,7 @@ from coordinator.model.engine import Engine
 from coordinator.serving.outputs import DeadlineExceeded, Output, QueueFull, SchedulerStopped, Sink
 from coordinator.serving.sampler import SamplingParams, make_generator, sample
 from coordinator.serving.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from expertmesh import errors
 
 if TYPE_CHECKING:
     from coordinator.serving.metrics import CoordinatorMetrics
@@ -82,6 +83,9 @@ class Request:
         self.num_prompt = len(prompt_ids)
         self.tokens = list(prompt_ids)
         self.logprobs: list[float] = []
+        # params.prompt_logprobs: [i] for prompt token i + 1, filled by the prefill's chunks
+        self.prompt_lps: list[float] = []
+        self.prompt_top: list[list[tuple[int, float]]] = []
         self.generator = make_generator(params, device)
         self.detok: IncrementalDetokenizer | None = tokenizer.detokenizer(prompt_ids) if tokenizer else None
         self.stops = StopMatcher(params.stop) if params.stop else None
@@ -355,14 +359,17 @@ class Scheduler:
                 prefill_budget -= n
         while self._waiting and len(self._running) < self.limits.max_running and prefill_budget > 0:
             req = self._waiting[0]
-            shared, kept = self.engine.prefix_hit(req.tokens, req.lora)
+            # NOTE: a prompt still to be scored computes every position: no cached prefix
+            scoring = req.params.prompt_logprobs and len(req.prompt_lps) < req.num_prompt - 1
+            tokens = () if scoring else req.tokens
+            shared, kept = self.engine.prefix_hit(tokens, req.lora)
             whole = min(-(-(req.pending + 1) // self.engine.page_size), self.engine.pages.num_pages)
             if whole - shared + kept > free:
                 break
             self._waiting.popleft()
             self._dequeue(req)
             before = self.engine.pages.num_free
-            req.seq = self.engine.new_seq(req.tokens, req.lora)
+            req.seq = self.engine.new_seq(tokens, req.lora)
             req.computed = self.engine.seqs[req.seq].cached
             free -= before - self.engine.pages.num_free  # kept pages it now shares
             if req.cached_tokens is None:  # not a preempted request coming back
@@ -396,8 +403,10 @@ class Scheduler:
             assert req.seq is not None
             items.append((req.seq, req.tokens[req.computed : req.computed + n]))
         adapters = [req.lora for req, _ in plan]
+        # NOTE: every position's logits only when a request in prefill asks for its prompt's logprobs
+        scoring = any(r.params.prompt_logprobs and r.computed < r.num_prompt for r, _ in plan)
         try:
-            logits = self.engine.step(items, adapters=adapters if any(adapters) else None)
+            logits = self.engine.step(items, all_logits=scoring, adapters=adapters if any(adapters) else None)
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
         except Exception as exc:  # noqa: BLE001 - the thread boundary (above)
@@ -410,6 +419,16 @@ class Scheduler:
                     self._finish(plan[i][0], "error", error=exc)
                 self._run_step([p for i, p in enumerate(plan) if i not in hit])
                 return
+            if len(plan) > 1 and _refused_input(exc):
+                # NOTE: a server refused what one request's own input made of the step (an
+                # adapter or prompt that turns hidden states non-finite, say): halve the step
+                # until the requests responsible run alone, so only they fail; KV positions of
+                # the rest are rewritten by the re-run, as above
+                log.warning("step of %d requests refused, running it in halves: %s", len(plan), exc)
+                half = len(plan) // 2
+                self._run_step(plan[:half])
+                self._run_step(plan[half:])
+                return
             log.warning("step of %d requests failed: %s", len(plan), exc)
             for req, _ in plan:
                 self._finish(req, "error", error=exc)
@@ -419,8 +438,15 @@ class Scheduler:
             self.metrics.step(sum(n for _, n in plan))
         done = []
         for (req, n), row in zip(plan, logits):
+            if scoring:  # row: [n, V], one per computed token
+                if req.params.prompt_logprobs:
+                    self._score_prompt(req, row)
+                row = row[-1]
             req.computed += n
-            if req.pending == 0:
+            if req.pending == 0 and req.params.max_new_tokens == 0:  # prompt logprobs only
+                self._finish(req, "length", Output([], prompt_logprobs=req.prompt_lps,
+                                                   prompt_top_logprobs=req.prompt_top))  # fmt: skip
+            elif req.pending == 0:
                 done.append((req, row))
         if done:
             reqs = [r for r, _ in done]
@@ -430,6 +456,22 @@ class Scheduler:
             for (req, row), tok, lp in zip(done, toks.tolist(), lps.tolist()):
                 top = _top_logprobs(row, req.params.top_logprobs) if req.params.top_logprobs else []
                 self._emit_token(req, tok, lp, top)
+
+    def _score_prompt(self, req: Request, rows: torch.Tensor) -> None:  # rows [n, V]
+        """Logprobs of the prompt tokens this chunk's logits predict (each position once: a
+        request recomputed after a preemption scores nothing again)."""
+        first = req.computed + 1  # the prompt position row 0 predicts
+        end = min(req.num_prompt, req.computed + rows.shape[0] + 1)
+        start = 1 + len(req.prompt_lps)
+        if start >= end:
+            return
+        assert start >= first, f"prompt positions {start}..{first - 1} were never computed"
+        lsm = torch.log_softmax(rows[start - first : end - first].float(), dim=-1)  # [m, V]
+        want = torch.tensor(req.tokens[start:end], device=lsm.device)
+        req.prompt_lps += lsm.gather(1, want[:, None]).squeeze(1).tolist()
+        if req.params.top_logprobs:
+            values, ids = lsm.topk(min(req.params.top_logprobs, lsm.shape[-1]))
+            req.prompt_top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _emit_token(self, req: Request, tok: int, logprob: float, top: list[tuple[int, float]]) -> None:
         req.tokens.append(tok)
@@ -450,10 +492,13 @@ class Scheduler:
                 text += self._flush_text(req)
         lps = [logprob] if p.logprobs else []
         tops = [top] if p.top_logprobs else []
+        prompt = req.prompt_lps if p.prompt_logprobs and req.num_generated == 1 else None
+        out = Output([tok], text, lps, top_logprobs=tops, prompt_logprobs=prompt,
+                     prompt_top_logprobs=req.prompt_top if prompt is not None else [])  # fmt: skip
         if reason is None:
-            req.sink(Output([tok], text, lps, top_logprobs=tops))
+            req.sink(out)
         else:
-            self._finish(req, reason, Output([tok], text, lps, top_logprobs=tops))
+            self._finish(req, reason, out)
 
     def _flush_text(self, req: Request) -> str:
         tail = req.detok.flush() if req.detok is not None else ""
@@ -487,6 +532,8 @@ class Scheduler:
                 cached_tokens=req.cached_tokens or 0,
                 error=error,
                 top_logprobs=last.top_logprobs,
+                prompt_logprobs=last.prompt_logprobs,
+                prompt_top_logprobs=last.prompt_top_logprobs,
             )
         )
 
@@ -496,6 +543,12 @@ def _top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:  # l
     the sampled token's logprob)."""
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(n, logits.shape[-1]))
     return list(zip(ids.tolist(), values.tolist()))
+
+
+def _refused_input(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal of the step's input (INVALID_ARGUMENT), typed or carried by
+    an expert server's error, as opposed to a server or the coordinator failing."""
+    return isinstance(getattr(exc, "error", exc), errors.InvalidRequest)
 
 
 def _requests_of_rows(plan: list[tuple[Request, int]], rows: tuple[int, ...] | None) -> set[int]:

@@ -29,6 +29,7 @@ from coordinator.eplb.degraded import DegradedPlacement
 from coordinator.eplb.manager import EplbManager, RebalanceError
 from coordinator.eplb.target import ClusterTarget
 from coordinator.experts.cluster import ExpertCluster
+from coordinator.experts.expert_conn import ExpertServerError
 from coordinator.experts.load_recorder import LoadRecorder
 from coordinator.experts.local import connector
 from coordinator.experts.remote import RemoteDispatcher
@@ -121,7 +122,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     code, msg = error_status(out.error)
                     await context.abort(code, msg)
                 resp = generation_pb2.GenerateResponse(
-                    token_ids=out.token_ids, text=out.text, logprobs=out.logprobs, request_id=request_id
+                    token_ids=out.token_ids,
+                    text=out.text,
+                    logprobs=out.logprobs,
+                    request_id=request_id,
+                    prompt_logprobs=out.prompt_logprobs or (),
                 )
                 if finished:
                     resp.finish_reason = _FINISH[out.finish_reason]  # type: ignore[index]
@@ -212,9 +217,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             live = m.target.live_placement()
             layers = self.coord.scheduler.engine.config.moe_layer_ids
             new = pl.parse_json(request.placement_json, layers, live.num_experts, live.servers)
+            # NOTE: checked before any push: a server refusing it would be marked down for it
+            pl.check_capacity(new, m.target.slot_capacity().tolist())
             out = await asyncio.to_thread(m.set_placement, new)
         except pl.PlacementError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ExpertServerError as e:  # a server not described yet: its capacity is unknown
+            await context.abort(e.code, str(e))
         except (_AdminError, RebalanceError) as e:
             await _abort(context, e)
         if out.kind == "failed":
@@ -363,12 +372,17 @@ class CoordinatorServer(grpc.aio.Server):
             return "the coordinator is draining (shutting down)"
         return "in process" if self.cluster is None else self.cluster.describe_state()
 
-    async def set_health(self, serving: bool) -> None:
-        await self._set_health(serving)
+    def serving(self) -> bool:
+        """What both health surfaces answer (grpc.health.v1 and HTTP ``/health``): not draining,
+        and every expert has a live server (a request may need any of them)."""
+        return self._covered and not self.draining
 
-    async def _set_health(self, serving: bool) -> None:
+    async def set_health(self) -> None:
+        """Publishes :meth:`serving` to the gRPC health service (HTTP reads it per request)."""
         status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING
+            if self.serving()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", GENERATION, ADMIN):
             await self.health.set(name, status)
@@ -387,7 +401,7 @@ class CoordinatorServer(grpc.aio.Server):
                 log.info("expert servers %s", "ready" if covered else f"not ready: {self.expert_state()}")
             self._covered = covered
             self.experts_ready = ready and not self.draining
-            await self._set_health(covered and not self.draining)
+            await self.set_health()
             await asyncio.sleep(1.0 if covered else 0.2)
 
     # grpc.aio.Server
@@ -409,7 +423,7 @@ class CoordinatorServer(grpc.aio.Server):
         return tls.add_port(self.server, address, self.config.tls)
 
     async def start(self) -> None:
-        await self._set_health(self.experts_ready)
+        await self.set_health()
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self.scheduler.start()
         await self.server.start()

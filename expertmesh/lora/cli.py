@@ -83,6 +83,6 @@ def run(args: argparse.Namespace) -> int:
                         f"[{len(listed.adapters)} of {listed.max_loras} adapter slots used]", file=sys.stderr
                     )
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {connect.describe_error(e, args)}", file=sys.stderr)
         return 1
     return 0

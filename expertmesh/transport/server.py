@@ -361,13 +361,19 @@ class ShmServer:
 
     def _release(self) -> None:
         if self.times:
-            us = [f"{statistics.median(c) * 1e6:.0f}" for c in zip(*self.times)]
+            decode, ready, forward, answer = (f"{statistics.median(c) * 1e6:.0f}" for c in zip(*self.times))
+            # NOTE: only a CUDA channel synchronised on the host waits for the coordinator's GPU
+            host_sync = self.hello.cuda is not None and self.hello.cuda.sync == "host"
+            waited = f" (waiting for the coordinator's GPU {ready})" if host_sync else ""
             log.info(
-                "fast-path channel %s closed: median us of its last %d requests: decode %s "
-                "(waiting for the coordinator's GPU %s), forward %s, answer %s",
+                "fast-path channel %s closed: median us of its last %d requests: decode %s%s, forward %s, "
+                "answer %s",
                 self.hello.segment,
                 len(self.times),
-                *us,
+                decode,
+                waited,
+                forward,
+                answer,
             )
         with self._state:
             self._stop = True

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65xpertmesh/v1/generation.proto\x12\rexpertmesh.v1\"\xd4\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x0c\n\x04lora\x18\x0c \x01(\t\x12\x12\n\nrequest_id\x18\r \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xb2\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.expertmesh.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.expertmesh.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t*]\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.expertmesh.v1.GenerateRequest\x1a\x1f.expertmesh.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65xpertmesh/v1/generation.proto\x12\rexpertmesh.v1\"\xed\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x0c\n\x04lora\x18\x0c \x01(\t\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\x0e \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xcb\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.expertmesh.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.expertmesh.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\x07 \x03(\x02*]\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.expertmesh.v1.GenerateRequest\x1a\x1f.expertmesh.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'expertmesh.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=655
-  _globals['_FINISHREASON']._serialized_end=748
+  _globals['_FINISHREASON']._serialized_start=705
+  _globals['_FINISHREASON']._serialized_end=798
   _globals['_GENERATEREQUEST']._serialized_start=50
-  _globals['_GENERATEREQUEST']._serialized_end=390
-  _globals['_USAGE']._serialized_start=392
-  _globals['_USAGE']._serialized_end=472
-  _globals['_GENERATERESPONSE']._serialized_start=475
-  _globals['_GENERATERESPONSE']._serialized_end=653
-  _globals['_GENERATION']._serialized_start=750
-  _globals['_GENERATION']._serialized_end=841
+  _globals['_GENERATEREQUEST']._serialized_end=415
+  _globals['_USAGE']._serialized_start=417
+  _globals['_USAGE']._serialized_end=497
+  _globals['_GENERATERESPONSE']._serialized_start=500
+  _globals['_GENERATERESPONSE']._serialized_end=703
+  _globals['_GENERATION']._serialized_start=800
+  _globals['_GENERATION']._serialized_end=891
 # @@protoc_insertion_point(module_scope)

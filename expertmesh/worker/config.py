@@ -104,7 +104,9 @@ class WorkerConfig:
         p.add_argument("--model", required=True, help="HF checkpoint directory (shared with the coordinator)")
         p.add_argument("--host", default=WorkerConfig.host)
         p.add_argument("--port", type=int, default=default_port, help="0 = a free port (printed)")
-        p.add_argument("--dtype", default=WorkerConfig.dtype, choices=list(DTYPES))
+        p.add_argument(
+            "--dtype", default=WorkerConfig.dtype, choices=list(DTYPES), help="the experts' compute dtype"
+        )
         p.add_argument(
             "--experts",
             default=WorkerConfig.experts,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from expertmesh import cores, tls
 from expertmesh.checkpoint import CheckpointReader
+from expertmesh.errors import BindError
 from expertmesh.experts import ExpertBackend
 from expertmesh.health import LIVENESS
 from expertmesh.metrics import serve_metrics
@@ -176,11 +178,12 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     )
     reflection.enable_server_reflection(names, server)
     # TLS (mutual with --tls-ca) when configured
-    port = tls.add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
-    if port == 0:
+    try:
+        port = tls.add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
+    except BindError:
         if data is not None:
             data.close()
-        raise OSError(f"could not bind {config.host}:{config.port}")
+        raise
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
@@ -234,8 +237,11 @@ def serve(config: WorkerConfig, backend: ExpertBackend, device_uuid: str = "") -
         return 0
 
     try:
-        import uvloop
-
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(main())
         return uvloop.run(main())
-    except ImportError:
-        return asyncio.run(main())
+    except BindError as e:  # one line naming the port and its flag, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -21,11 +21,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.lora import AdapterError
-from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError
+from coordinator.lora.service import (
+    AdapterNameError,
+    AdapterSlotsFull,
+    LoRANotFound,
+    LoRAPermissionError,
+    LoRAPushError,
+)
 from coordinator.serving.http.limits import BodyLimit
-from coordinator.serving.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from coordinator.serving.http.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorType
 from coordinator.serving.http.serving import Serving, adapter_names
 from expertmesh import auth
 from expertmesh.errors import Unauthenticated
@@ -40,6 +47,13 @@ def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
     app.add_middleware(
         BodyLimit, max_bytes=coord.request_limits.input.max_body_bytes, on_refused=coord.metrics.invalid
     )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # NOTE: unknown routes and methods answer OpenAI's error object, as every other error
+        kind: ErrorType = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        what = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(APIError(exc.status_code, what, kind).body(), status_code=exc.status_code)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -56,7 +70,7 @@ def create_app(coord: Any, model_name: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if coord.experts_ready:
+        if coord.serving():  # NOTE: the gRPC health service publishes the same function
             return Response(status_code=200)
         return JSONResponse(
             APIError(503, f"expert servers are not ready: {coord.expert_state()}", "service_unavailable_error").body(),
@@ -152,12 +166,19 @@ _LORA_HTTP = ((LoRAPermissionError, 403), (LoRANotFound, 404), (AdapterError, 40
               (TimeoutError, 504))  # fmt: skip
 
 
+# the request field each refusal is about (first match); an AdapterError otherwise is the
+# adapter found at lora_path (unreadable, malformed, not made for this model)
+_LORA_PARAM = ((LoRAPermissionError, "lora_path"), (AdapterNameError, "lora_name"), (AdapterSlotsFull, None),
+               (LoRANotFound, "lora_name"), (TimeoutError, "lora_name"), (AdapterError, "lora_path"))  # fmt: skip
+
+
 async def _lora_call(fn: Any, *args: str) -> None:
     try:
         await asyncio.to_thread(fn, *args)
     except tuple(kind for kind, _ in _LORA_HTTP) as e:
         status = next(code for kind, code in _LORA_HTTP if isinstance(e, kind))
-        raise APIError(status, e.args[0] if e.args else str(e), param="lora_name") from None
+        param = next((p for kind, p in _LORA_PARAM if isinstance(e, kind)), None)
+        raise APIError(status, e.args[0] if e.args else str(e), param=param) from None
 
 
 async def _disconnected(request: Request) -> None:

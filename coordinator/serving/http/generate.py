@@ -40,6 +40,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     lora: str | None = None  # the LoRA adapter the request's ``model`` selected; None = base
+    prompt_text: str | None = None  # the prompt as given, when given as text (for ``echo``)
 
 
 async def make_job(
@@ -57,6 +58,7 @@ async def make_job(
     logprobs: bool,
     top_logprobs: int,
     lora: str = "",
+    prompt_logprobs: bool = False,
 ) -> Job:
     """Validates one request exactly as the gRPC API does; bad values raise a 400 APIError."""
     # NOTE: JSON's "\ud800" is a lone surrogate that protobuf refuses to hold (UnicodeEncodeError)
@@ -80,6 +82,7 @@ async def make_job(
         ignore_eos=ignore_eos,
         logprobs=logprobs or top_logprobs > 0,
         lora=lora,
+        prompt_logprobs=prompt_logprobs,
     )
     if max_tokens is not None:
         req.max_new_tokens = max_tokens
@@ -94,7 +97,7 @@ async def make_job(
         coord.metrics.invalid()
         # the gRPC field names in the shared messages, in OpenAI's words
         raise APIError(400, str(e).replace("max_new_tokens", "max_tokens")) from None
-    return Job(ids, dataclasses.replace(params, top_logprobs=top_logprobs), lora or None)
+    return Job(ids, dataclasses.replace(params, top_logprobs=top_logprobs), lora or None, prompt)
 
 
 async def chat_prompt_ids(coord: Any, text: str) -> list[int]:

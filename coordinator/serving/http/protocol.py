@@ -23,7 +23,8 @@ class _Sampling(BaseModel):
 
     model: str
     n: int = Field(default=1, ge=1, le=16)
-    max_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)  # int32 in the gRPC message
+    # int32 in the gRPC message; 0 only for /v1/completions with echo (scores the prompt)
+    max_tokens: int | None = Field(default=None, ge=0, le=_INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=_INT32_MAX)  # extension; 0 or -1 = no limit

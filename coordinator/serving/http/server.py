@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from coordinator.serving.http.app import create_app
+from expertmesh.errors import BindError
 
 log = logging.getLogger("expertmesh.http")
 
@@ -51,7 +52,7 @@ async def start_http(coord: Any, host: str, port: int) -> HttpServer:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(f"HTTP server: could not bind {host}:{port}: {e.strerror}") from None
+        raise BindError(f"{host}:{port}", "--http-port", e.strerror or "") from None
     sock.set_inheritable(True)
     # HTTPS with the gRPC port's certificate when the coordinator has one (--tls-cert)
     tls = getattr(coord.config, "tls", None)

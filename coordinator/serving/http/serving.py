@@ -28,11 +28,22 @@ from coordinator.serving.scheduler import Output
 class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens its request found in the prefix cache
+    prompt: str | None = None  # the echoed prompt's text, once echoed
+
+    def echo(self, text: str, prompt_ids: list[int], first: Output) -> None:
+        """Puts the prompt before the completion (``echo``): its text, and with the request's
+        prompt logprobs its tokens, ``null`` for the first (no context), then one each."""
+        self.prompt = text
+        self.text = text + self.text
+        if first.prompt_logprobs is not None:
+            self.token_ids = prompt_ids + self.token_ids
+            self.logprobs = [None, *first.prompt_logprobs] + self.logprobs
+            self.top = [None, *first.prompt_top_logprobs] + self.top
 
     def add(self, out: Output) -> None:
         self.text += out.text
@@ -58,19 +69,31 @@ class Serving:
         if not self.coord.experts_ready:  # checked here too, before a stream's 200 goes out
             raise APIError(503, f"expert servers are not ready: {self.coord.expert_state()}",
                            "service_unavailable_error")  # fmt: skip
-        if req.frequency_penalty or req.presence_penalty:
-            raise APIError(400, "frequency_penalty and presence_penalty are not supported", param="penalty")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, name):
+                self.coord.metrics.invalid()
+                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+        if req.max_tokens == 0 and not getattr(req, "echo", False):
+            self.coord.metrics.invalid()
+            raise APIError(400, "max_tokens 0 needs echo: true (to score the prompt)", param="max_tokens")
         if req.model == self.model_name:
             return ""
         adapters = adapter_names(self.coord)
         if req.model in adapters:
             return req.model
         known = [self.model_name, *adapters]
+        self.coord.metrics.invalid()
         raise APIError(404, f"the model {req.model!r} does not exist; served: {known}", "not_found_error",
                        param="model", code="model_not_found")  # fmt: skip
 
     async def _jobs(
-        self, prompts: list[dict[str, Any]], req: Any, lora: str, top_logprobs: int, logprobs: bool
+        self,
+        prompts: list[dict[str, Any]],
+        req: Any,
+        lora: str,
+        top_logprobs: int,
+        logprobs: bool,
+        prompt_logprobs: bool = False,
     ):
         jobs: list[Job] = []
         for p in prompts:
@@ -89,6 +112,7 @@ class Serving:
                         logprobs=logprobs,
                         top_logprobs=top_logprobs,
                         lora=lora,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         return jobs
@@ -113,11 +137,11 @@ class Serving:
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         lora = self._check_common(req)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         prompts = _completion_prompts(req.prompt)
         n_top = req.logprobs or 0
-        jobs = await self._jobs(prompts, req, lora, n_top, req.logprobs is not None)
+        # the prompt's logprobs come back too (max_tokens 0: the prefill is all that runs)
+        scored = req.echo and (req.logprobs is not None or req.max_tokens == 0)
+        jobs = await self._jobs(prompts, req, lora, n_top, req.logprobs is not None, scored)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
@@ -125,6 +149,8 @@ class Serving:
         choices = [Choice() for _ in jobs]
         async with aclosing(run_jobs(self.coord, jobs)) as it:
             async for i, out in it:
+                if req.echo and choices[i].prompt is None:
+                    choices[i].echo(self._echo(jobs[i]), jobs[i].prompt_ids, out)
                 choices[i].add(out)
         body = [
             {
@@ -139,13 +165,26 @@ class Serving:
         ]
         return {**head, "choices": body, "usage": self._usage(jobs, choices, req.n)}
 
+    def _echo(self, job: Job) -> str:
+        """The prompt's text, for ``echo`` (decoded from its ids when given as ids)."""
+        if job.prompt_text is not None:
+            return job.prompt_text
+        tok = self.coord.tokenizer
+        return tok.tok.decode(job.prompt_ids, skip_special_tokens=False) if tok is not None else ""
+
     def _completion_logprobs(self, ids, lps, top, offset: int, n_top: int) -> dict[str, Any]:
+        """OpenAI's ``logprobs`` object; a ``None`` in ``lps`` / ``top`` (the echoed prompt's
+        first token, which has no context) stays ``null``."""
         tokens = [self._token_text(t) for t in ids]
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        tops = [{self._token_text(t): lp for t, lp in row} for row in top] if n_top else None
+        tops = (
+            [None if row is None else {self._token_text(t): lp for t, lp in row} for row in top]
+            if n_top
+            else None
+        )
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _stream_completions(self, jobs, req: CompletionRequest, head) -> AsyncIterator[str]:
@@ -159,14 +198,18 @@ class Serving:
             async for i, out in it:
                 c = choices[i]
                 offset = len(c.text)
+                part = Choice()  # this event's: the echoed prompt first, if asked
+                if req.echo and c.prompt is None:
+                    text = self._echo(jobs[i])
+                    c.echo(text, jobs[i].prompt_ids, out)
+                    part.echo(text, jobs[i].prompt_ids, out)
                 c.add(out)
+                part.add(out)
                 lp = None
                 if req.logprobs is not None:
-                    lp = self._completion_logprobs(
-                        out.token_ids, out.logprobs, out.top_logprobs, offset, n_top
-                    )
-                if out.text or out.finish_reason is not None or lp is not None:
-                    choice = {"index": i, "text": out.text, "logprobs": lp, "finish_reason": c.finish_reason}
+                    lp = self._completion_logprobs(part.token_ids, part.logprobs, part.top, offset, n_top)
+                if part.text or out.finish_reason is not None or lp is not None:
+                    choice = {"index": i, "text": part.text, "logprobs": lp, "finish_reason": c.finish_reason}
                     yield _sse({**head, "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
             yield _sse({**head, "choices": [], "usage": self._usage(jobs, choices, req.n)})
