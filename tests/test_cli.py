@@ -96,6 +96,16 @@ def start_up(*args: str) -> subprocess.Popen:
     )
 
 
+def server_ports(stderr) -> list[int]:
+    """The expert servers' ports from ``up``'s banner on stderr, after the topology and loading
+    lines that come first (``  gpu expert server 127.0.0.1:P, cpu expert server 127.0.0.1:Q``)."""
+    for line in stderr:
+        found = re.findall(r"expert server 127\.0\.0\.1:(\d+)", line)
+        if found:
+            return [int(p) for p in found]
+    return []
+
+
 def test_up_generate_and_clean_shutdown(model):
     up = start_up("--model", str(model), "--device", "cpu", "--threads", "1")
     try:
@@ -104,7 +114,7 @@ def test_up_generate_and_clean_shutdown(model):
         m = re.search(r"expertmesh is serving on (\S+):(\d+)", line)
         assert m, f"no address line: {line!r}; stderr:\n{up.stderr.read() if up.poll() is not None else ''}"
         addr, port = f"{m.group(1)}:{m.group(2)}", int(m.group(2))
-        ports = [port] + [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", up.stderr.readline())]
+        ports = [port, *server_ports(up.stderr)]
         assert len(ports) == 3
         kids = children_of(up.pid)
         assert len(kids) == 3
@@ -150,11 +160,19 @@ def test_generate_reports_unreachable_server():
 
 
 def test_up_fails_cleanly_when_a_child_dies(model):
-    # 9 GPU experts of 8: the coordinator refuses the placement and exits
-    up = start_up("--model", str(model), "--device", "cpu", "--num-gpu-experts", "9")
+    # the expert servers start; the coordinator cannot read its placement file and exits
+    missing = model / "no-such-placement.json"
+    up = start_up("--model", str(model), "--device", "cpu", "--coordinator-args", f"--placement {missing}")
     out, err = up.communicate(timeout=120)
     assert up.returncode == 1, (out, err)
     assert "coordinator exited" in err and "serving" not in out
+    assert serving_processes(model) == []
+
+
+def test_up_refuses_more_gpu_experts_than_the_model_has(model):
+    up = start_up("--model", str(model), "--device", "cpu", "--num-gpu-experts", "9")
+    out, err = up.communicate(timeout=120)
+    assert up.returncode == 2 and "--num-gpu-experts 9 outside [0, 8]" in err, (out, err)
     assert serving_processes(model) == []
 
 

@@ -73,7 +73,9 @@ def test_local_gpu_bf16_demo_model(tmp_path):
     ids = tok.encode(corpus[5000:9000]).ids[:512]
     cpu = start_server("cpu", path, 0, "--dtype", "bfloat16")
     ne = CheckpointReader(path).config.num_experts
-    eng, d = local_engine(path, ClusterConfig(servers(cpu), num_gpu_experts=ne // 2), "cuda", torch.bfloat16)
+    eng, d = local_engine(
+        path, ClusterConfig(servers(cpu), num_gpu_experts=ne // 2), "cuda", torch.bfloat16, pages=160
+    )
     try:
         got = eng.step([(eng.new_seq(), ids)], all_logits=True)[0].cpu()
         hf = (
@@ -121,4 +123,6 @@ def test_up_on_a_gpu_serves_from_the_coordinator(extra):
         assert "experts 0..3 of each layer in the coordinator's process" in line, line
     else:
         assert "every expert in the coordinator's process" in line, line
-    assert out.stdout.startswith("the cat") and len(out.stdout.split()) > 2, out.stdout
+    banner, _, text = out.stdout.partition("\n")  # "expertmesh is serving on HOST:PORT", then the text
+    assert banner.startswith("expertmesh is serving on "), out.stdout
+    assert text.startswith("the cat") and len(text.split()) > 2, out.stdout

@@ -17,7 +17,7 @@ from coordinator.model.engine import Engine
 from expertmesh import health
 from expertmesh.client import Client
 from expertmesh.tls import TLSConfig
-from tests.test_cli import ENV, ROOT, model, start_up  # noqa: F401 (fixture)
+from tests.test_cli import ENV, ROOT, model, server_ports, start_up  # noqa: F401 (fixture)
 from tests.test_cluster_faults import run_steps
 
 
@@ -45,7 +45,7 @@ def test_up_with_tls_serves_tls_clients_only(model, tmp_path):  # noqa: F811
         m = re.search(r"expertmesh is serving on (\S+):(\d+)", line)
         assert m, f"no address line: {line!r}; stderr:\n{up.stderr.read() if up.poll() is not None else ''}"
         addr = f"{m.group(1)}:{m.group(2)}"
-        servers = re.findall(r"127\.0\.0\.1:\d+", up.stderr.readline())
+        servers = server_ports(up.stderr)
         assert len(servers) == 2, servers
 
         eng = Engine.from_checkpoint(str(model))
