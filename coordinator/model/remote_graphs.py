@@ -227,10 +227,6 @@ class RemoteDecodeGraphs(DecodeGraphs):
 
     # ------------------------------------------------------------ the device link
 
-    # NOTE: under inference mode, as an eager step is (CausalLM.forward): the host dispatch
-    # between two segments runs the coordinator's own experts (coordinator/experts/local.py),
-    # whose buffers an eager step may have made as inference tensors
-    @torch.inference_mode()
     def run(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:  # [b, V] float32
         b = len(seqs)
         bucket = self.bucket(b)
@@ -238,7 +234,13 @@ class RemoteDecodeGraphs(DecodeGraphs):
         self._fill(seqs, bucket)
         logits = self._replay_linked(bucket, b)
         if logits is None:  # no link, refused, or failed: the piecewise chain (same metadata)
-            self._replay(bucket, b)
+            # NOTE: under inference mode, as an eager step's dispatch is (CausalLM.forward): the
+            # host dispatch between segments runs the coordinator's own experts
+            # (coordinator/experts/local.py), whose buffers an eager step may have made as
+            # inference tensors. Not the linked replay: the link's areas are written by the
+            # connection's thread, outside inference mode.
+            with torch.inference_mode():
+                self._replay(bucket, b)
             logits = self.logits[bucket]
         return logits[:b].clone()
 
