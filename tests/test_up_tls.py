@@ -45,7 +45,7 @@ def test_up_with_tls_serves_tls_clients_only(model, tmp_path):  # noqa: F811
         m = re.search(r"expertmesh is serving on (\S+):(\d+)", line)
         assert m, f"no address line: {line!r}; stderr:\n{up.stderr.read() if up.poll() is not None else ''}"
         addr = f"{m.group(1)}:{m.group(2)}"
-        servers = server_ports(up.stderr)
+        servers = [f"127.0.0.1:{p}" for p in server_ports(up.stderr)]
         assert len(servers) == 2, servers
 
         eng = Engine.from_checkpoint(str(model))
