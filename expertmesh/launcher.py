@@ -252,6 +252,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     for flag, typ, text in _COORDINATOR_FLAGS:
         g.add_argument(flag, type=typ, default=None, help=text)
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="recompute shared prompt prefixes (the cache is on by default)",
+    )
     x = p.add_argument_group("any other flag of a child: one shell-quoted string each, appended last")
     x.add_argument("--coordinator-args", default="", metavar="ARGS", help='e.g. "--placement p.json"')
     x.add_argument("--gpu-server-args", default="", metavar="ARGS", help='e.g. "--no-cuda-graphs"')
@@ -392,6 +397,8 @@ def coordinator_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]
+    if getattr(args, "no_prefix_cache", False):
+        out.append("--no-prefix-cache")
     return out
 
 

@@ -114,3 +114,11 @@ def test_kv_memory_sizes():
     assert topology.parse_size("4GiB") == 4 << 30
     with pytest.raises(ValueError):
         topology.parse_size("lots")
+
+
+def test_up_passes_the_flags_it_takes_on_to_the_coordinator(tmp_path):
+    got = launcher.coordinator_flags(
+        _args("--eplb-interval-steps", "50", "--no-prefix-cache", "--lora-dir", str(tmp_path))
+    )
+    assert got == ["--lora-dir", str(tmp_path.resolve()), "--eplb-interval-steps", "50", "--no-prefix-cache"]
+    assert launcher.coordinator_flags(_args()) == []
