@@ -60,9 +60,9 @@ def test_tcp_matches_hf_for_every_architecture(arch, tmp_path):
         srv.stop()
 
 
+# one architecture over two servers is enough: every one runs over tcp above
+@pytest.mark.parametrize("cluster", ["qwen3_moe"], indirect=True)
 def test_tcp_split_over_two_servers_matches_hf(cluster):  # noqa: F811
-    if cluster[0] != "qwen3_moe":
-        pytest.skip("one architecture over two servers is enough (every one runs above)")
     infos = check_cluster_matches_hf(cluster, "split", transport="tcp")
     assert [i["transport"] for i in infos] == ["tcp", "tcp"], infos
 
