@@ -50,6 +50,19 @@ def test_a_busy_port_is_one_line_naming_it_and_its_flag(model, command):
     assert f"127.0.0.1:{port}" in line and "--port" in line, line
 
 
+@pytest.mark.slow
+def test_a_busy_data_port_is_one_line_naming_it_and_its_flag(model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = cli("cpu-server", "--model", str(model), "--port", "0", "--data-port", str(port))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert f"127.0.0.1:{port}" in line and "--data-port" in line, line
+
+
 def test_a_plaintext_client_at_a_tls_server_is_told_to_pass_the_ca(tmp_path):
     from tests.tls_utils import CA
 

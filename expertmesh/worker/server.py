@@ -146,7 +146,10 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     data = None
     if config.tcp:
         # NOTE: the gRPC port's host and certificate; its token checks happen in the handshake
-        data = DataListener(config.host, config.data_port, tcp.server_context(config.tls))
+        try:
+            data = DataListener(config.host, config.data_port, tcp.server_context(config.tls))
+        except OSError as e:  # one line naming the port and its flag, as for --port
+            raise BindError(f"{config.host}:{config.data_port}", "--data-port", e.strerror or "") from None
     servicer = ExpertWorkerServicer(
         slots,
         backend,
