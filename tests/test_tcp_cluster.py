@@ -160,13 +160,15 @@ def test_auto_takes_tcp_when_the_server_has_another_dev_shm(tmp_path):
 
     from tests.cluster_utils import _LISTEN, ServerProc, spawn
 
+    # NOTE: a machine that cannot run this fails it, saying why (util-linux's unshare and root,
+    # as CI has): a skip here would hide the container case
     if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1)")
+        pytest.fail("needs unshare(1) (util-linux) to give a server its own /dev/shm")
     probe = subprocess.run(
         ["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True
     )
     if probe.returncode != 0:
-        pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.decode().strip()}")
+        pytest.fail(f"cannot mount a private /dev/shm here (needs root): {probe.stderr.decode().strip()}")
     hf = make_checkpoint("qwen3_moe", tmp_path)
     inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -m expertmesh.cli cpu-server --model {tmp_path} --port 0"
     proc, lines, m = spawn(["unshare", "-m", "sh", "-c", inner], _LISTEN, 60.0)
