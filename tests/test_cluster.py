@@ -16,7 +16,7 @@ from expertmesh.checkpoint import CheckpointReader
 from expertmesh.v1 import expert_worker_pb2 as pb
 from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint
-from tests.test_parity import DECODE_STEPS, hf_greedy, rel_err
+from tests.test_parity import DECODE_STEPS, assert_greedy_matches_hf
 
 pytestmark = pytest.mark.slow
 
@@ -90,18 +90,7 @@ def check_cluster_matches_hf(cluster, which: str, **cluster_args) -> list[dict]:
     cpu_tokens_before = cpu_conn.stub.Stats(pb.StatsRequest()).tokens
     try:
         prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
-        sid = eng.new_seq()
-        full = eng.step([(sid, prompt.tolist())], all_logits=True)[0]
-        with torch.no_grad():
-            assert rel_err(full, hf(prompt[None]).logits[0]) < 1e-4
-            ref_toks, ref_logits = hf_greedy(hf, prompt, DECODE_STEPS)
-        toks, logits = [int(full[-1].argmax())], [full[-1]]
-        for _ in range(DECODE_STEPS - 1):
-            out = eng.step([(sid, [toks[-1]])])[0]
-            logits.append(out)
-            toks.append(int(out.argmax()))
-        assert toks == ref_toks
-        assert rel_err(torch.stack(logits), ref_logits) < 1e-4
+        assert_greedy_matches_hf(eng, hf, prompt)
         assert d.ready()
         cpu_tokens = cpu_conn.stub.Stats(pb.StatsRequest()).tokens - cpu_tokens_before
         moe_layers = len(CheckpointReader(path).config.moe_layer_ids)

@@ -24,7 +24,7 @@ from expertmesh.v1 import expert_worker_pb2 as pb
 from tests.cluster_utils import start_server
 from tests.hf_models import ARCHS, make_checkpoint
 from tests.test_deferral import DeferredHF
-from tests.test_parity import DECODE_STEPS, hf_greedy, rel_err
+from tests.test_parity import DECODE_STEPS, assert_greedy_matches_hf, rel_err
 
 DEFER_STEPS = 4
 
@@ -68,21 +68,6 @@ def replicas_file(path, num_experts: int) -> str:
     return str(f)
 
 
-def greedy_matches_hf(eng: Engine, hf, prompt: torch.Tensor) -> None:
-    sid = eng.new_seq()
-    full = eng.step([(sid, prompt.tolist())], all_logits=True)[0]
-    with torch.no_grad():
-        assert rel_err(full, hf(prompt[None]).logits[0]) < 1e-4
-        ref_toks, ref_logits = hf_greedy(hf, prompt, DECODE_STEPS)
-    toks, logits = [int(full[-1].argmax())], [full[-1]]
-    for _ in range(DECODE_STEPS - 1):
-        out = eng.step([(sid, [toks[-1]])])[0]
-        logits.append(out)
-        toks.append(int(out.argmax()))
-    assert toks == ref_toks
-    assert rel_err(torch.stack(logits), ref_logits) < 1e-4
-
-
 def cpu_tokens(cpu) -> int:
     import grpc
 
@@ -117,7 +102,7 @@ def check_matches_hf(hybrid, which: str) -> None:
     try:
         assert isinstance(d.conns[0], LocalConnection)
         prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
-        greedy_matches_hf(eng, hf, prompt)
+        assert_greedy_matches_hf(eng, hf, prompt)
         assert d.ready()
         local = d.conns[0]
         assert isinstance(local, LocalConnection)
@@ -140,7 +125,7 @@ def test_prefill_threshold_runs_a_big_prefill_wholly_in_process(hybrid):
     try:
         before = cpu_tokens(cpu)
         prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
-        greedy_matches_hf(eng, hf, prompt)
+        assert_greedy_matches_hf(eng, hf, prompt)
         moe_layers = len(CheckpointReader(path).config.moe_layer_ids)
         # the 12-token prefill never reached the CPU server; decode steps did
         assert cpu_tokens(cpu) - before <= (DECODE_STEPS - 1) * moe_layers

@@ -19,7 +19,7 @@ from tests.cluster_utils import start_server
 from tests.hf_models import ARCHS, make_checkpoint
 from tests.test_cluster import check_cluster_matches_hf, engine_for
 from tests.test_cluster import cluster as cluster  # noqa: F401  # NOTE: the fixture, per architecture
-from tests.test_parity import DECODE_STEPS, hf_greedy, rel_err
+from tests.test_parity import assert_greedy_matches_hf
 from tests.test_tcp_path import metric
 
 pytestmark = pytest.mark.slow
@@ -30,18 +30,7 @@ def greedy_matches_hf(path, hf, cfg: ClusterConfig) -> list[dict]:
     eng, d = engine_for(path, cfg)
     try:
         prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
-        sid = eng.new_seq()
-        full = eng.step([(sid, prompt.tolist())], all_logits=True)[0]
-        with torch.no_grad():
-            assert rel_err(full, hf(prompt[None]).logits[0]) < 1e-4
-            ref_toks, ref_logits = hf_greedy(hf, prompt, DECODE_STEPS)
-        toks, logits = [int(full[-1].argmax())], [full[-1]]
-        for _ in range(DECODE_STEPS - 1):
-            out = eng.step([(sid, [toks[-1]])])[0]
-            logits.append(out)
-            toks.append(int(out.argmax()))
-        assert toks == ref_toks
-        assert rel_err(torch.stack(logits), ref_logits) < 1e-4
+        assert_greedy_matches_hf(eng, hf, prompt)
         return d.server_infos()
     finally:
         d.close()
