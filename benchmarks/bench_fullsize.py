@@ -25,6 +25,8 @@ dtype is reused, and each row's CPU share is a subset of the row before, so noth
 - ``local25_int4`` / ``local50_int4`` / ``local75_int4``: ``--num-gpu-experts`` = 25/50/75% in
   the coordinator's process (``local``), the rest on that CPU server;
 - ``cpu_bf16``, ``local25_bf16`` ...: the same with bf16 CPU experts;
+- ``..._nolink`` (e.g. ``cpu_int4_nolink``): the same with the CPU server refusing the host link
+  (``EXPERTMESH_LINK=0``): the piecewise path, the baseline of the linked rows;
 - ``gpusrv50_int4``: half on a ``gpu-server`` on the coordinator's GPU (the older hybrid);
 - ``remote_T[_dUS][_mbN]``: every expert on a ``gpu-server`` on ``--remote-device`` (another GPU
   standing in for another machine) over ``--transport T`` (grpc, tcp, shm, auto); ``_dUS``: the
@@ -112,11 +114,13 @@ def _children(pid: int) -> list[int]:
     return out + [g for k in out for g in _children(k)]
 
 
-def spawn(name: str, cmd: list[str], pattern: re.Pattern, timeout: float, log: Path) -> Proc:
-    """Starts ``cmd`` (its output to ``log`` and kept), waits for ``pattern``."""
+def spawn(
+    name: str, cmd: list[str], pattern: re.Pattern, timeout: float, log: Path, env: dict | None = None
+) -> Proc:
+    """Starts ``cmd`` (its output to ``log`` and kept; ``env``: extra variables), waits for ``pattern``."""
     import threading
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     p = Proc(
         name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     )
@@ -200,6 +204,18 @@ def scrape(port: int) -> dict[str, tuple[float, float]]:
     return {k: (s, c) for k, (s, c) in out.items()}
 
 
+def counter(port: int, name: str) -> float:
+    """The value of counter ``name`` at ``port``'s /metrics (0 when absent)."""
+    if not port:
+        return 0.0
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return 0.0
+    m = re.search(rf"^{name} ([0-9.eE+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def per_layer_ms(before: dict, after: dict, prefix: str) -> dict[str, float]:
     """Mean ms per observation of each histogram named ``prefix`` between two scrapes."""
     out = {}
@@ -242,6 +258,7 @@ class Row:
     transport: str = ""  # remote rows: every expert on a gpu-server on --remote-device over this
     delay_us: int = 0  # remote rows: the data path through the delay proxy
     micro_batches: int = 0
+    link: bool = True  # the CPU server takes the host link (a ``_nolink`` row: EXPERTMESH_LINK=0)
 
 
 def parse_row(name: str) -> Row:
@@ -255,11 +272,11 @@ def parse_row(name: str) -> Row:
             raise SystemExit(f"row {name!r}: the delay proxy sits on the TCP data path only")
         return Row(name, None, 1.0, True, transport=r.group(1), delay_us=int(r.group(2) or 0),
                    micro_batches=int(r.group(3) or 0))  # fmt: skip
-    m = re.fullmatch(r"(cpu|local(\d+)|gpusrv(\d+))_(int4|int8|bf16)", name)
+    m = re.fullmatch(r"(cpu|local(\d+)|gpusrv(\d+))_(int4|int8|bf16)(_nolink)?", name)
     if not m:
         raise SystemExit(f"unknown row {name!r}")
     share = 0.0 if m.group(1) == "cpu" else int(m.group(2) or m.group(3)) / 100
-    return Row(name, m.group(4), share, gpu_server=m.group(3) is not None)
+    return Row(name, m.group(4), share, gpu_server=m.group(3) is not None, link=m.group(5) is None)
 
 
 class Bench:
@@ -268,12 +285,13 @@ class Bench:
         self.cli = [sys.executable, "-m", "expertmesh.cli"]
         self.log = Path(args.out) / "logs.txt"
         self.cpu: Proc | None = None
-        self.cpu_dtype: str | None = None
+        self.cpu_dtype: tuple[str, bool] | None = None  # (weight dtype, host link on)
         self.cpu_load_s = 0.0
 
-    def cpu_server(self, dtype: str) -> tuple[Proc, float]:
-        """The CPU server with ``dtype`` experts (reused while consecutive rows share it)."""
-        if self.cpu is not None and self.cpu_dtype == dtype and self.cpu.proc.poll() is None:
+    def cpu_server(self, dtype: str, link: bool = True) -> tuple[Proc, float]:
+        """The CPU server with ``dtype`` experts, taking the host link or not (reused while
+        consecutive rows share both)."""
+        if self.cpu is not None and self.cpu_dtype == (dtype, link) and self.cpu.proc.poll() is None:
             return self.cpu, 0.0
         if self.cpu is not None:
             self.cpu.stop()
@@ -283,9 +301,10 @@ class Bench:
         if dtype != "bf16":
             cmd += ["--weight-dtype", dtype]
         t0 = time.monotonic()
-        self.cpu = spawn(f"cpu-server {dtype}", cmd, _LISTEN, a.startup_timeout, self.log)
+        env = None if link else {"EXPERTMESH_LINK": "0"}
+        self.cpu = spawn(f"cpu-server {dtype}", cmd, _LISTEN, a.startup_timeout, self.log, env)
         wait_serving(f"127.0.0.1:{self.cpu.port}", a.startup_timeout, [self.cpu])
-        self.cpu_dtype = dtype
+        self.cpu_dtype = (dtype, link)
         self.cpu_load_s = time.monotonic() - t0
         return self.cpu, self.cpu_load_s
 
@@ -309,7 +328,7 @@ class Bench:
                          "--threads", str(a.coordinator_threads), "--http-port", "0"]  # fmt: skip
                 n = round(row.gpu_share * e)
                 if row.server_dtype is not None:
-                    cpu, res["server_load_s"] = self.cpu_server(row.server_dtype)
+                    cpu, res["server_load_s"] = self.cpu_server(row.server_dtype, row.link)
                     res["server_load_s"] = round(res["server_load_s"], 1)
                     flags += ["--cpu-server", f"127.0.0.1:{cpu.port}", "--num-gpu-experts", str(n)]
                     extra.append(cpu)
@@ -354,8 +373,10 @@ class Bench:
             )
             for b in a.batches:
                 m0 = scrape(co.http), scrape(srv_http)
+                linked0 = counter(co.http, "expertmesh_linked_decode_steps_total")
                 t = asyncio.run(tpot(addr, b, a.prompt, a.new_tokens, self.cfg["vocab"]))
                 m1 = scrape(co.http), scrape(srv_http)
+                res[f"linked_steps_b{b}"] = counter(co.http, "expertmesh_linked_decode_steps_total") - linked0
                 res[f"tpot_ms_b{b}"] = round(t * 1e3, 2)
                 res[f"tok_s_b{b}"] = round(b / t, 1)
                 res[f"round_trip_ms_b{b}"] = per_layer_ms(m0[0], m1[0], "expertmesh_expert_layer_round_trip")
@@ -381,7 +402,7 @@ class Bench:
 
 def table(results: list[dict], batches: list[int]) -> str:
     head = ["row", "load s", *(f"tok/s b{b}" for b in batches), *(f"TPOT ms b{b}" for b in batches),
-            "GPU MiB", "RSS GiB", "per-layer round trip ms (b1)", "server compute ms/layer (b1)"]  # fmt: skip
+            "linked steps", "GPU MiB", "RSS GiB", "per-layer round trip ms (b1)", "server compute ms/layer (b1)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "error" in r:
@@ -390,6 +411,7 @@ def table(results: list[dict], batches: list[int]) -> str:
         load = f"{r['load_s']}" + (f" (+{r['server_load_s']} server)" if r.get("server_load_s") else "")
         cells = [r["row"], load, *(str(r.get(f"tok_s_b{b}")) for b in batches),
                  *(str(r.get(f"tpot_ms_b{b}")) for b in batches),
+                 " / ".join(str(int(r.get(f"linked_steps_b{b}", 0))) for b in batches),
                  ", ".join(f"{k} {v}" for k, v in r["gpu_mib"].items()) or "n/a",
                  ", ".join(f"{k} {v}" for k, v in r["rss_gib"].items()),
                  ", ".join(f"{k} {v}" for k, v in r.get(f"round_trip_ms_b{batches[0]}", {}).items()) or "-",

@@ -298,3 +298,41 @@ def test_linked_decode_between_two_gpus(tmp_path, monkeypatch):
     if not torch.cuda.can_device_access_peer(0, 1):
         pytest.skip("cuda:0 has no peer access to cuda:1: no device link")
     _linked_decode(tmp_path, monkeypatch, "qwen3_moe", "cuda:1", "auto")
+
+
+def test_the_hybrid_slot_tables_split_between_local_and_one_server(tmp_path):
+    """A placement that splits every MoE layer's experts between the in-process member and one
+    CPU server links to that server, with two tables (here on the CPU): the server's slot of
+    each expert it holds (-1 for the local ones) and the local slot of the others."""
+    from coordinator.experts.cluster import ExpertCluster
+    from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+    from coordinator.experts.remote import RemoteDispatcher
+    from expertmesh.transport import negotiate
+    from tests.test_cluster_state import MODEL, FakeConn, FakeServer
+
+    model = SimpleNamespace(**vars(MODEL), top_k=2)
+    spec = {
+        "servers": ["local", "cpu0"],
+        "layers": {"0": {"local": [2, 0], "cpu0": [1, 3]}, "1": {"local": [3], "cpu0": [0, 2, 1]}},
+    }
+    (tmp_path / "p.json").write_text(json.dumps(spec))
+    specs = (ServerSpec.local(), ServerSpec("cpu0", "fake:2", "cpu"))
+    servers = {"local": FakeServer(), "cpu0": FakeServer()}
+    config = ClusterConfig(specs, num_gpu_experts=2, timeout_s=2.0, placement_file=str(tmp_path / "p.json"))
+    c = ExpertCluster(
+        MODEL,  # type: ignore[arg-type]
+        config,
+        "cpu",
+        connect=lambda s: FakeConn(s, servers[s.name]),
+        local_side=negotiate.Side("host"),
+    )
+    d = RemoteDispatcher(model, c.config, torch.float32, "cpu", expert_cluster=c)  # type: ignore[arg-type]
+    try:
+        d.connect(5)
+        d.begin_step(1)
+        assert d._link_server == 1 and d.link_local() is c.members[0].conn
+        # expert e of layer 0: local slots 0 (expert 2), 1 (expert 0); cpu0 slots 0 (1), 1 (3)
+        assert d.link_local_table.tolist() == [[1, -1, 0, -1], [-1, -1, -1, 0]]
+        assert d.link_table.tolist() == [[-1, 0, -1, 1], [0, 2, 1, -1]]
+    finally:
+        d.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,12 +99,18 @@ class RemoteDispatcher(Dispatcher):
         # the placement or the down servers change. Its address is captured in the linked graphs.
         self.link_table: torch.Tensor
         self._link_server: int | None = None  # that server (None: this placement cannot link)
+        # the hybrid linked step: [L_moe, E] int32 on our GPU, the in-process member's slot of
+        # each logical expert (-1: on the linked server), and that member's index; None: every
+        # expert of the step is on the linked server
+        self.link_local_table: torch.Tensor
+        self._link_local: int | None = None
         self.linked_steps = 0  # decode steps run over the link
         self.link_reruns = 0  # linked steps that failed (error bits) and ran again without it
         # NOTE: made on any device (tested on the CPU); only a CUDA coordinator offers a link
         self.link_table = torch.full(
             (len(ids), model_config.num_experts), -1, dtype=torch.int32, device=self.device
         )
+        self.link_local_table = torch.full_like(self.link_table, -1)
         if self.device.type == "cuda":
             for c in self.conns:
                 if isinstance(c, ServerConnection):
@@ -358,23 +365,48 @@ class RemoteDispatcher(Dispatcher):
     # ------------------------------------------------------------ the device link
 
     def _refresh_link_table(self) -> None:
-        """The linked path's slot table, when every MoE layer's live experts sit once each on
-        one and the same server (else no step links)."""
+        """The linked path's slot tables, when every MoE layer's live experts sit once each on
+        one and the same server, or split between that server and the in-process member
+        (``local``: the hybrid step computes its share inside the same graph). Else no step
+        links."""
         ids = self.cfg.moe_layer_ids
-        servers = {self._single[layer][0] for layer in ids if layer in self._single}
-        self._link_server = None
-        if len(servers) != 1 or any(layer not in self._single for layer in ids):
+        self._link_server = self._link_local = None
+        local = next((i for i, c in enumerate(self.conns) if getattr(c.spec, "in_process", False)), None)
+        owners: list[np.ndarray] = []  # per MoE layer, [E] the live owner of each expert
+        slots: list[np.ndarray] = []  # per MoE layer, [E] int32 its slot there
+        for layer in ids:
+            if layer in self._single:
+                server, local_slot = self._single[layer]
+                owners.append(np.full(local_slot.shape, server))
+                slots.append(local_slot)
+            elif layer in self._spread:
+                _, owner, local_slot, _ = self._spread[layer]
+                owners.append(owner)
+                slots.append(local_slot)
+            else:  # replicas or lost experts: the split is no static table
+                return
+        if not ids:
             return
-        table = torch.from_numpy(np.stack([self._single[layer][1] for layer in ids]))  # [L_moe, E]
-        # NOTE: between steps (begin_step): no linked graph reads it now
-        self.link_table.copy_(table)
-        self._link_server = servers.pop()
+        every = np.stack(owners)  # [L_moe, E]
+        remote = set(np.unique(every).tolist()) - {local}
+        if len(remote) != 1:  # every expert in process, or several servers
+            return
+        server = remote.pop()
+        slot = np.stack(slots).astype(np.int32)  # [L_moe, E]
+        on_server = torch.from_numpy(np.where(every == server, slot, -1).astype(np.int32))
+        on_local = torch.from_numpy(np.where(every == local, slot, -1).astype(np.int32))
+        # NOTE: between steps (begin_step): no linked graph reads them now
+        self.link_table.copy_(on_server)
+        self.link_local_table.copy_(on_local)
+        self._link_server = server
+        self._link_local = local if local is not None and bool((every == local).any()) else None
 
     def link_plan(self, rows: int) -> tuple[int, ServerConnection, LinkAreas] | None:
         """(server, connection, link) when this decode step of ``rows`` sequences may run over
-        the device link: every MoE layer on that one server (each expert once), a live link,
-        ``rows`` within its areas, no --cpu-defer-experts, no lost experts, not a full-server
-        step. None: the piecewise path."""
+        the device (or host) link: every MoE layer on that one server, or split between it and
+        the in-process member (:meth:`link_local`), each expert once, a live link, ``rows``
+        within its areas, no --cpu-defer-experts, no lost experts, not a full-server step.
+        None: the piecewise path."""
         if self._link_server is None or self._step is None:
             return None
         if self._deferred is not None or self._all_on_gpu or self._lost:
@@ -384,6 +416,11 @@ class RemoteDispatcher(Dispatcher):
         if lnk is None or rows > lnk.rows:
             return None
         return self._link_server, conn, lnk
+
+    def link_local(self) -> Any:
+        """The in-process member (coordinator/experts/local.py) that computes its share of a
+        hybrid linked step, or None (the linked server holds every expert)."""
+        return None if self._link_local is None else self.conns[self._link_local]
 
     def launch_link_step(self, server: int, conn: ServerConnection, step: int, rows: int, bucket: int) -> str:
         """Sends the step's LinkStep; "" when the server launched its step graph, else why not

@@ -112,11 +112,27 @@ class _LinkedStep:
 
 
 @dataclass
+class _LocalShare:
+    """The in-process member's share of a hybrid linked step (coordinator/experts/local.py):
+    its Triton backend, its slot table (the dispatcher's ``link_local_table``) and the live
+    generation's weights per MoE layer, whose addresses the graphs hold."""
+
+    inner: Any  # gpu_server/backend.py TritonExpertBackend
+    table: torch.Tensor  # [L_moe, E] int32: the local slot of each expert, -1 elsewhere
+    weights: list[tuple[torch.Tensor, torch.Tensor]]  # per MoE layer (w13 [S, 2I, H], w2 [S, H, I])
+    key: tuple  # (generation, the weights' addresses): new -> the graphs are captured again
+
+
+@dataclass
 class _LinkState:
-    """What the linked graphs of one link share: the link, its step word, the abort and error
-    words (ours), the padding mask, the graphs' own pool and each bucket's step."""
+    """What the linked graphs of one link share: the link, the areas as our device addresses
+    them (the link's own for a device link; mapped host memory for a host link), its step
+    word, the abort and error words (ours), the padding mask, the graphs' own pool and each
+    bucket's step."""
 
     link: LinkAreas
+    req: Any  # link.RequestViews on our device
+    ans: Any  # link.AnswerViews on our device
     step: StepWord
     abort: torch.Tensor  # [1] int64
     errors: torch.Tensor  # [1] int64: ERR_* bits of the step (zeroed by the graph)
@@ -124,23 +140,64 @@ class _LinkState:
     pad: torch.Tensor  # [Bm, 1] bool: rows >= b of the step (computed by the graph)
     pool: Any = None  # the graphs' own memory pool (torch.cuda.graph_pool_handle)
     steps: dict[int, _LinkedStep] = field(default_factory=dict)
+    mapped: Any = None  # host link: the HostMapped areas (unregistered when the link goes)
+    local_key: tuple | None = None  # the _LocalShare.key the graphs in ``steps`` were captured with
 
     @classmethod
     def new(cls, lnk: LinkAreas, device: torch.device, bm: int) -> _LinkState:
         from expertmesh.transport import link  # NOTE: Triton: CUDA coordinators only
 
+        assert lnk.ans is not None
+        req, ans, mapped = lnk.req, lnk.ans, None
+        if getattr(lnk, "host", False):
+            req, ans, mapped = _map_host_areas(lnk, device)
         st = cls(
             lnk,
+            req,
+            ans,
             link.StepWord(device),
             torch.zeros(1, dtype=torch.int64, device=device),
             torch.zeros(1, dtype=torch.int64, device=device),
             torch.arange(bm, device=device).view(bm, 1),
             torch.zeros(bm, 1, dtype=torch.bool, device=device),
             torch.cuda.graph_pool_handle(),
+            mapped=mapped,
         )
         # a dead channel ends a step in flight at once instead of at its timeout (ShmClient.kill)
         lnk.cancel = link.Canceller(st.abort)
         return st
+
+    def close(self) -> None:
+        """Drops the graphs and unmaps a host link's areas (the caller holds no replay)."""
+        self.steps.clear()
+        if self.mapped is not None:
+            from expertmesh.transport.cuda_ipc import CudaIpcError
+
+            try:
+                self.mapped.close()
+            except CudaIpcError as e:  # the segment may be gone already: nothing reads it now
+                log.info("host link areas: %s", e)
+            self.mapped = None
+
+
+def _map_host_areas(lnk: LinkAreas, device: torch.device) -> tuple[Any, Any, Any]:
+    """A host link's request and answer areas (shared memory, request first) as views on our
+    device: one registration over both, so that the graph writes and polls them over PCIe."""
+    from expertmesh.transport import cuda_ipc, link
+    from expertmesh.transport.host_map import HostMapped
+
+    assert lnk.ans is not None
+    r, h, k, dt = lnk.rows, lnk.hidden, lnk.top_k, lnk.dtype
+    start, ans_at = lnk.area.data_ptr(), lnk.ans.flag.data_ptr()
+    end = ans_at + link.answer_bytes(r, h, dt)
+    if not start < ans_at or ans_at - start < link.request_bytes(r, h, k, dt):
+        raise RuntimeError("the host link's answer area does not follow its request area")
+    span = cuda_ipc.wrap(start, end - start, torch.device("cpu"))  # [end - start] uint8, no copy
+    mapped = HostMapped(span, device)
+    dev = mapped.tensor
+    req = link.RequestViews.of(dev, r, h, k, dt)
+    ans = link.AnswerViews.of(dev[ans_at - start :], r, h, dt)
+    return req, ans, mapped
 
 
 class _Linker(Dispatcher):
@@ -148,10 +205,16 @@ class _Linker(Dispatcher):
     fills the request area and signals, the Pending's wait waits for the answer and copies it."""
 
     def __init__(
-        self, st: _LinkState, table: torch.Tensor, moe_index: dict[int, int], bucket: int, timeout_s: float
+        self,
+        st: _LinkState,
+        table: torch.Tensor,
+        moe_index: dict[int, int],
+        bucket: int,
+        timeout_s: float,
+        local: _LocalShare | None = None,
     ):
         self.st, self.table, self.moe_index = st, table, moe_index  # table: [L_moe, E] int32
-        self.bucket, self.timeout_s = bucket, timeout_s
+        self.bucket, self.timeout_s, self.local = bucket, timeout_s, local
         self.capturing = False  # False: the warm-up run (every op once, no flag kernel)
         self.ids: list[tuple[int, torch.Tensor]] = []
 
@@ -166,17 +229,17 @@ class _Linker(Dispatcher):
         from expertmesh.transport import link
 
         st, tb, i = self.st, self.bucket, self.moe_index[layer]
-        req, ans = st.link.req, st.link.ans
-        assert ans is not None
+        req, ans = st.req, st.ans
         step = st.step.step
         req.x[:tb].copy_(x)
-        ids = req.ids[:tb]  # [tb, K] int32: local slot of each (token, k); -1 for padding rows
+        ids = req.ids[:tb]  # [tb, K] int32: the server's slot of each (token, k); -1: padding, local
         torch.index_select(self.table[i], 0, topk_ids.reshape(-1), out=ids.view(-1))
         ids.masked_fill_(st.pad[:tb], -1)
         req.w[:tb].copy_(topk_weights)
         if self.capturing:
             link.signal(req.flag, step, i)
             self.ids.append((layer, topk_ids))
+        mine = self._local_share(i, x, topk_ids, topk_weights)  # runs while the server computes
 
         def wait() -> torch.Tensor:  # [tb, H]
             if self.capturing:
@@ -184,9 +247,26 @@ class _Linker(Dispatcher):
             # NOTE: a copy into our memory now: the server reuses its area for the next layer
             routed = ans.out[:tb].to(dtype=x.dtype, copy=True)
             st.errors.bitwise_or_(ans.status)
+            if mine is not None:
+                routed.add_(mine)
             return routed
 
         return Pending(wait)
+
+    def _local_share(self, i: int, x, topk_ids, topk_weights) -> torch.Tensor | None:
+        """The in-process member's experts of MoE layer ``i`` (``[tb, H]``), queued after the
+        server's request went out; None when the server holds every expert."""
+        if self.local is None:
+            return None
+        from gpu_server.link_graphs import moe_into  # NOTE: Triton: CUDA coordinators only
+
+        tb = self.bucket
+        ids = torch.index_select(self.local.table[i], 0, topk_ids.reshape(-1)).view(tb, -1)
+        ids.masked_fill_(self.st.pad[:tb], -1)  # [tb, K] int32: -1 for the server's and padding
+        w13, w2 = self.local.weights[i]
+        out = torch.empty_like(x)  # [tb, H]
+        moe_into(self.local.inner, x, w13, w2, ids, topk_weights.to(torch.float32), out)
+        return out
 
 
 class RemoteDecodeGraphs(DecodeGraphs):
@@ -255,18 +335,33 @@ class RemoteDecodeGraphs(DecodeGraphs):
         with lnk.lock:  # NOTE: the channel's close() waits for it before unmapping the answer area
             if lnk.closed or lnk.ans is None or lnk is self._broken:
                 return None
+            share, why = self._local_share(d)
+            if why:
+                self._note(conn.spec.name, why)
+                return None
             st = self._link
             if st is None or st.link is not lnk:  # a new link: the old one's graphs go
+                if st is not None:
+                    st.close()
                 self._link = None
-                st = self._link = _LinkState.new(lnk, self.cache.k.device, self.buckets[-1])
+                try:
+                    st = self._link = _LinkState.new(lnk, self.cache.k.device, self.buckets[-1])
+                except RuntimeError as e:  # NOTE: the host link's mapping (CudaIpcError), CUDA errors
+                    log.error("%s: cannot map the link's areas: %s; this link is not used", conn.spec.name, e)
+                    self._broken = lnk
+                    return None
                 self.link_pool_bytes = 0
+            key = None if share is None else share.key
+            if st.local_key != key:  # the in-process member's weights moved: capture again
+                st.steps.clear()
+                st.local_key = key
             linked = st.steps.get(bucket)
             if linked is None:
                 dev = self.cache.k.device
                 torch.cuda.empty_cache()  # NOTE: the capture empties it too: measure from the same state
                 reserved = torch.cuda.memory_reserved(dev)
                 try:
-                    linked = st.steps[bucket] = self._capture_linked(st, bucket)
+                    linked = st.steps[bucket] = self._capture_linked(st, bucket, share)
                 except RuntimeError as e:  # NOTE: torch's CUDA errors (capture, out of memory)
                     log.error("%s: cannot capture the linked decode step (bucket %d): %s; this "
                               "link is not used", conn.spec.name, bucket, e)  # fmt: skip
@@ -277,9 +372,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
             lnk.next_step += 1
             why = d.launch_link_step(server, conn, step, b, bucket)
             if why:
-                if why != self._link_note:
-                    log.info("%s: decode step without the device link: %s", conn.spec.name, why)
-                    self._link_note = why
+                self._note(conn.spec.name, why)
                 return None
             st.step.set(step, b)
             linked.graph.replay()
@@ -301,7 +394,27 @@ class RemoteDecodeGraphs(DecodeGraphs):
                 self.load_hook(layer, ids[:b])
         return linked.logits
 
-    def _capture_linked(self, st: _LinkState, bucket: int) -> _LinkedStep:
+    def _note(self, name: str, why: str) -> None:
+        if why != self._link_note:
+            log.info("%s: decode step without the link: %s", name, why)
+            self._link_note = why
+
+    def _local_share(self, d: RemoteDispatcher) -> tuple[_LocalShare | None, str]:
+        """The in-process member's share of a hybrid linked step (None: no share), or why this
+        step cannot link."""
+        member = d.link_local()
+        if member is None:
+            return None, ""
+        worker = member.worker
+        inner = getattr(worker.backend, "inner", worker.backend)
+        if type(inner).__name__ != "TritonExpertBackend":
+            return None, f"the in-process experts' {worker.backend.name} backend has no capturable MoE"
+        live = worker.slots.live
+        weights = [(live.layers[i].w13, live.layers[i].w2) for i in worker.slots.moe_layers]
+        key = (live.generation, tuple((a.data_ptr(), b.data_ptr()) for a, b in weights))
+        return _LocalShare(inner, d.link_local_table, weights, key), ""
+
+    def _capture_linked(self, st: _LinkState, bucket: int, share: _LocalShare | None = None) -> _LinkedStep:
         """Captures ``bucket``'s whole step over ``st``'s link: a warm-up run first (every op
         once, outside any capture, with no flag kernel: link.py's NOTE on lazy loading), on
         padding metadata (K/V writes go to the scratch row); the step's metadata is restored."""
@@ -309,7 +422,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
         saved = [(blk.dispatcher, blk.load_hook) for blk in blocks]
         meta = self.meta.clone()
         linker = _Linker(
-            st, self.dispatcher.link_table, self._moe_index, bucket, self.dispatcher.cluster.timeout_s
+            st, self.dispatcher.link_table, self._moe_index, bucket, self.dispatcher.cluster.timeout_s, share
         )
         graph = torch.cuda.CUDAGraph()
         try:

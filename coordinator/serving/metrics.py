@@ -256,6 +256,18 @@ class _StateCollector(Collector):
         yield _gauge(
             "expertmesh_placement_generation", "Generation of the live expert placement", _generation(c)
         )
+        d = getattr(c, "dispatcher", None)
+        if hasattr(d, "linked_steps"):
+            yield _counter(
+                "expertmesh_linked_decode_steps",
+                "Decode steps run as one graph over a device or host link (no host work per layer)",
+                d.linked_steps,
+            )
+            yield _counter(
+                "expertmesh_link_reruns",
+                "Linked decode steps that failed on the link and ran again without it",
+                d.link_reruns,
+            )
 
 
 def _server_infos(coord: Any) -> list[dict]:
