@@ -70,8 +70,10 @@ class Proc:
                 self.proc.wait(10)
 
 
-def start(cmd: list[str], pattern: str, threads: int, timeout: float = 300.0) -> Proc:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+def start(
+    cmd: list[str], pattern: str, threads: int, timeout: float = 300.0, env: dict | None = None
+) -> Proc:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (open as long as the child runs)
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     assert p.stdout is not None
@@ -150,7 +152,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--coord-flags", default="", help="extra coordinator flags, one string")
     ap.add_argument("--server-flags", default="", help="extra expert-server flags, one string")
+    ap.add_argument(
+        "--device-link",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the server's device link (auto: off when both coordinators share a GPU)",
+    )
     args = ap.parse_args()
+    # NOTE: two coordinators on one GPU, each with a device link, time-slice that GPU between
+    # two contexts whose step graphs spin on link flags (expertmesh/transport/link.py): a
+    # measured 10x loss (441 -> 45 tok/s at c=8, full size, 2x H200). Off, every coordinator
+    # runs the piecewise path, the same for the one-coordinator row of the comparison.
+    shared_gpu = args.coord_devices[0] == args.coord_devices[1] and args.coord_devices[0].startswith("cuda")
+    link_off = args.device_link == "off" or (args.device_link == "auto" and shared_gpu)
+    server_env = {"EXPERTMESH_LINK": "0"} if link_off else None
+    print(f"device link: {'off' if link_off else 'on'}", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.widths:
@@ -176,7 +192,12 @@ def main() -> None:
                 # NOTE: a fresh server per run: its counts and caches start from the same state
                 server_cmd = [*cli, "gpu-server", "--model", str(model), "--port", "0"]
                 server_cmd += ["--device", args.server_device, *args.server_flags.split()]
-                server = start(server_cmd + (["--combine-streams"] if combine else []), LISTEN, args.threads)
+                server = start(
+                    server_cmd + (["--combine-streams"] if combine else []),
+                    LISTEN,
+                    args.threads,
+                    env=server_env,
+                )
                 coords: list[Proc] = []
                 try:
                     for dev in devs:
