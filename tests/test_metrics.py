@@ -116,6 +116,9 @@ def test_counters_move_with_requests(cluster):
     assert total(c1, "expertmesh_placement_generation") >= 1
     assert total(c1, "expertmesh_placement_generation") == total(w1, "expertmesh_worker_placement_generation")
     assert total(w1, "expertmesh_worker_slots_used", layer="0") == cfg.num_experts
+    # a CPU coordinator never links a decode step (the link is a CUDA graph's)
+    assert total(c1, "expertmesh_linked_decode_steps_total") == 0
+    assert ("expertmesh_link_reruns_total", ()) in c1
 
 
 def test_rejected_requests_counted_by_code(cluster):

@@ -256,7 +256,7 @@ class _StateCollector(Collector):
         yield _gauge(
             "expertmesh_placement_generation", "Generation of the live expert placement", _generation(c)
         )
-        d = getattr(c, "dispatcher", None)
+        d: Any = getattr(c, "dispatcher", None)
         if hasattr(d, "linked_steps"):
             yield _counter(
                 "expertmesh_linked_decode_steps",
