@@ -155,6 +155,43 @@ class CpuExpertBackend(ExpertBackend):
             return self._decode(x, w13, w2, slot_ids, weights, wcode)
         return self._by_expert(x, w13, w2, slot_ids, weights)
 
+    host_link = True  # open_link serves the host link (cpu_expert_server/hostlink.py)
+
+    def kernel_for(self, x_dtype: torch.dtype, t: int, k: int, w13: torch.Tensor) -> tuple[str, int]:
+        """Which C kernel :meth:`forward` runs for a call of ``t`` rows in ``x_dtype``, top-k
+        ``k``, over the packed ``w13 [S, 2I, row13]``, with ids of any values and no LoRA (the host link's plans are
+        built by it once per bucket): ("qa" moe_decode_qa | "amx" moe_amx_a | "decode"
+        moe_decode[_q] | "zero" nothing to compute | "" no C kernel or a choice that depends on
+        the ids, the weight code)."""
+        fmt = self.fmt
+        s = w13.shape[0]
+        if fmt is None or self.lib is None or x_dtype not in _QX_DTYPES:
+            return "", -1
+        if s == 0 or t == 0:
+            return "zero", -1
+        pairs = t * k
+        per_expert = pairs / max(1, min(s, pairs))
+        if self._qdec_limit() >= 0 and per_expert <= self._qlim:
+            return "qa", kernels.WDTYPE_CODE[fmt.wdtype]
+        wcode = kernels.WDTYPE_CODE[fmt.wdtype] if fmt.quantised else KERNEL_DTYPE_CODE.get(w13.dtype)
+        if wcode is None:
+            return "", -1
+        if self._use_amx(torch.empty(0, dtype=x_dtype), wcode, pairs, per_expert):
+            return "amx", wcode
+        limit = self.gemv_limit()
+        if limit > GEMV_MAX_TOKENS and per_expert > GEMV_MAX_TOKENS:  # forward recounts the pairs here
+            return "", -1
+        return ("decode", wcode) if per_expert <= limit else ("", -1)
+
+    def open_link(self, request, rows: int, hidden: int, top_k: int, dtype: torch.dtype, answer=None):
+        """The host link over the coordinator's ``request`` area and the ``answer`` area, both in
+        its shared-memory segment (cpu_expert_server/hostlink.py)."""
+        from cpu_expert_server.hostlink import HostLink  # NOTE: only where a link is offered
+
+        if answer is None:
+            raise ValueError("a CPU server's link needs the answer area in the coordinator's segment")
+        return HostLink(self, request, answer, rows, hidden, top_k, dtype)
+
     def _qdec_limit(self) -> float:
         """Mean tokens per expert up to which :meth:`forward` sends a call straight to the
         integer-dot decode kernel (-1: never, the format or CPU has no integer dots): the limit

@@ -44,6 +44,7 @@ import triton.language as tl
 from expertmesh.errors import InvalidRequest, Unavailable
 from expertmesh.experts import ExpertBackend
 from expertmesh.transport import link
+from expertmesh.transport.link_layout import StepReport as StepReport
 from gpu_server.backend import TritonExpertBackend
 from gpu_server.kernels import fused_moe
 
@@ -213,26 +214,6 @@ def run_layer(
 # layer in the worker) was most of a step's host launch time, on the coordinator's critical
 # path; the counts are cumulative on the GPU, so folding later loses none
 FOLD_EVERY = 16
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What the host learns of finished replays: the last one's step number and ERR_* bits,
-    and the pairs routed to each slot since the last report that carried counts (``counts[i]``
-    ``[S_i]`` for MoE layer position ``i``; padding and bad ids not counted; empty when this
-    report carries none: see FOLD_EVERY)."""
-
-    step: int
-    errors: int
-    counts: list[np.ndarray]
-
-    @property
-    def timed_out(self) -> bool:
-        return bool(self.errors & link.ERR_TIMEOUT)
-
-    @property
-    def bad_slots(self) -> bool:
-        return bool(self.errors & link.ERR_BAD_SLOT)
 
 
 class LinkGraphs:

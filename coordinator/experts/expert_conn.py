@@ -421,17 +421,22 @@ class ServerConnection:
         self._settle(st, fast, ack)
 
     def _link_offer(self, sync: str) -> tuple[int, int, int, torch.dtype] | None:
-        """The device link's (R, H, K, dtype) to offer on a cuda_ipc stream: between
+        """The link's (R, H, K, dtype) to offer: the device link on a cuda_ipc stream between
         two GPUs (sync "local": each side's spinning wait has its own GPU), on one GPU only
-        with EXPERTMESH_LINK=force (two processes' spinning kernels time-slice there)."""
+        with EXPERTMESH_LINK=force (two processes' spinning kernels time-slice there); the
+        host link on a shm stream to a CPU server (its areas in our segment, polled by a C
+        thread there: cpu_expert_server/hostlink.py)."""
         mode = self.cluster.device_link
         why = ""
+        cpu_server = self.info is not None and self.info.kind == "cpu"
         if self.link_shape is None or self.dtype is None:
             why = "not a CUDA coordinator's remote dispatcher"
         elif mode == "off":
             why = "EXPERTMESH_LINK=0"
+        elif self.plan == "shm" and cpu_server:
+            pass  # the host link
         elif self.plan != "cuda_ipc":
-            why = f"the data path is {self.plan}, not cuda_ipc"
+            why = f"the data path is {self.plan}, not cuda_ipc (or shm to a CPU server)"
         elif sync != "local" and mode != "force":
             why = "the server shares this GPU (EXPERTMESH_LINK=force links anyway)"
         self.link_note = why
@@ -525,7 +530,8 @@ class ServerConnection:
         if not self.link_note:  # offered; the server's answer says whether it is up
             self.link_note = fast.link_reason
             if fast.link is not None:
-                log.info("%s: device link up (%d rows)", self.spec.name, fast.link.rows)
+                kind = "host" if fast.link.host else "device"
+                log.info("%s: %s link up (%d rows)", self.spec.name, kind, fast.link.rows)
             else:
                 log.info("%s: no device link: %s", self.spec.name, fast.link_reason)
 

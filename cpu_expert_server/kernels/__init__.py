@@ -24,7 +24,7 @@ from pathlib import Path
 log = logging.getLogger("expertmesh.cpu_kernels")
 
 SOURCE = Path(__file__).with_name("moe_gemv.c")
-FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
+FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-pthread", "-fPIC", "-shared", "-Wno-psabi"]
 WDTYPE_CODE = {"bfloat16": 0, "int8": 1, "int4": 2}
 # capability bits of the C side (moe_gemv.c CAP_*), each needing all of its /proc/cpuinfo flags
 CAPS = {
@@ -121,6 +121,18 @@ def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | 
     if "AMX_PROFILE" in defines:
         lib.moe_amx_profile.argtypes = [p]
         lib.moe_amx_profile.restype = None
+    if hasattr(lib, "hl_open"):  # the host link's poller (moe_hostlink.c); not in older copies
+        q = ctypes.c_int64
+        lib.hl_open.argtypes = [p]
+        lib.hl_open.restype = p
+        lib.hl_start.argtypes = [p, p, i, i, q, q]
+        lib.hl_start.restype = i
+        lib.hl_cancel.argtypes = [p, q]
+        lib.hl_cancel.restype = None
+        lib.hl_wait.argtypes = [p, q, p]
+        lib.hl_wait.restype = i
+        lib.hl_close.argtypes = [p]
+        lib.hl_close.restype = None
     lib.moe_amx_init.argtypes = []
     lib.moe_amx_init.restype = i
     lib.moe_dot_kind.argtypes = [i, i, i, i, i, i, i]

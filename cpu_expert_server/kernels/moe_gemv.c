@@ -369,3 +369,4 @@ void dequant_rows(const uint8_t *rows, long rowbytes, int r_, int c, int wdtype,
 #include "moe_amx.c"
 #include "moe_amx_int8.c"
 #include "moe_amx_driver.c"
+#include "moe_hostlink.c"

@@ -7,6 +7,11 @@ the output in the room reserved for it. With ``cuda_ipc`` the hidden states go t
 GPU ring and the output comes back in the server's GPU ring, ordered by two interprocess
 events; only the routing block and the descriptors touch host memory.
 
+A link (expertmesh/transport/link.py) is offered with ``link=(R, H, K, dtype)``: over
+``cuda_ipc`` the device link (a request area on our GPU), over ``shm`` the host link (the
+request and answer areas appended to the segment, each on its own pages: a CPU server's C
+thread polls ours and writes its own). :attr:`ShmClient.link` is live once the server took it.
+
 Threads: ``send`` and ``Reply.result`` run on the caller's thread (the scheduler's); ``kill``
 may come from any thread (the gRPC reader that saw the stream die) and wakes a waiter through
 the response FIFO, which this side also holds open for writing.
@@ -30,10 +35,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from expertmesh import errors
+from expertmesh import errors, wire
 from expertmesh.net import device_uuid
 from expertmesh.transport import cuda_ipc, segment
 from expertmesh.transport import descriptor as dsc
+from expertmesh.transport import link_layout as ll
 from expertmesh.transport.errors import MalformedAnswer, Rejected
 from expertmesh.transport.handshake import Ack, CudaHello, Hello
 from expertmesh.transport.layout import (
@@ -119,6 +125,9 @@ class LinkAreas:
     # by coordinator/model/remote_graphs.py): called when this channel dies, so that a step in
     # flight does not spin until its timeout
     cancel: Callable[[int], None] | None = None
+    # a host link: both areas are CPU tensors over this channel's shared-memory segment (the
+    # request area ours to write, the answer area the CPU server's); False: the device link
+    host: bool = False
 
 
 class ShmClient:
@@ -137,6 +146,10 @@ class ShmClient:
         segment.sweep()
         self.name = segment.new_name()
         size = HEADER_BYTES + ring_bytes
+        host_link = None  # (request offset, answer offset, end) of a host link's areas
+        if transport == "shm" and link is not None:
+            host_link = ll.host_areas(size, link[0], link[1], link[2], link[3])
+            size = host_link[2]
         self._mm = segment.create(self.name, size)
         try:
             self._req_fd, self._resp_fd = segment.open_fifos(self.name)
@@ -172,6 +185,10 @@ class ShmClient:
         self._link: LinkAreas | None = None
         self.link_reason = "not offered"  # why there is no live link
         self._link_seqs: set[int] = set()  # link steps awaiting their answer: a refusal is no failure
+        self._host_offer: dict | None = None
+        if host_link is not None:
+            assert link is not None
+            self._offer_host_link(host_link, *link)
         if self.gpu:
             self._in_ring = Views(torch.empty(ring_bytes, dtype=torch.uint8, device=device))
             self._gpu_ring = Ring(ring_bytes)
@@ -189,6 +206,23 @@ class ShmClient:
                 device_uuid(self.device), cuda_ipc.share(self._in_ring.ring), ready, cuda_sync, offer
             )
 
+    def _offer_host_link(
+        self, where: tuple[int, int, int], rows: int, hidden: int, top_k: int, dtype: torch.dtype
+    ) -> None:
+        """The host link's areas after the ring (zeroed by the segment's creation) and its offer."""
+        req_off, ans_off, end = where
+        area = torch.frombuffer(self._mm, dtype=torch.uint8, offset=req_off, count=ans_off - req_off)
+        req = ll.RequestViews.of(area, rows, hidden, top_k, dtype)
+        self._link = LinkAreas(rows, hidden, top_k, dtype, req, area, host=True)
+        self._host_answer = torch.frombuffer(self._mm, dtype=torch.uint8, offset=ans_off, count=end - ans_off)
+        self._host_offer = {
+            "offset": req_off,
+            "rows": rows,
+            "hidden": hidden,
+            "top_k": top_k,
+            "dtype": wire.dtype_name(dtype),
+        }
+
     # ------------------------------------------------------------ handshake
 
     def hello(self) -> bytes:
@@ -200,6 +234,7 @@ class ShmClient:
             self._ring_bytes,
             self._token.hex(),
             self._cuda,
+            self._host_offer,
         ).encode()
 
     def accept(self, ack: Ack) -> None:
@@ -216,6 +251,8 @@ class ShmClient:
             self.gpu, self.transport = False, "shm"
             del self._in_ring, self._gpu_ring, self.ready_event
             self._pinned = cuda_ipc.register_host(self._host.ring, self.device)
+        elif self._host_offer is not None and ack.transport == "shm":
+            self._accept_host_link(ack)
         if self._link is not None and self._link.ans is None:
             self._link = None  # the request area goes
         assert ack.transport == self.transport, f"{ack.transport=} {self.transport=}"
@@ -249,6 +286,15 @@ class ShmClient:
             return
         lnk.ans, lnk.mapped = lk.AnswerViews.of(mapped.tensor, lnk.rows, lnk.hidden, lnk.dtype), mapped
         self.link_reason = ""
+
+    def _accept_host_link(self, ack: Ack) -> None:
+        lnk = self._link
+        assert lnk is not None and lnk.host
+        if ack.host_link.get("accepted") is True:
+            lnk.ans = ll.AnswerViews.of(self._host_answer, lnk.rows, lnk.hidden, lnk.dtype)
+            self.link_reason = ""
+        else:
+            self.link_reason = str(ack.host_link.get("reason") or "the server did not take the host link")
 
     @property
     def link(self) -> LinkAreas | None:
@@ -551,5 +597,6 @@ class ShmClient:
                     cuda_ipc.unregister_host(self._host.ring, self.device)
             self._host.clear()
             del self._host, self._words
+            self.__dict__.pop("_host_answer", None)
             with contextlib.suppress(BufferError):  # a caller still holds a view: it goes with that
                 self._mm.close()

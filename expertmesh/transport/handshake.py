@@ -19,12 +19,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from expertmesh import wire
 from expertmesh.transport.cuda_ipc import SYNC_MODES
+from expertmesh.transport.link_layout import host_areas
 from expertmesh.transport.segment import is_segment_name
 
 MAGIC = b"EMHS1"
 TRANSPORTS = ("grpc", "tcp", "shm", "cuda_ipc")  # slowest to fastest
 MAX_TCP_BUFFER = 1 << 30  # a tcp Hello's largest frame body
+LINK_DTYPES = ("bfloat16", "float16", "float32")  # a host link's payload dtypes (wire names)
 
 
 class HandshakeError(ValueError):
@@ -51,9 +54,16 @@ class Hello:
     ring_bytes: int
     token: str  # hex; also written in the segment's header: opening it proves a shared /dev/shm
     cuda: CudaHello | None = None
+    # the host link's offer (shm only; cpu_expert_server/hostlink.py): {"offset": where the
+    # request area starts in the segment (link_layout.host_areas: the answer area follows),
+    # "rows": R, "hidden": H, "top_k": K, "dtype": the areas' payload dtype}; None: no offer
+    host_link: dict | None = None
 
     def encode(self) -> bytes:
-        return MAGIC + json.dumps(asdict(self)).encode()
+        d = asdict(self)
+        if d["host_link"] is None:
+            del d["host_link"]  # NOTE: a server that predates the host link reads the rest
+        return MAGIC + json.dumps(d).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Hello:
@@ -83,6 +93,8 @@ class Hello:
             raise HandshakeError(f"fast-path handshake: unknown CUDA sync {hello.cuda.sync!r}")
         if hello.cuda is not None and hello.cuda.link is not None:
             _check_link(hello.cuda.link)
+        if hello.host_link is not None:
+            _check_host_link(hello)
         return hello
 
 
@@ -95,9 +107,14 @@ class Ack:
     cuda: dict = field(default_factory=dict)
     # tcp: {"port": the data listener's port, "tls": bool, "buffer": the largest frame body it takes}
     tcp: dict = field(default_factory=dict)
+    # with a host link offered: {"accepted": True}, or {"reason": why not}
+    host_link: dict = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return MAGIC + json.dumps(asdict(self)).encode()
+        d = asdict(self)
+        if not d["host_link"]:
+            del d["host_link"]  # NOTE: a coordinator that predates the host link reads the rest
+        return MAGIC + json.dumps(d).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Ack:
@@ -138,6 +155,33 @@ def _check_link(link: object) -> None:
         ok = ok and isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 1 << 16
     if not ok:
         raise HandshakeError("fast-path handshake: the link offer needs an area and positive rows, top_k")
+
+
+def _check_host_link(hello: Hello) -> None:
+    offer = hello.host_link
+    ints = ("offset", "rows", "hidden", "top_k")
+    ok = isinstance(offer, dict) and set(offer) == {*ints, "dtype"} and offer["dtype"] in LINK_DTYPES
+    if ok:
+        assert isinstance(offer, dict)
+        for name in ints:
+            v = offer[name]
+            ok = ok and isinstance(v, int) and not isinstance(v, bool) and (0 if name == "offset" else 1) <= v
+        ok = ok and offer["rows"] <= 1 << 16 and offer["top_k"] <= 1 << 16 and offer["hidden"] <= 1 << 20
+    if not ok:
+        raise HandshakeError(
+            "fast-path handshake: the host link offer needs offset, positive rows, hidden, top_k and a dtype name"
+        )
+    assert isinstance(offer, dict)
+    if hello.transport != "shm":
+        raise HandshakeError("fast-path handshake: a host link comes with shm only")
+    req, _, end = host_areas(
+        offer["offset"], offer["rows"], offer["hidden"], offer["top_k"], wire.DTYPES[offer["dtype"]]
+    )
+    if req < hello.ring_offset + hello.ring_bytes or end > hello.size:
+        raise HandshakeError(
+            f"fast-path handshake: the host link's areas [{req}, {end}) are not after the ring "
+            f"[{hello.ring_offset}, {hello.ring_offset + hello.ring_bytes}) inside the {hello.size}-byte segment"
+        )
 
 
 def _load(raw: bytes) -> dict:

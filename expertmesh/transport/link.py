@@ -38,71 +38,19 @@ Shapes: R rows, H hidden, K top-k.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from expertmesh.transport.layout import view
-
-STEP_SPAN = 1024  # > any model's MoE layer count
-ERR_TIMEOUT, ERR_BAD_SLOT = 1, 2
-_WORDS = 256  # bytes of flag/status words at the start of an area (payloads stay 256-aligned)
-_ALIGN = 256
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def request_bytes(rows: int, hidden: int, top_k: int, dtype: torch.dtype) -> int:
-    return _WORDS + _aligned(rows * hidden * dtype.itemsize) + 2 * _aligned(rows * top_k * 4)
-
-
-def answer_bytes(rows: int, hidden: int, dtype: torch.dtype) -> int:
-    return _WORDS + _aligned(rows * hidden * dtype.itemsize)
-
-
-def new_area(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A zeroed uint8 area (zero: no flag value yet)."""
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-
-
-@dataclass(frozen=True)
-class RequestViews:
-    flag: torch.Tensor  # [1] int64
-    x: torch.Tensor  # [R, H]
-    ids: torch.Tensor  # [R, K] int32: local slot ids, -1 = none
-    w: torch.Tensor  # [R, K] float32
-
-    @classmethod
-    def of(cls, buf: torch.Tensor, rows: int, hidden: int, top_k: int, dtype: torch.dtype) -> RequestViews:
-        assert buf.dtype == torch.uint8 and buf.numel() >= request_bytes(rows, hidden, top_k, dtype)
-        off_ids = _WORDS + _aligned(rows * hidden * dtype.itemsize)
-        off_w = off_ids + _aligned(rows * top_k * 4)
-        return cls(
-            view(buf, 0, (1,), torch.int64),
-            view(buf, _WORDS, (rows, hidden), dtype),
-            view(buf, off_ids, (rows, top_k), torch.int32),
-            view(buf, off_w, (rows, top_k), torch.float32),
-        )
-
-
-@dataclass(frozen=True)
-class AnswerViews:
-    flag: torch.Tensor  # [1] int64
-    status: torch.Tensor  # [1] int64: ERR_* bits of the last answer
-    out: torch.Tensor  # [R, H]
-
-    @classmethod
-    def of(cls, buf: torch.Tensor, rows: int, hidden: int, dtype: torch.dtype) -> AnswerViews:
-        assert buf.dtype == torch.uint8 and buf.numel() >= answer_bytes(rows, hidden, dtype)
-        return cls(
-            view(buf, 0, (1,), torch.int64),
-            view(buf, 64, (1,), torch.int64),  # NOTE: its own cache line
-            view(buf, _WORDS, (rows, hidden), dtype),
-        )
+from expertmesh.transport.link_layout import ERR_BAD_SLOT as ERR_BAD_SLOT
+from expertmesh.transport.link_layout import ERR_TIMEOUT as ERR_TIMEOUT
+from expertmesh.transport.link_layout import STEP_SPAN as STEP_SPAN
+from expertmesh.transport.link_layout import AnswerViews as AnswerViews
+from expertmesh.transport.link_layout import RequestViews as RequestViews
+from expertmesh.transport.link_layout import answer_bytes as answer_bytes
+from expertmesh.transport.link_layout import new_area as new_area
+from expertmesh.transport.link_layout import request_bytes as request_bytes
 
 
 class Canceller:

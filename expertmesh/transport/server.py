@@ -19,6 +19,11 @@ once it is launched; a refused step (draining, another generation, an unknown bu
 its status and message and the channel goes on (the coordinator runs that step without the
 link). Only a LinkStep that does not parse ends the channel.
 
+Host link (cpu_expert_server/hostlink.py): a ``shm`` hello may offer request and answer
+areas after the ring in the coordinator's segment. The thread has the worker open a C poller
+over them (``LinkHost.open_link`` with ``answer``) and says so in the Ack's ``host_link``
+(``accepted``, or the ``reason`` why not); LinkStep descriptors then work as above.
+
 Shapes: T tokens, H hidden, K top-k.
 """
 
@@ -38,7 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from expertmesh import errors
+from expertmesh import errors, wire
 from expertmesh.net import device_uuid
 from expertmesh.transport import cuda_ipc, segment
 from expertmesh.transport import descriptor as dsc
@@ -51,6 +56,7 @@ from expertmesh.transport.layout import (
     Views,
     header_words,
 )
+from expertmesh.transport.link_layout import host_areas
 from expertmesh.transport.spin import Spin
 from expertmesh.worker_api import ExpertRequest
 
@@ -60,9 +66,19 @@ LINK_MODES = ("auto", "force", "off")  # EXPERTMESH_LINK: unset/1, force, 0 (Wor
 
 
 class LinkHost(Protocol):
-    """What the device link needs of the worker (expertmesh/worker/core.py)."""
+    """What a link needs of the worker (expertmesh/worker/core.py): the device link's step
+    graphs (``request`` mapped on our GPU), or with ``answer`` the host link's C thread (both
+    areas in the coordinator's segment, cpu_expert_server/hostlink.py)."""
 
-    def open_link(self, request: torch.Tensor, rows: int, top_k: int) -> Any: ...
+    def open_link(
+        self,
+        request: torch.Tensor,
+        rows: int,
+        top_k: int,
+        answer: torch.Tensor | None = None,
+        hidden: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Any: ...
 
     def link_step(self, graphs: Any, step: dsc.LinkStep) -> None: ...
 
@@ -161,6 +177,8 @@ class ShmServer:
         if h.cuda is None:
             # payloads cross between the host ring and our GPU: DMA once the ring is pinned
             self._pinned = cuda_ipc.register_host(self._host.ring, self.device)
+            if h.host_link is not None:
+                return Ack("shm", host_link=self._open_host_link(h.host_link))
             return Ack("shm")
         try:
             if self.device.type != "cuda":
@@ -214,6 +232,38 @@ class ShmServer:
             offer["top_k"],
         )
         return {"link_area": area}
+
+    def _open_host_link(self, offer: dict) -> dict:
+        """``{"accepted": True}`` or ``{"reason": why}`` for a host link offer (its shape and
+        its place in the segment were checked by Hello.decode)."""
+        why = "the link is off on this server (EXPERTMESH_LINK=0)" if self.link_mode == "off" else ""
+        if not why and self.link_host is None:
+            why = "this server serves no link"
+        if not why:
+            assert self.link_host is not None
+            rows, hidden, top_k, dtype = (
+                offer["rows"],
+                offer["hidden"],
+                offer["top_k"],
+                wire.DTYPES[offer["dtype"]],
+            )
+            req_off, ans_off, end = host_areas(offer["offset"], rows, hidden, top_k, dtype)
+            req = torch.frombuffer(self._mm, dtype=torch.uint8, offset=req_off, count=ans_off - req_off)
+            ans = torch.frombuffer(self._mm, dtype=torch.uint8, offset=ans_off, count=end - ans_off)
+            try:
+                self._link = self.link_host.open_link(
+                    req, rows, top_k, answer=ans, hidden=hidden, dtype=dtype
+                )
+            except errors.ExpertMeshError as e:
+                why = f"the host link could not be set up: {e.message}"
+        if why:
+            self._link_reason = why
+            log.info("fast-path channel %s: no host link: %s", self.hello.segment, why)
+            return {"reason": why}
+        log.info(
+            "fast-path channel %s: host link accepted (%d rows, top-k %d)", self.hello.segment, rows, top_k
+        )
+        return {"accepted": True}
 
     def _run(self) -> None:
         if self.device.type == "cuda":

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,14 @@ import numpy as np
 import torch
 
 from expertmesh import wire
-from expertmesh.errors import ExpertMeshError, Incompatible, InvalidRequest, StaleGeneration, Unavailable
+from expertmesh.errors import (
+    ExpertMeshError,
+    Incompatible,
+    Internal,
+    InvalidRequest,
+    StaleGeneration,
+    Unavailable,
+)
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora import LoRABatch
 from expertmesh.lora.store import AdapterStore, AdapterStoreError, LayerAdapter
@@ -87,6 +95,8 @@ class ExpertWorker:
         # and the Forward streams open now (the drain waits for coordinators to move off)
         self.draining = ""
         self.open_streams = 0
+        # the host links open on this server (cpu_expert_server/hostlink.py): a commit waits for their steps
+        self._host_links: weakref.WeakSet[Any] = weakref.WeakSet()
         # fast-path requests of several streams for one layer computed together (opt-in)
         self.combiner = StreamCombiner(self) if combine else None
 
@@ -401,21 +411,47 @@ class ExpertWorker:
 
     # ------------------------------------------------------------ device link
 
-    def open_link(self, request: torch.Tensor, rows: int, top_k: int) -> Any:
-        """The step graphs of a device link over the coordinator's ``request`` area (mapped on
-        our GPU) for ``rows`` rows and top-k ``top_k``: the backend's ``open_link``
-        (gpu_server/graphs.py -> gpu_server/link_graphs.py). Raises Incompatible when this
-        server cannot serve the link (the fast path then goes on without it)."""
+    def open_link(
+        self,
+        request: torch.Tensor,
+        rows: int,
+        top_k: int,
+        answer: torch.Tensor | None = None,
+        hidden: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Any:
+        """The server's side of a link over the coordinator's ``request`` area for ``rows``
+        rows and top-k ``top_k``: with no ``answer``, the device link's step graphs (``request``
+        mapped on our GPU; gpu_server/graphs.py -> gpu_server/link_graphs.py); with ``answer``
+        (both areas in the coordinator's shared-memory segment, of the offer's ``hidden`` and
+        ``dtype``), the host link's C thread (cpu_expert_server/hostlink.py). Raises
+        Incompatible when this server cannot serve it (the fast path then goes on without)."""
         opener = getattr(self.backend, "open_link", None)
-        if opener is None:
+        host = answer is not None
+        if host and (opener is None or not getattr(self.backend, "host_link", False)):
+            raise Incompatible(
+                f"the {self.backend.name} backend serves no host link (a CPU server's C kernels do, over shm)"
+            )
+        if opener is None or (not host and getattr(self.backend, "host_link", False)):
             raise Incompatible(
                 f"the {self.backend.name} backend runs no CUDA graphs (the link needs the GPU "
                 "server's graphs: a CPU server, --no-cuda-graphs or FP8)"
             )
         if not 0 < top_k <= MAX_TOP_K:
             raise Incompatible(f"link top-k {top_k} outside [1, {MAX_TOP_K}]")
+        h = self.cfg.hidden_size
+        if host and (hidden, dtype) != (h, self.slots.dtype):
+            theirs = wire.dtype_name(dtype) if dtype is not None else "?"
+            raise Incompatible(
+                f"the host link offers hidden {hidden} in {theirs}; this server computes hidden {h} "
+                f"in {wire.dtype_name(self.slots.dtype)}"
+            )
         try:
-            return opener(request, rows, self.cfg.hidden_size, top_k, self.slots.dtype)
+            if host:
+                opened = opener(request, rows, h, top_k, self.slots.dtype, answer=answer)
+                self._host_links.add(opened)
+                return opened
+            return opener(request, rows, h, top_k, self.slots.dtype)
         except ValueError as e:  # an area too small for what it claims to hold
             raise Incompatible(str(e)) from None
 
@@ -437,6 +473,11 @@ class ExpertWorker:
                 if step.generation != live.generation:
                     raise StaleGeneration(
                         f"placement generation {step.generation} is not the live generation {live.generation}"
+                    )
+                if getattr(graphs, "host", False) and self.adapter_slots:
+                    raise Incompatible(
+                        f"MoE-LoRA adapters are loaded on this server (slots {sorted(self.adapter_slots)}): "
+                        "the host link's C kernels compute no LoRA"
                     )
                 graphs.check(step.bucket, step.step, step.timeout_ms)
                 t0 = time.perf_counter()
@@ -480,14 +521,15 @@ class ExpertWorker:
                 prev += counts
         for what, err in (
             ("timed_out", Unavailable("the coordinator did not signal a layer in time")),
-            ("bad_slots", InvalidRequest("slot ids outside this layer's slots (computed as -1)")),
+            ("bad_slots", InvalidRequest("slot ids outside this layer's slots (computed as -1 or zeros)")),
+            ("kernel_failed", Internal("the host link's kernel refused a layer (answered zeros)")),
         ):
-            if getattr(report, what):
+            if getattr(report, what, False):
                 self.count_error(err)
                 if what not in graphs.logged:
                     graphs.logged.add(what)
                     log.warning(
-                        "device link step %d: %s; the rest of the step ran through (logged once per link)",
+                        "link step %d: %s; the rest of the step ran through (logged once per link)",
                         report.step,
                         err.message,
                     )
@@ -536,6 +578,12 @@ class ExpertWorker:
 
     def commit(self, generation: int) -> None:
         with self._serial:
+            # NOTE: a host link's C thread reads the live weights with no lock: its step in
+            # flight ends first (bounded: its waits time out); new steps wait for this lock
+            for hl in list(self._host_links):
+                report = hl.collect()
+                if report is not None:
+                    self._link_report(hl, report)
             self.slots.commit(generation)
         self.slots.release()  # NOTE: outside the lock: requests compute meanwhile
 
