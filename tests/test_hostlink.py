@@ -32,7 +32,7 @@ from expertmesh.transport.layout import HEADER_BYTES
 from expertmesh.transport.server import ShmServer
 from expertmesh.worker.core import ExpertWorker, WorkerIdentity
 from expertmesh.worker.server import slot_table
-from tests.test_cpu_backend import rel, unpack_reference
+from tests.test_cpu_backend import caps_of, rel, unpack_reference
 
 H, I, E, K, R = 128, 64, 8, 2, 8  # noqa: E741  hidden, intermediate, experts, top-k, the areas' rows
 DT = torch.bfloat16
@@ -178,6 +178,30 @@ def test_answers_equal_the_backend_and_torch(wdtype):
         # the next launch collects the last step's report: every routed pair counted
         assert c.launch(step + 1, 1, 1).code == 0
         assert worker.stats.errors == 0 and worker.stats.requests == 3 * len(worker.slots.moe_layers)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("wdtype, bucket", [("bfloat16", 1), ("int4", 32)])
+def test_amx_plans_answer_as_forward_emulated(wdtype, bucket):
+    """The plans' moe_amx_a blocks (bf16 at any size; int4 past decode sizes: 64 pairs over 8
+    slots) on every x86-64 machine, the tile instructions emulated in C; the device host runs
+    the real ones (benchmarks/bench_hostlink.py)."""
+    lib = kernels.load(("EXPERTMESH_AMX_EMULATE",))
+    if lib is None:
+        pytest.fail("the C kernels did not build on a machine with a C compiler")
+    be = CpuExpertBackend(threads=1, weight_dtype=wdtype, group=64, caps=caps_of("avx2"))
+    be.lib, be.caps, be.amx = lib, be.caps | kernels.CAPS["amx"][0], True
+    worker = make_worker(wdtype, be)
+    c = Coordinator(worker, (bucket, H, K, DT))
+    try:
+        assert c.launch(1, bucket, bucket).code == 0
+        for i, layer in enumerate(worker.slots.moe_layers):
+            x, ids, w = inputs(bucket, bucket, seed=20 + i)
+            ls = worker.slots.live.layers[layer]
+            assert be.kernel_for(DT, bucket, K, ls.w13)[0] == "amx"
+            out, status = c.layer(1, i, x, ids, w)
+            assert status == 0 and torch.equal(out, be.forward(x, ls.w13, ls.w2, ids, w))
     finally:
         c.close()
 
