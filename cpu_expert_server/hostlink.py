@@ -189,8 +189,9 @@ class HostLink:
     def close(self) -> ll.StepReport | None:
         """Ends the step in flight (cancelled), joins the thread; the last report, with every
         count not reported yet. The areas are not touched afterwards."""
-        self.cancel()
+        self.cancel()  # NOTE: first: a collect holding the lock may be waiting for that step
         with self._lock:
+            self.cancel()  # a step launched meanwhile (launch held the lock)
             report = self.collect(fold=True)
             if report is None and self._unfolded:
                 report = ll.StepReport(self.last_step, 0, self._fold())

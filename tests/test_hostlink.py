@@ -162,6 +162,9 @@ def test_answers_equal_the_backend_and_torch(wdtype):
     worker = make_worker(wdtype)
     c = Coordinator(worker)
     try:
+        ans = c.lnk.answer  # whole pages of the segment, as the request area: the GPU maps both
+        assert ans is not None and ans.data_ptr() % 4096 == 0 and ans.numel() % 4096 == 0
+        assert ans.data_ptr() == c.lnk.ans.flag.data_ptr() > c.lnk.area.data_ptr()
         step = 0
         for bucket, rows in ((1, 1), (4, 2)):  # T=1, and a bucket of 4 with 2 padding rows
             step += 1
@@ -376,7 +379,7 @@ def test_hello_and_ack_carry_the_host_link():
     assert Ack.decode(ack.encode()) == ack and b"host_link" not in Ack("shm").encode()
     req, ans, end = ll.host_areas(HEADER_BYTES + 100, R, H, K, DT)
     assert req % 4096 == 0 and ans % 4096 == 0 and ans >= req + ll.request_bytes(R, H, K, DT)
-    assert end == ans + ll.answer_bytes(R, H, DT)
+    assert end % 4096 == 0 and end >= ans + ll.answer_bytes(R, H, DT)
 
 
 @pytest.mark.parametrize(
@@ -395,11 +398,13 @@ def test_bad_host_link_offers_are_rejected(offer, words):
         Hello.decode(_hello(**offer).encode())
 
 
-def test_a_host_link_comes_with_shm_only():
-    h = _hello()
-    raw = h.encode().replace(b'"transport": "shm"', b'"transport": "cuda_ipc"')
-    with pytest.raises(HandshakeError):
+@pytest.mark.parametrize("transport, words", [("cuda_ipc", "shm only"), ("tcp", "no host link")])
+def test_a_host_link_comes_with_shm_only(transport, words):
+    raw = _hello().encode().replace(b'"transport": "shm"', f'"transport": "{transport}"'.encode())
+    with pytest.raises(HandshakeError, match=words):
         Hello.decode(raw)
+    with pytest.raises(HandshakeError, match="host_link must be an object"):
+        Ack.decode(Ack("shm", host_link=[1]).encode())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("kind, offered", [("cpu", True), ("gpu", False)])
@@ -424,6 +429,7 @@ def test_the_segment_holds_the_areas_after_the_ring():
         assert h.host_link is not None and h.host_link["offset"] >= HEADER_BYTES + (1 << 16)
         area = client._link.area  # type: ignore[union-attr]
         assert area.numel() >= ll.request_bytes(R, H, K, DT) and not np.any(area.numpy())
+        assert area.data_ptr() % 4096 == 0 and area.numel() % 4096 == 0  # whole pages: pinnable
         assert client.link is None and client.link_reason == "not offered"  # until the server takes it
     finally:
         client.close()

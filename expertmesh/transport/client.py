@@ -128,6 +128,8 @@ class LinkAreas:
     # a host link: both areas are CPU tensors over this channel's shared-memory segment (the
     # request area ours to write, the answer area the CPU server's); False: the device link
     host: bool = False
+    # a host link's answer area (whole pages, like ``area``), once the server took the link
+    answer: torch.Tensor | None = None
 
 
 class ShmClient:
@@ -292,6 +294,7 @@ class ShmClient:
         assert lnk is not None and lnk.host
         if ack.host_link.get("accepted") is True:
             lnk.ans = ll.AnswerViews.of(self._host_answer, lnk.rows, lnk.hidden, lnk.dtype)
+            lnk.answer = self._host_answer
             self.link_reason = ""
         else:
             self.link_reason = str(ack.host_link.get("reason") or "the server did not take the host link")
@@ -580,7 +583,7 @@ class ShmClient:
             self._closed = True
             if lnk is not None:
                 lnk.closed = True
-                lnk.ans = None
+                lnk.ans = lnk.answer = None
                 if lnk.mapped is not None:
                     lnk.mapped.close()
             os.close(self._req_fd)

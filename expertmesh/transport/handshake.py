@@ -87,14 +87,14 @@ class Hello:
                 raise HandshakeError(f"fast-path handshake: {name} must be a non-negative integer")
         if hello.ring_offset + hello.ring_bytes > hello.size:
             raise HandshakeError("fast-path handshake: the ring does not fit in the segment")
+        if hello.host_link is not None:
+            _check_host_link(hello)
         if (hello.transport == "cuda_ipc") != (hello.cuda is not None):
             raise HandshakeError("fast-path handshake: CUDA fields must come with cuda_ipc only")
         if hello.cuda is not None and hello.cuda.sync not in SYNC_MODES:
             raise HandshakeError(f"fast-path handshake: unknown CUDA sync {hello.cuda.sync!r}")
         if hello.cuda is not None and hello.cuda.link is not None:
             _check_link(hello.cuda.link)
-        if hello.host_link is not None:
-            _check_host_link(hello)
         return hello
 
 
@@ -124,6 +124,8 @@ class Ack:
             raise HandshakeError(f"malformed fast-path answer: {e}") from None
         if ack.transport not in TRANSPORTS:
             raise HandshakeError(f"unknown transport {ack.transport!r} in the fast-path answer")
+        if not isinstance(ack.host_link, dict):
+            raise HandshakeError(f"fast-path answer: host_link must be an object, got {ack.host_link!r}")
         if ack.transport == "tcp":
             tcp = ack.tcp if isinstance(ack.tcp, dict) else {}
             port, tls = tcp.get("port"), tcp.get("tls")
@@ -133,8 +135,16 @@ class Ack:
 
 
 def _check_tcp(hello: Hello) -> None:
-    if hello.segment or hello.size or hello.ring_offset or hello.cuda is not None:
-        raise HandshakeError("fast-path handshake: a tcp hello names no segment and no CUDA fields")
+    if (
+        hello.segment
+        or hello.size
+        or hello.ring_offset
+        or hello.cuda is not None
+        or hello.host_link is not None
+    ):
+        raise HandshakeError(
+            "fast-path handshake: a tcp hello names no segment, no CUDA fields and no host link"
+        )
     if not isinstance(hello.token, str) or len(hello.token) != 32:
         raise HandshakeError("fast-path handshake: the token must be 32 hex digits")
     try:

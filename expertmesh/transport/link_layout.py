@@ -36,11 +36,12 @@ def answer_bytes(rows: int, hidden: int, dtype: torch.dtype) -> int:
 
 
 def host_areas(offset: int, rows: int, hidden: int, top_k: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """A host link's (request offset, answer offset, end) in the segment, the request area at
-    ``offset`` (rounded up to a page) and the answer area on the next page after it."""
+    """A host link's (request offset, answer offset, end) in the segment: the request area at
+    ``offset`` rounded up to a page, the answer area on the page after it, ``end`` on a page
+    boundary (each area whole pages: the coordinator pins and maps them for its GPU)."""
     req = _aligned(offset, HOST_ALIGN)
     ans = _aligned(req + request_bytes(rows, hidden, top_k, dtype), HOST_ALIGN)
-    return req, ans, ans + answer_bytes(rows, hidden, dtype)
+    return req, ans, _aligned(ans + answer_bytes(rows, hidden, dtype), HOST_ALIGN)
 
 
 def new_area(nbytes: int, device: torch.device) -> torch.Tensor:
