@@ -6,8 +6,10 @@ the request flag, spin on the answer flag) in Python.
 Columns (per MoE layer, microseconds, over the timed steps):
 - ``round trip p50/p90``: from our request flag's store to the answer flag seen (the C thread's
   wake-up from its spin, the routing copy and check, the kernel, the answer);
-- ``kernel``: the C thread's own time per layer (routing copy + kernel), mean over the step;
-- ``link cost``: round trip p50 - kernel (what the hand-over adds to the kernel);
+- ``kernel``: the C thread's own time per layer (routing copy + kernel), its mean over a step,
+  median over the steps;
+- ``link cost``: round trip p50 - kernel (what the hand-over adds to the kernel; noise can
+  make it negative on a busy host);
 - ``forward_into``: the backend's ``forward_into`` called from Python on the same inputs (the
   kernel behind the per-layer Python of today's fast path; ``forward`` where it declines the
   call, as bf16 on a CPU without AMX);
@@ -157,7 +159,7 @@ def bench_batch(a, worker, client: ShmClient, server: ShmServer, t: int, seq, st
             reply.release()
     fi, shm = fi[skip:], shm[skip:]
     us = 1e6
-    k = statistics.mean(kern)
+    k = statistics.median(kern)
     return {
         "rt50": pct(rt, 50) * us,
         "rt90": pct(rt, 90) * us,
