@@ -254,8 +254,9 @@ class ShmServer:
                 self._link = self.link_host.open_link(
                     req, rows, top_k, answer=ans, hidden=hidden, dtype=dtype
                 )
-            except errors.ExpertMeshError as e:
-                why = f"the host link could not be set up: {e.message}"
+            # NOTE: RuntimeError: torch's (an allocation): the link only is refused, not the channel
+            except (errors.ExpertMeshError, RuntimeError) as e:
+                why = f"the host link could not be set up: {e.message if isinstance(e, errors.ExpertMeshError) else e}"
         if why:
             self._link_reason = why
             log.info("fast-path channel %s: no host link: %s", self.hello.segment, why)
