@@ -149,8 +149,11 @@ class _LinkState:
 
         assert lnk.ans is not None
         req, ans, mapped = lnk.req, lnk.ans, None
-        if getattr(lnk, "host", False):
+        if lnk.host:
             req, ans, mapped = _map_host_areas(lnk, device)
+            # NOTE: the channel's close() unpins the pages before it unmaps them (a later
+            # segment at the same address could not be pinned while they stay registered)
+            lnk.mapped = mapped
         st = cls(
             lnk,
             req,

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -116,7 +116,10 @@ class LinkAreas:
     req: lk.RequestViews
     area: torch.Tensor  # [request_bytes] uint8, ours
     ans: lk.AnswerViews | None = None  # None until the server accepted the link
-    mapped: cuda_ipc.Mapped | None = None
+    # what maps the areas on our GPU, closed with the channel before its memory goes: the
+    # server's answer area (device link: cuda_ipc.Mapped), or both areas' pinned and mapped
+    # pages (host link: host_map.HostMapped, set by the coordinator's linked graphs)
+    mapped: Any = None
     # NOTE: reentrant: a linked step that resets its own stream (close()) holds it already
     lock: threading.RLock = field(default_factory=threading.RLock)
     closed: bool = False
