@@ -3,7 +3,7 @@ a real ShmClient offering it, a real ShmServer and CPU worker accepting it, and 
 the coordinator's graph (per layer: write the request, bump its flag, spin on the answer flag).
 Answers must equal the CPU backend's ``forward`` bit for bit and plain torch's MoE within the
 quantisation's error; bad slot ids, a missing flag, a cancel, another generation, a commit in
-flight and loaded LoRA adapters each get their documented answer while the channel serves on."""
+flight and loaded LoRA adapters (no matter: a linked step is the base model's) each get their documented answer while the channel serves on."""
 
 from __future__ import annotations
 
@@ -300,16 +300,15 @@ def test_closing_the_channel_mid_step_joins_the_thread():
 # ---------------------------------------------------------------------- refusals
 
 
-def test_wrong_generation_and_lora_are_refused_the_channel_lives():
+def test_a_wrong_generation_is_refused_the_channel_lives_and_adapters_do_not_matter():
     worker = make_worker("int4")
     c = Coordinator(worker)
     try:
         r = c.launch(1, 1, 1, generation=5)
         assert r.code == errors.StaleGeneration("").status and "generation 5" in r.message
-        worker.adapter_slots = frozenset({0})  # an adapter loaded (the C kernels have no LoRA)
-        r = c.launch(1, 1, 1)
-        assert r.code == errors.Incompatible("").status and "LoRA" in r.message
-        worker.adapter_slots = frozenset()
+        # an adapter loaded: linked steps are base-model steps (adapter steps run eagerly on the
+        # coordinator), so the step is taken and answers the base model's MoE
+        worker.adapter_slots = frozenset({0})
         assert c.launch(1, 1, 1).code == 0
         x, ids, w = inputs(1, 1, seed=5)
         assert c.layer(1, 0, x, ids, w)[1] == 0

@@ -474,11 +474,9 @@ class ExpertWorker:
                     raise StaleGeneration(
                         f"placement generation {step.generation} is not the live generation {live.generation}"
                     )
-                if getattr(graphs, "host", False) and self.adapter_slots:
-                    raise Incompatible(
-                        f"MoE-LoRA adapters are loaded on this server (slots {sorted(self.adapter_slots)}): "
-                        "the host link's C kernels compute no LoRA"
-                    )
+                # NOTE: no refusal for loaded LoRA adapters: a linked step is a base-model step
+                # by construction (the coordinator's decode graphs hold the base model; a step
+                # with an adapter runs eagerly), so the host link's C kernels need no LoRA
                 graphs.check(step.bucket, step.step, step.timeout_ms)
                 t0 = time.perf_counter()
                 dev = self.slots.device
