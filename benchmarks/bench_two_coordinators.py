@@ -156,14 +156,16 @@ def main() -> None:
         "--device-link",
         choices=["auto", "on", "off"],
         default="auto",
-        help="the server's device link (auto: off when both coordinators share a GPU)",
+        help="the server's device link (auto: off when two of the processes share a GPU)",
     )
     args = ap.parse_args()
     # NOTE: two coordinators on one GPU, each with a device link, time-slice that GPU between
     # two contexts whose step graphs spin on link flags (expertmesh/transport/link.py): a
     # measured 10x loss (441 -> 45 tok/s at c=8, full size, 2x H200). Off, every coordinator
     # runs the piecewise path, the same for the one-coordinator row of the comparison.
-    shared_gpu = args.coord_devices[0] == args.coord_devices[1] and args.coord_devices[0].startswith("cuda")
+    # (a coordinator on the server's own GPU likewise: the server's step graphs spin there)
+    cuda = [d for d in (*args.coord_devices, args.server_device) if d.startswith("cuda")]
+    shared_gpu = len(cuda) != len(set(cuda))
     link_off = args.device_link == "off" or (args.device_link == "auto" and shared_gpu)
     server_env = {"EXPERTMESH_LINK": "0"} if link_off else None
     print(f"device link: {'off' if link_off else 'on'}", flush=True)
