@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -33,7 +33,25 @@ from expertmesh.errors import Incompatible, InvalidRequest, Unavailable
 from expertmesh.transport import link_layout as ll
 
 if TYPE_CHECKING:
-    from cpu_expert_server.backend import CpuExpertBackend
+    import ctypes
+
+    from cpu_expert_server.packing import PackedFormat
+
+
+class CpuKernels(Protocol):
+    """What a host link needs of the CPU backend (cpu_expert_server/backend.py, which opens
+    links: a Protocol here, not an import of it, keeps the two modules out of a cycle)."""
+
+    lib: ctypes.CDLL | None
+    fmt: PackedFormat | None
+    threads: int
+    caps: int
+    qact: bool
+
+    def kernel_for(self, x_dtype: torch.dtype, t: int, k: int, w13: torch.Tensor) -> tuple[str, int]: ...
+
+    def _amx_int(self) -> bool: ...
+
 
 MAX_TIMEOUT_MS = 600_000
 KERNELS = {"zero": 0, "qa": 1, "amx": 2, "decode": 3}  # moe_hostlink.c HL_ZERO ...
@@ -57,7 +75,7 @@ class HostLink:
 
     def __init__(
         self,
-        backend: CpuExpertBackend,
+        backend: CpuKernels,
         request: torch.Tensor,  # uint8: the coordinator's request area (its segment)
         answer: torch.Tensor,  # uint8: the answer area we write (the same segment)
         rows: int,  # R
