@@ -19,9 +19,16 @@ cache, so every pass computes the same thing:
   steady steps' worst (the upper bound of their last non-empty bucket), the steps that overlap
   a placement push (``placement="moving"``: prepare through commit; the commit runs between two
   steps and counts in the next step) and their exact worst;
-- every rebalance of run B (``Admin/GetEplbStatus``: the last 16): weights moved, prepare and
-  commit (the between-steps switch: every server's commit) times; how many moved weights
-  (``expertmesh_rebalances_total{result="rebalanced"}``).
+- every rebalance of run B (``Admin/GetEplbStatus``: the last 16): weights moved, the
+  (layer, server) slot tables whose slot count changes (a server rebuilds such a layer in its
+  commit) and the slots the commits write (by the worker's own move planner), prepare and
+  commit (the between-steps switch: every server's commit, one after the other) times; how
+  many rebalances moved weights (``expertmesh_rebalances_total{result="rebalanced"}``).
+
+Greedy equality is exact only where a moved expert computes bit for bit as before: in float32
+on the demo model it holds; in bf16 an expert that changes server is computed by another
+kernel and each server's partial sum is rounded before the coordinator adds them, so outputs
+may part (the control row tells what batching alone does).
 
 Here, on the demo model (CPU)::
 
@@ -30,13 +37,16 @@ Here, on the demo model (CPU)::
 Full size on a 2-GPU host (a checkpoint written by benchmarks/fullsize_ckpt.py)::
 
     python benchmarks/bench_rebalance.py --model /tmp/q3 --device cuda:0 --gpu-device cuda:1 \\
-        --dtype bfloat16 --gpu-experts 96 --cpu-threads 24 --out $OUT
+        --dtype bfloat16 --gpu-experts 96 --cpu-threads 24 --coordinator-threads 4 --out $OUT
+
+(``--second gpu --second-device cuda:0``: a second GPU server instead of the CPU server.)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 import tempfile
@@ -55,9 +65,11 @@ from benchmarks.bench_fullsize import _LISTEN, Proc, spawn, wait_serving  # noqa
 from expertmesh.client import AsyncClient  # noqa: E402
 from expertmesh.config import ModelConfig  # noqa: E402
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
+from expertmesh.worker.moves import plan_layer  # noqa: E402
 
 CLI = [sys.executable, "-m", "expertmesh.cli"]
 Outputs = dict[tuple[int, int], list[int]]  # (round, request) -> generated ids
+Slots = dict[tuple[str, str], list[int]]  # (layer, server) -> expert per slot
 
 
 # ---------------------------------------------------------------------- processes
@@ -71,8 +83,16 @@ def start_servers(args: argparse.Namespace, model: Path, cfg: ModelConfig, out: 
     if args.second == "cpu":
         share = f"{args.gpu_experts}-{e - 1}" if args.gpu_experts < e else "none"
         second = [*CLI, "cpu-server", *common, "--experts", share, "--threads", str(args.cpu_threads)]
-    else:
-        second = [*CLI, "gpu-server", *common, "--device", args.second_device]
+    else:  # two GPU servers split the experts in halves (the coordinator's static split)
+        second = [
+            *CLI,
+            "gpu-server",
+            *common,
+            "--device",
+            args.second_device,
+            "--experts",
+            f"{e // 2}-{e - 1}",
+        ]
     procs: list[Proc] = []
     try:
         for name, cmd in (("gpu0", gpu), ("second", second)):
@@ -202,6 +222,7 @@ class Run:
     rebalances: dict[str, float]  # result -> count
     history: list[admin_pb2.RebalanceOutcome]
     wall_s: float
+    before: tuple[int, Slots]  # the live placement when the measured passes began
 
 
 def run(args: argparse.Namespace, name: str, cmd: list[str], load: list[list[list[int]]], warm: bool,
@@ -215,6 +236,8 @@ def run(args: argparse.Namespace, name: str, cmd: list[str], load: list[list[lis
         first = load[:1] if warm else [load[0][:1]]
         _, errs = asyncio.run(serve(addr, first, args.new_tokens if warm else 2))
         m0 = scrape(co.http)
+        with grpc.insecure_channel(addr) as ch:
+            info = admin_pb2_grpc.AdminStub(ch).GetPlacement(admin_pb2.GetPlacementRequest(), timeout=30)
         t0 = time.perf_counter()
         passes = []
         for _ in range(args.passes):
@@ -240,9 +263,36 @@ def run(args: argparse.Namespace, name: str, cmd: list[str], load: list[list[lis
             results,
             [o for o in st.history if o.outcome == "rebalanced"],
             wall,
+            (info.generation, slots_of_info(info)),
         )
     finally:
         co.stop()
+
+
+def slots_of_info(info: admin_pb2.PlacementInfo) -> Slots:
+    out: Slots = {}
+    for lp in info.layers:
+        for i, name in enumerate(info.servers):
+            held = sorted((s, e) for e, o, s in zip(lp.phy2log, lp.owner, lp.local_slot) if o == i)
+            out[str(lp.layer), name] = [e for _, e in held]
+    return out
+
+
+def slots_of_json(text: str) -> Slots:
+    raw = json.loads(text)
+    return {(layer, name): list(v) for layer, lists in raw["layers"].items() for name, v in lists.items()}
+
+
+def rewrites(old: Slots, new: Slots) -> tuple[int, int]:
+    """(layer, server) tables whose slot count changes (the server rebuilds the layer in its
+    commit), and the slots the commits write (every slot of a rebuilt layer), by the worker's
+    own move planner."""
+    resized = written = 0
+    for key, experts in new.items():
+        plan = plan_layer(tuple(old.get(key, [])), tuple(experts))
+        resized += plan.resize
+        written += len(experts) if plan.resize else len(plan.moves) + len(plan.reads)
+    return resized, written
 
 
 # ---------------------------------------------------------------------- report
@@ -286,15 +336,21 @@ def report(args: argparse.Namespace, a: Run, b: Run, requests: int) -> str:
             f"({int(n_moving)}) | {med * ms:.1f} | {med_moving} | {last_bucket(r.hist['steady']) * ms:.1f} | "
             f"{worst} | {ratio} | {moved} |"
         )
+    gen, live = b.before
     lines += [
         "",
-        "| rebalance (run B) | weights moved | MiB | prepare ms | commit ms |",
-        "|---|---:|---:|---:|---:|",
+        f"| rebalance (run B) | weights moved | MiB | (layer, server) tables resized (of {len(live)}) | "
+        "slots written by the commits | prepare ms | commit ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for o in b.history:
+    for o in sorted(b.history, key=lambda o: o.generation):
+        new = slots_of_json(o.placement_json)
+        # NOTE: the status keeps the last 16 outcomes: an earlier one missing, the tables before are unknown
+        resized, written = map(str, rewrites(live, new)) if o.generation == gen + 1 else ("?", "?")
+        gen, live = o.generation, new
         lines.append(
-            f"| generation {o.generation} | {o.weights_moved} | {o.bytes_moved / 2**20:.0f} | "
-            f"{o.prepare_ms:.0f} | {o.commit_ms:.1f} |"
+            f"| generation {o.generation} | {o.weights_moved} | {o.bytes_moved / 2**20:.0f} | {resized} | "
+            f"{written} | {o.prepare_ms:.0f} | {o.commit_ms:.1f} |"
         )
     return "\n".join(lines)
 
@@ -305,7 +361,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="the coordinator's")
     p.add_argument("--gpu-device", default="cpu", help="the gpu-server's (cpu: the plain torch backend)")
     p.add_argument("--second", choices=["cpu", "gpu"], default="cpu", help="the second expert server")
-    p.add_argument("--second-device", default="cpu", help="with --second gpu")
+    p.add_argument("--second-device", default="cpu", help="with --second gpu (it preloads the upper half)")
     p.add_argument(
         "--gpu-experts", type=int, default=None, help="initially on the GPU server (default: half)"
     )
@@ -351,7 +407,8 @@ def main() -> None:
         head = (
             f"## {model.name}: {cfg.num_experts} experts x {len(cfg.moe_layer_ids)} MoE layers, "
             f"{args.dtype}; coordinator on {args.device}, gpu-server on {args.gpu_device} + "
-            f"{args.second}-server ({args.gpu_experts} experts on the GPU server at first); "
+            f"{args.second}-server ({args.gpu_experts if args.second == 'cpu' else cfg.num_experts // 2} "
+            "experts on the first GPU server at first); "
             f"{args.passes} passes x {args.rounds} rounds x {args.concurrency} concurrent streams x "
             f"{args.new_tokens} tokens; run B: EPLB every {args.interval} steps, window {args.window}, "
             f"{args.redundant} redundant slots per server\n"

@@ -38,6 +38,18 @@ def value(m: dict, name: str, **labels: str) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def settled(url: str) -> dict[tuple[str, tuple], float]:
+    """A scrape once the last step's time is observed too: the step counter moves inside the
+    step, its time just after it."""
+    deadline = time.monotonic() + 10
+    while True:
+        m = scrape(url)
+        timed = sum(value(m, "expertmesh_step_seconds_count", placement=p) for p in ("steady", "moving"))
+        if timed == value(m, "expertmesh_steps_total") or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory):
     path = write_demo_model(tmp_path_factory.mktemp("demo") / "model")
@@ -59,12 +71,12 @@ def coordinator(tmp_path_factory):
 
 def test_one_observation_per_step_within_the_wall_time(coordinator):
     coord, url = coordinator
-    m0 = scrape(url)
+    m0 = settled(url)
     t0 = time.perf_counter()
     with Client(coord.addr) as c:
         outs = [c.generate(p, max_new_tokens=12, ignore_eos=True) for p in ("Once upon a time", "A cat")]
+    m1 = settled(url)
     wall = time.perf_counter() - t0
-    m1 = scrape(url)
     assert [o.usage.completion_tokens for o in outs] == [12, 12]
 
     def d(name: str, **labels: str) -> float:
@@ -85,7 +97,7 @@ def test_steps_overlapping_a_push_are_moving(coordinator):
     """An operator's rebalance (pushed even though the cluster is balanced) while requests
     stream: its commit runs between two steps, inside the next step's time."""
     coord, url = coordinator
-    m0 = scrape(url)
+    m0 = settled(url)
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -111,7 +123,7 @@ def test_steps_overlapping_a_push_are_moving(coordinator):
             w.join(60)
     assert not errors, errors
     assert out.outcome == "rebalanced", out
-    m1 = scrape(url)
+    m1 = settled(url)
     moving = value(m1, "expertmesh_step_seconds_count", placement="moving") - value(
         m0, "expertmesh_step_seconds_count", placement="moving"
     )
