@@ -84,15 +84,8 @@ def start_servers(args: argparse.Namespace, model: Path, cfg: ModelConfig, out: 
         share = f"{args.gpu_experts}-{e - 1}" if args.gpu_experts < e else "none"
         second = [*CLI, "cpu-server", *common, "--experts", share, "--threads", str(args.cpu_threads)]
     else:  # two GPU servers split the experts in halves (the coordinator's static split)
-        second = [
-            *CLI,
-            "gpu-server",
-            *common,
-            "--device",
-            args.second_device,
-            "--experts",
-            f"{e // 2}-{e - 1}",
-        ]
+        second = [*CLI, "gpu-server", *common, "--device", args.second_device]
+        second += ["--experts", f"{e // 2}-{e - 1}"]
     procs: list[Proc] = []
     try:
         for name, cmd in (("gpu0", gpu), ("second", second)):
@@ -106,9 +99,7 @@ def start_servers(args: argparse.Namespace, model: Path, cfg: ModelConfig, out: 
     return procs
 
 
-def coordinator_cmd(
-    args: argparse.Namespace, model: Path, cfg: ModelConfig, servers: list[Proc]
-) -> list[str]:
+def coordinator_cmd(args: argparse.Namespace, model: Path, servers: list[Proc]) -> list[str]:
     gpu, second = (f"127.0.0.1:{p.port}" for p in servers)
     cmd = [*CLI, "coordinator", "--model", str(model), "--port", "0", "--http-port", "0",
            "--device", args.device, "--dtype", args.dtype, "--threads", str(args.coordinator_threads),
@@ -397,7 +388,7 @@ def main() -> None:
         servers = start_servers(args, model, cfg, out)
         started = time.perf_counter() - t0
         try:
-            cmd = coordinator_cmd(args, model, cfg, servers)
+            cmd = coordinator_cmd(args, model, servers)
             a = run(args, "A", cmd, load, True, servers, out)
             b = run(args, "B", [*cmd, *eplb_flags(args)], load, False, servers, out)
         finally:
