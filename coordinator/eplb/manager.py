@@ -118,6 +118,9 @@ class EplbManager:
         self._busy = threading.Lock()  # one rebalance at a time
         self._thread: threading.Thread | None = None
         self._last_window: tuple[int, str] = (0, "")  # what the last plan() used
+        # perf_counter() start and end of the last push (end 0.0 while it runs), one tuple so
+        # that the serving thread reads a consistent pair
+        self._push_span = (0.0, 0.0)
 
     # ------------------------------------------------------------ triggers
 
@@ -147,6 +150,12 @@ class EplbManager:
             return self._run("admin", dry_run=dry_run, force=True)
         finally:
             self._busy.release()
+
+    def pushed_since(self, t0: float) -> bool:
+        """Whether a placement push (prepare through commit) ran at some time after ``t0``
+        (``time.perf_counter()``): the step metrics tell the steps that overlap a move."""
+        started, ended = self._push_span
+        return started > ended or ended >= t0
 
     def wait_idle(self, timeout_s: float = 120.0) -> None:
         t = self._thread
@@ -243,12 +252,15 @@ class EplbManager:
 
             return self.between_steps(switch)
 
+        self._push_span = (t0, 0.0)
         try:
             late = self.target.push(new, timed_between_steps)
         except errors as e:
             gen = self.target.live_placement().generation
             stage = "commit" if "prepared" in marks else "prepare"
             return self._record(Outcome("failed", time.time(), trigger, plan, gen, error=f"{stage}: {e}"))
+        finally:
+            self._push_span = (t0, time.perf_counter())
         prepare_ms = (marks.get("prepared", time.perf_counter()) - t0) * 1e3
         mark = getattr(self.target, "mark_pushed", None)
         if mark is not None:  # the next shared load window starts at this placement

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -117,14 +118,37 @@ def to_placement(
     moe_layers: list[int],
     phy2log: torch.Tensor,  # [L, P]
     owner: torch.Tensor,  # [L, P]
+    live: pl.Placement | None = None,
 ) -> pl.Placement:
+    """Each server's experts in slot order: ascending, or with ``live`` (over the same servers)
+    as :func:`stable_slots` lays them out."""
+    old = [live.server_slots(i) for i in range(len(servers))] if live is not None else None
     per_layer: dict[int, dict[str, list[int]]] = {}
     for row, layer in enumerate(moe_layers):
         lists: dict[str, list[int]] = {name: [] for name in servers}
         for e, s in zip(phy2log[row].tolist(), owner[row].tolist()):
             lists[servers[s]].append(e)
-        per_layer[layer] = {name: sorted(v) for name, v in lists.items()}
+        per_layer[layer] = {
+            name: stable_slots(old[i].get(layer, []), v) if old is not None else sorted(v)
+            for i, (name, v) in enumerate(lists.items())
+        }
     return pl.from_server_lists(generation, servers, num_experts, per_layer)
+
+
+def stable_slots(live: list[int], experts: list[int]) -> list[int]:
+    """``experts`` (one server's, one layer) in slot order, keeping each expert the server
+    already holds in its ``live`` slot where that slot still exists; the others fill the free
+    slots in ascending order. An expert server rewrites only the slots whose expert changes: in
+    ascending order, one new expert would shift every slot after it, and the commit, which
+    pauses serving, would copy them all."""
+    want = Counter(experts)
+    out: list[int | None] = [None] * len(experts)
+    for slot, e in enumerate(live[: len(experts)]):
+        if want[e] > 0:
+            out[slot] = e
+            want[e] -= 1
+    rest = iter(sorted(want.elements()))
+    return [e if e is not None else next(rest) for e in out]
 
 
 def _layer_metrics(
@@ -179,7 +203,7 @@ def plan_rebalance(
         if tensors is not None
         else torch.full((len(moe_layers),), num_replicas)
     )
-    new = to_placement(live.generation + 1, servers, e, moe_layers, phy2log, owner)
+    new = to_placement(live.generation + 1, servers, e, moe_layers, phy2log, owner, live)
     bal_before, t_before = _layer_metrics(weight, live, moe_layers, speed)
     bal_after, t_after = _layer_metrics(weight, new, moe_layers, speed)
     gain = 1.0 - float(t_after.sum()) / max(float(t_before.sum()), 1e-12)

@@ -7,8 +7,9 @@ Two kinds of numbers:
 
 - observed as things happen, through small hooks: request outcomes and latencies (the
   scheduler wraps each request's sink with :meth:`CoordinatorMetrics.track`), tokens per step
-  (:meth:`CoordinatorMetrics.step`), per-server layer round trips (the remote dispatcher calls
-  :meth:`CoordinatorMetrics.round_trip`), rebalance and LoRA events (:meth:`rebalance`,
+  (:meth:`CoordinatorMetrics.step`), each step's wall time, labelled by whether a placement
+  move overlapped it (:meth:`CoordinatorMetrics.step_time`), per-server layer round trips (the
+  remote dispatcher calls :meth:`CoordinatorMetrics.round_trip`), rebalance and LoRA events (:meth:`rebalance`,
   :meth:`lora_event`, for the EPLB and LoRA managers);
 - read at scrape time from state the coordinator keeps anyway (:class:`_StateCollector`):
   running / waiting requests, KV pages (prefix-cached ones too), preemptions, the expert-load recorder's per-(layer,
@@ -24,7 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -35,6 +36,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 # per output token and per layer round trip: 100 us .. 5 s
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# per step: 1 ms .. 32 s in quarter octaves (a bucket spans 19%): fine enough to compare the
+# steps during a placement move with the median step
+_STEP_SECONDS_BUCKETS = tuple(round(2 ** (i / 4) / 1000, 6) for i in range(61))
+# steps overlapping a placement push (prepare through commit) and the others
+PLACEMENT_PHASES = ("steady", "moving")
 
 # request outcomes counted by expertmesh_requests_total{status}
 # ("deadline": its deadline passed; "rejected": refused by a full queue, never started)
@@ -90,6 +96,24 @@ class CoordinatorMetrics:
             buckets=_STEP_TOKEN_BUCKETS,
             registry=r,
         )
+        self.step_seconds = Histogram(
+            "expertmesh_step_seconds",
+            "Wall time of each forward step: the calls run between steps just before it "
+            "(placement commits, reconnections), scheduling, the forward and sampling; "
+            'placement="moving" when a placement push (prepare through commit) overlapped it',
+            ["placement"],
+            buckets=_STEP_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds_max = Gauge(
+            "expertmesh_step_seconds_max",
+            "The longest step since the coordinator started (as expertmesh_step_seconds)",
+            ["placement"],
+            registry=r,
+        )
+        self._step_children = {p: self.step_seconds.labels(p) for p in PLACEMENT_PHASES}
+        self._step_max_children = {p: self.step_seconds_max.labels(p) for p in PLACEMENT_PHASES}
+        self._step_max = dict.fromkeys(PLACEMENT_PHASES, 0.0)
         self.layer_round_trip = Histogram(
             "expertmesh_expert_layer_round_trip_seconds",
             "Per expert server: from sending one MoE layer's tokens to holding its answer "
@@ -119,6 +143,7 @@ class CoordinatorMetrics:
         self.round_trips: dict[str, list[float]] = {}  # server -> [count, seconds]
         # the two hooks that observe the hot path
         coord.scheduler.metrics = self
+        self._eplb = coord.eplb
         coord.lora.on_event = self.lora_event
         if coord.eplb is not None:
             coord.eplb.on_outcome = self.rebalance
@@ -169,6 +194,15 @@ class CoordinatorMetrics:
 
     def step(self, num_tokens: int) -> None:
         self.step_tokens.observe(num_tokens)
+
+    def step_time(self, t0: float) -> None:
+        """A step that began at ``t0`` (``time.perf_counter()``) just ended (scheduler thread)."""
+        seconds = time.perf_counter() - t0
+        phase = "moving" if self._eplb is not None and self._eplb.pushed_since(t0) else "steady"
+        self._step_children[phase].observe(seconds)
+        if seconds > self._step_max[phase]:
+            self._step_max[phase] = seconds
+            self._step_max_children[phase].set(seconds)
 
     def round_trip(self, server: str, seconds: float) -> None:
         child = self._round_trip_children.get(server)

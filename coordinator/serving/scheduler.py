@@ -266,11 +266,23 @@ class Scheduler:
 
     def _loop(self) -> None:
         try:
-            while self._take_inbox(block=not (self._running or self._waiting)):
+            while True:
+                idle = not (self._running or self._waiting)
+                t0 = time.perf_counter()
+                if not self._take_inbox(block=idle):
+                    break
+                # NOTE: a step's time includes the calls run between steps just before it
+                # (placement commits, reconnections; running requests wait for them too), not
+                # an idle wait for work
+                if idle:
+                    t0 = time.perf_counter()
                 self._expire()
                 plan = self._schedule()
                 if plan:
+                    steps = self.num_steps
                     self._run_step(plan)
+                    if self.metrics is not None and self.num_steps > steps:
+                        self.metrics.step_time(t0)
         except BaseException:
             log.exception("the scheduler loop died")
             raise

@@ -1,0 +1,416 @@
+"""EPLB rebalancing every few steps under concurrent streaming load, through the real CLI
+processes: failed requests, greedy outputs against a run without rebalancing, and the steps
+that overlap a placement move against the median step.
+
+Processes: a ``gpu-server`` (``--gpu-device``, preloading every expert) and a second expert
+server (a ``cpu-server`` by default, or a second ``gpu-server`` on ``--second-device``) started
+once; for each run a fresh ``coordinator`` in front of them with the same flags, except that
+run B adds EPLB every ``--interval`` steps (skip and move thresholds 0: every plan that moves a
+weight is pushed). Run A (no rebalancing) first serves one untimed round (the servers compile
+and capture their kernels), then both runs serve ``--passes`` x ``--rounds`` rounds of
+``--concurrency`` streaming greedy requests (fixed token prompts, ``ignore_eos``) with no prefix
+cache, so every pass computes the same thing:
+
+- requests ok / failed;
+- greedy outputs: run B's (every pass) against run A's first pass; run A's second pass against
+  its first is the control (batches of the same prompts computed twice without a move);
+- steps, from the coordinator's ``expertmesh_step_seconds`` histogram (the measured passes) and
+  its ``_max`` gauge: the median step (interpolated in its bucket, which spans 19%), the
+  steady steps' worst (the upper bound of their last non-empty bucket), the steps that overlap
+  a placement push (``placement="moving"``: prepare through commit; the commit runs between two
+  steps and counts in the next step) and their exact worst;
+- every rebalance of run B (``Admin/GetEplbStatus``: the last 16): weights moved, the
+  (layer, server) slot tables whose slot count changes (a server rebuilds such a layer in its
+  commit) and the slots the commits write (by the worker's own move planner), prepare and
+  commit (the between-steps switch: every server's commit, one after the other) times; how
+  many rebalances moved weights (``expertmesh_rebalances_total{result="rebalanced"}``).
+
+Greedy equality is exact only where a moved expert computes bit for bit as before: in float32
+on the demo model it holds; in bf16 an expert that changes server is computed by another
+kernel and each server's partial sum is rounded before the coordinator adds them, so outputs
+may part (the control row tells what batching alone does).
+
+Here, on the demo model (CPU)::
+
+    python benchmarks/bench_rebalance.py
+
+Full size on a 2-GPU host (a checkpoint written by benchmarks/fullsize_ckpt.py)::
+
+    python benchmarks/bench_rebalance.py --model /tmp/q3 --device cuda:0 --gpu-device cuda:1 \\
+        --dtype bfloat16 --gpu-experts 96 --cpu-threads 24 --coordinator-threads 4 --out $OUT
+
+(``--second gpu --second-device cuda:0``: a second GPU server instead of the CPU server.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_fullsize import _LISTEN, Proc, spawn, wait_serving  # noqa: E402
+from expertmesh.client import AsyncClient  # noqa: E402
+from expertmesh.config import ModelConfig  # noqa: E402
+from expertmesh.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
+from expertmesh.worker.moves import plan_layer  # noqa: E402
+
+CLI = [sys.executable, "-m", "expertmesh.cli"]
+Outputs = dict[tuple[int, int], list[int]]  # (round, request) -> generated ids
+Slots = dict[tuple[str, str], list[int]]  # (layer, server) -> expert per slot
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def start_servers(args: argparse.Namespace, model: Path, cfg: ModelConfig, out: Path) -> list[Proc]:
+    """The GPU server (every expert) and the second server (the experts >= --gpu-experts)."""
+    e = cfg.num_experts
+    common = ["--model", str(model), "--port", "0", "--dtype", args.dtype]
+    gpu = [*CLI, "gpu-server", *common, "--device", args.gpu_device]
+    if args.second == "cpu":
+        share = f"{args.gpu_experts}-{e - 1}" if args.gpu_experts < e else "none"
+        second = [*CLI, "cpu-server", *common, "--experts", share, "--threads", str(args.cpu_threads)]
+    else:  # two GPU servers split the experts in halves (the coordinator's static split)
+        second = [*CLI, "gpu-server", *common, "--device", args.second_device]
+        second += ["--experts", f"{e // 2}-{e - 1}"]
+    procs: list[Proc] = []
+    try:
+        for name, cmd in (("gpu0", gpu), ("second", second)):
+            procs.append(spawn(name, cmd, _LISTEN, args.startup_timeout, out / f"{name}.log"))
+        for p in procs:
+            wait_serving(f"127.0.0.1:{p.port}", args.startup_timeout, procs)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs
+
+
+def coordinator_cmd(args: argparse.Namespace, model: Path, servers: list[Proc]) -> list[str]:
+    gpu, second = (f"127.0.0.1:{p.port}" for p in servers)
+    cmd = [*CLI, "coordinator", "--model", str(model), "--port", "0", "--http-port", "0",
+           "--device", args.device, "--dtype", args.dtype, "--threads", str(args.coordinator_threads),
+           "--kv-memory", args.kv_memory, "--no-prefix-cache", "--replica-policy", "load_aware",
+           "--max-running-requests", str(args.concurrency), "--max-batch-tokens", str(args.max_batch_tokens),
+           "--gpu-server", gpu]  # fmt: skip
+    if args.second == "cpu":
+        return [*cmd, "--cpu-server", second, "--num-gpu-experts", str(args.gpu_experts)]
+    return [*cmd, "--gpu-server", second]
+
+
+def eplb_flags(args: argparse.Namespace) -> list[str]:
+    return ["--eplb-interval-steps", str(args.interval), "--eplb-window-steps", str(args.window),
+            "--eplb-redundant-slots", str(args.redundant), "--eplb-skip-threshold", "0",
+            "--eplb-move-threshold", "0"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------- load
+
+
+def prompts(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
+    """[round][request] -> prompt ids, fixed by the seed; lengths vary so prefill mixes in."""
+    g = torch.Generator().manual_seed(0)
+    lo, hi = 3, vocab - 3
+    return [
+        [
+            torch.randint(lo, hi, (int(torch.randint(8, 25, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(args.concurrency)
+        ]
+        for _ in range(args.rounds)
+    ]
+
+
+async def serve(addr: str, rounds: list[list[list[int]]], new_tokens: int) -> tuple[Outputs, list[str]]:
+    """One pass: each round's requests streamed concurrently; (outputs of the ok ones, errors)."""
+    outs: Outputs = {}
+    errs: list[str] = []
+    async with AsyncClient(addr, timeout=600) as client:
+
+        async def one(key: tuple[int, int], ids: list[int]) -> None:
+            got: list[int] = []
+            reason = None
+            try:
+                async for chunk in client.stream(
+                    input_ids=ids, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True
+                ):
+                    got += chunk.token_ids
+                    reason = chunk.finish_reason or reason
+            except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+                errs.append(f"{key}: {type(e).__name__}: {e}")
+                return
+            if reason != "length" or len(got) != new_tokens:
+                errs.append(f"{key}: finish {reason}, {len(got)} tokens")
+                return
+            outs[key] = got
+
+        for r, batch in enumerate(rounds):
+            await asyncio.gather(*(one((r, i), ids) for i, ids in enumerate(batch)))
+    return outs, errs
+
+
+# ---------------------------------------------------------------------- coordinator numbers
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def buckets(m0: dict, m1: dict, phase: str) -> list[tuple[float, float]]:
+    """[(upper bound, steps in this bucket)] of ``expertmesh_step_seconds`` between two scrapes."""
+    cum = []
+    for (name, labels), v in m1.items():
+        d = dict(labels)
+        if name == "expertmesh_step_seconds_bucket" and d.get("placement") == phase:
+            cum.append((float(d["le"]), v - m0.get((name, labels), 0.0)))
+    cum.sort()
+    return [(le, c - (cum[i - 1][1] if i else 0.0)) for i, (le, c) in enumerate(cum)]
+
+
+def median(hist: list[tuple[float, float]]) -> float:
+    """Median by linear interpolation inside its bucket (seconds)."""
+    total, acc, lo = sum(c for _, c in hist), 0.0, 0.0
+    for le, c in hist:
+        if c and acc + c >= total / 2:
+            hi = le if math.isfinite(le) else lo * 2
+            return lo + (hi - lo) * (total / 2 - acc) / c
+        acc, lo = acc + c, le
+    return float("nan")
+
+
+def last_bucket(hist: list[tuple[float, float]]) -> float:
+    return max((le for le, c in hist if c), default=0.0)
+
+
+def value(m: dict, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@dataclass
+class Run:
+    name: str
+    passes: list[Outputs]
+    errors: list[str]
+    hist: dict[str, list[tuple[float, float]]]  # phase -> buckets (measured passes)
+    moving_max: float  # exact, from the gauge
+    rebalances: dict[str, float]  # result -> count
+    history: list[admin_pb2.RebalanceOutcome]
+    wall_s: float
+    before: tuple[int, Slots]  # the live placement when the measured passes began
+
+
+def run(args: argparse.Namespace, name: str, cmd: list[str], load: list[list[list[int]]], warm: bool,
+        servers: list[Proc], out: Path) -> Run:  # fmt: skip
+    co = spawn(f"coordinator-{name}", cmd, _LISTEN, args.startup_timeout, out / f"coordinator-{name}.log")
+    try:
+        addr = f"127.0.0.1:{co.port}"
+        wait_serving(addr, args.startup_timeout, [co, *servers])
+        # untimed: run A's round lets the servers compile and capture every batch shape first;
+        # otherwise one short request (fewer steps than --interval: no rebalance yet)
+        first = load[:1] if warm else [load[0][:1]]
+        _, errs = asyncio.run(serve(addr, first, args.new_tokens if warm else 2))
+        m0 = scrape(co.http)
+        with grpc.insecure_channel(addr) as ch:
+            info = admin_pb2_grpc.AdminStub(ch).GetPlacement(admin_pb2.GetPlacementRequest(), timeout=30)
+        t0 = time.perf_counter()
+        passes = []
+        for _ in range(args.passes):
+            outs, e = asyncio.run(serve(addr, load, args.new_tokens))
+            passes.append(outs)
+            errs += e
+        wall = time.perf_counter() - t0
+        time.sleep(0.5)  # a push still committing shows in the status
+        m1 = scrape(co.http)
+        with grpc.insecure_channel(addr) as ch:
+            st = admin_pb2_grpc.AdminStub(ch).GetEplbStatus(admin_pb2.GetEplbStatusRequest(), timeout=30)
+        if value(m0, "expertmesh_step_seconds_count", placement="moving"):
+            errs.append("a push overlapped the warm-up: the moving steps' worst includes it")
+        results = {
+            dict(labels)["result"]: v for (n, labels), v in m1.items() if n == "expertmesh_rebalances_total"
+        }
+        return Run(
+            name,
+            passes,
+            errs,
+            {p: buckets(m0, m1, p) for p in ("steady", "moving")},
+            value(m1, "expertmesh_step_seconds_max", placement="moving"),
+            results,
+            [o for o in st.history if o.outcome == "rebalanced"],
+            wall,
+            (info.generation, slots_of_info(info)),
+        )
+    finally:
+        co.stop()
+
+
+def slots_of_info(info: admin_pb2.PlacementInfo) -> Slots:
+    out: Slots = {}
+    for lp in info.layers:
+        for i, name in enumerate(info.servers):
+            held = sorted((s, e) for e, o, s in zip(lp.phy2log, lp.owner, lp.local_slot) if o == i)
+            out[str(lp.layer), name] = [e for _, e in held]
+    return out
+
+
+def slots_of_json(text: str) -> Slots:
+    raw = json.loads(text)
+    return {(layer, name): list(v) for layer, lists in raw["layers"].items() for name, v in lists.items()}
+
+
+def rewrites(old: Slots, new: Slots) -> tuple[int, int]:
+    """(layer, server) tables whose slot count changes (the server rebuilds the layer in its
+    commit), and the slots the commits write (every slot of a rebuilt layer), by the worker's
+    own move planner."""
+    resized = written = 0
+    for key, experts in new.items():
+        plan = plan_layer(tuple(old.get(key, [])), tuple(experts))
+        resized += plan.resize
+        written += len(experts) if plan.resize else len(plan.moves) + len(plan.reads)
+    return resized, written
+
+
+# ---------------------------------------------------------------------- report
+
+
+def compare(ref: Outputs, got: Outputs) -> str:
+    keys = sorted(ref.keys() & got.keys())
+    same = sum(ref[k] == got[k] for k in keys)
+    firsts = [
+        next(i for i, (a, b) in enumerate(zip(ref[k], got[k])) if a != b) for k in keys if ref[k] != got[k]
+    ]
+    tail = f" (first difference at token {min(firsts)})" if firsts else ""
+    return f"{same}/{len(keys)}{tail}"
+
+
+def report(args: argparse.Namespace, a: Run, b: Run, requests: int) -> str:
+    ms = 1e3
+    lines = [
+        "| run | requests ok / failed | greedy equal to A pass 1 | steps (during a move) | median step ms | "
+        "median during a move ms | worst steady ms (bucket bound) | worst during a move ms | "
+        "worst during a move / median | rebalances that moved weights (skipped, failed) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in (a, b):
+        both = [(le, c + m) for (le, c), (_, m) in zip(r.hist["steady"], r.hist["moving"])]
+        n_moving = sum(c for _, c in r.hist["moving"])
+        med = median(both)
+        ok = sum(len(p) for p in r.passes)
+        equal = ", ".join(
+            f"pass {i + 1}: {compare(a.passes[0], p)}" for i, p in enumerate(r.passes) if r is b or i > 0
+        )
+        worst = f"{r.moving_max * ms:.1f}" if n_moving else "-"
+        med_moving = f"{median(r.hist['moving']) * ms:.1f}" if n_moving else "-"
+        ratio = f"{r.moving_max / med:.2f}x" if n_moving else "-"
+        moved = (
+            f"{int(r.rebalances.get('rebalanced', 0))} ({int(r.rebalances.get('skipped', 0))}, "
+            f"{int(r.rebalances.get('failed', 0))})"
+        )
+        lines.append(
+            f"| {r.name} | {ok} / {requests - ok} | {equal or '-'} | {int(sum(c for _, c in both))} "
+            f"({int(n_moving)}) | {med * ms:.1f} | {med_moving} | {last_bucket(r.hist['steady']) * ms:.1f} | "
+            f"{worst} | {ratio} | {moved} |"
+        )
+    gen, live = b.before
+    lines += [
+        "",
+        f"| rebalance (run B) | weights moved | MiB | (layer, server) tables resized (of {len(live)}) | "
+        "slots written by the commits | prepare ms | commit ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for o in sorted(b.history, key=lambda o: o.generation):
+        new = slots_of_json(o.placement_json)
+        # NOTE: the status keeps the last 16 outcomes: an earlier one missing, the tables before are unknown
+        resized, written = map(str, rewrites(live, new)) if o.generation == gen + 1 else ("?", "?")
+        gen, live = o.generation, new
+        lines.append(
+            f"| generation {o.generation} | {o.weights_moved} | {o.bytes_moved / 2**20:.0f} | {resized} | "
+            f"{written} | {o.prepare_ms:.0f} | {o.commit_ms:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    p.add_argument("--device", default="cpu", help="the coordinator's")
+    p.add_argument("--gpu-device", default="cpu", help="the gpu-server's (cpu: the plain torch backend)")
+    p.add_argument("--second", choices=["cpu", "gpu"], default="cpu", help="the second expert server")
+    p.add_argument("--second-device", default="cpu", help="with --second gpu (it preloads the upper half)")
+    p.add_argument(
+        "--gpu-experts", type=int, default=None, help="initially on the GPU server (default: half)"
+    )
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--coordinator-threads", type=int, default=1)
+    p.add_argument("--kv-memory", default="256MiB")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of --concurrency requests per pass")
+    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--interval", type=int, default=8, help="run B: EPLB every N steps")
+    p.add_argument("--window", type=int, default=16, help="run B: the load window, steps")
+    p.add_argument("--redundant", type=int, default=2, help="run B: replica slots per server")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--out", default=None, help="logs and the table (default: a temporary directory)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        if args.model is None:
+            from expertmesh.demo import write_demo_model
+
+            model = write_demo_model(Path(tmp) / "demo-model")
+        else:
+            model = Path(args.model)
+        cfg = ModelConfig.from_dir(model)
+        if args.gpu_experts is None:
+            args.gpu_experts = cfg.num_experts // 2
+        load = prompts(args, cfg.vocab_size)
+        t0 = time.perf_counter()
+        servers = start_servers(args, model, cfg, out)
+        started = time.perf_counter() - t0
+        try:
+            cmd = coordinator_cmd(args, model, servers)
+            a = run(args, "A", cmd, load, True, servers, out)
+            b = run(args, "B", [*cmd, *eplb_flags(args)], load, False, servers, out)
+        finally:
+            for s in servers:
+                s.stop()
+        requests = args.passes * args.rounds * args.concurrency
+        head = (
+            f"## {model.name}: {cfg.num_experts} experts x {len(cfg.moe_layer_ids)} MoE layers, "
+            f"{args.dtype}; coordinator on {args.device}, gpu-server on {args.gpu_device} + "
+            f"{args.second}-server ({args.gpu_experts if args.second == 'cpu' else cfg.num_experts // 2} "
+            "experts on the first GPU server at first); "
+            f"{args.passes} passes x {args.rounds} rounds x {args.concurrency} concurrent streams x "
+            f"{args.new_tokens} tokens; run B: EPLB every {args.interval} steps, window {args.window}, "
+            f"{args.redundant} redundant slots per server\n"
+        )
+        text = head + "\n" + report(args, a, b, requests)
+        text += f"\n\nservers up in {started:.0f} s; run A {a.wall_s:.1f} s, run B {b.wall_s:.1f} s (measured passes)"
+        for r in (a, b):
+            text += "".join(f"\n- run {r.name}: {e}" for e in r.errors[:10])
+        print(text)
+        (out / "bench_rebalance.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
