@@ -3,7 +3,7 @@ layer's request into shared memory a CPU expert server's C thread polls, and wai
 answer's flag; with ``local`` experts the graph computes their share meanwhile.
 
 * float32, every architecture (tiny random models), experts split between ``local`` and the
-  CPU server, and every expert on the CPU server: prefill logits and greedy decode equal HF
+  CPU server, replicated across both, and every expert on the CPU server: prefill logits and greedy decode equal HF
   transformers' (relative error < 1e-4), tokens identical, and the decode steps ran linked.
 * A linked step with bad slot ids is thrown away and runs again without the link (never wrong
   logits), and later steps link again once the server is back.
@@ -23,19 +23,22 @@ from coordinator.experts.expert_conn import ExpertServerError
 from expertmesh.checkpoint import CheckpointReader
 from tests.cluster_utils import start_server
 from tests.hf_models import ARCHS, make_checkpoint
-from tests.test_local_member import local_engine, servers
+from tests.test_local_member import local_engine, replicas_file, servers
 from tests.test_parity import DECODE_STEPS, hf_greedy, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("share", ["half_local", "all_cpu"])
+@pytest.mark.parametrize("share", ["half_local", "all_cpu", "replicas"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_host_link_decode_matches_hf(arch, share, tmp_path):
     hf = make_checkpoint(arch, tmp_path)
     cpu = start_server("cpu", tmp_path)
     ne = CheckpointReader(tmp_path).config.num_experts
-    cluster = ClusterConfig(servers(cpu), num_gpu_experts=ne // 2 if share == "half_local" else 0)
+    if share == "replicas":  # experts 0..half on local, every expert on the CPU server
+        cluster = ClusterConfig(servers(cpu), placement_file=replicas_file(tmp_path, ne))
+    else:
+        cluster = ClusterConfig(servers(cpu), num_gpu_experts=ne // 2 if share == "half_local" else 0)
     eng, d = local_engine(tmp_path, cluster, "cuda")
     try:
         prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))

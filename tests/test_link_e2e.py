@@ -304,6 +304,24 @@ def test_the_hybrid_slot_tables_split_between_local_and_one_server(tmp_path):
     """A placement that splits every MoE layer's experts between the in-process member and one
     CPU server links to that server, with two tables (here on the CPU): the server's slot of
     each expert it holds (-1 for the local ones) and the local slot of the others."""
+    spec = {
+        "servers": ["local", "cpu0"],
+        "layers": {"0": {"local": [2, 0], "cpu0": [1, 3]}, "1": {"local": [3], "cpu0": [0, 2, 1]}},
+    }
+    _hybrid_tables(tmp_path, spec, [[1, -1, 0, -1], [-1, -1, -1, 0]], [[-1, 0, -1, 1], [0, 2, 1, -1]])
+
+
+def test_a_replicated_expert_links_to_its_local_copy(tmp_path):
+    """Replicas across ``local`` and the CPU server: the linked step computes a replicated expert
+    on its local copy (the GPU), the others on the server."""
+    spec = {
+        "servers": ["local", "cpu0"],
+        "layers": {"*": {"local": [1, 2], "cpu0": [0, 1, 2, 3]}},
+    }
+    _hybrid_tables(tmp_path, spec, [[-1, 0, 1, -1]] * 2, [[0, -1, -1, 3]] * 2)
+
+
+def _hybrid_tables(tmp_path, spec: dict, local_table: list, server_table: list) -> None:
     from coordinator.experts.cluster import ExpertCluster
     from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
     from coordinator.experts.remote import RemoteDispatcher
@@ -311,10 +329,6 @@ def test_the_hybrid_slot_tables_split_between_local_and_one_server(tmp_path):
     from tests.test_cluster_state import MODEL, FakeConn, FakeServer
 
     model = SimpleNamespace(**vars(MODEL), top_k=2)
-    spec = {
-        "servers": ["local", "cpu0"],
-        "layers": {"0": {"local": [2, 0], "cpu0": [1, 3]}, "1": {"local": [3], "cpu0": [0, 2, 1]}},
-    }
     (tmp_path / "p.json").write_text(json.dumps(spec))
     specs = (ServerSpec.local(), ServerSpec("cpu0", "fake:2", "cpu"))
     servers = {"local": FakeServer(), "cpu0": FakeServer()}
@@ -331,8 +345,8 @@ def test_the_hybrid_slot_tables_split_between_local_and_one_server(tmp_path):
         d.connect(5)
         d.begin_step(1)
         assert d._link_server == 1 and d.link_local() is c.members[0].conn
-        # expert e of layer 0: local slots 0 (expert 2), 1 (expert 0); cpu0 slots 0 (1), 1 (3)
-        assert d.link_local_table.tolist() == [[1, -1, 0, -1], [-1, -1, -1, 0]]
-        assert d.link_table.tolist() == [[-1, 0, -1, 1], [0, 2, 1, -1]]
+        # e.g. layer 0 of the split: local slots 0 (expert 2), 1 (expert 0); cpu0 slots 0 (1), 1 (3)
+        assert d.link_local_table.tolist() == local_table
+        assert d.link_table.tolist() == server_table
     finally:
         d.close()

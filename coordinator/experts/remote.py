@@ -365,28 +365,30 @@ class RemoteDispatcher(Dispatcher):
     # ------------------------------------------------------------ the device link
 
     def _refresh_link_table(self) -> None:
-        """The linked path's slot tables, when every MoE layer's live experts sit once each on
-        one and the same server, or split between that server and the in-process member
-        (``local``: the hybrid step computes its share inside the same graph). Else no step
-        links."""
+        """The linked path's slot tables, when every MoE layer's live experts sit on one and the
+        same server, or are split between that server and the in-process member (``local``:
+        the hybrid step computes its share inside the same graph). A replicated expert is
+        computed by one copy, always the same: the local one where there is one (the GPU),
+        else the server's first. Any other server holding an expert: no step links."""
         ids = self.cfg.moe_layer_ids
         self._link_server = self._link_local = None
         local = next((i for i, c in enumerate(self.conns) if getattr(c.spec, "in_process", False)), None)
-        owners: list[np.ndarray] = []  # per MoE layer, [E] the live owner of each expert
-        slots: list[np.ndarray] = []  # per MoE layer, [E] int32 its slot there
-        for layer in ids:
-            if layer in self._single:
-                server, local_slot = self._single[layer]
-                owners.append(np.full(local_slot.shape, server))
-                slots.append(local_slot)
-            elif layer in self._spread:
-                _, owner, local_slot, _ = self._spread[layer]
-                owners.append(owner)
-                slots.append(local_slot)
-            else:  # replicas or lost experts: the split is no static table
-                return
-        if not ids:
+        if not ids or any(layer not in self._live for layer in ids):
             return
+        owners, slots = [], []  # per MoE layer, [E]: the copy each expert is linked to, its slot
+        for layer in ids:
+            lt = self._live[layer]
+            if bool((lt.logcnt < 1).any()):  # a lost expert: the piecewise path waits or fails
+                return
+            phys = lt.log2phy.clamp(min=0)  # [E, R]
+            owner = torch.where(lt.log2phy >= 0, lt.owner[phys], -2)  # [E, R], -2: no copy
+            first = lt.log2phy[:, 0]  # [E]
+            if local is not None:  # the local copy where there is one
+                at = (owner == local).to(torch.int8).argmax(1)  # [E]
+                has = (owner == local).any(1)
+                first = torch.where(has, lt.log2phy.gather(1, at[:, None])[:, 0], first)
+            owners.append(lt.owner[first].numpy())
+            slots.append(lt.local_slot[first].numpy())
         every = np.stack(owners)  # [L_moe, E]
         remote = set(np.unique(every).tolist()) - {local}
         if len(remote) != 1:  # every expert in process, or several servers
