@@ -105,6 +105,22 @@ class Proc:
                 self.proc.wait(10)
 
 
+def cpu_seconds(procs: list[Proc]) -> dict[str, float]:
+    """CPU time (user + system) each process and its children have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for p in procs:
+        total = 0
+        for pid in [p.proc.pid, *_children(p.proc.pid)]:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+            except (OSError, IndexError, ValueError):
+                pass
+        out[p.name] = total / tick
+    return out
+
+
 def _children(pid: int) -> list[int]:
     try:
         kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -374,8 +390,12 @@ class Bench:
             for b in a.batches:
                 m0 = scrape(co.http), scrape(srv_http)
                 linked0 = counter(co.http, "expertmesh_linked_decode_steps_total")
+                c0, w0 = cpu_seconds([*procs, *extra]), time.monotonic()
                 t = asyncio.run(tpot(addr, b, a.prompt, a.new_tokens, self.cfg["vocab"]))
+                c1, w1 = cpu_seconds([*procs, *extra]), time.monotonic()
                 m1 = scrape(co.http), scrape(srv_http)
+                # cores each process kept busy while measured (a busy neighbour shows here)
+                res[f"cores_b{b}"] = {k: round((c1[k] - c0.get(k, 0.0)) / (w1 - w0), 1) for k in c1}
                 res[f"linked_steps_b{b}"] = counter(co.http, "expertmesh_linked_decode_steps_total") - linked0
                 res[f"tpot_ms_b{b}"] = round(t * 1e3, 2)
                 res[f"tok_s_b{b}"] = round(b / t, 1)
@@ -402,7 +422,8 @@ class Bench:
 
 def table(results: list[dict], batches: list[int]) -> str:
     head = ["row", "load s", *(f"tok/s b{b}" for b in batches), *(f"TPOT ms b{b}" for b in batches),
-            "linked steps", "GPU MiB", "RSS GiB", "per-layer round trip ms (b1)", "server compute ms/layer (b1)"]  # fmt: skip
+            "linked steps", "GPU MiB", "RSS GiB", "per-layer round trip ms (b1)", "server compute ms/layer (b1)",
+            "busy cores (b1)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "error" in r:
@@ -415,7 +436,8 @@ def table(results: list[dict], batches: list[int]) -> str:
                  ", ".join(f"{k} {v}" for k, v in r["gpu_mib"].items()) or "n/a",
                  ", ".join(f"{k} {v}" for k, v in r["rss_gib"].items()),
                  ", ".join(f"{k} {v}" for k, v in r.get(f"round_trip_ms_b{batches[0]}", {}).items()) or "-",
-                 str(r.get(f"server_compute_ms_b{batches[0]}", "-"))]  # fmt: skip
+                 str(r.get(f"server_compute_ms_b{batches[0]}", "-")),
+                 ", ".join(f"{k} {v}" for k, v in r.get(f"cores_b{batches[0]}", {}).items()) or "-"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
