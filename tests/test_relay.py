@@ -1,0 +1,305 @@
+"""The TCP relay (expertmesh/transport/relay.c): two relays over loopback between a Python
+"graph" that writes request areas and flags and a Python "server compute" that polls the
+server's request area and answers; every answer is checked against the same arithmetic done
+here on the coordinator's inputs. Then bad frames, timeouts and aborts, against hand-written
+peers."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from expertmesh.transport import link
+from expertmesh.transport import relay as rl
+from expertmesh.transport.delay_proxy import DelayProxy
+
+pytestmark = pytest.mark.skipif(rl.load() is None, reason=rl.unavailable() or "no relay")
+
+R, H, K, DT = 8, 64, 4, torch.bfloat16
+REQ, ANS = struct.Struct("<IIq"), struct.Struct("<IIqq")  # relay.c's frame headers
+REQ_MAGIC, ANS_MAGIC = 0x31514D45, 0x31414D45
+
+
+def areas() -> tuple[torch.Tensor, torch.Tensor]:
+    cpu = torch.device("cpu")
+    req = link.new_area(link.request_bytes(R, H, K, DT), cpu)
+    return req, link.new_area(link.answer_bytes(R, H, DT), cpu)
+
+
+def expected(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the stand-in server computes: [T, H] from x [T, H], ids/w [T, K] (uses all three)."""
+    return (2 * x.float() + (ids.float() * w).sum(1, keepdim=True)).to(DT)
+
+
+def spin(flag: np.ndarray, want: int, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while flag[0] != want:
+        if time.monotonic() > end:
+            return False
+        time.sleep(0)  # NOTE: releases the GIL for the other Python side of the test
+    return True
+
+
+class Compute:
+    """The server's compute, told each step as the control plane would tell it; answers
+    ``expected`` for each layer's request in its request area."""
+
+    def __init__(self, relay: rl.Relay) -> None:
+        self.req, self.ans = relay.req, relay.ans
+        self.flag, self.ans_flag = self.req.flag.numpy(), self.ans.flag.numpy()
+        self.status = self.ans.status.numpy()
+        self.errors: list[str] = []
+
+    def run_step(self, step: int, rows: int, layers: int) -> threading.Thread:
+        def body() -> None:
+            for i in range(layers):
+                want = step * link.STEP_SPAN + i + 1
+                if not spin(self.flag, want):
+                    self.errors.append(f"step {step} layer {i}: no request")
+                    return
+                self.ans.out[:rows] = expected(self.req.x[:rows], self.req.ids[:rows], self.req.w[:rows])
+                self.status[0] = 0
+                self.ans_flag[0] = want
+
+        t = threading.Thread(target=body, daemon=True)
+        t.start()
+        return t
+
+
+class Graph:
+    """The coordinator's graph: writes each layer's request, then its flag; waits for the answer."""
+
+    def __init__(self, relay: rl.Relay, seed: int = 0) -> None:
+        self.relay, self.req, self.ans = relay, relay.req, relay.ans
+        self.flag, self.ans_flag = self.req.flag.numpy(), self.ans.flag.numpy()
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def layer(self, step: int, i: int, rows: int, real: int | None = None) -> tuple[torch.Tensor, int, float]:
+        """(out [rows, H], status, seconds from the request flag to the answer flag)."""
+        want = step * link.STEP_SPAN + i + 1
+        x = torch.randn(rows, H, generator=self.gen).to(DT)
+        ids = torch.randint(0, 16, (rows, K), generator=self.gen, dtype=torch.int32)
+        ids[real if real is not None else rows :] = -1  # padding rows of a bucket
+        w = torch.rand(rows, K, generator=self.gen)
+        self.req.x[:rows], self.req.ids[:rows], self.req.w[:rows] = x, ids, w
+        self.expect = expected(x, ids, w)
+        t0 = time.perf_counter()
+        self.flag[0] = want
+        assert spin(self.ans_flag, want), f"no answer to step {step} layer {i}"
+        return self.ans.out[:rows].clone(), int(self.ans.status), time.perf_counter() - t0
+
+
+def connect(port: int, listener: socket.socket) -> tuple[socket.socket, socket.socket]:
+    c = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s, _ = listener.accept()
+    return c, s
+
+
+@contextlib.contextmanager
+def pair(cfg: rl.RelayConfig | None = None, delay_us: float | None = None) -> Iterator[tuple]:
+    """Both relays connected over loopback (through the delay proxy when ``delay_us``)."""
+    cfg = cfg or rl.RelayConfig(timeout_s=5.0, spin_us=20.0)
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(rl.Relay.server(*areas(), R, H, K, DT, cfg))
+        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
+        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        port = listener.getsockname()[1]
+        if delay_us is not None:
+            port = stack.enter_context(DelayProxy(("127.0.0.1", port), delay_us=delay_us)).port
+        c, s = connect(port, listener)
+        assert srv.attach(s) and co.attach(c)
+        yield co, srv, listener
+
+
+def run_steps(co: rl.Relay, srv: rl.Relay, steps: range, layers: int, rows: int, real: int) -> list[float]:
+    compute, graph, times = Compute(srv), Graph(co, seed=steps.start), []
+    for step in steps:
+        worker = compute.run_step(step, rows, layers)
+        assert co.step(step, rows, layers) == ""
+        for i in range(layers):
+            out, status, dt = graph.layer(step, i, rows, real)
+            assert status == 0, f"step {step} layer {i}: status {status}"
+            torch.testing.assert_close(out, graph.expect, rtol=0, atol=0)
+            times.append(dt)
+        worker.join(10)
+        assert not compute.errors, compute.errors
+    assert co.wait_idle(5)
+    return times
+
+
+@pytest.mark.parametrize("rows,real", [(1, 1), (R, 5)], ids=["rows1", "bucket8-padded"])
+def test_answers_over_many_layers_and_steps(rows, real):
+    with pair() as (co, srv, _):
+        run_steps(co, srv, range(3, 7), layers=6, rows=rows, real=real)
+        a, b = co.stats(), srv.stats()
+    assert (a.steps, a.layers, a.last_step, a.last_bits) == (4, 24, 6, 0)
+    assert b.layers == 24 and a.dropped == b.dropped == a.malformed == b.malformed == 0
+
+
+def test_through_the_delay_proxy():
+    with pair(delay_us=100.0) as (co, srv, _):
+        times = run_steps(co, srv, range(1, 3), layers=4, rows=R, real=R)
+    # NOTE: each layer crosses the proxy twice: at least two added one-way delays
+    assert min(times) >= 200e-6, f"{min(times) * 1e6:.0f} us: the frames did not go through the proxy"
+
+
+def test_step_refusals_say_why():
+    with rl.Relay.coordinator(*areas(), R, H, K, DT) as co:
+        assert co.step(1, 1, 4) == "the relay has no connection"
+        assert "refused" in co.step(2, R + 1, 4)
+    with pair() as (co, srv, _):
+        run_steps(co, srv, range(5, 6), layers=2, rows=1, real=1)
+        assert "not after the last" in co.step(5, 1, 2)  # flag values never repeat on a link
+
+
+def wait_for(pred, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        assert chunk, "peer closed"
+        buf += chunk
+    return buf
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        struct.pack("<IIq", 0xDEADBEEF, 1, 1) + b"\0" * 64,  # not a request
+        REQ.pack(REQ_MAGIC, R + 1, 1),  # more rows than the area
+        REQ.pack(REQ_MAGIC, 1, 1) + b"\1" * 10,  # ends inside the payload
+    ],
+    ids=["garbage", "too-many-rows", "truncated"],
+)
+def test_a_bad_request_frame_drops_the_connection_and_the_server_relay_serves_the_next(frame):
+    with pair() as (co, srv, listener):
+        bad, bad_end = connect(listener.getsockname()[1], listener)
+        assert not srv.attach(bad_end)  # it still has the good connection: refused, not queued
+        co.close()  # the good peer goes away between frames: a clean close
+        assert wait_for(lambda: not srv.connected)
+        assert srv.attach(bad_end)
+        bad.sendall(frame)
+        with contextlib.suppress(OSError):  # the relay may have closed it already
+            bad.shutdown(socket.SHUT_WR)
+        assert wait_for(lambda: srv.stats().dropped == 1)
+        assert (srv.stats().malformed, srv.stats().closed) == (1, 1)
+        bad.close()
+        with rl.Relay.coordinator(*areas(), R, H, K, DT) as co2:
+            c, s = connect(listener.getsockname()[1], listener)
+            assert srv.attach(s) and co2.attach(c)
+            run_steps(co2, srv, range(1, 3), layers=3, rows=2, real=2)
+
+
+def answer_badly(how: str, sock: socket.socket, rows: int) -> None:
+    """A hand-written server that reads one request frame and answers it ``how``."""
+    q = REQ.unpack(recv_exact(sock, REQ.size))
+    recv_exact(sock, rows * H * 2 + 2 * rows * K * 4)
+    body = b"\0" * (rows * H * 2)
+    if how == "garbage":
+        sock.sendall(ANS.pack(0x12345678, rows, q[2], 0) + body)
+    elif how == "wrong-flag":
+        sock.sendall(ANS.pack(ANS_MAGIC, rows, q[2] + 1, 0) + body)
+    elif how == "truncated-close":
+        sock.sendall(ANS.pack(ANS_MAGIC, rows, q[2], 0) + body[:10])
+        sock.close()
+    elif how == "silent":
+        pass  # the socket stays open, nothing comes: the relay's timeout
+
+
+@pytest.mark.parametrize(
+    "how,bit",
+    [("garbage", rl.ERR_WIRE), ("wrong-flag", rl.ERR_WIRE), ("truncated-close", rl.ERR_WIRE), ("silent", 1)],
+)
+def test_a_bad_answer_ends_the_step_with_an_error_and_the_relay_takes_the_next_connection(how, bit):
+    cfg = rl.RelayConfig(timeout_s=0.3, spin_us=20.0)
+    with contextlib.ExitStack() as stack:
+        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
+        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        c, s = connect(listener.getsockname()[1], listener)
+        stack.callback(s.close)
+        assert co.attach(c)
+        peer = threading.Thread(target=answer_badly, args=(how, s, 2), daemon=True)
+        peer.start()
+        assert co.step(1, 2, 3) == ""
+        graph = Graph(co)
+        statuses = [graph.layer(1, i, 2)[1] for i in range(3)]
+        # every layer of the step is answered (the graph runs through) and carries the bit
+        assert all(st & bit for st in statuses), statuses
+        assert co.wait_idle(5) and not co.connected
+        st = co.stats()
+        assert st.dropped == 1 and st.last_bits & bit
+        assert (st.malformed, st.timeouts) == ((0, 1) if how == "silent" else (1, 0))
+        peer.join(5)
+        srv = stack.enter_context(rl.Relay.server(*areas(), R, H, K, DT, cfg))
+        c, s = connect(listener.getsockname()[1], listener)
+        assert srv.attach(s) and co.attach(c)
+        run_steps(co, srv, range(2, 4), layers=3, rows=2, real=2)
+
+
+def test_server_compute_silent_times_out_once_per_step_and_the_link_lives():
+    cfg = rl.RelayConfig(timeout_s=0.3, spin_us=20.0)
+    with pair(cfg) as (co, srv, _):
+        graph = Graph(co)
+        assert co.step(1, 1, 4) == ""
+        t0 = time.monotonic()
+        statuses = [graph.layer(1, i, 1)[1] for i in range(4)]  # no compute runs step 1
+        took = time.monotonic() - t0
+        assert statuses == [link.ERR_TIMEOUT] * 4
+        assert took < 2 * cfg.timeout_s, f"{took=}: one timeout per step, not one per layer"
+        assert co.wait_idle(5) and co.connected and srv.stats().timeouts == 1
+        run_steps(co, srv, range(2, 4), layers=4, rows=1, real=1)
+
+
+def test_graph_that_never_writes_ends_the_step_after_the_timeout():
+    cfg = rl.RelayConfig(timeout_s=0.2, spin_us=20.0)
+    with pair(cfg) as (co, srv, _):
+        assert co.step(1, 1, 4) == ""
+        assert co.wait_idle(2)
+        st = co.stats()
+        assert st.timeouts == 1 and st.last_bits == link.ERR_TIMEOUT and co.connected
+        run_steps(co, srv, range(2, 3), layers=4, rows=1, real=1)
+
+
+def test_abort_ends_the_step_at_once_on_both_ends():
+    cfg = rl.RelayConfig(timeout_s=30.0, spin_us=20.0)
+    with pair(cfg) as (co, srv, _):
+        assert co.step(1, 1, 4) == ""
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        co.abort(1)  # the coordinator's relay waits for a request flag that never comes
+        assert co.wait_idle(2) and time.monotonic() - t0 < 1.0
+        assert co.stats().aborted == 1 and co.stats().last_bits == link.ERR_TIMEOUT
+        # the server's relay waits for a compute that never answers: aborted, it answers the error
+        graph = Graph(co)
+        assert co.step(2, 1, 2) == ""
+        threading.Timer(0.1, srv.abort, args=(2,)).start()
+        t0 = time.monotonic()
+        assert [graph.layer(2, i, 1)[1] for i in range(2)] == [link.ERR_TIMEOUT] * 2
+        assert time.monotonic() - t0 < 5.0 and srv.stats().aborted == 1
+        assert co.wait_idle(2) and co.connected
+        run_steps(co, srv, range(3, 4), layers=2, rows=1, real=1)
+
+
+def test_without_a_compiler_the_reason_is_given(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("EXPERTMESH_CACHE", str(tmp_path))
+    monkeypatch.setattr(rl, "_lib", None)
+    monkeypatch.setattr(rl, "_why", "")
+    assert rl.load() is None
+    assert "cannot be built" in rl.unavailable() and "no-such-cc" in rl.unavailable()
