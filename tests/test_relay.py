@@ -106,7 +106,7 @@ def connect(port: int, listener: socket.socket) -> tuple[socket.socket, socket.s
 @contextlib.contextmanager
 def pair(cfg: rl.RelayConfig | None = None, delay_us: float | None = None) -> Iterator[tuple]:
     """Both relays connected over loopback (through the delay proxy when ``delay_us``)."""
-    cfg = cfg or rl.RelayConfig(timeout_s=5.0, spin_us=20.0)
+    cfg = cfg or rl.RelayConfig(timeout_s=5.0)
     with contextlib.ExitStack() as stack:
         srv = stack.enter_context(rl.Relay.server(*areas(), R, H, K, DT, cfg))
         co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
@@ -227,7 +227,7 @@ def answer_badly(how: str, sock: socket.socket, rows: int) -> None:
     [("garbage", rl.ERR_WIRE), ("wrong-flag", rl.ERR_WIRE), ("truncated-close", rl.ERR_WIRE), ("silent", 1)],
 )
 def test_a_bad_answer_ends_the_step_with_an_error_and_the_relay_takes_the_next_connection(how, bit):
-    cfg = rl.RelayConfig(timeout_s=0.3, spin_us=20.0)
+    cfg = rl.RelayConfig(timeout_s=0.3)
     with contextlib.ExitStack() as stack:
         co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
         listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
@@ -253,7 +253,7 @@ def test_a_bad_answer_ends_the_step_with_an_error_and_the_relay_takes_the_next_c
 
 
 def test_server_compute_silent_times_out_once_per_step_and_the_link_lives():
-    cfg = rl.RelayConfig(timeout_s=0.3, spin_us=20.0)
+    cfg = rl.RelayConfig(timeout_s=0.3)
     with pair(cfg) as (co, srv, _):
         graph = Graph(co)
         assert co.step(1, 1, 4) == ""
@@ -267,7 +267,7 @@ def test_server_compute_silent_times_out_once_per_step_and_the_link_lives():
 
 
 def test_graph_that_never_writes_ends_the_step_after_the_timeout():
-    cfg = rl.RelayConfig(timeout_s=0.2, spin_us=20.0)
+    cfg = rl.RelayConfig(timeout_s=0.2)
     with pair(cfg) as (co, srv, _):
         assert co.step(1, 1, 4) == ""
         assert co.wait_idle(2)
@@ -277,7 +277,7 @@ def test_graph_that_never_writes_ends_the_step_after_the_timeout():
 
 
 def test_abort_ends_the_step_at_once_on_both_ends():
-    cfg = rl.RelayConfig(timeout_s=30.0, spin_us=20.0)
+    cfg = rl.RelayConfig(timeout_s=30.0)
     with pair(cfg) as (co, srv, _):
         assert co.step(1, 1, 4) == ""
         time.sleep(0.05)

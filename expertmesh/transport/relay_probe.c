@@ -24,24 +24,27 @@ static int64_t probe_now(void) {
 }
 
 /* ptrs: req flag, x, ans flag, out. Runs ``steps`` steps from ``step0`` of ``layers`` layers of
- * ``rows`` rows over the coordinator relay ``r``; ns[s * layers + i] = layer i's round trip from
+ * ``rows`` rows over the coordinator relay ``r`` (NULL: the compute shares these areas); ns[s * layers + i] = layer i's round trip from
  * its request flag to its answer flag. Returns 0, the negative relay_step code, or 1 when an
  * answer did not come within timeout_ns. */
 int probe_graph(struct relay *r, void **ptrs, int64_t step0, int64_t steps, int64_t layers, int64_t rows,
-                int64_t row_bytes, int64_t timeout_ns, int64_t *ns) {
+                int64_t row_bytes, int64_t timeout_ns, int64_t spin_ns, int64_t *ns) {
     int64_t *req_flag = ptrs[0], *ans_flag = ptrs[2];
     uint8_t *x = ptrs[1];
     for (int64_t s = 0; s < steps; s++) {
         int64_t step = step0 + s;
-        int rc = relay_step(r, step, rows, layers);
+        int rc = r ? relay_step(r, step, rows, layers) : 0; /* no relay: the areas are shared */
         if (rc) return rc;
         for (int64_t i = 0; i < layers; i++) {
             int64_t want = step * STEP_SPAN + i + 1;
             memset(x, (int)(want & 0x7f), (size_t)(rows * row_bytes)); /* the layer's hidden states */
             int64_t t0 = probe_now();
             __atomic_store_n(req_flag, want, __ATOMIC_RELEASE);
-            while (__atomic_load_n(ans_flag, __ATOMIC_ACQUIRE) != want)
-                if (probe_now() - t0 > timeout_ns) return 1;
+            while (__atomic_load_n(ans_flag, __ATOMIC_ACQUIRE) != want) {
+                int64_t t = probe_now() - t0;
+                if (t > timeout_ns) return 1;
+                if (t > spin_ns) sched_yield(); /* as the relay's own waits: a loaded host goes on */
+            }
             ns[s * layers + i] = probe_now() - t0;
         }
     }
@@ -51,21 +54,22 @@ int probe_graph(struct relay *r, void **ptrs, int64_t step0, int64_t steps, int6
 typedef struct {
     int64_t *req_flag, *ans_flag, *ans_status;
     uint8_t *x, *out;
-    int64_t bytes, stop;
+    int64_t bytes, spin_ns, stop;
     pthread_t th;
 } probe_echo_t;
 
 static void *echo_main(void *arg) {
     probe_echo_t *e = arg;
     int64_t last = __atomic_load_n(e->req_flag, __ATOMIC_ACQUIRE);
-    uint32_t idle = 0;
+    int64_t since = probe_now();
+    uint32_t k = 0;
     while (!__atomic_load_n(&e->stop, __ATOMIC_RELAXED)) {
         int64_t f = __atomic_load_n(e->req_flag, __ATOMIC_ACQUIRE);
         if (f == last) {
-            if (++idle > (1u << 16)) sched_yield(); /* between runs: leave a loaded host its cores */
+            if ((++k & 63) == 0 && probe_now() - since > e->spin_ns) sched_yield();
             continue;
         }
-        idle = 0;
+        since = probe_now();
         memcpy(e->out, e->x, (size_t)e->bytes);
         __atomic_store_n(e->ans_status, 0, __ATOMIC_RELAXED);
         __atomic_store_n(e->ans_flag, f, __ATOMIC_RELEASE);
@@ -75,12 +79,12 @@ static void *echo_main(void *arg) {
 }
 
 /* ptrs: req flag, x, ans flag, status, out; copies ``bytes`` of x per answer (the benchmark's
- * rows: the area holds no row count). */
-probe_echo_t *probe_echo_start(void **ptrs, int64_t bytes) {
+ * rows: the area holds no row count). Both stand-ins pause-spin for spin_ns, then yield. */
+probe_echo_t *probe_echo_start(void **ptrs, int64_t bytes, int64_t spin_ns) {
     probe_echo_t *e = calloc(1, sizeof *e);
     if (!e) return NULL;
     e->req_flag = ptrs[0], e->x = ptrs[1], e->ans_flag = ptrs[2], e->ans_status = ptrs[3], e->out = ptrs[4];
-    e->bytes = bytes;
+    e->bytes = bytes, e->spin_ns = spin_ns;
     if (pthread_create(&e->th, NULL, echo_main, e)) {
         free(e);
         return NULL;
