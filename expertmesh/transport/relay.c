@@ -128,8 +128,8 @@ static int wait_flag(relay *r, const int64_t *flag, int64_t want, int64_t step) 
     }
 }
 
-/* Sends or receives all of iov (changed in place). Polls without blocking for spin_ns, then
- * blocks in SLICE_MS slices. ``idle``: receiving the first byte of a frame has no deadline (a
+/* Sends or receives all of iov (changed in place). Polls without blocking for spin_ns (yielding
+ * the core between polls), then blocks in SLICE_MS slices. ``idle``: receiving the first byte of a frame has no deadline (a
  * server waits for the next step as long as it takes); the deadline starts at that byte. */
 static int xfer(relay *r, int fd, struct iovec *iov, int n, int send, int idle, int64_t step) {
     int64_t t0 = now_ns(), got = 0;
@@ -160,6 +160,7 @@ static int xfer(relay *r, int fd, struct iovec *iov, int n, int send, int idle, 
         if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return IO_WIRE;
         if (stopped(r) || aborted(r, step)) return IO_ABORT;
         if (now_ns() > deadline) return IO_TIMEOUT;
+        if (flags & MSG_DONTWAIT) sched_yield(); /* polling: a loaded host runs the peer meanwhile */
     }
     return IO_OK;
 }
