@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -104,12 +105,14 @@ def connect(port: int, listener: socket.socket) -> tuple[socket.socket, socket.s
 
 
 @contextlib.contextmanager
-def pair(cfg: rl.RelayConfig | None = None, delay_us: float | None = None) -> Iterator[tuple]:
+def pair(
+    cfg: rl.RelayConfig | None = None, delay_us: float | None = None, co_cfg: rl.RelayConfig | None = None
+) -> Iterator[tuple]:
     """Both relays connected over loopback (through the delay proxy when ``delay_us``)."""
     cfg = cfg or rl.RelayConfig(timeout_s=5.0)
     with contextlib.ExitStack() as stack:
         srv = stack.enter_context(rl.Relay.server(*areas(), R, H, K, DT, cfg))
-        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
+        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, co_cfg or cfg))
         listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
         port = listener.getsockname()[1]
         if delay_us is not None:
@@ -135,6 +138,24 @@ def run_steps(co: rl.Relay, srv: rl.Relay, steps: range, layers: int, rows: int,
     return times
 
 
+def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        assert chunk, "peer closed"
+        buf += chunk
+    return buf
+
+
 @pytest.mark.parametrize("rows,real", [(1, 1), (R, 5)], ids=["rows1", "bucket8-padded"])
 def test_answers_over_many_layers_and_steps(rows, real):
     with pair() as (co, srv, _):
@@ -155,27 +176,25 @@ def test_step_refusals_say_why():
     with rl.Relay.coordinator(*areas(), R, H, K, DT) as co:
         assert co.step(1, 1, 4) == "the relay has no connection"
         assert "refused" in co.step(2, R + 1, 4)
-    with pair() as (co, srv, _):
+    with pair() as (co, srv, listener):
         run_steps(co, srv, range(5, 6), layers=2, rows=1, real=1)
         assert "not after the last" in co.step(5, 1, 2)  # flag values never repeat on a link
-
-
-def wait_for(pred, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
-    end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        assert chunk, "peer closed"
-        buf += chunk
-    return buf
+        # one step may wait behind the running one; a third is refused
+        assert co.step(6, 1, 2) == ""
+        assert wait_for(lambda: co.step(7, 1, 2) == "")  # once the thread has taken step 6
+        assert co.step(8, 1, 2) == "the relay's previous step has not ended"
+        co.abort(7)  # ends the queued step and the running one before it
+        assert co.wait_idle(2) and co.stats().last_step == 7 and co.stats().aborted == 2
+        # the relay speaks plain TCP: a TLS socket is not taken
+        c, s = connect(listener.getsockname()[1], listener)
+        with (
+            s,
+            ssl.create_default_context().wrap_socket(
+                c, server_hostname="x", do_handshake_on_connect=False
+            ) as t,
+            pytest.raises(ValueError, match="plain TCP"),
+        ):
+            srv.attach(t)
 
 
 @pytest.mark.parametrize(
@@ -254,14 +273,16 @@ def test_a_bad_answer_ends_the_step_with_an_error_and_the_relay_takes_the_next_c
 
 def test_server_compute_silent_times_out_once_per_step_and_the_link_lives():
     cfg = rl.RelayConfig(timeout_s=0.3)
-    with pair(cfg) as (co, srv, _):
+    # NOTE: the coordinator's relay waits longer than the server's: a silent compute is then
+    # answered with ERR_TIMEOUT in time, not taken for a dead connection
+    with pair(cfg, co_cfg=rl.RelayConfig(timeout_s=2.0)) as (co, srv, _):
         graph = Graph(co)
-        assert co.step(1, 1, 4) == ""
+        assert co.step(1, 1, 8) == ""
         t0 = time.monotonic()
-        statuses = [graph.layer(1, i, 1)[1] for i in range(4)]  # no compute runs step 1
+        statuses = [graph.layer(1, i, 1)[1] for i in range(8)]  # no compute runs step 1
         took = time.monotonic() - t0
-        assert statuses == [link.ERR_TIMEOUT] * 4
-        assert took < 2 * cfg.timeout_s, f"{took=}: one timeout per step, not one per layer"
+        assert statuses == [link.ERR_TIMEOUT] * 8
+        assert took < 4 * cfg.timeout_s, f"{took=}: one timeout per step, not one per layer"
         assert co.wait_idle(5) and co.connected and srv.stats().timeouts == 1
         run_steps(co, srv, range(2, 4), layers=4, rows=1, real=1)
 

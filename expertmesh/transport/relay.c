@@ -78,7 +78,7 @@ typedef struct relay {
     uint8_t *req_x, *req_ids, *req_w, *ans_out;
     int64_t R, H, K, isz;
     int64_t timeout_ns, spin_ns;
-    int64_t abort; /* a step number: its waits end at once */
+    int64_t abort; /* a step number: its waits (and earlier steps') end at once */
     int stop;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -107,8 +107,9 @@ static void count(relay *r, int slot) { __atomic_fetch_add(&r->stats[slot], 1, _
 
 static int stopped(relay *r) { return __atomic_load_n(&r->stop, __ATOMIC_RELAXED); }
 
+/* Steps only grow on a link, so aborting one ends every earlier one too (one queued behind). */
 static int aborted(relay *r, int64_t step) {
-    return step >= 0 && __atomic_load_n(&r->abort, __ATOMIC_RELAXED) == step;
+    return step >= 0 && step <= __atomic_load_n(&r->abort, __ATOMIC_RELAXED);
 }
 
 /* Spins until *flag == want (IO_OK), the step is aborted or the relay stops (IO_ABORT), or the
@@ -441,8 +442,12 @@ int relay_wait_idle(relay *r, int64_t timeout_ns) {
     return idle ? 0 : -ETIMEDOUT;
 }
 
-/* Ends every wait of ``step`` at once (from any thread). */
-void relay_abort(relay *r, int64_t step) { __atomic_store_n(&r->abort, step, __ATOMIC_RELAXED); }
+/* Ends every wait of ``step`` and of the steps before it at once (from any thread). */
+void relay_abort(relay *r, int64_t step) {
+    int64_t old = __atomic_load_n(&r->abort, __ATOMIC_RELAXED);
+    while (old < step && !__atomic_compare_exchange_n(&r->abort, &old, step, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
 
 void relay_stats(relay *r, int64_t *out) {
     pthread_mutex_lock(&r->mu);

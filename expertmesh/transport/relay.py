@@ -143,7 +143,11 @@ def unavailable() -> str:
 
 @dataclass(frozen=True)
 class RelayConfig:
-    timeout_s: float = 5.0  # a wait inside an exchange, or for a request flag, gives up after this
+    # a wait inside an exchange, or for a flag, gives up after this. NOTE: give the coordinator
+    # end a longer one than the server end: the server answers a silent compute with
+    # ERR_TIMEOUT after its own, which the coordinator must still be there to read (else the
+    # connection is dropped as silent too)
+    timeout_s: float = 5.0
     # pause-spin on a flag (and poll the socket without blocking) this long before yielding the
     # core between polls (and blocking in recv). 0: yield from the first poll, which stays fast
     # where cores are free and lets a loaded host run the peer (benchmarks/bench_relay.py: on 2
@@ -259,9 +263,9 @@ class Relay:
         return self._lib.relay_wait_idle(self._handle(), int(timeout_s * 1e9)) == 0
 
     def abort(self, step: int) -> None:
-        """Ends every wait of ``step`` at once, from any thread (the peer is gone). The
-        coordinator end answers nothing more of that step: cancel its graph's waits too
-        (link.Canceller)."""
+        """Ends every wait of ``step`` and of earlier steps at once, from any thread (the peer
+        is gone). The coordinator end answers nothing more of those steps: cancel its graph's
+        waits too (link.Canceller); the server end answers their frames with ``ERR_TIMEOUT``."""
         self._lib.relay_abort(self._handle(), step)
 
     def stats(self) -> RelayStats:
