@@ -2,7 +2,7 @@
 beside the Python TCP data path, at Qwen3-30B-A3B widths (H 2048, top-8, bf16).
 
     python benchmarks/bench_relay.py [--rows 1,8,64] [--layers 48] [--steps 40] [--repeat 3] \\
-        [--delay-us 100] [--spin-us 0,20] [--no-python-tcp]
+        [--delay-us 100] [--spin-us 0,20] [--no-python-tcp] [--cuda cuda:0]
 
 Modes, per row count (a decode bucket; every row travels):
 
@@ -19,6 +19,12 @@ Modes, per row count (a decode bucket; every row travels):
 - ``python tcp``: the existing Python data path (tcp_client.TcpClient, tcp_server.TcpServer
   with an echo for compute, the server in another process), one request at a time, the
   coordinator's send to its result: what the relay replaces.
+
+``--cuda DEV``: the coordinator's graph is a real CUDA graph on DEV (one per step: per layer
+copy the hidden states into the request area, ``link.signal``, ``link.wait`` on the answer
+flag, copy the answer out) over its areas mapped into the GPU as the coordinator maps a host
+link; ``areas`` is then the GPU <-> host-memory floor (PCIe and polling, no relay), and its
+figures are step time / layers.
 
 The row for each mode: per-layer round trip in us, median and p90 over ``--steps`` x
 ``--layers`` layers, the median over ``--repeat`` interleaved rounds (spread: their min-max).
@@ -55,10 +61,10 @@ DT = torch.bfloat16
 
 
 class Areas:
+    """One end's request and answer areas (relay.host_areas: one page-aligned host span)."""
+
     def __init__(self, rows: int, hidden: int, top_k: int) -> None:
-        cpu = torch.device("cpu")
-        self.request = link.new_area(link.request_bytes(rows, hidden, top_k, DT), cpu)
-        self.answer = link.new_area(link.answer_bytes(rows, hidden, DT), cpu)
+        self.span, self.request, self.answer = rl.host_areas(rows, hidden, top_k, DT)
         self.req = link.RequestViews.of(self.request, rows, hidden, top_k, DT)
         self.ans = link.AnswerViews.of(self.answer, rows, hidden, DT)
 
@@ -73,28 +79,116 @@ def _ptrs(*ts: torch.Tensor) -> ctypes.Array:
     return (ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))
 
 
+class CGraph:
+    """The coordinator's graph as a C thread (relay_probe.c): per-layer round trips."""
+
+    def __init__(self, args: argparse.Namespace, areas: Areas, rows: int, spin_ns: int) -> None:
+        lib = rl.load()
+        assert lib is not None, rl.unavailable()
+        self.lib, self.args, self.areas, self.rows, self.spin_ns = lib, args, areas, rows, spin_ns
+
+    def run(self, relay: rl.Relay | None, step0: int, steps: int) -> np.ndarray:
+        """ns per layer [steps * layers]."""
+        layers = self.args.layers
+        ns = np.zeros(steps * layers, dtype=np.int64)
+        rc = self.lib.probe_graph(
+            None if relay is None else relay._handle(), self.areas.graph_ptrs(), step0, steps, layers,
+            self.rows, self.args.hidden * DT.itemsize, int(10e9), self.spin_ns, ns.ctypes.data,
+        )  # fmt: skip
+        assert rc == 0, f"probe_graph: {rc}, relay {None if relay is None else relay.stats()}"
+        return ns
+
+    def close(self) -> None:
+        pass
+
+
+class CudaGraph:
+    """The coordinator's graph for real: one CUDA graph per step on ``--cuda``, with the link's
+    flag kernels writing and polling the areas mapped into the GPU (host_map.HostMapped, as
+    the coordinator maps a host link); per layer it copies its hidden states into the request
+    area, signals, waits for the answer flag and copies the answer out. Timed per step (the
+    figure is step time / layers); the last step's answers are checked against its inputs."""
+
+    def __init__(self, args: argparse.Namespace, areas: Areas, rows: int) -> None:
+        from expertmesh.transport.host_map import HostMapped
+
+        dev = torch.device(args.cuda)
+        link.warm_up(dev)
+        self.args, self.rows, self.dev = args, rows, dev
+        self.mapped = HostMapped(areas.span, dev)
+        span = self.mapped.tensor  # the host span on the GPU, same bytes
+        ans_at = areas.answer.data_ptr() - areas.span.data_ptr()
+        self.req = link.RequestViews.of(span[:ans_at], rows, args.hidden, args.top_k, DT)
+        self.ans = link.AnswerViews.of(span[ans_at:], rows, args.hidden, DT)
+        self.word = link.StepWord(dev)
+        self.abort = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.errors = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.xs = torch.randn(args.layers, rows, args.hidden, device=dev).to(DT)  # [L, T, H]
+        self.outs = torch.zeros_like(self.xs)
+        self.stream = torch.cuda.Stream(dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _body(self) -> None:
+        self.word.copy_in()
+        for i in range(self.args.layers):
+            self.req.x.copy_(self.xs[i])
+            link.signal(self.req.flag, self.word.step, i)
+            link.wait(self.ans.flag, self.word.step, i, self.abort, self.errors, 10.0)
+            self.outs[i].copy_(self.ans.out)
+
+    def run(self, relay: rl.Relay | None, step0: int, steps: int) -> np.ndarray:
+        layers = self.args.layers
+        ns = np.zeros(steps * layers, dtype=np.int64)
+        for s in range(steps):
+            step = step0 + s
+            self.outs.zero_()
+            torch.cuda.synchronize(self.dev)
+            t0 = time.perf_counter_ns()
+            if relay is not None:
+                why = relay.step(step, self.rows, layers)
+                assert not why, why
+            self.word.set(step, self.rows)
+            with torch.cuda.stream(self.stream):
+                if self.graph is None:  # the first step eagerly: every kernel loaded before a capture
+                    self._body()
+                else:
+                    self.graph.replay()
+            self.word.replayed()
+            self.stream.synchronize()
+            ns[s * layers : (s + 1) * layers] = (time.perf_counter_ns() - t0) // layers
+            assert int(self.errors) == 0, f"step {step}: error bits {int(self.errors)}"
+            if self.graph is None:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, stream=self.stream):
+                    self._body()
+        assert torch.equal(self.outs, self.xs), "the answers are not the hidden states sent"
+        return ns
+
+    def close(self) -> None:
+        self.graph = None
+        torch.cuda.synchronize(self.dev)
+        self.mapped.close()
+
+
+def _graph(args: argparse.Namespace, areas: Areas, rows: int, spin_ns: int) -> CGraph | CudaGraph:
+    return CudaGraph(args, areas, rows) if args.cuda else CGraph(args, areas, rows, spin_ns)
+
+
 class RelayPath:
     """Graph stand-in -> coordinator relay -> TCP (-> delay proxy) -> server relay -> compute stand-in."""
 
     def __init__(self, args: argparse.Namespace, rows: int, delay_us: float | None, spin_us: float) -> None:
         lib = rl.load()
         assert lib is not None, rl.unavailable()
-        self.lib, self.rows, self.args, self.spin_ns = lib, rows, args, int(spin_us * 1e3)
+        self.lib, spin_ns = lib, int(spin_us * 1e3)
         cfg = rl.RelayConfig(timeout_s=10.0, spin_us=spin_us)
+        h, k = args.hidden, args.top_k
         self.stack = contextlib.ExitStack()
-        self.co_areas, self.srv_areas = (
-            Areas(rows, args.hidden, args.top_k),
-            Areas(rows, args.hidden, args.top_k),
-        )
-        self.areas = self.co_areas  # same object: the ``areas`` mode
-        mk = rl.Relay
-        a, s = self.co_areas, self.srv_areas
-        self.co = self.stack.enter_context(
-            mk.coordinator(a.request, a.answer, rows, args.hidden, args.top_k, DT, cfg)
-        )
-        self.srv = self.stack.enter_context(
-            mk.server(s.request, s.answer, rows, args.hidden, args.top_k, DT, cfg)
-        )
+        a, s = Areas(rows, h, k), Areas(rows, h, k)
+        self.co = self.stack.enter_context(rl.Relay.coordinator(a.request, a.answer, rows, h, k, DT, cfg))
+        # NOTE: the server's relay waits for its compute less long than the coordinator's for it
+        srv_cfg = rl.RelayConfig(timeout_s=5.0, spin_us=spin_us)
+        self.srv = self.stack.enter_context(rl.Relay.server(s.request, s.answer, rows, h, k, DT, srv_cfg))
         listener = self.stack.enter_context(socket.create_server(("127.0.0.1", 0)))
         port = listener.getsockname()[1]
         if delay_us is not None:
@@ -102,53 +196,42 @@ class RelayPath:
         c = socket.create_connection(("127.0.0.1", port), timeout=10)
         srv_sock, _ = listener.accept()
         assert self.srv.attach(srv_sock) and self.co.attach(c)
-        self.echo = lib.probe_echo_start(s.echo_ptrs(), rows * args.hidden * DT.itemsize, self.spin_ns)
+        self.echo = lib.probe_echo_start(s.echo_ptrs(), rows * h * DT.itemsize, spin_ns)
+        self.graph = _graph(args, a, rows, spin_ns)
         self.step = 1
 
     def run(self, steps: int) -> np.ndarray:
-        """ns per layer [steps * layers]."""
-        layers, a = self.args.layers, self.co_areas
-        ns = np.zeros(steps * layers, dtype=np.int64)
-        row_bytes = self.args.hidden * DT.itemsize
-        rc = self.lib.probe_graph(
-            self.co._handle(), a.graph_ptrs(), self.step, steps, layers, self.rows, row_bytes,
-            int(10e9), self.spin_ns, ns.ctypes.data,
-        )  # fmt: skip
-        assert rc == 0, f"probe_graph: {rc}, relay {self.co.stats()}"
+        ns = self.graph.run(self.co, self.step, steps)
         assert self.co.wait_idle(10)
         self.step += steps
-        st = self.co.stats()
-        assert st.last_bits == 0, st
+        assert self.co.stats().last_bits == 0, self.co.stats()
         return ns
 
     def close(self) -> None:
+        self.graph.close()
         self.lib.probe_echo_stop(self.echo)
         self.stack.close()
 
 
 class AreasPath:
-    """Both stand-ins on one pair of areas: no relay, no socket."""
+    """Both stand-ins on one pair of areas: no relay, no socket (their own floor)."""
 
     def __init__(self, args: argparse.Namespace, rows: int, spin_us: float) -> None:
         lib = rl.load()
         assert lib is not None, rl.unavailable()
-        self.lib, self.rows, self.args, self.spin_ns = lib, rows, args, int(spin_us * 1e3)
+        self.lib, spin_ns = lib, int(spin_us * 1e3)
         self.a = Areas(rows, args.hidden, args.top_k)
-        self.echo = lib.probe_echo_start(self.a.echo_ptrs(), rows * args.hidden * DT.itemsize, self.spin_ns)
+        self.echo = lib.probe_echo_start(self.a.echo_ptrs(), rows * args.hidden * DT.itemsize, spin_ns)
+        self.graph = _graph(args, self.a, rows, spin_ns)
         self.step = 1
 
     def run(self, steps: int) -> np.ndarray:
-        layers = self.args.layers
-        ns = np.zeros(steps * layers, dtype=np.int64)
-        rc = self.lib.probe_graph(
-            None, self.a.graph_ptrs(), self.step, steps, layers, self.rows, self.args.hidden * DT.itemsize,
-            int(10e9), self.spin_ns, ns.ctypes.data,
-        )  # fmt: skip
-        assert rc == 0, f"probe_graph: {rc}"
+        ns = self.graph.run(None, self.step, steps)
         self.step += steps
         return ns
 
     def close(self) -> None:
+        self.graph.close()
         self.lib.probe_echo_stop(self.echo)
 
 
@@ -236,6 +319,9 @@ def main() -> None:
         help="the Python path's spin (default: the servers' default here)",
     )
     ap.add_argument("--no-python-tcp", action="store_true", help="skip the Python TCP path")
+    ap.add_argument(
+        "--cuda", default="", help="a CUDA device (cuda:0): the coordinator's graph is a real CUDA graph"
+    )
     if sys.argv[1:2] == ["_tcp-echo"]:
         return _tcp_echo(sys.argv[2], float(sys.argv[3]))
     args = ap.parse_args()
@@ -248,7 +334,8 @@ def main() -> None:
     print(
         f"# relay per-layer round trip: H={args.hidden} K={args.top_k} bf16, {args.layers} layers x "
         f"{args.steps} steps a round, {args.repeat} rounds, python tcp spin {args.python_spin_us:g} us, "
-        f"{os.cpu_count()} CPUs; us per layer (median of round medians / of round p90s)"
+        f"{os.cpu_count()} CPUs, graph {'CUDA ' + args.cuda if args.cuda else 'a C thread'}; "
+        "us per layer (median of round medians / of round p90s)"
     )
     print("| mode | rows | bytes each way | median us | spread | p90 us |")
     print("|---|---|---|---|---|---|")
@@ -263,8 +350,10 @@ def main() -> None:
                 )
         if not args.no_python_tcp:
             makers["python tcp"] = lambda rows=rows: PythonTcpPath(args, rows)
-        paths = {name: make() for name, make in makers.items()}
+        paths: dict[str, AreasPath | RelayPath | PythonTcpPath] = {}
         try:
+            for name, make in makers.items():
+                paths[name] = make()
             for p in paths.values():
                 p.run(2)  # warm-up: first frames, page faults
             results: dict[str, list[tuple[float, float]]] = {n: [] for n in paths}

@@ -141,6 +141,26 @@ def unavailable() -> str:
     return _why
 
 
+_PAGE = 4096
+
+
+def host_areas(
+    rows: int, hidden: int, top_k: int, dtype: torch.dtype, pin: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One end's areas in one zeroed host allocation: ``(span, request, answer)``, the request
+    area at the span's first page and the answer area at the next page boundary after it (the
+    layout a coordinator maps into its GPU with one registration, as for a host link's shared
+    memory: coordinator/model/remote_graphs.py). ``pin``: page-locked by torch (not needed for
+    a registration of the span)."""
+    req_n, ans_n = link.request_bytes(rows, hidden, top_k, dtype), link.answer_bytes(rows, hidden, dtype)
+    ans_at = -(-req_n // _PAGE) * _PAGE
+    n = ans_at + -(-ans_n // _PAGE) * _PAGE
+    raw = torch.zeros(n + _PAGE, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % _PAGE  # the span starts on a page: registration works on pages
+    span = raw[skip : skip + n]
+    return span, span[:req_n], span[ans_at : ans_at + ans_n]
+
+
 @dataclass(frozen=True)
 class RelayConfig:
     # a wait inside an exchange, or for a flag, gives up after this. NOTE: give the coordinator
