@@ -120,7 +120,7 @@ static int wait_flag(relay *r, const int64_t *flag, int64_t want, int64_t step) 
     for (uint32_t k = 0;; k++) {
         if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) == want) return IO_OK;
         if (aborted(r, step) || stopped(r)) return IO_ABORT;
-        if ((k & 63) == 0) t = now_ns();
+        if ((k & 63) == 0 || t - t0 >= r->spin_ns) t = now_ns(); /* a yield may take a time slice */
         if (t - t0 > r->timeout_ns) return IO_TIMEOUT;
         if (t - t0 < r->spin_ns)
             cpu_relax();
@@ -130,8 +130,9 @@ static int wait_flag(relay *r, const int64_t *flag, int64_t want, int64_t step) 
 }
 
 /* Sends or receives all of iov (changed in place). Polls without blocking for spin_ns (yielding
- * the core between polls), then blocks in SLICE_MS slices. ``idle``: receiving the first byte of a frame has no deadline (a
- * server waits for the next step as long as it takes); the deadline starts at that byte. */
+ * the core between polls), then blocks in SLICE_MS slices. ``idle``: receiving the first byte
+ * of a frame has no deadline (a server waits for the next step as long as it takes); the
+ * deadline starts at that byte. */
 static int xfer(relay *r, int fd, struct iovec *iov, int n, int send, int idle, int64_t step) {
     int64_t t0 = now_ns(), got = 0;
     int64_t deadline = idle ? INT64_MAX : t0 + r->timeout_ns;
@@ -166,7 +167,7 @@ static int xfer(relay *r, int fd, struct iovec *iov, int n, int send, int idle, 
     return IO_OK;
 }
 
-static void set_fd_options(relay *r, int fd) {
+static void set_fd_options(int fd) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     struct timeval tv = {0, SLICE_MS * 1000};
@@ -174,7 +175,6 @@ static void set_fd_options(relay *r, int fd) {
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
     int fl = fcntl(fd, F_GETFL);
     if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK); /* Python sockets with a timeout are non-blocking */
-    (void)r;
 }
 
 /* Closes the thread's connection (an error: counted). */
@@ -370,7 +370,7 @@ int relay_attach(relay *r, int fd) {
     if (r->fd >= 0 || r->busy || r->pending) {
         rc = -EBUSY;
     } else {
-        set_fd_options(r, fd);
+        set_fd_options(fd);
         __atomic_store_n(&r->fd, fd, __ATOMIC_RELEASE);
         r->stats[ST_CONNECTS]++;
         pthread_cond_broadcast(&r->cv);
@@ -445,7 +445,8 @@ int relay_wait_idle(relay *r, int64_t timeout_ns) {
 /* Ends every wait of ``step`` and of the steps before it at once (from any thread). */
 void relay_abort(relay *r, int64_t step) {
     int64_t old = __atomic_load_n(&r->abort, __ATOMIC_RELAXED);
-    while (old < step && !__atomic_compare_exchange_n(&r->abort, &old, step, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    while (old < step &&
+           !__atomic_compare_exchange_n(&r->abort, &old, step, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
     }
 }
 

@@ -24,9 +24,9 @@ static int64_t probe_now(void) {
 }
 
 /* ptrs: req flag, x, ans flag, out. Runs ``steps`` steps from ``step0`` of ``layers`` layers of
- * ``rows`` rows over the coordinator relay ``r`` (NULL: the compute shares these areas); ns[s * layers + i] = layer i's round trip from
- * its request flag to its answer flag. Returns 0, the negative relay_step code, or 1 when an
- * answer did not come within timeout_ns. */
+ * ``rows`` rows over the coordinator relay ``r`` (NULL: the compute shares these areas);
+ * ns[s * layers + i] = layer i's round trip from its request flag to its answer flag. Returns
+ * 0, the negative relay_step code, or 1 when an answer did not come within timeout_ns. */
 int probe_graph(struct relay *r, void **ptrs, int64_t step0, int64_t steps, int64_t layers, int64_t rows,
                 int64_t row_bytes, int64_t timeout_ns, int64_t spin_ns, int64_t *ns) {
     int64_t *req_flag = ptrs[0], *ans_flag = ptrs[2];
