@@ -26,11 +26,12 @@ static int64_t probe_now(void) {
 /* ptrs: req flag, x, ans flag, out. Runs ``steps`` steps from ``step0`` of ``layers`` layers of
  * ``rows`` rows over the coordinator relay ``r`` (NULL: the compute shares these areas);
  * ns[s * layers + i] = layer i's round trip from its request flag to its answer flag. Returns
- * 0, the negative relay_step code, or 1 when an answer did not come within timeout_ns. */
+ * 0, the negative relay_step code, 1 when an answer did not come within timeout_ns, or 2 when
+ * an answer's first or last byte is not what the layer sent (the echo answers out = x). */
 int probe_graph(struct relay *r, void **ptrs, int64_t step0, int64_t steps, int64_t layers, int64_t rows,
                 int64_t row_bytes, int64_t timeout_ns, int64_t spin_ns, int64_t *ns) {
     int64_t *req_flag = ptrs[0], *ans_flag = ptrs[2];
-    uint8_t *x = ptrs[1];
+    uint8_t *x = ptrs[1], *out = ptrs[3];
     for (int64_t s = 0; s < steps; s++) {
         int64_t step = step0 + s;
         int rc = r ? relay_step(r, step, rows, layers) : 0; /* no relay: the areas are shared */
@@ -46,6 +47,8 @@ int probe_graph(struct relay *r, void **ptrs, int64_t step0, int64_t steps, int6
                 if (t > spin_ns) sched_yield(); /* as the relay's own waits: a loaded host goes on */
             }
             ns[s * layers + i] = probe_now() - t0;
+            size_t last = (size_t)(rows * row_bytes) - 1;
+            if (out[0] != (uint8_t)(want & 0x7f) || out[last] != (uint8_t)(want & 0x7f)) return 2;
         }
     }
     return 0;
