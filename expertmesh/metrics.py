@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from expertmesh.errors import BindError, ExpertMeshError
+from expertmesh.transport.tcp_relay import RelayTally
 
 # gRPC status codes by number (the worker core is gRPC-free: its errors carry the number)
 _CODE_NAMES = (
@@ -56,6 +57,7 @@ class WorkerMetrics:
         for reason in ("malformed", "truncated", "preamble", "tls"):
             self.data_dropped.labels(reason)
         self.resident_adapters = 0  # set by the LoRA code once it exists
+        self.relays = RelayTally()  # the relayed links' counters (expertmesh/transport/tcp_relay.py)
         self.registry.register(_WorkerState(servicer, self))
         self._children: dict[int, Any] = {}
 
@@ -113,6 +115,15 @@ class _WorkerState(Collector):
             "expertmesh_worker_placement_generation", "Live placement generation", value=live.generation
         )
         yield from _memory(s.slots)
+        relay = CounterMetricFamily(
+            "expertmesh_worker_relay_events",
+            "Relayed links over the TCP data path: layers carried, connections attached, closed by "
+            "the peer or dropped, malformed frames, timeouts, aborted waits",
+            labels=["kind"],
+        )
+        for kind, n in self.metrics.relays.totals().items():
+            relay.add_metric([kind], n)
+        yield relay
         yield GaugeMetricFamily(
             "expertmesh_worker_resident_adapters",
             "LoRA adapters resident",

@@ -157,11 +157,18 @@ class GraphedBackend(ExpertBackend):
         return g.out[:t].clone()
 
     def open_link(
-        self, request: torch.Tensor, rows: int, hidden: int, top_k: int, dtype: torch.dtype
+        self,
+        request: torch.Tensor,
+        rows: int,
+        hidden: int,
+        top_k: int,
+        dtype: torch.dtype,
+        answer: torch.Tensor | None = None,
     ) -> LinkGraphs:
         """The device link's step graphs over the coordinator's mapped ``request`` area
-        (gpu_server/link_graphs.py): the same kernels as these graphs, a pool of their own."""
-        return LinkGraphs(self.inner, request, rows, hidden, top_k, dtype, self.buckets)
+        (gpu_server/link_graphs.py): the same kernels as these graphs, a pool of their own;
+        ``answer``: the area to answer in (on our device) instead of one of their own."""
+        return LinkGraphs(self.inner, request, rows, hidden, top_k, dtype, self.buckets, answer=answer)
 
     def _capture(self, key: tuple, x: torch.Tensor, w13, w2, top_k: int, bucket: int) -> _Graph:
         dev = w13.device  # NOTE: x may sit in (pinned) host memory: the fast paths' shm ring

@@ -230,6 +230,9 @@ class LinkGraphs:
         top_k: int,
         dtype: torch.dtype,
         buckets: Sequence[int],
+        # uint8 on our device: the area to answer in (a relay's mapped host area,
+        # expertmesh/transport/tcp_relay.py); None: one of our own, shared with the coordinator
+        answer: torch.Tensor | None = None,
     ) -> None:
         self.inner, self.device = inner, request.device
         self.rows, self.hidden, self.top_k, self.dtype = rows, hidden, top_k, dtype
@@ -241,7 +244,14 @@ class LinkGraphs:
                 f"K={top_k} {dtype} need {need}"
             )
         self.req = link.RequestViews.of(request, rows, hidden, top_k, dtype)
-        self.answer = link.new_area(link.answer_bytes(rows, hidden, dtype), self.device)
+        need = link.answer_bytes(rows, hidden, dtype)
+        if answer is not None and (
+            answer.dtype != torch.uint8 or answer.numel() < need or answer.device != self.device
+        ):
+            raise ValueError(
+                f"the answer area holds {answer.numel()} bytes on {answer.device}, need {need} on {self.device}"
+            )
+        self.answer = link.new_area(need, self.device) if answer is None else answer
         self.ans = link.AnswerViews.of(self.answer, rows, hidden, dtype)
         if self.device.type == "cuda":
             link.warm_up(self.device)  # NOTE: the link's own kernels loaded before anything spins

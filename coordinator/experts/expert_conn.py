@@ -387,6 +387,8 @@ class ServerConnection:
                     data_address=self.spec.data_address,
                     server_host=split_address(self.spec.address)[0],
                     stall_s=self.cluster.timeout_s,
+                    link=link,
+                    link_layers=len(self.info.moe_layers) if self.info is not None else 0,
                 )
             else:
                 fast = ShmClient(
@@ -425,7 +427,8 @@ class ServerConnection:
         two GPUs (sync "local": each side's spinning wait has its own GPU), on one GPU only
         with EXPERTMESH_LINK=force (two processes' spinning kernels time-slice there); the
         host link on a shm stream to a CPU server (its areas in our segment, polled by a C
-        thread there: cpu_expert_server/hostlink.py)."""
+        thread there: cpu_expert_server/hostlink.py); on a tcp stream, a host link over our
+        own areas that a relay carries to the server (expertmesh/transport/tcp_relay.py)."""
         mode = self.cluster.device_link
         why = ""
         cpu_server = self.info is not None and self.info.kind == "cpu"
@@ -433,10 +436,10 @@ class ServerConnection:
             why = "not a CUDA coordinator's remote dispatcher"
         elif mode == "off":
             why = "EXPERTMESH_LINK=0"
-        elif self.plan == "shm" and cpu_server:
-            pass  # the host link
+        elif (self.plan == "shm" and cpu_server) or self.plan == "tcp":
+            pass  # the host link, in shared memory or relayed over TCP
         elif self.plan != "cuda_ipc":
-            why = f"the data path is {self.plan}, not cuda_ipc (or shm to a CPU server)"
+            why = f"the data path is {self.plan}, not cuda_ipc, tcp (or shm to a CPU server)"
         elif sync != "local" and mode != "force":
             why = "the server shares this GPU (EXPERTMESH_LINK=force links anyway)"
         self.link_note = why
@@ -519,6 +522,12 @@ class ServerConnection:
                 return
             st.fast, self.transport = fast, fast.transport
             log.info("%s: tcp data path to %s", self.spec.name, fast.peer)
+            if not self.link_note:  # offered; the server's answer says whether it is up
+                self.link_note = fast.link_reason
+                if fast.link is not None:
+                    log.info("%s: relayed link up (%d rows)", self.spec.name, fast.link.rows)
+                else:
+                    log.info("%s: no relayed link: %s", self.spec.name, fast.link_reason)
             return
         try:
             fast.accept(ack)

@@ -438,12 +438,17 @@ class RemoteDispatcher(Dispatcher):
         """A linked step came back with error bits: nothing of it is used; the server is marked
         down and its stream reset (the caller runs the same step again without the link)."""
         from expertmesh.transport import link  # NOTE: Triton: a CUDA coordinator's path only
+        from expertmesh.transport import link_layout as ll
 
         what = []
         if bits & link.ERR_TIMEOUT:
             what.append(f"no answer within {self.cluster.timeout_s:g}s")
         if bits & link.ERR_BAD_SLOT:
             what.append("it saw slot ids outside its slots")
+        if bits & ll.ERR_KERNEL:
+            what.append("its host link's kernel refused a layer")
+        if bits & ll.ERR_WIRE:
+            what.append("the relay's TCP connection failed or carried a bad frame")
         err = ExpertServerError.of(
             errors.Unavailable(f"{conn.describe_self()}: device-link step failed: {'; '.join(what) or bits}")
         )

@@ -10,6 +10,11 @@ A ``tcp`` Hello names no segment: ``ring_bytes`` is the largest frame body the c
 will send, ``token`` the stream token it will present on the data connection; the Ack's
 ``tcp`` says where to connect (``{"port": P, "tls": bool}``).
 
+A ``tcp`` Hello may offer a relayed link (expertmesh/transport/relay.py): ``relay`` names the
+areas' shape, the MoE layers a step carries, the relay's timeout and a second stream token;
+the server answers ``relay: {"accepted": true}`` or ``{"reason": why}``, and the coordinator
+then opens a second connection to the data port with that token for the relay.
+
 Hello and Ack are a magic prefix and a small JSON object; this runs once per stream, so
 readability beats compactness. A message that does not parse is an INVALID_ARGUMENT.
 """
@@ -58,11 +63,16 @@ class Hello:
     # request area starts in the segment (link_layout.host_areas: the answer area follows),
     # "rows": R, "hidden": H, "top_k": K, "dtype": the areas' payload dtype}; None: no offer
     host_link: dict | None = None
+    # a relayed link's offer (tcp only; relay.py): {"rows": R, "hidden": H, "top_k": K,
+    # "dtype": the areas' payload dtype, "layers": MoE layers a step carries, "timeout_ms": the
+    # server relay's wait limit, "token": 32 hex digits for its connection}; None: no offer
+    relay: dict | None = None
 
     def encode(self) -> bytes:
         d = asdict(self)
-        if d["host_link"] is None:
-            del d["host_link"]  # NOTE: a server that predates the host link reads the rest
+        for name in ("host_link", "relay"):
+            if d[name] is None:
+                del d[name]  # NOTE: a server that predates the field reads the rest
         return MAGIC + json.dumps(d).encode()
 
     @classmethod
@@ -89,6 +99,8 @@ class Hello:
             raise HandshakeError("fast-path handshake: the ring does not fit in the segment")
         if hello.host_link is not None:
             _check_host_link(hello)
+        if hello.relay is not None:
+            raise HandshakeError("fast-path handshake: a relay comes with tcp only")
         if (hello.transport == "cuda_ipc") != (hello.cuda is not None):
             raise HandshakeError("fast-path handshake: CUDA fields must come with cuda_ipc only")
         if hello.cuda is not None and hello.cuda.sync not in SYNC_MODES:
@@ -109,11 +121,14 @@ class Ack:
     tcp: dict = field(default_factory=dict)
     # with a host link offered: {"accepted": True}, or {"reason": why not}
     host_link: dict = field(default_factory=dict)
+    # with a relay offered (tcp): {"accepted": True}, or {"reason": why not}
+    relay: dict = field(default_factory=dict)
 
     def encode(self) -> bytes:
         d = asdict(self)
-        if not d["host_link"]:
-            del d["host_link"]  # NOTE: a coordinator that predates the host link reads the rest
+        for name in ("host_link", "relay"):
+            if not d[name]:
+                del d[name]  # NOTE: a coordinator that predates the field reads the rest
         return MAGIC + json.dumps(d).encode()
 
     @classmethod
@@ -126,6 +141,8 @@ class Ack:
             raise HandshakeError(f"unknown transport {ack.transport!r} in the fast-path answer")
         if not isinstance(ack.host_link, dict):
             raise HandshakeError(f"fast-path answer: host_link must be an object, got {ack.host_link!r}")
+        if not isinstance(ack.relay, dict) or (ack.relay and ack.transport != "tcp"):
+            raise HandshakeError(f"fast-path answer: relay must be an object, on tcp only, got {ack.relay!r}")
         if ack.transport == "tcp":
             tcp = ack.tcp if isinstance(ack.tcp, dict) else {}
             port, tls = tcp.get("port"), tcp.get("tls")
@@ -145,16 +162,46 @@ def _check_tcp(hello: Hello) -> None:
         raise HandshakeError(
             "fast-path handshake: a tcp hello names no segment, no CUDA fields and no host link"
         )
-    if not isinstance(hello.token, str) or len(hello.token) != 32:
+    if not _is_token(hello.token):
         raise HandshakeError("fast-path handshake: the token must be 32 hex digits")
-    try:
-        bytes.fromhex(hello.token)
-    except ValueError:
-        raise HandshakeError("fast-path handshake: the token must be 32 hex digits") from None
+    if hello.relay is not None:
+        _check_relay(hello.relay, hello.token)
     b = hello.ring_bytes
     if not isinstance(b, int) or isinstance(b, bool) or not 4096 <= b <= MAX_TCP_BUFFER:
         raise HandshakeError(
             f"fast-path handshake: tcp buffer of {b!r} bytes outside [4096, {MAX_TCP_BUFFER}]"
+        )
+
+
+def _is_token(t: object) -> bool:
+    if not isinstance(t, str) or len(t) != 32:
+        return False
+    try:
+        bytes.fromhex(t)
+    except ValueError:
+        return False
+    return True
+
+
+RELAY_MAX_LAYERS = 1023  # < link_layout.STEP_SPAN: a step's flag values stay apart
+RELAY_MAX_TIMEOUT_MS = 600_000
+
+
+def _check_relay(offer: object, stream_token: str) -> None:
+    ints = {"rows": 1 << 16, "hidden": 1 << 20, "top_k": 1 << 16, "layers": RELAY_MAX_LAYERS,
+            "timeout_ms": RELAY_MAX_TIMEOUT_MS}  # fmt: skip
+    ok = isinstance(offer, dict) and set(offer) == {*ints, "dtype", "token"}
+    if ok:
+        assert isinstance(offer, dict)
+        ok = offer["dtype"] in LINK_DTYPES and _is_token(offer["token"]) and offer["token"] != stream_token
+        for name, top in ints.items():
+            v = offer[name]
+            ok = ok and isinstance(v, int) and not isinstance(v, bool) and 0 < v <= top
+    if not ok:
+        raise HandshakeError(
+            "fast-path handshake: the relay offer needs positive rows, hidden, top_k, layers "
+            f"(< {RELAY_MAX_LAYERS + 1}), timeout_ms (<= {RELAY_MAX_TIMEOUT_MS}), a dtype name and "
+            "a token of 32 hex digits other than the stream's"
         )
 
 

@@ -18,6 +18,7 @@ from expertmesh.transport.layout import view
 STEP_SPAN = 1024  # > any model's MoE layer count
 ERR_TIMEOUT, ERR_BAD_SLOT = 1, 2
 ERR_KERNEL = 4  # the host link's kernel refused a layer (answered with zeros): a server fault
+ERR_WIRE = 8  # a relayed link's connection failed or carried a bad frame (transport/relay.c)
 _WORDS = 256  # bytes of flag/status words at the start of an area (payloads stay 256-aligned)
 _ALIGN = 256
 HOST_ALIGN = 4096  # each host-link area starts on its own page of the segment

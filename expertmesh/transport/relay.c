@@ -40,7 +40,7 @@
 
 #define STEP_SPAN 1024 /* link.py STEP_SPAN */
 #define ERR_TIMEOUT 1  /* link.py ERR_TIMEOUT */
-#define ERR_WIRE 4     /* the relay's connection failed or carried a bad frame */
+#define ERR_WIRE 8     /* link_layout.py ERR_WIRE: the relay's connection failed or carried a bad frame */
 #define REQ_MAGIC 0x31514d45u /* "EMQ1" */
 #define ANS_MAGIC 0x31414d45u /* "EMA1" */
 #define SLICE_MS 20 /* a blocked send/recv wakes this often to look at stop/abort/deadline */

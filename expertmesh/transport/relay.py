@@ -46,13 +46,13 @@ from pathlib import Path
 
 import torch
 
-from expertmesh.transport import link
+from expertmesh.transport import link_layout as link
 
 log = logging.getLogger("expertmesh.relay")
 
 SOURCES = (Path(__file__).with_name("relay.c"), Path(__file__).with_name("relay_probe.c"))
 FLAGS = ["-O2", "-fPIC", "-shared", "-pthread"]
-ERR_WIRE = 4  # relay.c: the relay's connection failed or carried a bad frame
+ERR_WIRE = link.ERR_WIRE  # relay.c: the relay's connection failed or carried a bad frame
 STATS = (
     "steps",
     "layers",

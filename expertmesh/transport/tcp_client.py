@@ -13,6 +13,11 @@ request kills it with the server's status; a server that stops answering is a ti
 (``FutureTimeout``), and one that stalls inside a frame kills the channel too (the byte
 stream cannot be resynchronised).
 
+A link (``link=(R, H, K, dtype)`` and the MoE layer count) is offered as a relay
+(:mod:`.tcp_relay`): once the server took it, :attr:`TcpClient.link` is a host link over this
+side's areas, :meth:`TcpClient.link_step` sends each step's LinkStep as a frame on the data
+connection and launches the relay's end after the server's answer.
+
 Shapes: T tokens sent to this server, H hidden, K top-k.
 """
 
@@ -26,7 +31,8 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +48,10 @@ from expertmesh.transport.ring import Region, Ring
 from expertmesh.transport.spin import Spin
 from expertmesh.worker_api import ExpertRequest
 
+if TYPE_CHECKING:
+    from expertmesh.transport.client import LinkAreas
+    from expertmesh.transport.tcp_relay import ClientRelay
+
 
 @dataclass
 class TcpReply:
@@ -49,8 +59,8 @@ class TcpReply:
 
     channel: TcpClient
     seq: int
-    out: torch.Tensor  # [T, H] in the receive ring, where the answer lands
-    region: Region
+    out: torch.Tensor  # [T, H] in the receive ring, where the answer lands ([0]: a LinkStep's)
+    region: Region | None
     send_s: float = 0.0  # the coordinator's time to encode and send it
     server_ms: float = 0.0  # the server's time from reading the frame to answering
     done_at: float = 0.0  # perf_counter when the answer was read (or 0)
@@ -65,7 +75,7 @@ class TcpReply:
         return self.out
 
     def release(self) -> None:
-        if not self.region.freed:
+        if self.region is not None and not self.region.freed:
             self.channel.ring.free(self.region)
 
     def abandon(self) -> None:
@@ -75,8 +85,6 @@ class TcpReply:
 class TcpClient:
     transport = "tcp"
     gpu = False
-    link = None  # no device link over TCP
-    link_reason = "the data path is tcp"
 
     def __init__(
         self,
@@ -87,6 +95,10 @@ class TcpClient:
         data_address: str = "",  # HOST:PORT to connect to instead of the advertised port
         server_host: str = "127.0.0.1",  # the host of the server's gRPC address
         stall_s: float = 30.0,  # the longest a frame may take to arrive or leave once started
+        # offer a relayed link: (R, H, K, dtype) of its areas and the MoE layers of a step; its
+        # waits nest under ``stall_s``, the cluster timeout the linked graph waits (tcp_relay.py)
+        link: tuple[int, int, int, torch.dtype] | None = None,
+        link_layers: int = 0,
     ) -> None:
         self.capacity = buffer_bytes
         self.stall_s = stall_s
@@ -114,11 +126,40 @@ class TcpClient:
         self._spin = Spin(spin_us)
         self._poll = select.poll()
         self.peer = ""
+        self._relay: ClientRelay | None = None
+        self._link_seqs: set[int] = set()  # LinkSteps awaiting their answer: a refusal is no failure
+        self.link_reason = "not offered"
+        if link is not None:
+            self.link_reason = self._offer_relay(link, link_layers)
+
+    def _offer_relay(self, link: tuple[int, int, int, torch.dtype], layers: int) -> str:
+        """Builds the relay's end (offered in the Hello); why not ("" when offered)."""
+        from expertmesh.transport import relay as rl
+        from expertmesh.transport import tcp_relay
+
+        if tcp.client_context(self.tls) is not None:
+            return tcp_relay.TLS_REASON
+        if not 0 < layers < 1024:
+            return f"{layers} MoE layers: a relayed step carries 1..1023"
+        if rl.load() is None:
+            return rl.unavailable()
+        try:
+            self._relay = tcp_relay.ClientRelay(*link, layers, self.stall_s)
+        except (OSError, ValueError) as e:
+            return f"the relay could not start: {e}"
+        return ""
+
+    @property
+    def link(self) -> LinkAreas | None:
+        """The live relayed link (None: none, or the channel or its relay connection died)."""
+        r = self._relay
+        return r.link if r is not None and r.live and self._dead is None else None
 
     # ------------------------------------------------------------ handshake
 
     def hello(self) -> bytes:
-        return Hello("tcp", "", 0, 0, self.capacity, self._token.hex()).encode()
+        relay = self._relay.offer() if self._relay is not None else None
+        return Hello("tcp", "", 0, 0, self.capacity, self._token.hex(), relay=relay).encode()
 
     def accept(self, ack: Ack) -> None:
         """Connects to the server's data port and presents the stream token; raises TcpError
@@ -169,6 +210,25 @@ class TcpClient:
                 raise tcp.TcpError(f"the channel closed while connecting: {self._dead.message}")
             self._sock = sock
         self._poll.register(sock, select.POLLIN)
+        if self._relay is not None:
+            self._accept_relay(ack, host, port)
+
+    def _accept_relay(self, ack: Ack, host: str, port: int) -> None:
+        """Connects the relay when the server took it; a failure leaves the data path up
+        without the link (the reason says why)."""
+        assert self._relay is not None
+        relay, why = self._relay, ""
+        if ack.relay.get("accepted") is not True:
+            why = str(ack.relay.get("reason") or "the server did not take the relayed link")
+        else:
+            try:
+                relay.connect(host, port)
+            except tcp.TcpError as e:
+                why = str(e)
+        self.link_reason = why
+        if why:
+            self._relay = None
+            relay.close()
 
     # ------------------------------------------------------------ data path
 
@@ -271,7 +331,7 @@ class TcpClient:
             except dsc.DescriptorError as e:
                 self.kill(Rejected(MalformedAnswer(f"bad tcp answer header from {self.peer}: {e}")))
                 return
-            if r.code:
+            if r.code and r.seq not in self._link_seqs:  # the server stops serving after an error
                 self.kill(Rejected(errors.from_status(r.code, r.message)))
                 return
             if not self._order or self._order[0].seq != r.seq:
@@ -280,8 +340,8 @@ class TcpClient:
                 return
             reply = self._order.popleft()
             nbytes = reply.out.nbytes
-            off = reply.region.offset
-            if tcp.recv_into(sock, self._rview[off : off + nbytes]) < nbytes:
+            off = reply.region.offset if reply.region is not None else 0  # None: a LinkStep's, no body
+            if nbytes and tcp.recv_into(sock, self._rview[off : off + nbytes]) < nbytes:
                 self.kill(self._lost("closed inside an answer"))
                 return
         except TimeoutError:
@@ -315,7 +375,40 @@ class TcpClient:
     # ------------------------------------------------------------ teardown
 
     def link_step(self, step: dsc.LinkStep, deadline: float) -> dsc.Response:
-        raise Rejected(errors.Incompatible("no device link over the tcp data path"))
+        """Sends a LinkStep frame (its timeout lowered below the relays', tcp_relay.py) and
+        waits for its answer; on code 0 (the server launched its compute) launches the relay's
+        end of the step. A refusal is returned, the channel lives on. Raises FutureTimeout
+        past ``deadline``, Rejected if the channel died (or the relay could not take the step
+        the server launched: the channel is killed, which ends the server's step too)."""
+        from expertmesh.transport import tcp_relay
+
+        relay = self._relay
+        if self._dead is not None:
+            raise self._dead
+        if relay is None:
+            raise Rejected(errors.Incompatible(f"no relayed link on this channel: {self.link_reason}"))
+        step = replace(step, timeout_ms=min(step.timeout_ms, tcp_relay.compute_timeout_ms(self.stall_s)))
+        reply = TcpReply(self, step.seq, self._rbuf[:0], None)
+        self._link_seqs.add(step.seq)
+        self._order.append(reply)
+        sock = self._sock
+        try:
+            if sock is None:
+                raise OSError("the channel is closed")
+            sock.sendall(step.pack())
+        except OSError as e:
+            self.kill(self._lost(f"sending a link step failed: {e}"))
+        try:
+            resp = self.wait(step.seq, deadline)
+        finally:
+            self._link_seqs.discard(step.seq)
+        if resp.code == 0:
+            why = relay.step(step.step, step.bucket)
+            if why:
+                self.kill(self._lost(f"the relay could not take step {step.step}: {why}"))
+                assert self._dead is not None
+                raise self._dead
+        return resp
 
     def kill(self, err: Rejected) -> None:
         """Fails every present and future wait with ``err`` (any thread)."""
@@ -327,6 +420,12 @@ class TcpClient:
         if sock is not None:  # wakes a waiter blocked on the socket
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        relay = self._relay
+        if relay is not None:  # a step in flight ends now, not at its timeout
+            last = relay.link.next_step - 1  # NOTE: the last step handed out: in flight, or done
+            if relay.link.cancel is not None:
+                relay.link.cancel(last)  # the linked graph's waits
+            relay.abort(last)
 
     @property
     def dead(self) -> bool:
@@ -338,10 +437,15 @@ class TcpClient:
 
     def close(self) -> None:
         self.kill(Rejected(errors.Cancelled("tcp data path closed")))
-        with self._lock, self._state:
+        relay = self._relay
+        # NOTE: the link's lock first (a linked step holds it, then this channel's lock while it
+        # waits for its answer): a graph that may still read the areas ends first
+        with relay.link.lock if relay is not None else contextlib.nullcontext(), self._lock, self._state:
             if self._closed:
                 return
             self._closed = True
+            if relay is not None:
+                relay.close()
             sock, self._sock = self._sock, None
             if sock is not None:
                 sock.close()

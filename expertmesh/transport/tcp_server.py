@@ -20,6 +20,11 @@ server serves every other connection as before. A refused request (bad input, st
 generation, draining) is answered with its status and ends the connection too, as a refused
 message ends a gRPC stream.
 
+A relayed link (:mod:`.tcp_relay`): a Hello that offers ``relay`` gets a
+:class:`~.tcp_relay.ServerRelay` (opened on this stream's thread before the Ack, which says
+whether it took it); LinkStep frames on the data connection then launch the worker's step
+compute and are answered code 0, or refused with their status while the connection goes on.
+
 Shapes: T tokens, H hidden, K top-k.
 """
 
@@ -35,6 +40,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import torch
 
@@ -44,6 +50,7 @@ from expertmesh.transport import descriptor as dsc
 from expertmesh.transport.handshake import Ack, Hello
 from expertmesh.transport.layout import Views
 from expertmesh.transport.spin import Spin
+from expertmesh.transport.tcp_relay import ServerRelay
 from expertmesh.worker_api import ExpertRequest
 
 log = logging.getLogger("expertmesh.transport")
@@ -170,6 +177,9 @@ class TcpServer:
         spin_us: float = 0.0,  # how long to poll for the next frame before sleeping in recv
         forward_into: Callable[[ExpertRequest, torch.Tensor], None] | None = None,
         max_buffer: int = 256 << 20,
+        link: Any = None,  # transport.server.LinkHost (the worker): serves a relayed link
+        link_mode: str = "auto",  # transport.server.LINK_MODES
+        relay_tally: Any = None,  # tcp_relay.RelayTally: the relays' counters for the metrics
     ) -> None:
         self.hello, self.listener, self.forward, self.on_error = hello, listener, forward, on_error
         self.forward_into = forward_into
@@ -183,11 +193,20 @@ class TcpServer:
         self._state = threading.Lock()
         self._stop = False
         self.served = 0  # frames answered
+        self.relay: ServerRelay | None = None
+        if hello.relay is not None:
+            self.relay = ServerRelay(hello.relay, listener, link, self.device, link_mode, relay_tally)
         self._thread = threading.Thread(target=self._run, daemon=True, name="expert-tcp-path")
 
-    def start(self) -> Future[Ack]:
+    def _ack(self) -> Ack:
         tls = self.listener.tls is not None
-        self.ack.set_result(Ack("tcp", tcp={"port": self.listener.port, "tls": tls, "buffer": self.capacity}))
+        relay = self.relay.open() if self.relay is not None else {}
+        return Ack("tcp", tcp={"port": self.listener.port, "tls": tls, "buffer": self.capacity}, relay=relay)
+
+    def start(self) -> Future[Ack]:
+        """The Ack: at once, or with a relay offered once this stream's thread opened it."""
+        if self.relay is None:
+            self.ack.set_result(self._ack())
         self._thread.start()
         return self.ack
 
@@ -201,10 +220,24 @@ class TcpServer:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        if self.relay is not None:
+            self.relay.close()
 
     # ------------------------------------------------------------ the compute loop
 
     def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if not self.ack.done():
+            try:
+                ack = self._ack()
+            except Exception as e:  # noqa: BLE001  # NOTE: a thread's boundary: the handshake must get an answer
+                log.exception("tcp data path set-up failed")
+                ack = Ack("grpc", f"tcp data path set-up failed: {type(e).__name__}: {e}")
+            self.ack.set_result(ack)
+            if ack.transport != "tcp":
+                self.close()
+                return
         try:
             sock = self._conn_fut.result(timeout=tcp.CONNECT_TIMEOUT_S)
         except (FutureTimeout, CancelledError):  # the stream ended first, or nobody came
@@ -217,8 +250,6 @@ class TcpServer:
                 sock.close()
                 return
             self._sock = sock
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         try:
             self._serve(sock)
         except Exception:  # noqa: BLE001  # NOTE: a thread's boundary: log, drop the connection
@@ -270,6 +301,9 @@ class TcpServer:
             t0 = time.perf_counter()
             seq = 0
             try:
+                if dsc.is_link_step(hdr):
+                    self._link_step(sock, wview, dsc.LinkStep.parse(hdr), t0)
+                    continue
                 req = dsc.Request.parse(hdr, cap, 0)
                 seq = req.seq
                 route_off, body = tcp.body_layout(
@@ -311,6 +345,18 @@ class TcpServer:
                 return _linger(sock)
             self._answer(sock, wview, dsc.Response(seq, 0, (time.perf_counter() - t0) * 1e3), req.out_nbytes)
             self.served += 1
+
+    def _link_step(self, sock: socket.socket, wview: memoryview, step: dsc.LinkStep, t0: float) -> None:
+        """Launches a relayed step's compute; a refusal is answered and the connection goes on
+        (the coordinator runs that step without the link)."""
+        try:
+            if self.relay is None:
+                raise errors.Incompatible("no relayed link on this stream: the coordinator offered none")
+            self.relay.link_step(step)
+        except errors.ExpertMeshError as e:
+            self._answer(sock, wview, dsc.Response(step.seq, e.status, 0.0, e.message), 0)
+            return
+        self._answer(sock, wview, dsc.Response(step.seq, 0, (time.perf_counter() - t0) * 1e3), 0)
 
     @staticmethod
     def _answer(sock: socket.socket, wview: memoryview, resp: dsc.Response, nbytes: int) -> None:

@@ -424,10 +424,14 @@ class ExpertWorker:
         rows and top-k ``top_k``: with no ``answer``, the device link's step graphs (``request``
         mapped on our GPU; gpu_server/graphs.py -> gpu_server/link_graphs.py); with ``answer``
         (both areas in the coordinator's shared-memory segment, of the offer's ``hidden`` and
-        ``dtype``), the host link's C thread (cpu_expert_server/hostlink.py). Raises
+        ``dtype``), the host link's C thread (cpu_expert_server/hostlink.py); with an ``answer``
+        on our GPU (a relay's host areas, mapped), the step graphs answering there. Raises
         Incompatible when this server cannot serve it (the fast path then goes on without)."""
         opener = getattr(self.backend, "open_link", None)
-        host = answer is not None
+        # NOTE: an ``answer`` on our GPU: a relayed link's host areas mapped for the device
+        # link's graphs (expertmesh/transport/tcp_relay.py), which answer there, not in an area
+        # of their own
+        host = answer is not None and answer.device.type == "cpu"
         if host and (opener is None or not getattr(self.backend, "host_link", False)):
             raise Incompatible(
                 f"the {self.backend.name} backend serves no host link (a CPU server's C kernels do, over shm)"
@@ -440,7 +444,7 @@ class ExpertWorker:
         if not 0 < top_k <= MAX_TOP_K:
             raise Incompatible(f"link top-k {top_k} outside [1, {MAX_TOP_K}]")
         h = self.cfg.hidden_size
-        if host and (hidden, dtype) != (h, self.slots.dtype):
+        if answer is not None and (hidden, dtype) != (h, self.slots.dtype):
             theirs = wire.dtype_name(dtype) if dtype is not None else "?"
             raise Incompatible(
                 f"the host link offers hidden {hidden} in {theirs}; this server computes hidden {h} "
@@ -451,6 +455,8 @@ class ExpertWorker:
                 opened = opener(request, rows, h, top_k, self.slots.dtype, answer=answer)
                 self._host_links.add(opened)
                 return opened
+            if answer is not None:
+                return opener(request, rows, h, top_k, self.slots.dtype, answer=answer)
             return opener(request, rows, h, top_k, self.slots.dtype)
         except ValueError as e:  # an area too small for what it claims to hold
             raise Incompatible(str(e)) from None

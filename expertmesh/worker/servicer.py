@@ -130,7 +130,7 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         except HandshakeError as e:
             raise InvalidRequest(str(e)) from None
         if hello.transport == "tcp":
-            return self._open_tcp(hello, context)
+            return await self._open_tcp(hello, context)
         if "shm" not in self.worker.identity.fast_paths:
             return None, Ack("grpc", "this server offers no shared-memory fast path (--no-shm)")
         w = self.worker
@@ -141,7 +141,9 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         ack = await asyncio.wrap_future(fast.start())
         return (fast if ack.transport != "grpc" else None), ack
 
-    def _open_tcp(self, hello: Hello, context: grpc.aio.ServicerContext) -> tuple[TcpServer | None, Ack]:
+    async def _open_tcp(
+        self, hello: Hello, context: grpc.aio.ServicerContext
+    ) -> tuple[TcpServer | None, Ack]:
         if self.data is None:
             return None, Ack("grpc", "this server offers no TCP data path (--no-tcp)")
         try:
@@ -153,8 +155,11 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         fast = TcpServer(
             hello, self.data, w.slots.device, w.forward, w.data_path_error, self.shm_spin_us,
             forward_into=w.forward_into, max_buffer=w.identity.max_message_bytes or (256 << 20),
+            link=w, link_mode=self.link, relay_tally=w.metrics.relays,
         )  # fmt: skip
-        return fast, fast.start().result()
+        # NOTE: awaited: with a relay offered the stream's thread opens the worker's link first
+        ack = await asyncio.wrap_future(fast.start())
+        return (fast if ack.transport != "grpc" else None), ack
 
     async def ApplyPlacement(self, request, context):
         loop = asyncio.get_running_loop()
