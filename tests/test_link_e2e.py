@@ -55,6 +55,8 @@ def test_a_bad_link_mode_is_refused(monkeypatch):
         ("force", "cuda_ipc", "host", True, True, ""),
         ("off", "cuda_ipc", "local", True, False, "EXPERTMESH_LINK=0"),
         ("auto", "shm", "host", True, False, "not cuda_ipc"),
+        ("auto", "tcp", "host", True, True, ""),  # a host link, relayed (transport/tcp_relay.py)
+        ("off", "tcp", "host", True, False, "EXPERTMESH_LINK=0"),
         ("auto", "cuda_ipc", "local", False, False, "remote dispatcher"),  # a CPU coordinator
     ],
 )

@@ -436,6 +436,8 @@ class ServerConnection:
             why = "not a CUDA coordinator's remote dispatcher"
         elif mode == "off":
             why = "EXPERTMESH_LINK=0"
+        elif self.plan == "tcp" and self._same_gpu() and mode != "force":
+            why = "the server computes on this GPU: two processes' spinning kernels would time-slice it"
         elif (self.plan == "shm" and cpu_server) or self.plan == "tcp":
             pass  # the host link, in shared memory or relayed over TCP
         elif self.plan != "cuda_ipc":
@@ -447,6 +449,10 @@ class ServerConnection:
             return None
         assert self.link_shape is not None and self.dtype is not None
         return (*self.link_shape, self.dtype)
+
+    def _same_gpu(self) -> bool:
+        theirs = self.info.device_uuid if self.info is not None else ""
+        return bool(theirs) and self.device.type == "cuda" and theirs == device_uuid(self.device)
 
     def link(self) -> LinkAreas | None:
         """The live stream's device link (None: none now)."""

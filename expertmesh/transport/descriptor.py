@@ -210,7 +210,7 @@ class LinkStep:
         )
 
     @classmethod
-    def parse(cls, raw: bytes) -> LinkStep:
+    def parse(cls, raw: bytes | bytearray) -> LinkStep:
         body = _open(raw, LINK_STEP_MAGIC)
         _, version, seq, step, rows, bucket, gen, timeout_ms = _LINK.unpack_from(body)
         if version != VERSION:
@@ -222,5 +222,5 @@ class LinkStep:
         return cls(seq, step, rows, bucket, gen, timeout_ms)
 
 
-def is_link_step(raw: bytes) -> bool:
+def is_link_step(raw: bytes | bytearray) -> bool:
     return raw[:4] == LINK_STEP_MAGIC

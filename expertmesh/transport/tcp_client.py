@@ -130,24 +130,9 @@ class TcpClient:
         self._link_seqs: set[int] = set()  # LinkSteps awaiting their answer: a refusal is no failure
         self.link_reason = "not offered"
         if link is not None:
-            self.link_reason = self._offer_relay(link, link_layers)
+            from expertmesh.transport.tcp_relay import ClientRelay
 
-    def _offer_relay(self, link: tuple[int, int, int, torch.dtype], layers: int) -> str:
-        """Builds the relay's end (offered in the Hello); why not ("" when offered)."""
-        from expertmesh.transport import relay as rl
-        from expertmesh.transport import tcp_relay
-
-        if tcp.client_context(self.tls) is not None:
-            return tcp_relay.TLS_REASON
-        if not 0 < layers < 1024:
-            return f"{layers} MoE layers: a relayed step carries 1..1023"
-        if rl.load() is None:
-            return rl.unavailable()
-        try:
-            self._relay = tcp_relay.ClientRelay(*link, layers, self.stall_s)
-        except (OSError, ValueError) as e:
-            return f"the relay could not start: {e}"
-        return ""
+            self._relay, self.link_reason = ClientRelay.make(link, link_layers, tls, stall_s)
 
     @property
     def link(self) -> LinkAreas | None:

@@ -44,10 +44,12 @@ from typing import Any
 import torch
 
 from expertmesh import errors, wire
+from expertmesh.tls import TLSConfig
 from expertmesh.transport import descriptor as dsc
 from expertmesh.transport import link_layout as ll
 from expertmesh.transport import relay as rl
 from expertmesh.transport import tcp
+from expertmesh.transport.handshake import RELAY_MAX_LAYERS
 
 log = logging.getLogger("expertmesh.transport")
 
@@ -283,6 +285,22 @@ class ClientRelay:
         )
         cfg = rl.RelayConfig(timeout_s=timeout_s * COORDINATOR_RELAY)
         self.relay = rl.Relay.coordinator(req, ans, rows, hidden, top_k, dtype, cfg)
+
+    @classmethod
+    def make(
+        cls, link: tuple[int, int, int, torch.dtype], layers: int, tls: TLSConfig | None, timeout_s: float
+    ) -> tuple[ClientRelay | None, str]:
+        """The coordinator's end to offer for a link of ``(R, H, K, dtype)``, or why none."""
+        if tls is not None and tls.client_enabled:
+            return None, TLS_REASON
+        if not 0 < layers <= RELAY_MAX_LAYERS:
+            return None, f"{layers} MoE layers: a relayed step carries 1..{RELAY_MAX_LAYERS}"
+        if rl.load() is None:
+            return None, rl.unavailable()
+        try:
+            return cls(*link, layers, timeout_s), ""
+        except (OSError, ValueError) as e:
+            return None, f"the relay could not start: {e}"
 
     def offer(self) -> dict:
         lnk = self.link

@@ -1,0 +1,89 @@
+"""The relayed link over the TCP data path with a CUDA coordinator (its decode step ONE graph
+over host areas that the relay carries to the server; expertmesh/transport/tcp_relay.py):
+
+* ``gpu``: a CPU expert server over ``--transport tcp`` (its host-link C thread reads the
+  relay's areas), every expert there or half of them in the coordinator's process: greedy
+  decode equal to HF transformers', every decode step linked.
+* ``gpu``: a GPU expert server on the coordinator's GPU with EXPERTMESH_LINK=force (its step
+  graphs over the relay's areas mapped into its GPU): decode equal to in process, linked.
+* ``gpu2``: the GPU server on cuda:1, the coordinator on cuda:0 (the second GPU stands in for
+  another machine; the link crosses by TCP, not NVLink): the same.
+
+Runs on the device machine (``python -m pytest -m "gpu or gpu2" tests/test_tcp_relay_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+from expertmesh.checkpoint import CheckpointReader
+from tests.cluster_utils import start_server
+from tests.hf_models import make_checkpoint
+from tests.test_link_e2e import _check_linked_decode
+from tests.test_local_member import local_engine
+from tests.test_parity import DECODE_STEPS, hf_greedy, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("share", ["half_local", "all_cpu"])
+def test_cpu_server_over_tcp_decodes_linked_as_hf(share, tmp_path):
+    hf = make_checkpoint("qwen3_moe", tmp_path)
+    cpu = start_server("cpu", tmp_path)
+    ne = CheckpointReader(tmp_path).config.num_experts
+    specs = (ServerSpec.local(), ServerSpec("cpu0", cpu.address, "cpu"))
+    cluster = ClusterConfig(
+        specs, transport="tcp", timeout_s=30, num_gpu_experts=ne // 2 if share == "half_local" else 0
+    )
+    eng, d = local_engine(tmp_path, cluster, "cuda")
+    try:
+        conn = d.conns[1]
+        assert conn.transport == "tcp" and conn.link() is not None, conn.link_note
+        prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
+        sid = eng.new_seq()
+        full = eng.step([(sid, prompt.tolist())], all_logits=True)[0].cpu()
+        with torch.no_grad():
+            ref_toks, ref_logits = hf_greedy(hf, prompt, DECODE_STEPS)
+        toks, logits = [int(full[-1].argmax())], [full[-1]]
+        for _ in range(DECODE_STEPS - 1):
+            out = eng.step([(sid, [toks[-1]])])[0].cpu()
+            logits.append(out)
+            toks.append(int(out.argmax()))
+        assert toks == ref_toks
+        assert rel_err(torch.stack(logits), ref_logits) < 1e-4
+        assert d.linked_steps == DECODE_STEPS - 1, (d.linked_steps, conn.link_note)
+        assert d.link_reruns == 0
+    finally:
+        d.close()
+        cpu.stop()
+
+
+def _gpu_server_over_tcp(tmp_path, monkeypatch, server_device: str, mode: str) -> None:
+    from tests.test_cluster import engine_for
+
+    make_checkpoint("qwen3_moe", tmp_path)
+    if mode == "auto":
+        monkeypatch.delenv("EXPERTMESH_LINK", raising=False)
+    else:
+        monkeypatch.setenv("EXPERTMESH_LINK", mode)
+    srv = start_server("gpu", tmp_path, 0, "--device", server_device, timeout=300)
+    spec = ServerSpec("gpu0", srv.address, "gpu")
+    eng, d = engine_for(tmp_path, ClusterConfig((spec,), transport="tcp", timeout_s=60), "cuda:0")
+    try:
+        conn = d.conns[0]
+        assert conn.transport == "tcp" and conn.link() is not None, conn.link_note
+        _check_linked_decode(tmp_path, eng, d)
+    finally:
+        d.close()
+        srv.stop()
+
+
+def test_gpu_server_on_this_gpu_over_tcp_decodes_linked(tmp_path, monkeypatch):
+    _gpu_server_over_tcp(tmp_path, monkeypatch, "cuda:0", "force")
+
+
+@pytest.mark.gpu2
+def test_gpu_server_on_the_second_gpu_over_tcp_decodes_linked(tmp_path, monkeypatch):
+    _gpu_server_over_tcp(tmp_path, monkeypatch, "cuda:1", "auto")
