@@ -55,6 +55,7 @@ log = logging.getLogger("expertmesh.transport")
 
 # the fractions of the coordinator's timeout T each wait gets (the module text)
 COORDINATOR_RELAY, SERVER_RELAY, SERVER_COMPUTE = 0.95, 0.9, 0.8
+ATTACH_WAIT_S = 2.0  # a first step waits this long for the relay's connection to be handed over
 TLS_REASON = (
     "TLS is configured: the relay's C threads speak plain TCP, so the link is not carried "
     "(the data path stays on the encrypted Python frames)"
@@ -151,6 +152,7 @@ class ServerRelay:
         self._areas: tuple[torch.Tensor, ...] = ()
         self._conn: Future[socket.socket] | None = None
         self._lock = threading.Lock()
+        self._attached = threading.Event()  # the relay's first connection came (or was refused)
         self._closed = False
 
     def open(self) -> dict:
@@ -219,6 +221,7 @@ class ServerRelay:
         sock = fut.result()
         with self._lock:
             ok = not self._closed and self.relay is not None and self.relay.attach(sock)
+        self._attached.set()
         if not ok:
             log.warning("tcp data path: a second relay connection for one stream: dropped")
             with contextlib.suppress(OSError):
@@ -229,7 +232,9 @@ class ServerRelay:
         relay = self.relay
         if relay is None or self.graphs is None:
             raise errors.Incompatible(self.reason or "no relayed link on this stream")
-        if not relay.connected:
+        # NOTE: the coordinator sends its first step once the listener accepted the relay's
+        # token, which it does a moment before it hands the socket over here
+        if not relay.connected and not (self._attached.wait(ATTACH_WAIT_S) and relay.connected):
             raise errors.Unavailable("the relay has no connection")
         if step.timeout_ms > self.timeout_ms:
             raise errors.InvalidRequest(
@@ -238,9 +243,15 @@ class ServerRelay:
             )
         self.link_host.link_step(self.graphs, step)
 
+    def cancel(self) -> None:
+        """Ends the worker's step in flight at once (any thread): the stream is gone."""
+        graphs = self.graphs
+        if graphs is not None:
+            self.link_host.cancel_link(graphs)
+
     def close(self) -> None:
         """Ends the step in flight, the relay, the worker's link and the areas' mapping, in
-        that order (any thread, any number of times)."""
+        that order (any thread, any number of times; it waits for the worker's last step)."""
         with self._lock:
             if self._closed:
                 return

@@ -220,12 +220,19 @@ class TcpServer:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        if self.relay is not None:
-            self.relay.close()
+        if self.relay is not None:  # a step in flight ends now; the thread closes the relay
+            self.relay.cancel()
 
     # ------------------------------------------------------------ the compute loop
 
     def _run(self) -> None:
+        try:
+            self._run_connection()
+        finally:
+            if self.relay is not None:  # NOTE: here, not on the event loop: it waits for the GPU
+                self.relay.close()
+
+    def _run_connection(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if not self.ack.done():
