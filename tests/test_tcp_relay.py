@@ -74,9 +74,9 @@ def client(**kw) -> TcpClient:
     return TcpClient(1 << 16, CPU, stall_s=TIMEOUT_S, link=(R, H, K, DT), link_layers=LAYERS, **kw)
 
 
-def in_process(worker: ExpertWorker, tls: ssl.SSLContext | None = None):
+def in_process(worker: ExpertWorker, tls: ssl.SSLContext | None = None, tally=None):
     listener = DataListener("127.0.0.1", 0, tls, on_drop=worker.metrics.dropped)
-    c = client()
+    c = client(relay_tally=tally)
     server = TcpServer(
         Hello.decode(c.hello()), listener, CPU, worker.forward, worker.data_path_error,
         forward_into=worker.forward_into, link=worker, relay_tally=worker.metrics.relays,
@@ -148,7 +148,8 @@ def test_tls_refuses_the_relay_on_either_side(tmp_path: Path):
 
 def test_answers_equal_the_backend_through_the_relay():
     worker = make_worker("int4")
-    listener, c, server, ack = in_process(worker)
+    tally = tcp_relay.RelayTally()  # the coordinator's counters (its metrics)
+    listener, c, server, ack = in_process(worker, tally=tally)
     co = Coordinator(c)
     try:
         assert ack.relay == {"accepted": True}, ack
@@ -169,17 +170,21 @@ def test_answers_equal_the_backend_through_the_relay():
         resp = co.launch(step + 1, 1, 1, generation=7)
         assert resp.code == errors.StaleGeneration("").status and c.link is not None
         assert co.launch(step + 2, 1, 1).code == 0
-        x, ids, w = inputs(1, 1, seed=99)
-        out, status = co.layer(step + 2, 0, x, ids, w)
-        ls = worker.slots.live.layers[worker.slots.moe_layers[0]]
-        assert status == 0 and torch.equal(out, worker.backend.forward(x, ls.w13, ls.w2, ids, w))
-        # the plain TCP path still serves on the same data connection
-        assert c._relay is not None and c._relay.relay.stats().layers == 3 * LAYERS + 1
-        assert metric(worker, "expertmesh_worker_relay_events_total", kind="layers") == 3 * LAYERS + 1
+        for i, layer in enumerate(worker.slots.moe_layers):
+            x, ids, w = inputs(1, 1, seed=99 + i)
+            out, status = co.layer(step + 2, i, x, ids, w)
+            ls = worker.slots.live.layers[layer]
+            assert status == 0 and torch.equal(out, worker.backend.forward(x, ls.w13, ls.w2, ids, w))
+        assert c._relay is not None and c._relay.relay.wait_idle(5)
+        assert c._relay.relay.stats().layers == 4 * LAYERS
+        assert metric(worker, "expertmesh_worker_relay_events_total", kind="layers") == 4 * LAYERS
         assert metric(worker, "expertmesh_worker_relay_events_total", kind="connects") == 1
     finally:
         close_all(listener, c, server)
-    assert metric(worker, "expertmesh_worker_relay_events_total", kind="layers") == 3 * LAYERS + 1
+    # both sides' counters outlive the channel (Prometheus counters never go back)
+    assert metric(worker, "expertmesh_worker_relay_events_total", kind="layers") == 4 * LAYERS
+    seen = tally.totals()
+    assert seen["steps"] == 4 and seen["layers"] == 4 * LAYERS and seen["connects"] == 1, seen
 
 
 def test_a_server_without_a_link_refuses_and_the_tcp_path_serves_on():

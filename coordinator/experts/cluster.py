@@ -219,6 +219,8 @@ class ExpertCluster:
                     transport=getattr(c, "transport", "grpc"),
                     transport_note=getattr(c, "transport_note", ""),
                     fast_fallbacks=getattr(c, "fast_fallbacks", 0),
+                    link_note=getattr(c, "link_note", ""),
+                    relay=c.relays.totals() if hasattr(c, "relays") else {},
                     last_error=m.last_error,
                 )
             )

@@ -38,6 +38,7 @@ from expertmesh.transport.errors import MalformedAnswer, Rejected
 from expertmesh.transport.handshake import Ack, HandshakeError
 from expertmesh.transport.tcp import TcpError, split_address
 from expertmesh.transport.tcp_client import TcpClient, TcpReply
+from expertmesh.transport.tcp_relay import RelayTally
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
@@ -152,6 +153,7 @@ class ServerConnection:
         self.link_shape: tuple[int, int, int] | None = None
         self.link_note = "not offered"  # why the current stream has no device link
         self._retry_tcp = ""  # auto: why shared memory failed, when a tcp stream is to replace it
+        self.relays = RelayTally()  # the relayed links' counters over every stream (metrics)
         # this coordinator's id in placement pushes when several share the servers ("": none)
         self.lease_holder = ""
 
@@ -389,6 +391,7 @@ class ServerConnection:
                     stall_s=self.cluster.timeout_s,
                     link=link,
                     link_layers=len(self.info.moe_layers) if self.info is not None else 0,
+                    relay_tally=self.relays,
                 )
             else:
                 fast = ShmClient(

@@ -280,13 +280,22 @@ class _StateCollector(Collector):
             "Max over layers of the slots the placement gives it",
             labels=["server"],
         )
+        relay = CounterMetricFamily(
+            "expertmesh_expert_server_relay_events",
+            "Relayed links over the TCP data path to each expert server: steps and layers carried, "
+            "connections attached, closed by the peer or dropped, malformed frames, timeouts, aborted waits",
+            labels=["server", "kind"],
+        )
         for info in _server_infos(c):
             ready.add_metric([info["name"]], 1.0 if info["state"] == "ready" else 0.0)
             transport.add_metric([info["name"], info["transport"] or "none"], 1.0)
             slots.add_metric([info["name"]], info["slots_used"])
+            for kind, n in info.get("relay", {}).items():
+                relay.add_metric([info["name"], kind], n)
         yield ready
         yield transport
         yield slots
+        yield relay
         yield _gauge(
             "expertmesh_placement_generation", "Generation of the live expert placement", _generation(c)
         )

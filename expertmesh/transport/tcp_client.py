@@ -32,7 +32,7 @@ import time
 from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -99,6 +99,7 @@ class TcpClient:
         # waits nest under ``stall_s``, the cluster timeout the linked graph waits (tcp_relay.py)
         link: tuple[int, int, int, torch.dtype] | None = None,
         link_layers: int = 0,
+        relay_tally: Any = None,  # tcp_relay.RelayTally: the relay's counters, kept past this channel
     ) -> None:
         self.capacity = buffer_bytes
         self.stall_s = stall_s
@@ -132,7 +133,7 @@ class TcpClient:
         if link is not None:
             from expertmesh.transport.tcp_relay import ClientRelay
 
-            self._relay, self.link_reason = ClientRelay.make(link, link_layers, tls, stall_s)
+            self._relay, self.link_reason = ClientRelay.make(link, link_layers, tls, stall_s, relay_tally)
 
     @property
     def link(self) -> LinkAreas | None:

@@ -283,7 +283,14 @@ class ClientRelay:
     them, and the second connection. Built when offering; :meth:`connect` after the Ack."""
 
     def __init__(
-        self, rows: int, hidden: int, top_k: int, dtype: torch.dtype, layers: int, timeout_s: float
+        self,
+        rows: int,
+        hidden: int,
+        top_k: int,
+        dtype: torch.dtype,
+        layers: int,
+        timeout_s: float,
+        tally: RelayTally | None = None,
     ) -> None:
         from expertmesh.transport.client import LinkAreas  # NOTE: the coordinator's type of a link
 
@@ -296,10 +303,18 @@ class ClientRelay:
         )
         cfg = rl.RelayConfig(timeout_s=timeout_s * COORDINATOR_RELAY)
         self.relay = rl.Relay.coordinator(req, ans, rows, hidden, top_k, dtype, cfg)
+        self.tally = tally
+        if tally is not None:
+            tally.add(self.relay)
 
     @classmethod
     def make(
-        cls, link: tuple[int, int, int, torch.dtype], layers: int, tls: TLSConfig | None, timeout_s: float
+        cls,
+        link: tuple[int, int, int, torch.dtype],
+        layers: int,
+        tls: TLSConfig | None,
+        timeout_s: float,
+        tally: RelayTally | None = None,
     ) -> tuple[ClientRelay | None, str]:
         """The coordinator's end to offer for a link of ``(R, H, K, dtype)``, or why none."""
         if tls is not None and tls.client_enabled:
@@ -309,7 +324,7 @@ class ClientRelay:
         if rl.load() is None:
             return None, rl.unavailable()
         try:
-            return cls(*link, layers, timeout_s), ""
+            return cls(*link, layers, timeout_s, tally), ""
         except (OSError, ValueError) as e:
             return None, f"the relay could not start: {e}"
 
@@ -361,4 +376,7 @@ class ClientRelay:
         lnk = self.link
         lnk.closed = True
         lnk.ans = None
+        tally, self.tally = self.tally, None
+        if tally is not None:
+            tally.retire(self.relay)
         self.relay.close()
