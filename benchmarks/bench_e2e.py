@@ -402,7 +402,7 @@ def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str, float, int]
     modes = [(name, key, t, graphs, "") for name, key, t, graphs in out]
     if args.no_link_too:
         for name, key, t, graphs, _ in list(modes):
-            if graphs and not key.pin and key.spin is None and t in ("auto", "cuda_ipc"):
+            if graphs and not key.pin and key.spin is None and t in ("auto", "cuda_ipc", "tcp"):
                 modes.append((f"{name} (EXPERTMESH_LINK=0)", key, t, graphs, "off"))
     if args.link_force_same and args.remote:
         t = args.remote[-1]
@@ -411,6 +411,12 @@ def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str, float, int]
     modes += [
         (f"cpu-server {t}", ServerKey(-1, False, None, False), t, True, "") for t in args.cpu_server_too
     ]
+    if args.no_link_too:  # the host link (shm) or the relayed one (tcp) off
+        modes += [
+            (f"cpu-server {t} (EXPERTMESH_LINK=0)", ServerKey(-1, False, None, False), t, True, "off")
+            for t in args.cpu_server_too
+            if t in ("shm", "tcp", "auto")
+        ]
     timed = [(*m, 0.0, 1) for m in modes]
     if args.delay_us:  # the tcp modes again, a proxy's delay away
         u = args.delay_us
