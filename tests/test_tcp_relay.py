@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from expertmesh import errors
+from expertmesh.experts import TorchExpertBackend
 from expertmesh.transport import descriptor as dsc
 from expertmesh.transport import link_layout as ll
 from expertmesh.transport import relay as rl
@@ -31,6 +32,7 @@ from expertmesh.transport.handshake import Ack, HandshakeError, Hello
 from expertmesh.transport.tcp_client import TcpClient
 from expertmesh.transport.tcp_server import DataListener, TcpServer
 from expertmesh.worker.core import ExpertWorker
+from expertmesh.worker_api import ExpertRequest
 from tests.test_hostlink import CPU, DT, H, K, R, inputs, make_worker
 from tests.tls_utils import CA
 
@@ -187,18 +189,35 @@ def test_answers_equal_the_backend_through_the_relay():
     assert seen["steps"] == 4 and seen["layers"] == 4 * LAYERS and seen["connects"] == 1, seen
 
 
-def test_a_server_without_a_link_refuses_and_the_tcp_path_serves_on():
-    worker = make_worker("int4")
+@pytest.mark.parametrize(
+    "backend, why",
+    [(None, "serves no link"), ("torch", "serves no host link"), ("int4-h", "offers hidden")],
+    ids=["no-link-host", "torch-backend", "other-hidden"],
+)
+def test_a_server_that_cannot_link_refuses_and_the_tcp_path_serves_on(backend, why):
+    worker = make_worker("int4", TorchExpertBackend() if backend == "torch" else None)
     listener = DataListener("127.0.0.1", 0, None)
-    c = client()
-    server = TcpServer(Hello.decode(c.hello()), listener, CPU, worker.forward, worker.data_path_error)
+    c = TcpClient(1 << 16, CPU, stall_s=TIMEOUT_S, link=(R, H * (2 if backend == "int4-h" else 1), K, DT),
+                  link_layers=LAYERS)  # fmt: skip
+    server = TcpServer(
+        Hello.decode(c.hello()), listener, CPU, worker.forward, worker.data_path_error,
+        link=worker if backend else None,
+    )  # fmt: skip
     try:
         ack = server.start().result(30)
-        assert ack.transport == "tcp" and "serves no link" in ack.relay["reason"]
+        assert ack.transport == "tcp" and why in ack.relay["reason"], ack
         c.accept(ack)
-        assert c.link is None and "serves no link" in c.link_reason
+        assert c.link is None and why in c.link_reason
         with pytest.raises(Rejected, match="no relayed link"):
             c.link_step(dsc.LinkStep(1, 1, 1, 1, 0, 1000), time.monotonic() + 5)
+        # the data path itself serves
+        x, ids, w = inputs(2, 2, seed=4)
+        layer = worker.slots.moe_layers[0]
+        req = ExpertRequest(1, 0, layer, x, ids, w)
+        reply = c.send(req, DT)
+        assert reply is not None
+        ls = worker.slots.live.layers[layer]
+        assert torch.equal(reply.result(10), worker.backend.forward(x, ls.w13, ls.w2, ids, w))
     finally:
         close_all(listener, c, server)
 

@@ -434,7 +434,7 @@ class ExpertWorker:
         host = answer is not None and answer.device.type == "cpu"
         if host and (opener is None or not getattr(self.backend, "host_link", False)):
             raise Incompatible(
-                f"the {self.backend.name} backend serves no host link (a CPU server's C kernels do, over shm)"
+                f"the {self.backend.name} backend serves no host link (a CPU server's C kernels do)"
             )
         if opener is None or (not host and getattr(self.backend, "host_link", False)):
             raise Incompatible(
@@ -447,7 +447,7 @@ class ExpertWorker:
         if answer is not None and (hidden, dtype) != (h, self.slots.dtype):
             theirs = wire.dtype_name(dtype) if dtype is not None else "?"
             raise Incompatible(
-                f"the host link offers hidden {hidden} in {theirs}; this server computes hidden {h} "
+                f"the link offers hidden {hidden} in {theirs}; this server computes hidden {h} "
                 f"in {wire.dtype_name(self.slots.dtype)}"
             )
         try:
