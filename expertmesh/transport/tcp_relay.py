@@ -371,8 +371,7 @@ class ClientRelay:
 
     def close(self) -> None:
         """The caller holds the link's lock (no linked replay reads the areas): the relay's
-        thread stops; the areas stay alive as long as the link object does (a graph's mapping
-        of them is dropped by remote_graphs before it lets go of the link)."""
+        thread stops and the areas' mapping on our GPU (set by remote_graphs) is undone."""
         lnk = self.link
         lnk.closed = True
         lnk.ans = None
@@ -380,3 +379,11 @@ class ClientRelay:
         if tally is not None:
             tally.retire(self.relay)
         self.relay.close()
+        mapped, lnk.mapped = lnk.mapped, None
+        if (
+            mapped is not None
+        ):  # NOTE: unpinned before the memory goes (a later allocation there could not be)
+            try:
+                mapped.close()
+            except Exception:  # noqa: BLE001  # NOTE: teardown: no graph reads the areas now
+                log.exception("could not unmap the relay's areas")
