@@ -1,20 +1,18 @@
 """The relayed link over the TCP data path (expertmesh/transport/tcp_relay.py) on the CPU: a real
 TcpClient offering it, a real TcpServer and CPU worker (its host-link C thread) taking it, and
 this test as the coordinator's graph (per layer: write the request area, bump its flag, spin on
-the answer flag). Answers must equal the CPU backend's ``forward`` bit for bit; a server killed
-with SIGKILL mid-step gives the step an error status at once; a malformed relay frame or
-LinkStep drops that connection, counted, while the server serves on; TLS refuses the relay."""
+the answer flag). Answers must equal the CPU backend's ``forward`` bit for bit; a malformed
+relay frame or LinkStep drops that connection, counted, while the server serves on; TLS refuses
+the relay. Then a real ``cpu-server`` process through the whole negotiation: answers against
+plain torch, and SIGKILL mid-step gives the step an error status at once."""
 
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import socket
 import ssl
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -49,12 +47,15 @@ class Coordinator:
     def __init__(self, client: TcpClient) -> None:
         self.client = client
         self.seq = itertools.count(1)
+        self._lnk = None
 
     @property
     def lnk(self):
-        lnk = self.client.link
-        assert lnk is not None and lnk.host, self.client.link_reason
-        return lnk
+        """The link once live (kept: a step's graph writes on after the relay died)."""
+        if self._lnk is None:
+            self._lnk = self.client.link
+            assert self._lnk is not None and self._lnk.host, self.client.link_reason
+        return self._lnk
 
     def launch(self, step: int, rows: int, bucket: int, generation: int = 0) -> dsc.Response:
         desc = dsc.LinkStep(next(self.seq), step, rows, bucket, generation, 600_000)
@@ -278,35 +279,67 @@ def test_a_malformed_relay_frame_drops_that_connection_counted():
         close_all(listener, c, server)
 
 
-def test_sigkill_of_the_server_mid_step_gives_an_error_status_not_a_hang():
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.relay_server"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-    )  # fmt: skip
-    c = client()
-    co = Coordinator(c)
+# ---------------------------------------------------------------------- a real server process
+
+
+@pytest.mark.slow
+def test_a_cpu_server_process_answers_through_the_negotiated_relay(tmp_path):
+    """The whole negotiation with a real ``cpu-server`` process: a dispatcher whose connection
+    offers the link (as a CUDA coordinator's does) over ``--transport tcp``, the LinkStep
+    through ServerConnection, each layer's answer against plain torch over the checkpoint's
+    weights; then SIGKILL of the server mid-step: that layer's status has ERR_WIRE at once and
+    the failed step names the relay."""
+    from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+    from coordinator.experts.remote import RemoteDispatcher
+    from expertmesh.checkpoint import CheckpointReader
+    from expertmesh.experts import torch_moe
+    from tests.cluster_utils import start_server
+    from tests.hf_models import make_checkpoint
+    from tests.test_cpu_backend import rel
+
+    make_checkpoint("qwen3_moe", tmp_path)
+    reader = CheckpointReader(tmp_path)
+    cfg = reader.config
+    srv = start_server("cpu", tmp_path)
+    cluster = ClusterConfig((ServerSpec("cpu0", srv.address, "cpu"),), transport="tcp", timeout_s=TIMEOUT_S)
+    d = RemoteDispatcher(cfg, cluster, torch.float32, "cpu")
+    for conn in d.conns:  # NOTE: set by the dispatcher on a CUDA coordinator only
+        conn.link_shape = (R, cfg.hidden_size, cfg.top_k)
     try:
-        assert child.stdin is not None and child.stdout is not None
-        assert child.stdout.readline().strip() == "ready"
-        child.stdin.write(c.hello().hex() + "\n")
-        child.stdin.flush()
-        ack = Ack.decode(bytes.fromhex(child.stdout.readline().strip()))
-        assert ack.relay == {"accepted": True}, ack
-        c.accept(ack)
-        assert co.launch(1, 1, 1).code == 0
-        x, ids, w = inputs(1, 1, seed=5)
-        out, status = co.layer(1, 0, x, ids, w)
-        assert status == 0 and out.any()
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(10)
+        d.connect(60)
+        d.begin_step(1)
+        plan = d.link_plan(1)
+        assert plan is not None, d.conns[0].link_note
+        server, conn, lnk = plan
+        assert conn.transport == "tcp" and lnk.host and lnk.dtype == conn.dtype
+        co = Coordinator(conn._stream.fast)  # type: ignore[union-attr]
+        assert d.launch_link_step(server, conn, 1, 1, 1) == ""
+        g = torch.Generator().manual_seed(7)
+        for i, layer in enumerate(cfg.moe_layer_ids):
+            x = torch.randn(1, cfg.hidden_size, generator=g).to(lnk.dtype)  # [1, H]
+            experts = torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k].view(1, -1)  # [1, K]
+            w = torch.rand(1, cfg.top_k, generator=g)  # [1, K]
+            out, status = co.layer(1, i, x, d.link_table[i][experts], w)
+            assert status == 0
+            ws = [reader.expert_weights(layer, e) for e in range(cfg.num_experts)]
+            w13 = torch.stack([e.w13 for e in ws]).double()  # [E, 2I, H]
+            w2 = torch.stack([e.w2 for e in ws]).double()  # [E, H, I]
+            ref = torch_moe(x.double(), w13, w2, experts, w.double())
+            assert rel(out, ref) < 2e-2, rel(out, ref)
+        # the next step: its first layer answered, then the server is killed
+        d.begin_step(1)
+        assert d.launch_link_step(server, conn, 2, 1, 1) == ""
+        x = torch.randn(1, cfg.hidden_size, generator=g).to(lnk.dtype)
+        ids = d.link_table[0][:1].view(1, 1).expand(1, cfg.top_k).contiguous()
+        w = torch.full((1, cfg.top_k), 0.5)
+        assert co.layer(2, 0, x, ids, w)[1] == 0
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(10)
         t0 = time.monotonic()
-        out, status = co.layer(1, 1, x, ids, w, timeout_s=TIMEOUT_S)
-        assert status & ll.ERR_WIRE, f"status {status}"
-        assert time.monotonic() - t0 < TIMEOUT_S * tcp_relay.COORDINATOR_RELAY
-        assert c.link is None, "a relay without its connection is no live link"
+        _, status = co.layer(2, 1, x, ids, w, timeout_s=TIMEOUT_S)
+        assert status & ll.ERR_WIRE and time.monotonic() - t0 < TIMEOUT_S * tcp_relay.SERVER_RELAY
+        d.link_failed(server, conn, status)
+        assert "relay's TCP connection" in str(d.server_infos()[0]["last_error"])
     finally:
-        c.close()
-        if child.poll() is None:
-            child.kill()
-        child.wait(10)
+        d.close()
+        srv.stop()
