@@ -25,7 +25,10 @@ def _tcp_equals_grpc(tmp_path, device: str) -> None:
     try:
         runs = {}
         for transport in ["grpc", "tcp"]:
-            eng, d = engine_for(tmp_path, ClusterConfig(servers, transport=transport, timeout_s=120), "cuda")
+            # NOTE: the link off: these are the per-layer paths (tests/test_tcp_relay_gpu.py
+            # checks a relayed linked step, which a second GPU would take over tcp)
+            cfg = ClusterConfig(servers, transport=transport, timeout_s=120, device_link="off")
+            eng, d = engine_for(tmp_path, cfg, "cuda")
             try:
                 runs[transport] = torch.stack(run_steps(eng, PROMPT, 6)).cpu()
                 assert d.server_infos()[0]["transport"] == transport
