@@ -97,21 +97,22 @@ class RelayTally:
 
     def retire(self, relay: rl.Relay) -> None:
         """Before ``relay`` closes: its counts move to the closed relays'."""
-        st = relay.stats()
         with self._lock:
+            st = relay.stats()
             self._live.discard(relay)
             for name in _COUNTED:
                 self._gone[name] += getattr(st, name)
 
     def totals(self) -> dict[str, int]:
+        # NOTE: the live relays' stats under the lock: a relay is retired (under it) before it
+        # closes, so none is freed while its stats are read
         with self._lock:
             out = dict(self._gone)
-            live = list(self._live)
-        for relay in live:
-            with contextlib.suppress(RuntimeError):  # closed meanwhile: counted in _gone
-                st = relay.stats()
-                for name in _COUNTED:
-                    out[name] += getattr(st, name)
+            for relay in list(self._live):
+                with contextlib.suppress(RuntimeError):  # closed without being retired
+                    st = relay.stats()
+                    for name in _COUNTED:
+                        out[name] += getattr(st, name)
         return out
 
 
