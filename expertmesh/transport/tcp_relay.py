@@ -304,6 +304,7 @@ class ClientRelay:
         )
         cfg = rl.RelayConfig(timeout_s=timeout_s * COORDINATOR_RELAY)
         self.relay = rl.Relay.coordinator(req, ans, rows, hidden, top_k, dtype, cfg)
+        self._alive = threading.Lock()
         self.tally = tally
         if tally is not None:
             tally.add(self.relay)
@@ -359,31 +360,41 @@ class ClientRelay:
         lnk.answer = ans
         lnk.ans = ll.AnswerViews.of(ans, lnk.rows, lnk.hidden, lnk.dtype)
 
+    # NOTE: every call into the relay holds _alive (short calls), and close frees it under the
+    # same lock: a kill from another thread never reaches a freed relay
+
     @property
     def live(self) -> bool:
-        return self.link.ans is not None and not self.link.closed and self.relay.connected
+        with self._alive:
+            return self.link.ans is not None and not self.link.closed and self.relay.connected
 
     def step(self, step: int, bucket: int) -> str:
         """Launches the relay's end of a step the server launched; "" or why not."""
-        return self.relay.step(step, bucket, self.layers)
+        with self._alive:
+            if self.link.closed:
+                return "the relay is closed"
+            return self.relay.step(step, bucket, self.layers)
 
     def abort(self, step: int) -> None:
-        self.relay.abort(step)
+        with self._alive:
+            if not self.link.closed:
+                self.relay.abort(step)
 
     def close(self) -> None:
         """The caller holds the link's lock (no linked replay reads the areas): the relay's
         thread stops and the areas' mapping on our GPU (set by remote_graphs) is undone."""
         lnk = self.link
-        lnk.closed = True
-        lnk.ans = None
-        tally, self.tally = self.tally, None
-        if tally is not None:
-            tally.retire(self.relay)
-        self.relay.close()
+        with self._alive:
+            if lnk.closed:
+                return
+            lnk.closed = True
+            lnk.ans = None
+            tally, self.tally = self.tally, None
+            if tally is not None:
+                tally.retire(self.relay)
+            self.relay.close()
         mapped, lnk.mapped = lnk.mapped, None
-        if (
-            mapped is not None
-        ):  # NOTE: unpinned before the memory goes (a later allocation there could not be)
+        if mapped is not None:  # NOTE: unpinned before the memory goes (a later one there could not be)
             try:
                 mapped.close()
             except Exception:  # noqa: BLE001  # NOTE: teardown: no graph reads the areas now
