@@ -106,21 +106,82 @@ def quantize_rows(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
     the row format above."""
     *lead, c = w.shape
     if len(lead) >= 1 and tiled(wdtype, lead[-1], g):
-        return _to_tiles(_quantize(w, wdtype, g), wdtype, c, g)
+        return _quantize_tiled(w, wdtype, g)
     return _quantize(w, wdtype, g)
+
+
+def _absmax(wg: torch.Tensor) -> torch.Tensor:
+    """[..., G] -> max |w| over the last dim, in float32. On the bits: clearing the sign bit
+    of an IEEE float is |w|, and non-negative floats order as their bits do (a NaN stays the
+    largest, as amax propagates it); torch reduces integers several times faster than bf16."""
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    ity = bits.get(wg.dtype)
+    if ity is None:
+        return wg.abs().amax(-1).float()
+    mask = 0x7FFF if ity == torch.int16 else 0x7FFFFFFF
+    return (wg.view(ity) & mask).amax(-1).view(wg.dtype).float()
+
+
+def _levels(w: torch.Tensor, wdtype: str, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., R, C] -> the integer levels [..., R, C/G, G] (float32) and scales [..., R, C/G].
+
+    NOTE: ``w / scale`` promotes to float32 exactly as ``w.float() / scale`` does, so no float32
+    copy of w is made; round and clamp run in place (a load quantises tens of GB here)."""
+    *lead, c = w.shape
+    wg = w.reshape(*lead, c // g, g)  # [..., C/G, G]
+    scale = (_absmax(wg) / QMAX[wdtype]).clamp_min(1e-12)  # [..., C/G]
+    q = torch.div(wg, scale[..., None])
+    q.round_().clamp_(-QMAX[wdtype] - (wdtype == "int4"), QMAX[wdtype])
+    return q, scale
 
 
 def _quantize(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
     *lead, c = w.shape
-    wg = w.float().reshape(*lead, c // g, g)  # [..., C/G, G]
-    scale = (wg.abs().amax(-1) / QMAX[wdtype]).clamp_min(1e-12)  # [..., C/G]
-    q = torch.round(wg / scale[..., None]).clamp_(-QMAX[wdtype] - (wdtype == "int4"), QMAX[wdtype])
+    q, scale = _levels(w, wdtype, g)
     if wdtype == "int8":
         body = q.to(torch.int8).reshape(*lead, c).view(torch.uint8)
     else:
         nib = (q + 8).to(torch.uint8)  # [..., C/G, G] in [0, 15]
         body = (nib[..., : g // 2] | (nib[..., g // 2 :] << 4)).reshape(*lead, c // 2)
     return torch.cat([body, scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+# rows quantised at a time: a block's float32 levels stay in a core's L2 cache across the passes
+_BLOCK_BYTES = 1 << 20
+
+
+def _quantize_tiled(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
+    """:func:`_quantize` then :func:`_to_tiles`, with the levels written straight into their
+    tile positions, a few blocks of 16 rows at a time (the same bytes, several times faster)."""
+    *lead, r, c = w.shape
+    body = c if wdtype == "int8" else c // 2
+    nbytes = body + 4 * (c // g)
+    out = torch.empty(*lead, r, nbytes, dtype=torch.uint8, device=w.device)
+    rows, flat = out.view(-1, nbytes), w.reshape(-1, c)  # every 16 rows lie in one matrix (R % 16 == 0)
+    step = max(16, _BLOCK_BYTES // (4 * c) // 16 * 16)
+    for a in range(0, rows.shape[0], step):
+        _tile_block(flat[a : a + step], rows[a : a + step], wdtype, g)
+    return out
+
+
+def _tile_block(w: torch.Tensor, out: torch.Tensor, wdtype: str, g: int) -> None:
+    """Quantises ``w [N, C]`` (N % 16 == 0) into ``out [N, row bytes]`` in the tiled format."""
+    (n, c), nbytes = w.shape, out.shape[1]
+    body = c if wdtype == "int8" else c // 2
+    q, scale = _levels(w, wdtype, g)  # [N, C/G, G], [N, C/G]
+    blocks = out.view(n // 16, 16 * nbytes)
+    step = 64 if wdtype == "int8" else 32  # bytes of one row per 64 input features
+    # [N/16, C/64, 16, step], indexed as [N/16, 16, C/64, step] (a row's steps)
+    tiles = blocks[:, : 16 * body].unflatten(-1, (c // 64, 16, step)).transpose(-3, -2)
+    if wdtype == "int8":
+        tiles.view(torch.int8).copy_(q.view(n // 16, 16, c // 64, 64))
+    else:
+        # a step's byte j: feature j in the low nibble, j + 32 in the high one, each + 8
+        half = q.view(n // 16, 16, c // 64, 2, 32)
+        tiles.copy_(torch.add(half[..., 0, :], half[..., 1, :], alpha=16).add_(136))
+    # a block's scales, [C/G, 16] float32, follow its bodies
+    sc = blocks[:, 16 * body :].view(torch.float32).unflatten(-1, (c // g, 16)).transpose(-2, -1)
+    sc.copy_(scale.view(n // 16, 16, c // g))
 
 
 def _to_tiles(rows: torch.Tensor, wdtype: str, c: int, g: int) -> torch.Tensor:
