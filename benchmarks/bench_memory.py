@@ -285,13 +285,16 @@ def run_server(kind: str, model: Path, args: argparse.Namespace, expert_gb: floa
     extra = ["--dtype", args.dtype, "--experts", "all"]
     if kind == "gpu":
         extra += ["--device", args.device]
+    else:
+        extra += ["--weight-dtype", args.weight_dtype]
     srv = Server(kind, model, *extra)
     rows = []
     gpu = args.device if kind == "gpu" and args.device.startswith("cuda") else ""
     try:
         secs = srv.wait_serving()
+        what = f"{kind}-server" + (f" ({args.weight_dtype})" if kind == "cpu" else "")
         print(
-            f"{kind}-server: SERVING after {secs:.1f}s: {expert_gb / secs:.2f} GB/s of experts from the page cache",
+            f"{what}: SERVING after {secs:.1f}s: {expert_gb / secs:.2f} GB/s of experts from the page cache",
             flush=True,
         )
         print(f"  loader: {srv.loader_line()}", flush=True)
@@ -335,6 +338,7 @@ def main() -> None:
     p.add_argument("--servers", default="gpu,cpu" if torch.cuda.is_available() else "cpu")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--weight-dtype", default="bfloat16", help="the CPU server's --weight-dtype")
     p.add_argument("--move-frac", type=float, default=0.25)
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = p.parse_args()

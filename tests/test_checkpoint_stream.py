@@ -132,3 +132,18 @@ def test_a_failed_piece_fails_the_load(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="short read"):
         load_model(CheckpointReader(tmp_path), torch.float32, "cpu")
     assert 5 <= len(calls) <= 6  # the failure, and at most the other thread's piece under way
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_coordinator_weights_onto_a_gpu_in_pieces(tmp_path, monkeypatch, dtype):
+    """Pieces read into pinned staging on several threads and copied to the GPU on each
+    thread's stream land as the plain CPU read does (a bf16 model converts on the way)."""
+    make_checkpoint("qwen3_moe", tmp_path, max_shard_size="40KB")
+    ref = dict(load_model(CheckpointReader(tmp_path), dtype, "cpu").named_parameters())
+    monkeypatch.setattr(safetensors_io, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(checkpoint, "read_threads", lambda: 4)
+    got = load_model(CheckpointReader(tmp_path), dtype, "cuda")
+    torch.cuda.synchronize()
+    for name, p in got.named_parameters():
+        assert p.device.type == "cuda" and torch.equal(p.cpu(), ref[name]), name
