@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from expertmesh import wire  # noqa: E402
+from expertmesh.checkpoint import CheckpointReader  # noqa: E402
 from expertmesh.v1 import expert_worker_pb2 as pb  # noqa: E402
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc  # noqa: E402
 from expertmesh.worker_api import ExpertRequest, WorkerInfo  # noqa: E402
@@ -351,9 +352,13 @@ def main() -> None:
         f"checkpoint {model}: {gb:.2f} GB, read once in {time.perf_counter() - t0:.1f}s (page cache warm)",
         flush=True,
     )
+    # NOTE: the experts' bytes, not the files': a --model with the rest of the model too
+    reader = CheckpointReader(model)
+    cfg = reader.config
+    expert_gb = reader.expert_nbytes() * cfg.num_experts * len(cfg.moe_layer_ids) / GB
     rows = []
     for kind in args.servers.split(","):
-        rows += run_server(kind.strip(), model, args, gb)
+        rows += run_server(kind.strip(), model, args, expert_gb)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

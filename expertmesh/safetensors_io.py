@@ -10,8 +10,9 @@ copied once, converting the dtype on the way. ``preadv`` releases the GIL, so re
 run in parallel: :func:`read_parallel` splits big tensors into pieces of at most
 :data:`PIECE_BYTES` and reads them on several threads, which is what makes a load reach the
 page cache's speed: one thread spends most of its time faulting in the destination's fresh
-pages (about 2 GB/s, against 10+ GB/s into pages already there), and a GPU destination's
-pieces overlap their host-to-device copies with the next reads.
+pages (2 GB/s into fresh pages against 13 GB/s into pages already there, on the 2-core VM of
+benchmarks/RESULTS.md), and a GPU destination's pieces overlap their host-to-device copies
+with the next reads.
 
 The format: 8 bytes little-endian header size N, N bytes of JSON ``{name: {dtype, shape,
 data_offsets: [begin, end]}}`` (offsets after the header), then the data.
@@ -55,8 +56,9 @@ _IOV_MAX = 1024  # Linux's limit on buffers per preadv
 # a destination made of more runs than this, or of runs shorter than this many bytes, goes
 # through the staging buffer instead (a syscall's buffers cost more than a copy then)
 _MAX_RUNS, _MIN_RUN = 4096, 4096
-# the most bytes one thread reads at a time from a tensor: also the staging buffer's size
-PIECE_BYTES = 16 << 20
+# the most bytes one thread reads at a time from a tensor: also its staging buffer's size
+# (pinned for a GPU, and kept by torch's pinned-memory cache: 16 threads hold 128 MB)
+PIECE_BYTES = 8 << 20
 # reader threads of a load: page faults and the page cache's copies scale to about this many
 MAX_READ_THREADS = 16
 
