@@ -123,16 +123,18 @@ def _absmax(wg: torch.Tensor) -> torch.Tensor:
 
 
 def _levels(w: torch.Tensor, wdtype: str, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., R, C] -> the integer levels [..., R, C/G, G] (float32) and scales [..., R, C/G].
+    """[..., R, C] -> the codes stored [..., R, C/G, G] (float32: int8 levels in [-127, 127],
+    int4 levels + 8 in [0, 15]) and the scales [..., R, C/G].
 
     NOTE: ``w / scale`` promotes to float32 exactly as ``w.float() / scale`` does, so no float32
-    copy of w is made; round and clamp run in place (a load quantises tens of GB here)."""
+    copy of w is made; the rest runs in place (a load quantises tens of GB here)."""
     *lead, c = w.shape
     wg = w.reshape(*lead, c // g, g)  # [..., C/G, G]
-    scale = (_absmax(wg) / QMAX[wdtype]).clamp_min(1e-12)  # [..., C/G]
-    q = torch.div(wg, scale[..., None])
-    q.round_().clamp_(-QMAX[wdtype] - (wdtype == "int4"), QMAX[wdtype])
-    return q, scale
+    scale = (_absmax(wg) / QMAX[wdtype]).clamp_min_(1e-12)  # [..., C/G]
+    q = torch.div(wg, scale[..., None]).round_()
+    if wdtype == "int8":
+        return q.clamp_(-QMAX["int8"], QMAX["int8"]), scale
+    return q.add_(8).clamp_(0, 15), scale  # clamp(q, -8, 7) + 8, exactly
 
 
 def _quantize(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
@@ -141,47 +143,44 @@ def _quantize(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
     if wdtype == "int8":
         body = q.to(torch.int8).reshape(*lead, c).view(torch.uint8)
     else:
-        nib = (q + 8).to(torch.uint8)  # [..., C/G, G] in [0, 15]
+        nib = q.to(torch.uint8)  # [..., C/G, G] in [0, 15]
         body = (nib[..., : g // 2] | (nib[..., g // 2 :] << 4)).reshape(*lead, c // 2)
     return torch.cat([body, scale.contiguous().view(torch.uint8)], dim=-1)
 
 
-# rows quantised at a time: a block's float32 levels stay in a core's L2 cache across the passes
+# rows quantised at a time: a block's float32 codes stay in a core's L2 cache across the passes
 _BLOCK_BYTES = 1 << 20
 
 
 def _quantize_tiled(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
-    """:func:`_quantize` then :func:`_to_tiles`, with the levels written straight into their
-    tile positions, a few blocks of 16 rows at a time (the same bytes, several times faster)."""
+    """:func:`_quantize` then :func:`_to_tiles`, with the codes written straight into their
+    tile positions, a few blocks of 16 rows at a time (the same bytes, several times faster;
+    few torch calls per block, as several reader threads run this at once)."""
     *lead, r, c = w.shape
     body = c if wdtype == "int8" else c // 2
     nbytes = body + 4 * (c // g)
     out = torch.empty(*lead, r, nbytes, dtype=torch.uint8, device=w.device)
-    rows, flat = out.view(-1, nbytes), w.reshape(-1, c)  # every 16 rows lie in one matrix (R % 16 == 0)
-    step = max(16, _BLOCK_BYTES // (4 * c) // 16 * 16)
-    for a in range(0, rows.shape[0], step):
-        _tile_block(flat[a : a + step], rows[a : a + step], wdtype, g)
-    return out
-
-
-def _tile_block(w: torch.Tensor, out: torch.Tensor, wdtype: str, g: int) -> None:
-    """Quantises ``w [N, C]`` (N % 16 == 0) into ``out [N, row bytes]`` in the tiled format."""
-    (n, c), nbytes = w.shape, out.shape[1]
-    body = c if wdtype == "int8" else c // 2
-    q, scale = _levels(w, wdtype, g)  # [N, C/G, G], [N, C/G]
+    n = out.numel() // nbytes  # rows of every matrix: each block of 16 lies in one (R % 16 == 0)
     blocks = out.view(n // 16, 16 * nbytes)
     step = 64 if wdtype == "int8" else 32  # bytes of one row per 64 input features
-    # [N/16, C/64, 16, step], indexed as [N/16, 16, C/64, step] (a row's steps)
+    # a block's bodies [C/64, 16, step] seen as [16, C/64, step] (a row's steps), then its
+    # scales [C/G, 16] float32 seen as [16, C/G]
     tiles = blocks[:, : 16 * body].unflatten(-1, (c // 64, 16, step)).transpose(-3, -2)
-    if wdtype == "int8":
-        tiles.view(torch.int8).copy_(q.view(n // 16, 16, c // 64, 64))
-    else:
-        # a step's byte j: feature j in the low nibble, j + 32 in the high one, each + 8
-        half = q.view(n // 16, 16, c // 64, 2, 32)
-        tiles.copy_(torch.add(half[..., 0, :], half[..., 1, :], alpha=16).add_(136))
-    # a block's scales, [C/G, 16] float32, follow its bodies
-    sc = blocks[:, 16 * body :].view(torch.float32).unflatten(-1, (c // g, 16)).transpose(-2, -1)
-    sc.copy_(scale.view(n // 16, 16, c // g))
+    tiles = tiles.view(torch.int8) if wdtype == "int8" else tiles
+    scales = blocks[:, 16 * body :].view(torch.float32).unflatten(-1, (c // g, 16)).transpose(-2, -1)
+    flat = w.reshape(n, c)
+    rows = max(16, _BLOCK_BYTES // (4 * c) // 16 * 16)
+    for a in range(0, n, rows):
+        q, scale = _levels(flat[a : a + rows], wdtype, g)  # [B, C/G, G], [B, C/G]
+        k, at = q.shape[0] // 16, a // 16
+        if wdtype == "int8":
+            tiles[at : at + k].copy_(q.view(k, 16, c // 64, 64))
+        else:
+            # a step's byte j: feature j in the low nibble, j + 32 in the high one
+            lo, hi = q.view(k, 16, c // 64, 2, 32).unbind(-2)
+            tiles[at : at + k].copy_(torch.add(lo, hi, alpha=16))
+        scales[at : at + k].copy_(scale.view(k, 16, c // g))
+    return out
 
 
 def _to_tiles(rows: torch.Tensor, wdtype: str, c: int, g: int) -> torch.Tensor:
