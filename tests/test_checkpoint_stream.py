@@ -147,3 +147,30 @@ def test_coordinator_weights_onto_a_gpu_in_pieces(tmp_path, monkeypatch, dtype):
     torch.cuda.synchronize()
     for name, p in got.named_parameters():
         assert p.device.type == "cuda" and torch.equal(p.cpu(), ref[name]), name
+
+
+def test_a_load_reads_on_every_cpu_and_a_change_beside_requests_on_few(tmp_path, monkeypatch):
+    """A preload, or the first placement of a table holding nothing, is a load (nothing is
+    served yet) and reads on a pool of every CPU; a change to a table that holds experts reads
+    on the table's few threads. The weights are the same either way."""
+    path = write_checkpoint(tmp_path, H, INTER, E, L, torch.bfloat16)
+    wide = []
+    real = SlotTable._load_pool
+    monkeypatch.setattr(SlotTable, "_load_pool", lambda self: wide.append(1) or real(self))
+
+    def table() -> SlotTable:
+        return SlotTable(CheckpointReader(path), torch.bfloat16, torch.device("cpu"), E, views=plain_views)
+
+    a, b = table(), table()
+    a.preload([0, 1, 2])
+    assert wide == [1]
+    b.prepare(1, {layer: [0, 1, 2] for layer in range(L)})
+    b.commit(1)
+    assert wide == [1, 1]
+    b.prepare(2, {layer: [3, 1, 2] for layer in range(L)})  # a change beside requests
+    b.commit(2)
+    assert wide == [1, 1]
+    for layer in range(L):
+        assert torch.equal(a.live.layers[layer].w13[1:], b.live.layers[layer].w13[1:])
+        gate, up, down = stored(path, layer, 3, False)
+        assert torch.equal(b.live.layers[layer].w13[0], torch.cat([gate, up]))

@@ -245,6 +245,10 @@ class SlotTable:
             pool = self._pool
         return run_on(pool, jobs)
 
+    def _load_pool(self) -> ThreadPoolExecutor:
+        """Reader threads for a load (nothing computes yet): every CPU of the process."""
+        return reader_pool(read_threads(MAX_PRELOAD_THREADS))
+
     def _build(self, layer: int, sources: list[Source], pool: ThreadPoolExecutor | None = None) -> Rows:
         """A new layer allocation holding ``sources [S]``: [S, *row13], [S, *row2] (reads on
         ``pool``, see :meth:`_parallel`)."""
@@ -317,7 +321,7 @@ class SlotTable:
     def preload(self, experts: list[int]) -> int:
         """Generation 0: the same experts in every MoE layer (start-up, before any placement)."""
         layers, read = dict(self.live.layers), 0
-        with reader_pool(read_threads(MAX_PRELOAD_THREADS)) as pool:
+        with self._load_pool() as pool:
             for layer in self.moe_layers:
                 layers[layer] = LayerSlots(tuple(experts), *self._build(layer, list(experts), pool))
                 read += len(experts)
@@ -357,14 +361,18 @@ class SlotTable:
         budget = self.layer_bytes() if self.staging_bytes is None else self.staging_bytes
         ahead = stage_reads(plans, held, self.slot_bytes(), budget)
         staged = _Staged(generation, base, plans)
-        for layer in self.moe_layers:
-            p = plans[layer]
-            if held[layer] == 0 and p.experts:  # holds nothing: built whole, doubles nothing
-                staged.built[layer] = LayerSlots(p.experts, *self._build(layer, list(p.experts)))
-            for dst, e in p.reads:
-                if (layer, dst) in ahead:
-                    staged.rows[layer, dst] = self._read_rows(layer, e)
-            self._note(staged.nbytes())
+        # NOTE: a table holding nothing serves nothing yet: this placement is its load, read on
+        # every CPU as a preload is (beside requests, reads keep to the table's few threads)
+        loading = not any(held.values())
+        with self._load_pool() if loading else contextlib.nullcontext() as pool:
+            for layer in self.moe_layers:
+                p = plans[layer]
+                if held[layer] == 0 and p.experts:  # holds nothing: built whole, doubles nothing
+                    staged.built[layer] = LayerSlots(p.experts, *self._build(layer, list(p.experts), pool))
+                for dst, e in p.reads:
+                    if (layer, dst) in ahead:
+                        staged.rows[layer, dst] = self._read_rows(layer, e)
+                self._note(staged.nbytes())
         with self._lock:
             if self._commits != base:  # NOTE: planned against a placement that is gone
                 raise StaleGeneration(f"generation {generation}: the live placement changed during prepare")
