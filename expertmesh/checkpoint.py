@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from expertmesh import quant as fp8
 from expertmesh.config import ConfigError, ModelConfig
 from expertmesh.progress import LoadProgress
 from expertmesh.quant import FP8BlockQuant, QuantizationError
-from expertmesh.safetensors_io import Piece, TensorFile, TensorSpan, read_parallel, read_threads
+from expertmesh.safetensors_io import Piece, TensorFile, TensorSpan, read_threads, reader_pool, run_on
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -125,11 +126,12 @@ class CheckpointReader:
             return {k: SINGLE_FILE for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
     def _handle(self, file: str):
-        h = self._handles.get(file)
-        if h is None:
-            h = safe_open(str(self.path / file), "pt")
-            self._handles[file] = h
-        return h
+        with self._lock:  # NOTE: reader threads open shards too (read_all's dequantising jobs)
+            h = self._handles.get(file)
+            if h is None:
+                h = safe_open(str(self.path / file), "pt")
+                self._handles[file] = h
+            return h
 
     def names(self) -> Iterator[str]:
         """Tensor names, without FP8 scales (they are applied to their weight, never read alone)."""
@@ -194,18 +196,27 @@ class CheckpointReader:
         self._count(f.read_into(span, out, index))
 
     def read_all(self, items: Sequence[tuple[str, torch.Tensor]], threads: int | None = None) -> None:
-        """:meth:`read_into` for every ``(name, out)``, big tensors split into pieces read on
-        ``threads`` reader threads (default: this process's CPUs, up to
-        safetensors_io.MAX_READ_THREADS); tensors that need :meth:`get` (FP8, other dtypes, a
-        wrong shape: its error) go first, on this thread."""
-        pieces: list[Piece] = []
+        """:meth:`read_into` for every ``(name, out)`` on ``threads`` reader threads (default:
+        this process's CPUs, up to safetensors_io.MAX_READ_THREADS), big tensors split into
+        pieces; tensors that need :meth:`get` (FP8 dequantised, other dtypes converted) are
+        jobs of their own beside them. The first error (a missing tensor, a wrong shape, a
+        short read) fails the whole read."""
+        jobs: list[Callable[[], object]] = []
         for name, out in items:
             direct = self._direct(name, tuple(out.shape), None)
             if direct is None:
-                self.read_into(name, out)
+                jobs.append(partial(self.read_into, name, out))
             else:
-                pieces += direct[0].pieces(direct[1], out)
-        read_parallel(pieces, read_threads() if threads is None else threads, self._count)
+                jobs += [partial(self._read_piece, p) for p in direct[0].pieces(direct[1], out)]
+        n = read_threads() if threads is None else threads
+        if n <= 1:
+            run_on(None, jobs)
+            return
+        with reader_pool(min(n, len(jobs))) as pool:
+            run_on(pool, jobs)
+
+    def _read_piece(self, piece: Piece) -> None:
+        self._count(piece.read(), piece.tensors)
 
     def _direct(
         self, name: str, shape: tuple[int, ...], index: int | None

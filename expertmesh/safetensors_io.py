@@ -7,9 +7,9 @@ elsewhere (a packed slot, a GPU) copies them again. Here a tensor's bytes are re
 ``preadv`` from the page cache into the destination's own memory when its dtype and layout
 match, else into a per-thread staging buffer (pinned when the destination is on a GPU) and
 copied once, converting the dtype on the way. ``preadv`` releases the GIL, so reader threads
-run in parallel: :func:`read_parallel` splits big tensors into pieces of at most
-:data:`PIECE_BYTES` and reads them on several threads, which is what makes a load reach the
-page cache's speed: one thread spends most of its time faulting in the destination's fresh
+run in parallel: :meth:`TensorFile.pieces` splits big tensors into pieces of at most
+:data:`PIECE_BYTES` that several threads read (:func:`run_on`), which is what makes a load
+reach the page cache's speed: one thread spends most of its time faulting in the destination's fresh
 pages (2 GB/s into fresh pages against 13 GB/s into pages already there, on the 2-core VM of
 benchmarks/RESULTS.md), and a GPU destination's pieces overlap their host-to-device copies
 with the next reads.
@@ -225,28 +225,6 @@ def run_on(pool: ThreadPoolExecutor | None, jobs: Sequence[Callable[[], T]]) -> 
             raise error
     # NOTE: no failure, so every job ran and returned its own result
     return [cast(T, f.result()) for f in futures]
-
-
-def read_parallel(
-    pieces: Sequence[Piece], threads: int, done: Callable[[int, int], None] | None = None
-) -> int:
-    """Reads ``pieces`` on up to ``threads`` threads, biggest first (no long one left to run
-    alone at the end); ``done(bytes, tensors)`` after each; returns the bytes read."""
-
-    def job(p: Piece) -> Callable[[], int]:
-        def run() -> int:
-            n = p.read()
-            if done is not None:
-                done(n, p.tensors)
-            return n
-
-        return run
-
-    order = sorted(pieces, key=lambda p: -p.out.numel() * p.dtype.itemsize)
-    if threads <= 1 or len(order) <= 1:
-        return sum(run_on(None, [job(p) for p in order]))
-    with reader_pool(min(threads, len(order))) as pool:
-        return sum(run_on(pool, [job(p) for p in order]))
 
 
 def _runs(out: torch.Tensor) -> list[tuple[int, int]] | None:
