@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from expertmesh import wire  # noqa: E402
+from expertmesh.checkpoint import CheckpointReader  # noqa: E402
 from expertmesh.v1 import expert_worker_pb2 as pb  # noqa: E402
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc  # noqa: E402
 from expertmesh.worker_api import ExpertRequest, WorkerInfo  # noqa: E402
@@ -285,13 +286,16 @@ def run_server(kind: str, model: Path, args: argparse.Namespace, expert_gb: floa
     extra = ["--dtype", args.dtype, "--experts", "all"]
     if kind == "gpu":
         extra += ["--device", args.device]
+    else:
+        extra += ["--weight-dtype", args.weight_dtype]
     srv = Server(kind, model, *extra)
     rows = []
     gpu = args.device if kind == "gpu" and args.device.startswith("cuda") else ""
     try:
         secs = srv.wait_serving()
+        what = f"{kind}-server" + (f" ({args.weight_dtype})" if kind == "cpu" else "")
         print(
-            f"{kind}-server: SERVING after {secs:.1f}s: {expert_gb / secs:.2f} GB/s of experts from the page cache",
+            f"{what}: SERVING after {secs:.1f}s: {expert_gb / secs:.2f} GB/s of experts from the page cache",
             flush=True,
         )
         print(f"  loader: {srv.loader_line()}", flush=True)
@@ -335,6 +339,7 @@ def main() -> None:
     p.add_argument("--servers", default="gpu,cpu" if torch.cuda.is_available() else "cpu")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--weight-dtype", default="bfloat16", help="the CPU server's --weight-dtype")
     p.add_argument("--move-frac", type=float, default=0.25)
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = p.parse_args()
@@ -347,9 +352,13 @@ def main() -> None:
         f"checkpoint {model}: {gb:.2f} GB, read once in {time.perf_counter() - t0:.1f}s (page cache warm)",
         flush=True,
     )
+    # NOTE: the experts' bytes, not the files': a --model with the rest of the model too
+    reader = CheckpointReader(model)
+    cfg = reader.config
+    expert_gb = reader.expert_nbytes() * cfg.num_experts * len(cfg.moe_layer_ids) / GB
     rows = []
     for kind in args.servers.split(","):
-        rows += run_server(kind.strip(), model, args, gb)
+        rows += run_server(kind.strip(), model, args, expert_gb)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

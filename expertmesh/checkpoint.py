@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from expertmesh import quant as fp8
 from expertmesh.config import ConfigError, ModelConfig
 from expertmesh.progress import LoadProgress
 from expertmesh.quant import FP8BlockQuant, QuantizationError
-from expertmesh.safetensors_io import TensorFile
+from expertmesh.safetensors_io import Piece, TensorFile, TensorSpan, read_threads, reader_pool, run_on
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -125,11 +126,12 @@ class CheckpointReader:
             return {k: SINGLE_FILE for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
     def _handle(self, file: str):
-        h = self._handles.get(file)
-        if h is None:
-            h = safe_open(str(self.path / file), "pt")
-            self._handles[file] = h
-        return h
+        with self._lock:  # NOTE: reader threads open shards too (read_all's dequantising jobs)
+            h = self._handles.get(file)
+            if h is None:
+                h = safe_open(str(self.path / file), "pt")
+                self._handles[file] = h
+            return h
 
     def names(self) -> Iterator[str]:
         """Tensor names, without FP8 scales (they are applied to their weight, never read alone)."""
@@ -163,10 +165,10 @@ class CheckpointReader:
         self._count(t.numel() * t.element_size())
         return t
 
-    def _count(self, nbytes: int) -> None:
+    def _count(self, nbytes: int, tensors: int = 1) -> None:
         if self.progress is not None:
             with self._lock:
-                self.progress.add(nbytes)
+                self.progress.add(nbytes, tensors)
 
     def _file(self, file: str) -> TensorFile:
         with self._lock:
@@ -185,16 +187,50 @@ class CheckpointReader:
         ``out.shape``). Float tensors only: FP8 weights go through :meth:`get` (their scale
         applies first)."""
         shape = tuple(out.shape) if shape is None else shape
+        direct = self._direct(name, shape, index)
+        if direct is None:
+            t = self.get(name, shape) if index is None else self.get_slice(name, index, shape)
+            out.copy_(t.view(out.shape))
+            return
+        f, span = direct
+        self._count(f.read_into(span, out, index))
+
+    def read_all(self, items: Sequence[tuple[str, torch.Tensor]], threads: int | None = None) -> None:
+        """:meth:`read_into` for every ``(name, out)`` on ``threads`` reader threads (default:
+        this process's CPUs, up to safetensors_io.MAX_READ_THREADS), big tensors split into
+        pieces; tensors that need :meth:`get` (FP8 dequantised, other dtypes converted) are
+        jobs of their own beside them. The first error (a missing tensor, a wrong shape, a
+        short read) fails the whole read."""
+        jobs: list[Callable[[], object]] = []
+        for name, out in items:
+            direct = self._direct(name, tuple(out.shape), None)
+            if direct is None:
+                jobs.append(partial(self.read_into, name, out))
+            else:
+                jobs += [partial(self._read_piece, p) for p in direct[0].pieces(direct[1], out)]
+        n = read_threads() if threads is None else threads
+        if n <= 1:
+            run_on(None, jobs)
+            return
+        with reader_pool(min(n, len(jobs))) as pool:
+            run_on(pool, jobs)
+
+    def _read_piece(self, piece: Piece) -> None:
+        self._count(piece.read(), piece.tensors)
+
+    def _direct(
+        self, name: str, shape: tuple[int, ...], index: int | None
+    ) -> tuple[TensorFile, TensorSpan] | None:
+        """Where ``name`` lies when it can be read straight into a tensor of ``shape`` (a float
+        stored with that shape), else None."""
         file = self._file_of.get(name)
         if file is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing (expected {list(shape)})")
         f = self._file(file)
         span = f.spans.get(name)
         if span is None or span.dtype not in FLOAT_DTYPES or not _fits(span.shape, shape, index):
-            t = self.get(name, shape) if index is None else self.get_slice(name, index, shape)
-            out.copy_(t.view(out.shape))
-            return
-        self._count(f.read_into(span, out, index))
+            return None
+        return f, span
 
     def _checked(self, name: str, t: torch.Tensor, index: int | None, keep_fp8: bool) -> torch.Tensor:
         """Applies the FP8 scale of ``name`` (unless ``keep_fp8``); refuses any non-float dtype."""

@@ -7,7 +7,12 @@ elsewhere (a packed slot, a GPU) copies them again. Here a tensor's bytes are re
 ``preadv`` from the page cache into the destination's own memory when its dtype and layout
 match, else into a per-thread staging buffer (pinned when the destination is on a GPU) and
 copied once, converting the dtype on the way. ``preadv`` releases the GIL, so reader threads
-run in parallel.
+run in parallel: :meth:`TensorFile.pieces` splits big tensors into pieces of at most
+:data:`PIECE_BYTES` that several threads read (:func:`run_on`), which is what makes a load
+reach the page cache's speed: one thread spends most of its time faulting in the destination's fresh
+pages (2 GB/s into fresh pages against 13 GB/s into pages already there, on the 2-core VM of
+benchmarks/RESULTS.md), and a GPU destination's pieces overlap their host-to-device copies
+with the next reads.
 
 The format: 8 bytes little-endian header size N, N bytes of JSON ``{name: {dtype, shape,
 data_offsets: [begin, end]}}`` (offsets after the header), then the data.
@@ -22,9 +27,14 @@ import os
 import struct
 import threading
 import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
+
+T = TypeVar("T")
 
 # safetensors' dtype names -> torch
 ST_DTYPES = {
@@ -46,6 +56,11 @@ _IOV_MAX = 1024  # Linux's limit on buffers per preadv
 # a destination made of more runs than this, or of runs shorter than this many bytes, goes
 # through the staging buffer instead (a syscall's buffers cost more than a copy then)
 _MAX_RUNS, _MIN_RUN = 4096, 4096
+# the most bytes one thread reads at a time from a tensor: also its staging buffer's size
+# (pinned for a GPU, and kept by torch's pinned-memory cache: 16 threads hold 128 MB)
+PIECE_BYTES = 8 << 20
+# reader threads of a load: page faults and the page cache's copies scale to about this many
+MAX_READ_THREADS = 16
 
 
 @dataclass(frozen=True)
@@ -86,20 +101,40 @@ class TensorFile:
     def read_into(self, span: TensorSpan, out: torch.Tensor, index: int | None = None) -> int:
         """Copies the stored tensor (``index``: its ``[index]`` slice) into ``out``: any dtype,
         layout or device, and its shape or any other with the same elements in the same
-        row-major order (a [I, H] matrix into [I/B, B, H] blocks); returns the bytes read."""
+        row-major order (a [I, H] matrix into [I/B, B, H] blocks); returns the bytes read. A big
+        tensor goes in pieces, so a staging buffer never exceeds :data:`PIECE_BYTES`."""
+        return sum(p.read() for p in self.pieces(span, out, index))
+
+    def pieces(
+        self, span: TensorSpan, out: torch.Tensor, index: int | None = None, max_bytes: int | None = None
+    ) -> list[Piece]:
+        """:meth:`read_into` as pieces of at most ``max_bytes`` stored bytes (default
+        :data:`PIECE_BYTES`; 0: one piece) that any threads may read in any order: runs of a
+        contiguous ``out``'s elements."""
+        max_bytes = PIECE_BYTES if max_bytes is None else max_bytes
         shape = span.shape if index is None else span.shape[1:]
-        offset = (
-            span.offset if index is None else span.offset + index * math.prod(shape) * span.dtype.itemsize
-        )
-        assert out.numel() == math.prod(shape), f"{out.shape=} {shape=}"
-        nbytes = math.prod(shape) * span.dtype.itemsize
-        runs = _runs(out) if out.device.type == "cpu" and out.dtype == span.dtype else None
+        n = math.prod(shape)
+        assert out.numel() == n, f"{out.shape=} {shape=}"
+        es = span.dtype.itemsize
+        offset = span.offset if index is None else span.offset + index * n * es
+        if max_bytes <= 0 or n * es <= max_bytes or not out.is_contiguous():
+            return [Piece(self, offset, span.dtype, out, 1)]
+        flat, step = out.view(-1), max(1, max_bytes // es)
+        return [
+            Piece(self, offset + a * es, span.dtype, flat[a : a + step], int(a == 0))
+            for a in range(0, n, step)
+        ]
+
+    def _read_at(self, offset: int, dtype: torch.dtype, out: torch.Tensor) -> int:
+        """Reads ``out.numel()`` stored ``dtype`` elements from byte ``offset`` into ``out``."""
+        nbytes = out.numel() * dtype.itemsize
+        runs = _runs(out) if out.device.type == "cpu" and out.dtype == dtype else None
         if runs is not None:  # straight into out's memory, scattered over its blocks
             self._pread(offset, runs)
             return nbytes
         buf = _staging(nbytes, out.device.type == "cuda")
         self._pread(offset, [(buf.data_ptr(), nbytes)])
-        src = buf[:nbytes].view(span.dtype).view(out.shape)
+        src = buf[:nbytes].view(dtype).view(out.shape)
         if out.device.type != "cuda":
             out.copy_(src)
             return nbytes
@@ -130,6 +165,66 @@ class TensorFile:
 
     def close(self) -> None:
         self._close()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of one stored tensor's elements and where they go (TensorFile.pieces)."""
+
+    file: TensorFile
+    offset: int  # file byte of the first element
+    dtype: torch.dtype  # as stored
+    out: torch.Tensor  # any dtype, layout or device; numel() elements
+    tensors: int  # 1 for a tensor's first piece (progress counts tensors), else 0
+
+    def read(self) -> int:
+        """Reads the piece; returns the stored bytes read."""
+        return self.file._read_at(self.offset, self.dtype, self.out)
+
+
+def read_threads(limit: int = MAX_READ_THREADS) -> int:
+    """Reader threads for a load: this process's CPUs, at most ``limit``."""
+    return max(1, min(limit, len(os.sched_getaffinity(0))))
+
+
+def reader_pool(threads: int) -> ThreadPoolExecutor:
+    """Threads for checkpoint reads."""
+    # NOTE: a reader's dtype conversions and packing run on its own thread only: torch's
+    # OpenMP team per calling thread would put n x cores threads on the cores (the setting is
+    # per thread: compute threads keep theirs)
+    return ThreadPoolExecutor(threads, "checkpoint-read", initializer=torch.set_num_threads, initargs=(1,))
+
+
+def run_on(pool: ThreadPoolExecutor | None, jobs: Sequence[Callable[[], T]]) -> list[T]:
+    """Runs ``jobs`` on ``pool`` (on this thread without one, or for one job); the first
+    failure is raised once the jobs under way have ended, and no job starts after it."""
+    if pool is None or len(jobs) <= 1:
+        return [j() for j in jobs]
+    failed = threading.Event()
+
+    def guarded(job: Callable[[], T]) -> Callable[[], T | None]:
+        def run() -> T | None:
+            if failed.is_set():
+                return None
+            try:
+                return job()
+            except BaseException:
+                failed.set()
+                raise
+
+        return run
+
+    futures = [pool.submit(guarded(j)) for j in jobs]
+    wait(futures, return_when=FIRST_EXCEPTION)
+    for f in futures:
+        f.cancel()
+    wait(futures)
+    for f in futures:
+        error = None if f.cancelled() else f.exception()
+        if error is not None:
+            raise error
+    # NOTE: no failure, so every job ran and returned its own result
+    return [cast(T, f.result()) for f in futures]
 
 
 def _runs(out: torch.Tensor) -> list[tuple[int, int]] | None:
@@ -169,7 +264,8 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _staging(nbytes: int, pinned: bool) -> torch.Tensor:
-    """This thread's staging buffer of at least ``nbytes`` (one expert tensor: a few MB)."""
+    """This thread's staging buffer of at least ``nbytes`` (a piece, or one expert tensor
+    read into a blocked view: a few MB)."""
     key = "pinned" if pinned else "plain"
     buf = getattr(_local, key, None)
     if buf is None or buf.numel() < nbytes:

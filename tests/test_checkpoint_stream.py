@@ -1,6 +1,7 @@
-"""Streaming expert reads: positional reads straight into a slot (any stored layout, dtype
+"""Streaming reads: positional reads straight into a slot (any stored layout, dtype
 conversion, the CPU backend's interleaved rows) give the same weights as safetensors' own
-loader, and the slot table built that way equals the one built through pack."""
+loader, and the slot table built that way equals the one built through pack; the
+coordinator's weights read in pieces over threads likewise."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks.bench_memory import write_checkpoint
+from coordinator.model.loader import _slots, load_model
 from cpu_expert_server.backend import CpuExpertBackend
-from expertmesh import safetensors_io
+from expertmesh import checkpoint, safetensors_io
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.progress import LoadProgress
 from expertmesh.worker.server import slot_views
 from expertmesh.worker.slots import SlotTable, plain_views
+from tests.hf_models import make_checkpoint
 
 H, INTER, E, L = 128, 64, 6, 2
 
@@ -77,3 +80,97 @@ def test_slot_table_streamed_equals_read_then_packed(tmp_path, wdtype):
     for layer in (0, 1):
         a, b = tables[0].live.layers[layer], tables[1].live.layers[layer]
         assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_coordinator_weights_read_in_pieces_over_threads(tmp_path, monkeypatch, dtype):
+    """The coordinator's loader splits big tensors into pieces read on several threads (odd
+    piece sizes here, so pieces end inside rows); every parameter, merged projections' rows
+    included, holds what safetensors' own loader reads, and progress counts each tensor once."""
+    make_checkpoint("qwen3_moe", tmp_path, max_shard_size="40KB")
+    monkeypatch.setattr(safetensors_io, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(checkpoint, "read_threads", lambda: 3)
+    pieces = []
+    real = safetensors_io.TensorFile.pieces
+    monkeypatch.setattr(
+        safetensors_io.TensorFile, "pieces", lambda *a, **k: pieces.append(real(*a, **k)) or pieces[-1]
+    )
+    reader = CheckpointReader(tmp_path)
+    model = load_model(reader, dtype, "cpu")
+    assert max(len(p) for p in pieces) > 10  # the embedding: 96 x 64 float32 in 1000-byte pieces
+    stored_tensors = {}
+    for shard in tmp_path.glob("*.safetensors"):
+        stored_tensors.update(load_file(str(shard)))
+    params = dict(model.named_parameters())
+    slots = _slots(model)
+    checked = 0
+    for name, t in stored_tensors.items():
+        if ".experts." in name:
+            continue
+        pname, rows, _ = slots[name]
+        got = params[pname].data if rows is None else params[pname].data[rows]
+        assert torch.equal(got, t.to(dtype)), name
+        checked += 1
+    assert checked == len(reader.non_expert_names())
+
+
+def test_a_failed_piece_fails_the_load(tmp_path, monkeypatch):
+    """A read that fails on one reader thread fails the whole load with its error, after the
+    other threads stop (no piece is read once the failure is seen, beyond those under way)."""
+    make_checkpoint("qwen3_moe", tmp_path)
+    monkeypatch.setattr(safetensors_io, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(checkpoint, "read_threads", lambda: 2)
+    real, calls = safetensors_io.TensorFile._read_at, []
+
+    def flaky(self, offset, dtype, out):
+        calls.append(offset)
+        if len(calls) == 5:
+            raise OSError(f"{self.path}: short read at byte {offset}")
+        return real(self, offset, dtype, out)
+
+    monkeypatch.setattr(safetensors_io.TensorFile, "_read_at", flaky)
+    with pytest.raises(OSError, match="short read"):
+        load_model(CheckpointReader(tmp_path), torch.float32, "cpu")
+    assert 5 <= len(calls) <= 6  # the failure, and at most the other thread's piece under way
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_coordinator_weights_onto_a_gpu_in_pieces(tmp_path, monkeypatch, dtype):
+    """Pieces read into pinned staging on several threads and copied to the GPU on each
+    thread's stream land as the plain CPU read does (a bf16 model converts on the way)."""
+    make_checkpoint("qwen3_moe", tmp_path, max_shard_size="40KB")
+    ref = dict(load_model(CheckpointReader(tmp_path), dtype, "cpu").named_parameters())
+    monkeypatch.setattr(safetensors_io, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(checkpoint, "read_threads", lambda: 4)
+    got = load_model(CheckpointReader(tmp_path), dtype, "cuda")
+    torch.cuda.synchronize()
+    for name, p in got.named_parameters():
+        assert p.device.type == "cuda" and torch.equal(p.cpu(), ref[name]), name
+
+
+def test_a_load_reads_on_every_cpu_and_a_change_beside_requests_on_few(tmp_path, monkeypatch):
+    """A preload, or the first placement of a table holding nothing, is a load (nothing is
+    served yet) and reads on a pool of every CPU; a change to a table that holds experts reads
+    on the table's few threads. The weights are the same either way."""
+    path = write_checkpoint(tmp_path, H, INTER, E, L, torch.bfloat16)
+    wide = []
+    real = SlotTable._load_pool
+    monkeypatch.setattr(SlotTable, "_load_pool", lambda self: wide.append(1) or real(self))
+
+    def table() -> SlotTable:
+        return SlotTable(CheckpointReader(path), torch.bfloat16, torch.device("cpu"), E, views=plain_views)
+
+    a, b = table(), table()
+    a.preload([0, 1, 2])
+    assert wide == [1]
+    b.prepare(1, {layer: [0, 1, 2] for layer in range(L)})
+    b.commit(1)
+    assert wide == [1, 1]
+    b.prepare(2, {layer: [3, 1, 2] for layer in range(L)})  # a change beside requests
+    b.commit(2)
+    assert wide == [1, 1]
+    for layer in range(L):
+        assert torch.equal(a.live.layers[layer].w13[1:], b.live.layers[layer].w13[1:])
+        gate, up, down = stored(path, layer, 3, False)
+        assert torch.equal(b.live.layers[layer].w13[0], torch.cat([gate, up]))

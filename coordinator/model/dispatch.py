@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend, TorchExpertBackend
 from expertmesh.progress import LoadProgress
+from expertmesh.safetensors_io import read_threads, reader_pool, run_on
 
 
 class Pending:
@@ -62,12 +64,24 @@ class Dispatcher(ABC):
 
 
 def stack_experts(
-    reader: CheckpointReader, layer: int, experts: list[int], dtype: torch.dtype, device: torch.device
+    reader: CheckpointReader,
+    layer: int,
+    experts: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    pool: ThreadPoolExecutor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reads ``experts`` of ``layer`` into slot tensors ``w13 [S, 2I, H]``, ``w2 [S, H, I]``."""
-    ws = [reader.expert_weights(layer, e) for e in experts]
-    w13 = torch.stack([w.w13 for w in ws]).to(device=device, dtype=dtype)
-    w2 = torch.stack([w.w2 for w in ws]).to(device=device, dtype=dtype)
+    """Reads ``experts`` of ``layer`` into slot tensors ``w13 [S, 2I, H]``, ``w2 [S, H, I]``:
+    each expert straight from the checkpoint into its slot, on ``pool``'s reader threads."""
+    cfg = reader.config
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    w13 = torch.empty(len(experts), 2 * i, h, dtype=dtype, device=device)
+    w2 = torch.empty(len(experts), h, i, dtype=dtype, device=device)
+
+    def read(s: int, e: int) -> Callable[[], None]:
+        return lambda: reader.expert_into(layer, e, w13[s, :i], w13[s, i:], w2[s])
+
+    run_on(pool, [read(s, e) for s, e in enumerate(experts)])
     return w13, w2
 
 
@@ -97,11 +111,13 @@ class LocalDispatcher(Dispatcher):
         self.backend = backend or default_backend(device)
         all_experts = list(range(cfg.num_experts))
         total = reader.expert_nbytes() * cfg.num_experts * len(cfg.moe_layer_ids)
-        reader.progress = LoadProgress("coordinator experts", total)  # minutes for a full-size model
+        reader.progress = LoadProgress("coordinator experts", total)
         try:
-            self.slots = {
-                layer: stack_experts(reader, layer, all_experts, dtype, device) for layer in cfg.moe_layer_ids
-            }
+            with reader_pool(read_threads()) as pool:
+                self.slots = {
+                    layer: stack_experts(reader, layer, all_experts, dtype, device, pool)
+                    for layer in cfg.moe_layer_ids
+                }
         finally:
             reader.progress.close()
             reader.progress = None

@@ -54,13 +54,14 @@ def _slots(model: nn.Module) -> dict[str, tuple[str, slice | None, tuple[int, ..
     return out
 
 
-def _place(
+def _target(
     reader: CheckpointReader,
     ck_name: str,
     expected: dict[str, tuple[str, slice | None, tuple[int, ...]]],
     params: dict[str, nn.Parameter],
     seen: set[str],
-) -> None:
+) -> tuple[str, torch.Tensor]:
+    """Where checkpoint tensor ``ck_name`` goes: its parameter, or its rows of a merged one."""
     name = ck_name.replace(".block_sparse_moe.", ".mlp.")
     if name not in expected:
         raise CheckpointError(
@@ -69,10 +70,8 @@ def _place(
     pname, rows, shape = expected[name]
     dst = params[pname].data if rows is None else params[pname].data[rows]
     assert tuple(dst.shape) == shape, f"{ck_name}: {list(dst.shape)=} {list(shape)=}"
-    # straight from the file into the parameter (no full-precision copy; a stored shape other
-    # than the parameter's is a CheckpointError naming both)
-    reader.read_into(ck_name, dst)
     seen.add(name)
+    return ck_name, dst
 
 
 def load_model(reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
@@ -99,8 +98,10 @@ def load_model(reader: CheckpointReader, dtype: torch.dtype, device: torch.devic
     progress = LoadProgress("coordinator weights", sum(reader.nbytes(n) for n in names))
     reader.progress = progress
     try:
-        for ck_name in names:
-            _place(reader, ck_name, expected, params, seen)
+        # straight from the files into the parameters, big tensors in pieces over several
+        # threads (no full-precision copy; a stored shape other than the parameter's is a
+        # CheckpointError naming both)
+        reader.read_all([_target(reader, n, expected, params, seen) for n in names])
     finally:
         reader.progress = None
         progress.close()

@@ -35,6 +35,7 @@ import torch
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.errors import InvalidRequest, StaleGeneration, Unavailable
 from expertmesh.placement import MAX_GENERATION
+from expertmesh.safetensors_io import read_threads, reader_pool, run_on
 from expertmesh.worker import memory
 from expertmesh.worker.moves import TEMP, LayerPlan, move_order, plan_layer, stage_reads
 
@@ -42,9 +43,12 @@ Rows = tuple[torch.Tensor, torch.Tensor]  # one slot: w13 row [2I, H] (or packed
 # a slot's rows -> where its gate [I, H], up [I, H] and down [H, I] go (views, any layout), or
 # None when the backend's layout needs the plain weights first (quantised rows)
 Views = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
-# parallel checkpoint reads: page-cache copies release the GIL; more threads than this gained
-# nothing measurable on the hosts tried
+# parallel checkpoint reads while requests are served: page-cache copies release the GIL;
+# more threads than this gained nothing measurable on the hosts tried
 MAX_READ_THREADS = 8
+# start-up reads (nothing computes yet) use every CPU of the process up to this many: a backend
+# that quantises as it reads is bound by its threads' arithmetic, not by the page cache
+MAX_PRELOAD_THREADS = 64
 # a new slot's weights: an expert to read, or rows to copy (a live slot, a staged read)
 Source = int | Rows
 
@@ -230,27 +234,29 @@ class SlotTable:
         out13.copy_(a)
         out2.copy_(b)
 
-    def _parallel(self, jobs: list[Callable[[], object]]) -> list[object]:
-        """Runs checkpoint reads on the table's reader threads; raises the first failure."""
-        if len(jobs) <= 1:
-            return [j() for j in jobs]
-        if self._pool is None:
-            n = min(MAX_READ_THREADS, len(os.sched_getaffinity(0)))
-            # NOTE: a reader's dtype conversions run on its own thread only: torch's OpenMP team
-            # per calling thread would put n x cores threads on the cores (the setting is per
-            # thread: the compute threads keep theirs)
-            self._pool = ThreadPoolExecutor(
-                n, "expert-read", initializer=torch.set_num_threads, initargs=(1,)
-            )
-        return list(self._pool.map(lambda j: j(), jobs))
+    def _parallel(
+        self, jobs: list[Callable[[], object]], pool: ThreadPoolExecutor | None = None
+    ) -> list[object]:
+        """Runs checkpoint reads on ``pool``, by default the table's reader threads; raises the
+        first failure."""
+        if pool is None and len(jobs) > 1:
+            if self._pool is None:
+                self._pool = reader_pool(min(MAX_READ_THREADS, len(os.sched_getaffinity(0))))
+            pool = self._pool
+        return run_on(pool, jobs)
 
-    def _build(self, layer: int, sources: list[Source]) -> Rows:
-        """A new layer allocation holding ``sources [S]``: [S, *row13], [S, *row2]."""
+    def _load_pool(self) -> ThreadPoolExecutor:
+        """Reader threads for a load (nothing computes yet): every CPU of the process."""
+        return reader_pool(read_threads(MAX_PRELOAD_THREADS))
+
+    def _build(self, layer: int, sources: list[Source], pool: ThreadPoolExecutor | None = None) -> Rows:
+        """A new layer allocation holding ``sources [S]``: [S, *row13], [S, *row2] (reads on
+        ``pool``, see :meth:`_parallel`)."""
         if not sources:
             empty = self._empty()
             return empty.w13, empty.w2
         if self.stack is not None:
-            got = self._parallel([_rows_job(self, layer, s) for s in sources])
+            got = self._parallel([_rows_job(self, layer, s) for s in sources], pool)
             rows = [r for r in got if isinstance(r, tuple)]
             return self.stack([r[0] for r in rows], [r[1] for r in rows])
         layout = self._row_layout()
@@ -270,7 +276,7 @@ class SlotTable:
             else:
                 self._read_into(layer, src, w13[s], w2[s])
 
-        self._parallel([_bind(fill, s, src) for s, src in enumerate(sources)])
+        self._parallel([_bind(fill, s, src) for s, src in enumerate(sources)], pool)
         self._slot_bytes = self._slot_bytes or w13[0].nbytes + w2[0].nbytes
         return w13, w2
 
@@ -315,9 +321,10 @@ class SlotTable:
     def preload(self, experts: list[int]) -> int:
         """Generation 0: the same experts in every MoE layer (start-up, before any placement)."""
         layers, read = dict(self.live.layers), 0
-        for layer in self.moe_layers:
-            layers[layer] = LayerSlots(tuple(experts), *self._build(layer, list(experts)))
-            read += len(experts)
+        with self._load_pool() as pool:
+            for layer in self.moe_layers:
+                layers[layer] = LayerSlots(tuple(experts), *self._build(layer, list(experts), pool))
+                read += len(experts)
         self.live = SlotSet(0, layers)
         self._note()
         memory.release(self.device)  # the reads' temporaries
@@ -354,14 +361,18 @@ class SlotTable:
         budget = self.layer_bytes() if self.staging_bytes is None else self.staging_bytes
         ahead = stage_reads(plans, held, self.slot_bytes(), budget)
         staged = _Staged(generation, base, plans)
-        for layer in self.moe_layers:
-            p = plans[layer]
-            if held[layer] == 0 and p.experts:  # holds nothing: built whole, doubles nothing
-                staged.built[layer] = LayerSlots(p.experts, *self._build(layer, list(p.experts)))
-            for dst, e in p.reads:
-                if (layer, dst) in ahead:
-                    staged.rows[layer, dst] = self._read_rows(layer, e)
-            self._note(staged.nbytes())
+        # NOTE: a table holding nothing serves nothing yet: this placement is its load, read on
+        # every CPU as a preload is (beside requests, reads keep to the table's few threads)
+        loading = not any(held.values())
+        with self._load_pool() if loading else contextlib.nullcontext() as pool:
+            for layer in self.moe_layers:
+                p = plans[layer]
+                if held[layer] == 0 and p.experts:  # holds nothing: built whole, doubles nothing
+                    staged.built[layer] = LayerSlots(p.experts, *self._build(layer, list(p.experts), pool))
+                for dst, e in p.reads:
+                    if (layer, dst) in ahead:
+                        staged.rows[layer, dst] = self._read_rows(layer, e)
+                self._note(staged.nbytes())
         with self._lock:
             if self._commits != base:  # NOTE: planned against a placement that is gone
                 raise StaleGeneration(f"generation {generation}: the live placement changed during prepare")

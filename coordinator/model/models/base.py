@@ -70,7 +70,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # NOTE: given its (meta) weight, so it skips its random init: on the meta device that
+        # init imports torch._dynamo, a second or more of a load that lasts about as long
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.model.layers = nn.ModuleList(
             DecoderLayer(cfg, i, dtype, attn, moe) for i in range(cfg.num_layers)
         )
