@@ -1,9 +1,10 @@
 """Graceful drain on SIGTERM, on real processes over loopback.
 
-Expert server: health NOT_SERVING at once, new streams and layers refused with UNAVAILABLE
-"draining", in-flight layers finished; the coordinator routes around it (every expert is
-replicated: no request fails, no token changes) and closes its stream, so the server exits 0
-well before its drain timeout. Coordinator: new requests refused (gRPC UNAVAILABLE, HTTP 503),
+Expert server: health NOT_SERVING and new streams refused with UNAVAILABLE "draining" at once,
+layers on open streams answered for a notice period, then refused too; the coordinator sees the
+health, routes around it (every expert is replicated: no request fails, no token changes),
+re-places its experts on the rest and closes its stream, so the server exits 0 well before its
+drain timeout. Coordinator: new requests refused (gRPC UNAVAILABLE, HTTP 503),
 running requests finish, exit 0; past ``--drain-timeout`` the rest fail with UNAVAILABLE.
 """
 
@@ -26,6 +27,7 @@ from expertmesh.checkpoint import CheckpointReader
 from expertmesh.client import Client
 from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
+from expertmesh.worker.server import DRAIN_NOTICE_S
 from expertmesh.worker_api import ExpertRequest
 from tests.cluster_utils import start_server
 from tests.fault_utils import (
@@ -116,7 +118,8 @@ def test_sigterm_on_an_expert_server_drains_it_without_failing_requests(model):
                 list(stub.Forward(iter([layer_request(model)]), timeout=5))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
             assert "draining" in e.value.details()
-            # a layer on the open stream is refused too
+            # past the notice, a layer on the open stream is refused too
+            time.sleep(DRAIN_NOTICE_S + 1.0)
             held.put(layer_request(model))
             time.sleep(0.5)
             assert call.done() and call.code() == grpc.StatusCode.UNAVAILABLE
