@@ -114,3 +114,70 @@ def test_the_rest_too_small_keeps_routing_around_and_retries(caplog):
         assert target.slot_capacity().tolist() == [2, 0]
     finally:
         c.close()
+
+
+def test_an_address_that_leaves_the_name_is_re_placed_like_a_drained_server():
+    from tests.test_dns_membership import Table
+    from tests.test_dns_membership import make as make_dns
+
+    table = Table(["10.0.0.2", "10.0.0.3"])
+    c, servers, _ = make_dns(table, "10.0.0.2", "10.0.0.3")
+    hook = LeavingPlacement(c, 2.0, retry_s=0.1)
+    try:
+        c.connect(5)
+        gen = c.placement.generation
+        stays = servers["10.0.0.2:7000"]
+        assert stays.table == {0: [0, 1], 1: [0, 1]}  # cpu1 holds 2 and 3, nowhere else
+        table.ips = ["10.0.0.2"]  # the pod is removed (scaled down): its server still runs
+        wait_for(lambda: hook.replaced == 1)
+        assert c.members[1].gone and c.leaving() == frozenset({1})
+        assert stays.table == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]} and c.placement.generation == gen + 1
+        assert c.placement.server_slots(1) == {0: [], 1: []} and c.covered()
+        assert servers["10.0.0.3:7000"].generation == gen  # never pushed to: it left
+    finally:
+        c.close()
+
+
+def test_a_follower_that_finds_a_joined_server_late_reads_its_slots_from_the_servers():
+    from coordinator.experts.cluster import ExpertCluster
+    from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
+    from expertmesh.transport import negotiate
+    from tests.test_cluster_state import MODEL
+    from tests.test_pool_unit import LeasedConn, LeasedServer
+
+    specs = (ServerSpec("gpu0", "fake:1", "gpu"), ServerSpec("cpu0", "fake:2", "cpu"))
+    third = ServerSpec("cpu1", "fake:3", "cpu")
+    by_name = {"gpu0": LeasedServer(), "cpu0": LeasedServer(), "cpu1": LeasedServer()}
+    config = ClusterConfig(specs, num_gpu_experts=2, timeout_s=2.0, placement_lease_s=1.5)
+
+    def coordinator() -> ExpertCluster:
+        return ExpertCluster(
+            MODEL,  # type: ignore[arg-type]
+            config,
+            "cpu",
+            connect=lambda spec: LeasedConn(spec, by_name[spec.name]),  # type: ignore[arg-type,return-value]
+            local_side=negotiate.Side("host"),
+        )
+
+    a, b = coordinator(), coordinator()
+    try:
+        a.connect(5)
+        b.connect(5)
+        assert a.holds_role() and not b.holds_role()
+        a.add_member(third)  # the holder resolves the new address first
+        wait_for(a.ready)
+        gen = a.placement.generation
+        assert by_name["cpu1"].generation == gen and by_name["cpu1"].table == {0: [], 1: []}
+        # EPLB's grow plan gives it copies of experts 0 and 2 (nothing moves) before b knows it
+        lists = {layer: {"gpu0": [0, 1], "cpu0": [2, 3], "cpu1": [0, 2]} for layer in (0, 1)}
+        grown = pl.from_server_lists(gen + 1, a.placement.servers, 4, lists)
+        assert a.update_placement(grown, 2.0) == []
+        wait_for(lambda: b.placement.generation == gen + 1, timeout=10)
+        assert b.placement.servers == ("gpu0", "cpu0")  # adopted without the server it lacks
+        b.add_member(third)
+        wait_for(lambda: b.ready() and b.placement.servers == grown.servers, timeout=10)
+        wait_for(lambda: b.placement.layers == grown.layers, timeout=10)
+        assert b.placement.generation == gen + 1 and b.joining() == frozenset()
+    finally:
+        a.close()
+        b.close()

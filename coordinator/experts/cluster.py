@@ -167,6 +167,7 @@ class ExpertCluster:
         # a placement push and a server joining exclude each other (both change the server list
         # the placement is over)
         self._push_lock = threading.RLock()
+        self._readopt = False  # a follower adopts the live placement again (a server joined)
         # run after each member's PREPARE with (member, its new slot table, timeout): state that
         # must travel with a placement (MoE LoRA adapters of the experts it will hold) goes here
         self.prepare_hooks: list[Callable[[int, dict[int, list[int]], float], None]] = []
@@ -200,6 +201,9 @@ class ExpertCluster:
             grown = pl.Placement(p.generation, (*p.servers, spec.name), p.num_experts, p.layers)
             self.tables = pl.server_tables(grown, self._full_server)
             self.members = [*self.members, Member(conn, joined=True)]
+            # NOTE: a follower reads the servers' tables again: the holder may have given this
+            # server slots in the live generation before this coordinator resolved it
+            self._readopt = self.pool is not None and self._placed
         self.kick()
         return i
 
@@ -553,8 +557,12 @@ class ExpertCluster:
                 if not self._placed:
                     self._connect_all(time.monotonic() + self._connect_timeout_s)
                 else:
-                    if self.pool is not None and self.pool.generation > self.tables.generation:
+                    if self.pool is not None and (
+                        self.pool.generation > self.tables.generation
+                        or (self._readopt and not self.pool.holder)
+                    ):
                         self._adopt(time.monotonic() + self._reconnect_s())
+                    self._readopt = False
                     failed = self._bring_back_all()
                     self._watch_draining()
                     if failed is not None:
@@ -666,7 +674,10 @@ class ExpertCluster:
         server that answers must hold the same generation; one that does not answer holds
         nothing in it (the holder placed around it, or it is gone)."""
         got: dict[int, tuple[int, dict[int, list[int]]]] = {}
-        for i, c in enumerate(self.conns):
+        for i, m in enumerate(self.members):
+            if m.gone or m.draining:
+                continue  # NOTE: a leaving server is pushed nothing more: it keeps an old generation
+            c = m.conn
             try:
                 got[i] = c.live_placement(max(0.5, min(2.0, deadline - time.monotonic())))
             except ExpertServerError:

@@ -24,19 +24,29 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from coordinator.experts import dns
-from coordinator.experts.cluster_config import ServerSpec
-
-if TYPE_CHECKING:
-    from coordinator.experts.cluster import ExpertCluster
+from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 
 log = logging.getLogger("expertmesh.cluster")
 
 
+class Cluster(Protocol):
+    """What membership changes need of the cluster (coordinator/experts/cluster.py)."""
+
+    config: ClusterConfig
+
+    @property
+    def members(self) -> Sequence[Any]: ...  # Member: conn, gone, draining
+    def kick(self) -> None: ...
+    def mark_down(self, i: int, error: str) -> None: ...
+    def add_member(self, spec: ServerSpec) -> int: ...
+
+
 class DnsMembership:
-    def __init__(self, cluster: ExpertCluster, resolver: dns.Resolver, refresh_s: float) -> None:
+    def __init__(self, cluster: Cluster, resolver: dns.Resolver, refresh_s: float) -> None:
         self.cluster, self.resolver, self.refresh_s = cluster, resolver, refresh_s
         self._next = time.monotonic() + refresh_s
 
