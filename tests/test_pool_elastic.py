@@ -220,3 +220,47 @@ def test_a_server_joins_through_dns_and_a_sigtermed_one_leaves_without_failing_r
         for c in coords:
             c.stop()
         zygote.close()
+
+
+def test_sigterm_of_a_server_holding_the_only_copies_fails_no_request_when_the_rest_can_hold_them(
+    tmp_path: Path,
+):
+    """A static split (each expert once): the draining server keeps answering the coordinator
+    until the re-placement on the other server is live, then it is routed around and exits."""
+    from transformers import AutoModelForCausalLM
+
+    model = tmp_path / "model"
+    make_checkpoint("qwen3_moe", model)
+    hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager").eval()
+    want = [[hf_greedy(hf, list(p), NEW_TOKENS)[0]] for p in PROMPTS]
+    jobs = [[Job(p, NEW_TOKENS)] for p in PROMPTS]
+    zygote = Zygote(tmp_path)
+    co = None
+    try:
+        a, b = (zygote.start("cpu", model, 0, "--drain-timeout", "30") for _ in range(2))
+        co = Coordinator(
+            "127.0.0.1", model, "--cpu-server", a.address, "--cpu-server", b.address,
+            "--expert-timeout", "5", "--kv-memory", "8MiB",
+        )  # fmt: skip
+        wait_health(co.addr, "SERVING", timeout=60)
+        assert co.servers() == {"cpu0": ("ready", 4), "cpu1": ("ready", 4)}  # 8 experts, once each
+        gen = co.placement().generation
+        assert through_both([co], jobs) == [want]
+        sent: list[float] = []
+
+        def sigterm() -> None:
+            sent.append(time.monotonic())
+            os.kill(b.pid, signal.SIGTERM)
+
+        got = through_both([co], [js * 3 for js in jobs], at_chunks=len(jobs) * 2, action=sigterm)
+        assert got == [[w * 3 for w in want]]  # 0 failed requests, HF's tokens
+        wait_for("cpu1 to exit", lambda: not b.alive(), timeout=20)
+        assert time.monotonic() - sent[0] < 15  # moved off: no wait for the 30 s drain timeout
+        assert "drained: no coordinator stream left" in b.log.read_text()
+        assert co.placement().generation == gen + 1
+        assert co.servers() == {"cpu0": ("ready", 8), "cpu1": ("unavailable", 0)}
+        assert through_both([co], jobs) == [want]
+    finally:
+        if co is not None:
+            co.stop()
+        zygote.close()

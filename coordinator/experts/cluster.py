@@ -217,7 +217,10 @@ class ExpertCluster:
         return frozenset(
             i
             for i, m in enumerate(self.members)
-            if m.joined and self._usable(m) and not any(p.server_slots(i).values())
+            if m.joined
+            and self._usable(m)
+            and not (m.draining or m.gone)
+            and not any(p.server_slots(i).values())
         )
 
     # ------------------------------------------------------------ reading
@@ -608,18 +611,29 @@ class ExpertCluster:
         return first
 
     def _watch_draining(self) -> None:
-        """A ready server whose health turned NOT_SERVING is draining (SIGTERM): steps route
-        around it from now on, and its stream is closed once its in-flight answers are in, so
-        that it may exit (the reconnection waits for it to serve again)."""
+        """A ready server whose health turned NOT_SERVING is draining (SIGTERM): it is leaving
+        (the placement holder re-places its experts, coordinator/eplb/drain.py). Steps route
+        around it as soon as every expert it holds has a live replica elsewhere: at once when
+        it had, else once the re-placement is live here (a draining server still answers its
+        open streams). Then its stream is closed once its in-flight answers are in, so that it
+        may exit (the reconnection waits for it to serve again)."""
         for i, m in enumerate(self.members):
-            serving = getattr(m.conn, "serving", None)  # NOTE: test fakes have no health
-            if self._stop or m.state is not ServerState.READY or serving is None:
+            if self._stop or m.state is not ServerState.READY:
                 continue
-            if not serving(min(1.0, self.config.timeout_s)):
-                log.info("%s reports NOT_SERVING (draining): routing around it", m.conn.spec.name)
+            if not m.draining:
+                serving = getattr(m.conn, "serving", None)  # NOTE: test fakes have no health
+                if serving is None or serving(min(1.0, self.config.timeout_s)):
+                    continue
                 m.draining = True
-                self._set(i, ServerState.UNAVAILABLE, "draining (health NOT_SERVING)")
-                m.conn.retire_stream("draining", self.config.timeout_s)
+                log.info("%s reports NOT_SERVING (draining)", m.conn.spec.name)
+            lost = pl.uncovered(self.tables.placement.tables, self.down() | {i})
+            if lost:
+                continue  # NOTE: still routed to: its experts' only live copies are there
+            log.info(
+                "%s draining: its experts have live copies elsewhere, routing around it", m.conn.spec.name
+            )
+            self._set(i, ServerState.UNAVAILABLE, "draining (health NOT_SERVING)")
+            m.conn.retire_stream("draining", self.config.timeout_s)
 
     def _reconnect_s(self) -> float:
         return min(RECONNECT_WAIT_S, self.config.timeout_s)
@@ -809,6 +823,11 @@ class ExpertCluster:
         for i, c in enumerate(self.conns):
             if c.info is not None:
                 self._check(c, c.info, tables.slots_needed(i))
+        # NOTE: a draining server still serves the live generation but is pushed nothing more
+        live = [i for i, m in enumerate(self.members) if m.state is ServerState.READY and not m.draining]
+        for i, m in enumerate(self.members):
+            if m.draining and m.state is ServerState.READY and any(new.server_slots(i).values()):
+                raise ValueError(f"{m.conn.spec.name} is draining: a placement cannot give it experts")
 
         def swap() -> None:
             with self._cond:
@@ -829,7 +848,7 @@ class ExpertCluster:
                 prepare=prepare,
                 commit=lambda i: self.conns[i].commit(gen, timeout_s),
                 abort=lambda i: self.conns[i].abort(gen, timeout_s),
-                members=[i for i, m in enumerate(self.members) if m.state is ServerState.READY],
+                members=live,
                 swap=swap,
                 between_steps=between_steps,
             )

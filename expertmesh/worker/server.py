@@ -41,9 +41,6 @@ __all__ = ["RunningWorker", "WorkerConfig", "grpc_options", "host_id", "serve", 
 
 log = logging.getLogger("expertmesh.worker")
 SERVICE = "expertmesh.v1.ExpertWorker"
-# how long a draining server still answers its open streams: the coordinators poll health
-# every half second (coordinator/experts/cluster.py) and close their streams once they see it
-DRAIN_NOTICE_S = 3.0
 
 
 @dataclass
@@ -63,27 +60,25 @@ class RunningWorker:
 
     async def drain(self, timeout: float) -> bool:
         """Graceful drain (SIGTERM): health NOT_SERVING and new streams refused with
-        UNAVAILABLE at once; the open streams are still answered for at most DRAIN_NOTICE_S,
-        while the coordinators see the health (they poll it), mark this server as leaving (the
-        placement holder re-places its experts on the rest), route around it and close their
-        streams; then layers are refused too (a coordinator still sending re-sends them to
-        replicas). Waits until every coordinator closed its stream and the layer being
-        computed is done, at most ``timeout`` seconds. Returns whether it drained in time."""
+        UNAVAILABLE at once; the open streams are still answered while the coordinators see the
+        health (they poll it), mark this server as leaving (the placement holder re-places its
+        experts on the rest), route around it once its experts have copies elsewhere and close
+        their streams. Waits until every coordinator closed its stream and the layer being
+        computed is done, at most ``timeout`` seconds; past it, layers are refused too (a
+        coordinator still sending re-sends them to replicas). Returns whether it drained in
+        time."""
         w = self.servicer.worker
         reason = f"expert server on port {self.port} is draining (shutting down)"
+        # NOTE: refusing layers at once would end the streams before the coordinators read the
+        # health: they would see a lost server, not a leaving one, and lose its only copies
         w.start_drain(reason, layers=False)
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        notice = min(deadline, loop.time() + DRAIN_NOTICE_S)
-        # NOTE: refusing layers at once would end the streams before the coordinators read the
-        # health: they would see a lost server, not a leaving one, and keep its experts placed
-        while w.open_streams > 0 and loop.time() < notice:
-            await asyncio.sleep(0.05)
-        w.start_drain(reason)
         while w.open_streams > 0 and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        w.start_drain(reason)
         streams = w.open_streams
         idle = await asyncio.to_thread(w.wait_idle, max(0.0, deadline - loop.time()))
         if streams or not idle:
