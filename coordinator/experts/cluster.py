@@ -9,6 +9,9 @@ The forward step only asks :meth:`ensure_ready` (wait, bounded, for the thread; 
 Describe, health wait or placement push on the step's thread) and reads
 :attr:`tables` (one placement generation per step).
 
+Members are added at run time, never removed (coordinator/experts/membership.py: a server
+found through its DNS name joins holding no slot; one that leaves is routed around).
+
 :meth:`two_phase` is the generic broadcast (prepare on all, abort on any failure, commit on
 all) that placement changes use (:meth:`update_placement`) and adapter loads will use.
 
@@ -626,6 +629,8 @@ class ExpertCluster:
                     continue
                 m.draining = True
                 log.info("%s reports NOT_SERVING (draining)", m.conn.spec.name)
+                with self._cond:  # what ListServers and the status show while it still serves
+                    m.last_error = "draining (health NOT_SERVING): serving until its experts are re-placed"
             lost = pl.uncovered(self.tables.placement.tables, self.down() | {i})
             if lost:
                 continue  # NOTE: still routed to: its experts' only live copies are there
