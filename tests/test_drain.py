@@ -1,9 +1,10 @@
 """Graceful drain on SIGTERM, on real processes over loopback.
 
-Expert server: health NOT_SERVING at once, new streams and layers refused with UNAVAILABLE
-"draining", in-flight layers finished; the coordinator routes around it (every expert is
-replicated: no request fails, no token changes) and closes its stream, so the server exits 0
-well before its drain timeout. Coordinator: new requests refused (gRPC UNAVAILABLE, HTTP 503),
+Expert server: health NOT_SERVING and new streams refused with UNAVAILABLE "draining" at once,
+layers on open streams answered until its drain timeout, then refused too; the coordinator sees
+the health, routes around it (every expert is replicated: no request fails, no token changes),
+re-places its experts on the rest and closes its stream, so the server exits 0 well before its
+drain timeout. Coordinator: new requests refused (gRPC UNAVAILABLE, HTTP 503),
 running requests finish, exit 0; past ``--drain-timeout`` the rest fail with UNAVAILABLE.
 """
 
@@ -102,7 +103,7 @@ def test_sigterm_on_an_expert_server_drains_it_without_failing_requests(model):
         assert ok_tokens(run_load(co.addr, jobs)) == want  # on gpu0 alone
 
         # restarted: rejoins; then drained while a stream of another client stays open
-        cpu = start_server("cpu", model, cpu.port, "--drain-timeout", "30")
+        cpu = start_server("cpu", model, cpu.port, "--drain-timeout", "3")
         wait_states(co.addr, BOTH_READY, timeout=30)
         held: queue.Queue = queue.Queue()
         with grpc.insecure_channel(cpu.address) as ch:
@@ -111,12 +112,14 @@ def test_sigterm_on_an_expert_server_drains_it_without_failing_requests(model):
             threading.Thread(target=consume, args=(call,), daemon=True).start()
             time.sleep(0.5)  # the server counts the stream once its handler runs
             cpu.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
             wait_health(cpu.address, "NOT_SERVING", timeout=5)
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Forward(iter([layer_request(model)]), timeout=5))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
             assert "draining" in e.value.details()
-            # a layer on the open stream is refused too
+            # past its drain timeout (3 s), a layer on the stream still open is refused too
+            time.sleep(max(0.0, t0 + 4.0 - time.monotonic()))
             held.put(layer_request(model))
             time.sleep(0.5)
             assert call.done() and call.code() == grpc.StatusCode.UNAVAILABLE

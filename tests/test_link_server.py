@@ -258,7 +258,7 @@ def test_link_step_refused_while_draining_or_broken(worker):
     worker.start_drain("draining: SIGTERM")
     with pytest.raises(errors.Unavailable, match="SIGTERM"):
         worker.link_step(graphs, _step())
-    worker.draining = ""
+    worker.draining = worker.refusing = ""
     graphs.broken = "the step graph could not be captured: out of memory"
     with pytest.raises(errors.Unavailable, match="out of memory"):
         worker.link_step(graphs, _step())
@@ -313,7 +313,7 @@ def test_refused_link_steps_keep_the_channel_a_malformed_one_ends_it(worker):
         worker.start_drain("draining for a test")
         r = _post(client, _step(seq=14, step=2).pack())
         assert r.code == errors.UNAVAILABLE and "draining" in r.message
-        worker.draining = ""
+        worker.draining = worker.refusing = ""
         r = _post(client, _step(seq=15, step=2, bucket=32, rows=1).pack())
         assert r.code == errors.INVALID_ARGUMENT and "bucket 32" in r.message
         # an ordinary request still works on this channel

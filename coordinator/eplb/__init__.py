@@ -10,8 +10,9 @@ state), exported here:
 
 Around them: ``plan.py`` (the EPLB config and placement tensors), ``manager.py`` (the periodic
 rebalance loop over a windowed load snapshot), ``target.py`` (the manager's view of the expert
-cluster: live placement, capacities, the two-phase push) and ``degraded.py`` (re-placement when
-a server stays down).
+cluster: live placement, capacities, the two-phase push), ``degraded.py`` (re-placement when
+a server stays down), ``drain.py`` (a leaving server's experts re-placed on the rest before it
+goes) and ``grow.py`` (a server that joined gets copies of hot experts first, nothing moved).
 
 May import: ``expertmesh``, ``coordinator.model`` and ``coordinator.experts``; the algorithms
 import nothing of the coordinator.

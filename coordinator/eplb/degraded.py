@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from coordinator.eplb.grow import with_servers
 from coordinator.eplb.hetero import rebalance_heterogeneous
 from coordinator.eplb.moves import align_servers
 from coordinator.eplb.plan import placement_tensors, to_placement
@@ -123,7 +124,8 @@ class DegradedPlacement:
     def _restore(self) -> None:
         c = self.cluster
         assert self.saved is not None
-        restored = self.saved.with_generation(c.placement.generation + 1)
+        # NOTE: servers that joined since hold nothing in it (the next EPLB plan gives them copies)
+        restored = with_servers(self.saved, c.placement.servers).with_generation(c.placement.generation + 1)
         log.info(
             "every server is back: restoring the placement before degradation (generation %d)",
             restored.generation,

@@ -13,6 +13,10 @@ After each forward step the serving thread calls :meth:`EplbManager.on_step` (a 
 Every outcome (rebalanced, skipped, failed) is logged and counted; :meth:`status` reports the
 counters and the last outcomes for ``Admin``.
 
+A server that joined the pool and holds no slot yet (the target's ``joining``) makes the next
+rebalance, periodic or asked for, a *grow* plan instead: copies of the hottest experts added on
+it, nothing moved (coordinator/eplb/grow.py); the one after plans the whole pool again.
+
 Expert servers shared by several coordinators: only the one holding the placement role
 rebalances (the others skip, or fail an operator's request naming the holder), and it plans
 with the servers' counts of every coordinator's tokens (the target's ``pool_window``) instead
@@ -32,6 +36,7 @@ from typing import Protocol
 
 import torch
 
+from coordinator.eplb.grow import plan_grow
 from coordinator.eplb.plan import EplbConfig, RebalancePlan, plan_rebalance
 from coordinator.experts.load_recorder import LoadRecorder
 from expertmesh import placement as pl
@@ -167,18 +172,20 @@ class EplbManager:
     def plan(self, force: bool) -> RebalancePlan:
         snap = self.recorder.snapshot()
         live = self.target.live_placement()
-        speed = snap.server_speed()
-        if speed is None:
-            speed = self.target.default_speed()
+        capacity = self.target.slot_capacity()  # [S]
+        speed = fit_speed(snap.server_speed(), self.target.default_speed())
         pool_window = getattr(self.target, "pool_window", None)  # NOTE: test targets lack it
         shared = pool_window(list(snap.moe_layers)) if pool_window is not None else None
         window = shared if shared is not None else snap.window  # [L, E]
         self._last_window = (int(window.sum()), "servers" if shared is not None else "coordinator")
+        joining: list[int] = getattr(self.target, "joining", list)()  # NOTE: test targets lack it
+        if joining:
+            return plan_grow(window, live, list(snap.moe_layers), joining, capacity, speed, self.expert_bytes)
         return plan_rebalance(
             window.double(),
             live,
             list(snap.moe_layers),
-            self.target.slot_capacity(),
+            capacity,
             speed,
             self.cfg,
             self.expert_bytes,
@@ -291,3 +298,16 @@ class EplbManager:
         self.on_outcome(out.kind)
         (log.warning if out.kind == "failed" else log.info)("EPLB %s", out.line())
         return out
+
+
+def fit_speed(measured: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:  # [S]
+    """The measured speeds ``[S0]`` (tokens per ms, all positive; None before every server
+    answered) over the ``S`` servers of ``default`` (``S >= S0``: servers that joined since the
+    recorder was sized count as fast as the mean measured one); without them, ``default``."""
+    if measured is None:
+        return default
+    s = default.numel()
+    if measured.numel() >= s:
+        return measured[:s]
+    fill = torch.full((s - measured.numel(),), float(measured.mean()), dtype=measured.dtype)
+    return torch.cat([measured, fill])

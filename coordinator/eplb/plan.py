@@ -151,7 +151,7 @@ def stable_slots(live: list[int], experts: list[int]) -> list[int]:
     return [e if e is not None else next(rest) for e in out]
 
 
-def _layer_metrics(
+def layer_metrics(
     weight: torch.Tensor, p: pl.Placement, moe_layers: list[int], speed: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:  # token max/mean [L], slowest time [L]
     bal, slow = [], []
@@ -204,8 +204,8 @@ def plan_rebalance(
         else torch.full((len(moe_layers),), num_replicas)
     )
     new = to_placement(live.generation + 1, servers, e, moe_layers, phy2log, owner, live)
-    bal_before, t_before = _layer_metrics(weight, live, moe_layers, speed)
-    bal_after, t_after = _layer_metrics(weight, new, moe_layers, speed)
+    bal_before, t_before = layer_metrics(weight, live, moe_layers, speed)
+    bal_after, t_after = layer_metrics(weight, new, moe_layers, speed)
     gain = 1.0 - float(t_after.sum()) / max(float(t_before.sum()), 1e-12)
     moved = int(moved_layers.sum())
     skipped = not force and (gain < cfg.skip_threshold or moved == 0)

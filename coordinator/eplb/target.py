@@ -7,6 +7,11 @@ rebalance plans with is the servers' own count of tokens per logical expert (``S
 covers every coordinator's tokens, since the last push this coordinator made (or since the
 servers started): :meth:`ClusterTarget.pool_window`.
 
+Elastic membership: servers on their way out (draining, gone from their DNS name) and servers
+that are down while holding nothing count as holding no slot (capacity 0), so a plan gives them
+none; a push goes on while such servers are down (they hold nothing either way). Servers that
+joined and hold nothing yet are :meth:`ClusterTarget.joining` (EPLB's grow plan).
+
 Shapes: L MoE layers, E logical experts, S servers.
 """
 
@@ -86,9 +91,23 @@ class ClusterTarget:
     def live_placement(self) -> pl.Placement:
         return self.cluster.placement
 
+    def joining(self) -> list[int]:
+        """Servers that joined the pool, are up and hold no slot yet."""
+        return sorted(self.cluster.joining())
+
+    def _idle(self) -> frozenset[int]:
+        """Servers no plan may give slots: leaving, or down while holding none."""
+        c, live = self.cluster, self.cluster.placement
+        empty = {i for i in c.down() if not any(live.server_slots(i).values())}
+        return c.leaving() | empty
+
     def slot_capacity(self) -> torch.Tensor:  # [S]
         caps = []
-        for c in self.cluster.conns:
+        idle = self._idle()
+        for i, c in enumerate(self.cluster.conns):
+            if i in idle:
+                caps.append(0)
+                continue
             if c.info is None:
                 raise ExpertServerError.of(errors.Unavailable(f"{c.spec.name} has not been described yet"))
             caps.append(c.info.slot_capacity)
@@ -99,8 +118,15 @@ class ClusterTarget:
 
     def push(self, new: pl.Placement, between_steps: Callable[[Callable[[], object]], Future]) -> list[str]:
         # NOTE: all or nothing: a server that is down now would miss the prepare and take the
-        # new generation only when it returns, so the old placement stays until all are up
-        if not self.cluster.ready():
+        # new generation only when it returns, so the old placement stays until every server
+        # that holds experts (now or in ``new``) is up
+        live = self.cluster.placement
+        stuck = [
+            i
+            for i in self.cluster.down()
+            if any(live.server_slots(i).values()) or any(new.server_slots(i).values())
+        ]
+        if stuck:
             raise ExpertServerError.of(
                 errors.Unavailable(f"not every expert server is ready: {self.cluster.describe_state()}")
             )

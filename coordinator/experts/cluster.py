@@ -9,6 +9,9 @@ The forward step only asks :meth:`ensure_ready` (wait, bounded, for the thread; 
 Describe, health wait or placement push on the step's thread) and reads
 :attr:`tables` (one placement generation per step).
 
+Members are added at run time, never removed (coordinator/experts/membership.py: a server
+found through its DNS name joins holding no slot; one that leaves is routed around).
+
 :meth:`two_phase` is the generic broadcast (prepare on all, abort on any failure, commit on
 all) that placement changes use (:meth:`update_placement`) and adapter loads will use.
 
@@ -35,6 +38,7 @@ import torch
 from coordinator.experts import dns
 from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 from coordinator.experts.expert_conn import ExpertServerError, ServerConnection
+from coordinator.experts.membership import DnsMembership
 from coordinator.experts.pool import PoolRole, placement_of_servers
 from expertmesh import errors
 from expertmesh import placement as pl
@@ -96,6 +100,9 @@ class Member:
     error: ExpertServerError | None = None
     down_since: float | None = None  # monotonic time it was last lost (None: up)
     gone: bool = False  # its address left its DNS name: not reconnected until one comes back
+    draining: bool = False  # its health said NOT_SERVING (SIGTERM): leaving until it serves again
+    joined: bool = False  # holds no slot since it joined (found at run time, or came back after
+    # its experts were re-placed): EPLB's next plan gives it replicas first (coordinator/eplb/grow.py)
 
 
 def initial_placement(cfg: ModelConfig, c: ClusterConfig) -> pl.Placement:
@@ -133,8 +140,10 @@ class ExpertCluster:
                 raise ValueError(f"the in-process member {spec.name!r} needs the coordinator's checkpoint")
             return local(spec)
 
-        make = connect or remote
-        self.members = [Member(make(spec)) for spec in config.servers]
+        self._make = connect or remote
+        # NOTE: replaced, never changed in place, when a server joins (readers on other threads
+        # iterate the list they got); indices are stable: a member is never removed
+        self.members = [Member(self._make(spec)) for spec in config.servers]
         for i, m in enumerate(self.members):
             m.conn.on_down = self._down_hook(i)
         self.local_side = local_side or negotiate.Side(
@@ -155,9 +164,13 @@ class ExpertCluster:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._connect_timeout_s = 10.0
-        self._resolver = resolver or dns.resolver_for(config.dns_hosts_file)
-        self._next_dns = time.monotonic() + config.dns_refresh_s
-        self._dns_extra: dict[str, tuple[str, ...]] = {}  # addresses not used, per name (logged once)
+        self.membership = DnsMembership(
+            self, resolver or dns.resolver_for(config.dns_hosts_file), config.dns_refresh_s
+        )
+        # a placement push and a server joining exclude each other (both change the server list
+        # the placement is over)
+        self._push_lock = threading.RLock()
+        self._readopt = False  # a follower adopts the live placement again (a server joined)
         # run after each member's PREPARE with (member, its new slot table, timeout): state that
         # must travel with a placement (MoE LoRA adapters of the experts it will hold) goes here
         self.prepare_hooks: list[Callable[[int, dict[int, list[int]], float], None]] = []
@@ -176,6 +189,42 @@ class ExpertCluster:
             )
             for c in self.conns:
                 c.lease_holder = self.pool.id  # type: ignore[attr-defined]  # NOTE: ServerConnection's
+
+    def add_member(self, spec: ServerSpec) -> int:
+        """A server found at run time joins (coordinator/experts/membership.py): it holds no slot
+        in the live placement (same generation, one more server) until the next push gives it
+        some; the maintenance thread brings it up. Returns its index."""
+        conn = self._make(spec)
+        with self._push_lock, self._cond:
+            i = len(self.members)
+            conn.on_down = self._down_hook(i)
+            if self.pool is not None:
+                conn.lease_holder = self.pool.id  # type: ignore[attr-defined]  # NOTE: ServerConnection's
+            p = self.placement
+            grown = pl.Placement(p.generation, (*p.servers, spec.name), p.num_experts, p.layers)
+            self.tables = pl.server_tables(grown, self._full_server)
+            self.members = [*self.members, Member(conn, joined=True)]
+            # NOTE: a follower reads the servers' tables again: the holder may have given this
+            # server slots in the live generation before this coordinator resolved it
+            self._readopt = self.pool is not None and self._placed
+        self.kick()
+        return i
+
+    def leaving(self) -> frozenset[int]:
+        """Servers on their way out: draining (SIGTERM) or their address left their DNS name."""
+        return frozenset(i for i, m in enumerate(self.members) if m.draining or m.gone)
+
+    def joining(self) -> frozenset[int]:
+        """Usable servers that joined (or came back empty) and hold no slot yet."""
+        p = self.placement
+        return frozenset(
+            i
+            for i, m in enumerate(self.members)
+            if m.joined
+            and self._usable(m)
+            and not (m.draining or m.gone)
+            and not any(p.server_slots(i).values())
+        )
 
     # ------------------------------------------------------------ reading
 
@@ -204,7 +253,8 @@ class ExpertCluster:
 
     def server_infos(self) -> list[dict]:
         out = []
-        for m in self.members:
+        tables = self.tables
+        for i, m in enumerate(self.members):
             c, info = m.conn, m.conn.info
             out.append(
                 dict(
@@ -215,7 +265,8 @@ class ExpertCluster:
                     device=info.device if info else "",
                     weight_dtype=info.weight_dtype if info else "",
                     slot_capacity=info.slot_capacity if info else 0,
-                    slots_used=getattr(c, "slots_used", 0),
+                    # NOTE: what the live placement gives it (a follower never pushes one itself)
+                    slots_used=tables.slots_needed(i) if i < len(tables.slots) else 0,
                     transport=getattr(c, "transport", "grpc"),
                     transport_note=getattr(c, "transport_note", ""),
                     fast_fallbacks=getattr(c, "fast_fallbacks", 0),
@@ -240,6 +291,7 @@ class ExpertCluster:
             m.state = state
             if state is ServerState.READY:
                 m.down_since = None
+                m.draining = False
             elif m.down_since is None:
                 m.down_since = time.monotonic()
             if isinstance(error, ExpertServerError):
@@ -259,6 +311,10 @@ class ExpertCluster:
     def mark_down(self, i: int, error: ExpertServerError | str) -> None:
         """Server ``i`` failed (its stream died, it timed out): the maintenance thread brings it back."""
         self._set(i, ServerState.UNAVAILABLE, error)
+        self.kick()
+
+    def kick(self) -> None:
+        """Wakes the maintenance thread for a round now."""
         self._kick()
 
     def _kick(self) -> None:
@@ -505,16 +561,20 @@ class ExpertCluster:
                 if self._stop:
                     return
             try:
-                self._refresh_dns()
+                self.membership.refresh()
                 if not self._placed:
                     self._connect_all(time.monotonic() + self._connect_timeout_s)
                 else:
-                    if self.pool is not None and self.pool.generation > self.tables.generation:
+                    if self.pool is not None and (
+                        self.pool.generation > self.tables.generation
+                        or (self._readopt and not self.pool.holder)
+                    ):
                         self._adopt(time.monotonic() + self._reconnect_s())
-                    for i, m in enumerate(self.members):
-                        if not self._usable(m) and not m.gone and not self._stop:
-                            self._bring_back(i, time.monotonic() + self._reconnect_s())
+                    self._readopt = False
+                    failed = self._bring_back_all()
                     self._watch_draining()
+                    if failed is not None:
+                        raise failed
                 last = ""
             except ExpertServerError as e:
                 if str(e) != last:
@@ -539,84 +599,48 @@ class ExpertCluster:
             except Exception:  # noqa: BLE001 - the thread's boundary: a hook's bug must not end it
                 log.exception("expert-cluster round hook %r failed", hook)
 
-    def _watch_draining(self) -> None:
-        """A ready server whose health turned NOT_SERVING is draining (SIGTERM): steps route
-        around it from now on, and its stream is closed once its in-flight answers are in, so
-        that it may exit (the reconnection waits for it to serve again)."""
+    def _bring_back_all(self) -> ExpertServerError | None:
+        """Reconnects every server that is down (one failing does not hold up the others, e.g.
+        one that joined); returns the first failure. A leaving server is left alone: one gone
+        from its name until its address returns, a drained one is tried briefly (it is back
+        once it serves again, e.g. restarted on its port)."""
+        first: ExpertServerError | None = None
         for i, m in enumerate(self.members):
-            serving = getattr(m.conn, "serving", None)  # NOTE: test fakes have no health
-            if self._stop or m.state is not ServerState.READY or serving is None:
+            if self._usable(m) or m.gone or self._stop:
                 continue
-            if not serving(min(1.0, self.config.timeout_s)):
-                log.info("%s reports NOT_SERVING (draining): routing around it", m.conn.spec.name)
-                self._set(i, ServerState.UNAVAILABLE, "draining (health NOT_SERVING)")
-                m.conn.retire_stream("draining", self.config.timeout_s)
-
-    # ------------------------------------------------------------ DNS membership
-
-    def _refresh_dns(self, force: bool = False) -> None:
-        """Re-resolves the ``dns:///`` names every ``dns_refresh_s``. A server whose address left
-        its name is treated as drained: routed around, its stream closed, not reconnected. A new
-        address takes the place of such a server (the reconnection gives it that server's
-        slots), so a replaced pod comes back under its old name. A failed or empty resolution
-        changes nothing (a DNS outage must not drain the pool)."""
-        now = time.monotonic()
-        if not force and now < self._next_dns:
-            return
-        self._next_dns = now + self.config.dns_refresh_s
-        groups: dict[str, list[int]] = {}
-        for i, m in enumerate(self.members):
-            if m.conn.spec.dns:
-                groups.setdefault(m.conn.spec.dns, []).append(i)
-        for name, idx in groups.items():
-            parsed = dns.parse(name)
-            assert parsed is not None, name
+            wait = min(1.0, self._reconnect_s()) if m.draining else self._reconnect_s()
             try:
-                live = set(dns.resolve(parsed, self._resolver))
-            except OSError as e:
-                log.warning("%s: resolution failed, servers left as they are: %s", name, e)
-                continue
-            if live:
-                self._apply_dns(name, idx, live)
+                self._bring_back(i, time.monotonic() + wait)
+            except ExpertServerError as e:
+                first = first or e
+        return first
 
-    def _apply_dns(self, name: str, idx: list[int], live: set[str]) -> None:
-        held = {self.members[i].conn.spec.address: i for i in idx}
-        for address, i in held.items():
-            if address in live and self.members[i].gone:  # its address came back
-                self.members[i].gone = False
-                self._kick()
-        free = [i for address, i in sorted(held.items()) if address not in live]
-        new = sorted(live - held.keys())
-        for i, address in zip(free, new):
-            m = self.members[i]
-            log.info("%s: %s now at %s (was %s)", name, m.conn.spec.name, address, m.conn.spec.address)
-            self._set(i, ServerState.UNAVAILABLE, f"moved to {address} ({name})")
-            m.conn.retarget(address)
-            m.gone = False
-            self._kick()
-        for i in free[len(new) :]:
-            m = self.members[i]
-            if not m.gone:
-                log.info(
-                    "%s: %s (%s) left the name: routing around it",
-                    name,
-                    m.conn.spec.name,
-                    m.conn.spec.address,
-                )
-                m.gone = True
-                self._set(i, ServerState.UNAVAILABLE, f"its address left {name}")
-                m.conn.retire_stream(f"its address left {name}", self.config.timeout_s)
-        extra = tuple(new[len(free) :])
-        if extra and extra != self._dns_extra.get(name):
-            # NOTE: the set of servers is fixed at start (placements, load counts and the
-            # dispatcher are sized by it); an address beyond it is not used
-            log.warning(
-                "%s: %s not used: more addresses than the %d servers found at start",
-                name,
-                ", ".join(extra),
-                len(idx),
+    def _watch_draining(self) -> None:
+        """A ready server whose health turned NOT_SERVING is draining (SIGTERM): it is leaving
+        (the placement holder re-places its experts, coordinator/eplb/drain.py). Steps route
+        around it as soon as every expert it holds has a live replica elsewhere: at once when
+        it had, else once the re-placement is live here (a draining server still answers its
+        open streams). Then its stream is closed once its in-flight answers are in, so that it
+        may exit (the reconnection waits for it to serve again)."""
+        for i, m in enumerate(self.members):
+            if self._stop or m.state is not ServerState.READY:
+                continue
+            if not m.draining:
+                serving = getattr(m.conn, "serving", None)  # NOTE: test fakes have no health
+                if serving is None or serving(min(1.0, self.config.timeout_s)):
+                    continue
+                m.draining = True
+                log.info("%s reports NOT_SERVING (draining)", m.conn.spec.name)
+                with self._cond:  # what ListServers and the status show while it still serves
+                    m.last_error = "draining (health NOT_SERVING): serving until its experts are re-placed"
+            lost = pl.uncovered(self.tables.placement.tables, self.down() | {i})
+            if lost:
+                continue  # NOTE: still routed to: its experts' only live copies are there
+            log.info(
+                "%s draining: its experts have live copies elsewhere, routing around it", m.conn.spec.name
             )
-        self._dns_extra[name] = extra
+            self._set(i, ServerState.UNAVAILABLE, "draining (health NOT_SERVING)")
+            m.conn.retire_stream("draining", self.config.timeout_s)
 
     def _reconnect_s(self) -> float:
         return min(RECONNECT_WAIT_S, self.config.timeout_s)
@@ -671,11 +695,16 @@ class ExpertCluster:
         server that answers must hold the same generation; one that does not answer holds
         nothing in it (the holder placed around it, or it is gone)."""
         got: dict[int, tuple[int, dict[int, list[int]]]] = {}
-        for i, c in enumerate(self.conns):
+        for i, m in enumerate(self.members):
+            if m.gone or m.draining:
+                continue  # NOTE: a leaving server is pushed nothing more: it keeps an old generation
+            c = m.conn
             try:
                 got[i] = c.live_placement(max(0.5, min(2.0, deadline - time.monotonic())))
             except ExpertServerError:
                 continue
+        # NOTE: a server that never held a placement (it just joined) holds nothing in it
+        got = {i: a for i, a in got.items() if a[0] != 0} or got
         gens = sorted({g for g, _ in got.values()})
         if len(gens) != 1 or gens[0] == 0:
             if self.pool is not None and self.pool.holder and self._placed:
@@ -689,7 +718,7 @@ class ExpertCluster:
                     "holder's commit to reach all of them"
                 )
             )
-        names = tuple(s.name for s in self.config.servers)
+        names = tuple(m.conn.spec.name for m in self.members)
         try:
             placement = placement_of_servers(
                 gens[0], names, self.cfg.num_experts, {i: t for i, (_, t) in got.items()}
@@ -774,6 +803,15 @@ class ExpertCluster:
         it off the scheduler thread. Returns the
         servers whose commit failed; a server that was down gets the new generation when it
         comes back."""
+        with self._push_lock:  # NOTE: no server joins meanwhile (the server list is fixed)
+            return self._update_placement(new, timeout_s, between_steps)
+
+    def _update_placement(
+        self,
+        new: pl.Placement,
+        timeout_s: float,
+        between_steps: Callable[[Callable[[], None]], Future] | None,
+    ) -> list[int]:
         if self.pool is not None and not self.pool.holder:
             raise ExpertServerError.of(
                 errors.StaleGeneration(
@@ -792,10 +830,17 @@ class ExpertCluster:
         for i, c in enumerate(self.conns):
             if c.info is not None:
                 self._check(c, c.info, tables.slots_needed(i))
+        # NOTE: a draining server still serves the live generation but is pushed nothing more
+        live = [i for i, m in enumerate(self.members) if m.state is ServerState.READY and not m.draining]
+        for i, m in enumerate(self.members):
+            if m.draining and m.state is ServerState.READY and any(new.server_slots(i).values()):
+                raise ValueError(f"{m.conn.spec.name} is draining: a placement cannot give it experts")
 
         def swap() -> None:
             with self._cond:
                 self.tables = tables
+                for i, m in enumerate(self.members):
+                    m.joined = m.joined and not any(tables.slots[i].values())
 
         def prepare(i: int) -> None:
             self.conns[i].prepare(gen, tables.slots[i], timeout_s)
@@ -810,7 +855,7 @@ class ExpertCluster:
                 prepare=prepare,
                 commit=lambda i: self.conns[i].commit(gen, timeout_s),
                 abort=lambda i: self.conns[i].abort(gen, timeout_s),
-                members=[i for i, m in enumerate(self.members) if m.state is ServerState.READY],
+                members=live,
                 swap=swap,
                 between_steps=between_steps,
             )

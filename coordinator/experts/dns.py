@@ -3,8 +3,9 @@ dns:///NAME:PORT``, e.g. a Kubernetes headless Service): parsing and resolution.
 
 Pure but for the resolver, which is passed in (``socket.getaddrinfo`` by default, a table in
 tests), so the code that runs is the one a cluster runs. The cluster re-resolves the names
-periodically (coordinator/experts/cluster.py, ``--dns-refresh-s``); ClusterConfig.resolved
-(coordinator/experts/cluster_config.py) turns each name into one server per address at start.
+periodically (coordinator/experts/membership.py, ``--dns-refresh-s``: servers join and leave as
+the answers change); ClusterConfig.resolved (coordinator/experts/cluster_config.py) turns each
+name into one server per address at start.
 """
 
 from __future__ import annotations

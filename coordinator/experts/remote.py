@@ -334,6 +334,8 @@ class RemoteDispatcher(Dispatcher):
         """The pairs ``--cpu-defer-experts`` holds back this layer (None: none)."""
         if self._deferred is None or phys is None:
             return None
+        if self._cpu_server.numel() < len(tables.slots):  # a server joined the pool at run time
+            self._cpu_server = torch.tensor([c.spec.kind == "cpu" for c in self.conns])
         on_cpu = self._cpu_server[tables.placement.tables[layer].owner[phys]]  # [T, K]
         return defer_mask(w, on_cpu, self._deferred.n)
 

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.config import DTYPES, CoordinatorConfig, parse_size
 from coordinator.eplb.degraded import DegradedPlacement
+from coordinator.eplb.drain import LeavingPlacement
 from coordinator.eplb.manager import EplbManager, RebalanceError
 from coordinator.eplb.target import ClusterTarget
 from coordinator.experts.cluster import ExpertCluster
@@ -506,6 +507,8 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         dispatcher.server_time_hook = load.record_server_time
     if cluster is not None:  # placement commits (and renumbering) land between two steps
         cluster.between_steps = scheduler.call_between_steps
+        assert config.cluster is not None
+        LeavingPlacement(cluster, config.cluster.timeout_s)  # a drained server's experts re-placed
         if config.degraded_replace_after_s is not None:  # opt-in re-placement
             assert config.cluster is not None
             DegradedPlacement(cluster, config.degraded_replace_after_s, config.cluster.timeout_s)

@@ -91,9 +91,11 @@ class ExpertWorker:
         # NOTE: compute and commit hold this lock: requests come from the gRPC compute thread,
         # the event loop (small ones) and fast-path channel threads.
         self._serial = threading.Lock()
-        # graceful drain: why new streams and layers are refused ("" = serving),
-        # and the Forward streams open now (the drain waits for coordinators to move off)
+        # graceful drain: why new streams are refused ("" = serving), why layers are refused
+        # too ("" while open streams are still answered: the coordinators' notice), and the
+        # Forward streams open now (the drain waits for coordinators to move off)
         self.draining = ""
+        self.refusing = ""
         self.open_streams = 0
         # the host links open on this server (cpu_expert_server/hostlink.py): a commit waits for their steps
         self._host_links: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -131,8 +133,8 @@ class ExpertWorker:
 
     def check(self, req: ExpertRequest) -> ExpertRequest:
         """The checks of a decoded request, whichever path it came by."""
-        if self.draining:  # NOTE: UNAVAILABLE: the coordinator re-sends the layer to replicas
-            raise Unavailable(self.draining)
+        if self.refusing:  # NOTE: UNAVAILABLE: the coordinator re-sends the layer to replicas
+            raise Unavailable(self.refusing)
         live = self.slots.live
         if live.committing:  # NOTE: its layers are being rewritten: the request's generation goes
             raise StaleGeneration(f"placement generation {live.generation} is being replaced")
@@ -211,9 +213,12 @@ class ExpertWorker:
 
     # ------------------------------------------------------------ drain
 
-    def start_drain(self, reason: str) -> None:
-        """From now on new streams and new layers are refused (UNAVAILABLE, ``reason``)."""
+    def start_drain(self, reason: str, layers: bool = True) -> None:
+        """From now on new streams are refused (UNAVAILABLE, ``reason``), and new layers too
+        with ``layers`` (without: the open streams are still answered)."""
         self.draining = reason
+        if layers:
+            self.refusing = reason
 
     def stream_opened(self) -> None:
         """A Forward stream starts (refused while draining)."""
@@ -471,8 +476,8 @@ class ExpertWorker:
             with self._serial:  # NOTE: a placement commit never lands between check and launch
                 if report is not None:
                     self._link_report(graphs, report)
-                if self.draining:
-                    raise Unavailable(self.draining)
+                if self.refusing:
+                    raise Unavailable(self.refusing)
                 live = self.slots.live
                 if live.broken:
                     raise Unavailable(live.broken)

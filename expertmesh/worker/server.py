@@ -59,18 +59,26 @@ class RunningWorker:
         return self.data.port if self.data is not None else None
 
     async def drain(self, timeout: float) -> bool:
-        """Graceful drain (SIGTERM): health NOT_SERVING, new streams and layers refused with
-        UNAVAILABLE (the coordinator re-sends them to replicas and routes around this server),
-        then wait until every coordinator closed its stream and the layer being computed is
-        done, at most ``timeout`` seconds. Returns whether it drained in time."""
+        """Graceful drain (SIGTERM): health NOT_SERVING and new streams refused with
+        UNAVAILABLE at once; the open streams are still answered while the coordinators see the
+        health (they poll it), mark this server as leaving (the placement holder re-places its
+        experts on the rest), route around it once its experts have copies elsewhere and close
+        their streams. Waits until every coordinator closed its stream and the layer being
+        computed is done, at most ``timeout`` seconds; past it, layers are refused too (a
+        coordinator still sending re-sends them to replicas). Returns whether it drained in
+        time."""
         w = self.servicer.worker
-        w.start_drain(f"expert server on port {self.port} is draining (shutting down)")
+        reason = f"expert server on port {self.port} is draining (shutting down)"
+        # NOTE: refusing layers at once would end the streams before the coordinators read the
+        # health: they would see a lost server, not a leaving one, and lose its only copies
+        w.start_drain(reason, layers=False)
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while w.open_streams > 0 and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        w.start_drain(reason)
         streams = w.open_streams
         idle = await asyncio.to_thread(w.wait_idle, max(0.0, deadline - loop.time()))
         if streams or not idle:
