@@ -13,6 +13,7 @@ Runs on the device machine (``python -m pytest -m gpu tests/test_hostlink_gpu.py
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -61,7 +62,8 @@ def test_host_link_decode_matches_hf(arch, share, tmp_path):
         cpu.stop()
 
 
-def test_a_bad_host_link_step_runs_again_without_the_link(tmp_path):
+def test_a_bad_host_link_step_runs_again_without_the_link(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="expertmesh.remote")
     hf = make_checkpoint("qwen3_moe", tmp_path)
     cpu = start_server("cpu", tmp_path)
     ne = CheckpointReader(tmp_path).config.num_experts
@@ -88,7 +90,12 @@ def test_a_bad_host_link_step_runs_again_without_the_link(tmp_path):
         linked = d.linked_steps
         toks.append(int(eng.step([(sid, [toks[-1]])])[0].argmax()))
         assert toks == ref_toks
-        assert d.linked_steps == linked + 1, "no step linked after the server came back"
+        # the first step after the server is back may still run unlinked (its new channel's
+        # link comes up with the reconnection); the next ones link
+        for _ in range(2):
+            eng.step([(sid, [toks[-1]])])
+        notes = [r.getMessage() for r in caplog.records if "without the link" in r.getMessage()]
+        assert d.linked_steps >= linked + 2, f"no step linked after the server came back: {notes}"
     finally:
         d.close()
         cpu.stop()
