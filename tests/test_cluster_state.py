@@ -223,7 +223,9 @@ def test_two_phase_with_a_failing_member():
     assert seen == [("prepare", 0), ("prepare", 1), ("abort", 0)]  # nothing committed
     seen.clear()
     failed = c.two_phase(step("prepare", None), step("commit", 0), step("abort", None))
-    assert failed == [0] and seen == [("prepare", 0), ("prepare", 1), ("commit", 0), ("commit", 1)]
+    # (the commits run at once: in either order)
+    assert failed == [0] and seen[:2] == [("prepare", 0), ("prepare", 1)]
+    assert sorted(seen[2:]) == [("commit", 0), ("commit", 1)]
     assert (
         c.members[0].state is ServerState.UNAVAILABLE and "member 0 failed commit" in c.members[0].last_error
     )
@@ -335,5 +337,39 @@ def test_a_down_server_whose_experts_have_live_replicas_is_routed_around_at_once
             c.ensure_ready(0.2)
         assert "no live server holds layer 0 experts [0, 1, 2, 3] (and 1 more layers)" in str(ei.value)
         assert not c.covered()
+    finally:
+        c.close()
+
+
+def test_the_servers_commit_at_once():
+    """Between two steps the servers commit concurrently: the pause is the slowest commit, not
+    their sum (each fake commit here takes 0.4 s; both start before either ends)."""
+    gpu, cpu = FakeServer(), FakeServer()
+    c, conns = make(gpu, cpu)
+    try:
+        c.connect(5)
+        started: list[float] = []
+        for conn in conns:
+            plain = conn.commit
+
+            def slow(generation: int, timeout: float, plain=plain) -> None:
+                started.append(time.monotonic())
+                time.sleep(0.4)
+                plain(generation, timeout)
+
+            conn.commit = slow  # type: ignore[method-assign]
+        old = c.placement
+        new = pl.from_server_lists(
+            old.generation + 1,
+            old.servers,
+            4,
+            {0: {"gpu0": [3, 0], "cpu0": [1, 2]}, 1: {"gpu0": [0, 1], "cpu0": [2, 3]}},
+        )
+        t0 = time.monotonic()
+        assert c.update_placement(new, 5.0) == []
+        took = time.monotonic() - t0
+        assert len(started) == 2 and abs(started[0] - started[1]) < 0.3, started
+        assert gpu.generation == cpu.generation == new.generation
+        assert took < 0.75, f"the commits ran one after the other ({took:.2f}s)"
     finally:
         c.close()

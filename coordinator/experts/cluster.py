@@ -765,15 +765,29 @@ class ExpertCluster:
             raise
         failed: list[int] = []
 
+        def commit_one(i: int) -> None:
+            try:
+                commit(i)
+            except ExpertServerError as e:
+                self.mark_down(i, e)
+                failed.append(i)
+
         def commit_all() -> None:
             if swap is not None:
                 swap()
-            for i in idx:
-                try:
-                    commit(i)
-                except ExpertServerError as e:
-                    self.mark_down(i, e)
-                    failed.append(i)
+            # NOTE: the servers commit at once, so the steps wait for the slowest commit, not
+            # for their sum (a commit that rewrites slots takes tens to hundreds of ms). The
+            # in-process member commits on this thread: its GPU work and tensor state stay
+            # with the thread that runs the steps.
+            here = [i for i in idx if getattr(self.conns[i].spec, "in_process", False)]
+            remote = [i for i in idx if i not in here]
+            threads = [threading.Thread(target=commit_one, args=(i,), name=f"commit-{i}") for i in remote[1:]]
+            for t in threads:
+                t.start()
+            for i in [*remote[:1], *here]:
+                commit_one(i)
+            for t in threads:
+                t.join()
 
         self._run_between_steps(commit_all, between_steps)
         return failed
