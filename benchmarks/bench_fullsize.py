@@ -220,6 +220,9 @@ def scrape(port: int) -> dict[str, tuple[float, float]]:
     return {k: (s, c) for k, (s, c) in out.items()}
 
 
+_LINK = ("layers", "kernel_seconds", "wait_seconds")  # the CPU server's host-link counters
+
+
 def counter(port: int, name: str) -> float:
     """The value of counter ``name`` at ``port``'s /metrics (0 when absent)."""
     if not port:
@@ -390,6 +393,7 @@ class Bench:
             for b in a.batches:
                 m0 = scrape(co.http), scrape(srv_http)
                 linked0 = counter(co.http, "expertmesh_linked_decode_steps_total")
+                link0 = {k: counter(srv_http, f"expertmesh_worker_link_{k}_total") for k in _LINK}
                 c0, w0 = cpu_seconds([*procs, *extra]), time.monotonic()
                 t = asyncio.run(tpot(addr, b, a.prompt, a.new_tokens, self.cfg["vocab"]))
                 c1, w1 = cpu_seconds([*procs, *extra]), time.monotonic()
@@ -397,6 +401,10 @@ class Bench:
                 # cores each process kept busy while measured (a busy neighbour shows here)
                 res[f"cores_b{b}"] = {k: round((c1[k] - c0.get(k, 0.0)) / (w1 - w0), 1) for k in c1}
                 res[f"linked_steps_b{b}"] = counter(co.http, "expertmesh_linked_decode_steps_total") - linked0
+                link = {k: counter(srv_http, f"expertmesh_worker_link_{k}_total") - link0[k] for k in _LINK}
+                if link["layers"]:  # the CPU server's C thread per linked layer: kernel, spin
+                    res[f"link_kernel_ms_b{b}"] = round(link["kernel_seconds"] / link["layers"] * 1e3, 3)
+                    res[f"link_wait_ms_b{b}"] = round(link["wait_seconds"] / link["layers"] * 1e3, 3)
                 res[f"tpot_ms_b{b}"] = round(t * 1e3, 2)
                 res[f"tok_s_b{b}"] = round(b / t, 1)
                 res[f"round_trip_ms_b{b}"] = per_layer_ms(m0[0], m1[0], "expertmesh_expert_layer_round_trip")
@@ -423,7 +431,7 @@ class Bench:
 def table(results: list[dict], batches: list[int]) -> str:
     head = ["row", "load s", *(f"tok/s b{b}" for b in batches), *(f"TPOT ms b{b}" for b in batches),
             "linked steps", "GPU MiB", "RSS GiB", "per-layer round trip ms (b1)", "server compute ms/layer (b1)",
-            "busy cores (b1)"]  # fmt: skip
+            "host link kernel / spin ms per layer (b1)", "busy cores (b1)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "error" in r:
@@ -437,6 +445,8 @@ def table(results: list[dict], batches: list[int]) -> str:
                  ", ".join(f"{k} {v}" for k, v in r["rss_gib"].items()),
                  ", ".join(f"{k} {v}" for k, v in r.get(f"round_trip_ms_b{batches[0]}", {}).items()) or "-",
                  str(r.get(f"server_compute_ms_b{batches[0]}", "-")),
+                 f"{r[f'link_kernel_ms_b{batches[0]}']} / {r[f'link_wait_ms_b{batches[0]}']}"
+                 if f"link_kernel_ms_b{batches[0]}" in r else "-",
                  ", ".join(f"{k} {v}" for k, v in r.get(f"cores_b{batches[0]}", {}).items()) or "-"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -128,7 +128,8 @@ class HostLink:
         self.last_step = -1
         self.logged: set[str] = set()  # what the worker has logged of this link (once each)
         self.fold_every = 16  # steps between token-count reports (as the device link)
-        self.kernel_ns = self.wait_ns = 0  # of the last collected step (benchmarks)
+        self.kernel_ns = self.wait_ns = 0  # of the last collected step (metrics, benchmarks)
+        self.layers_answered = 0
         self._launched = False
         self._plans: dict[int, _Plan] = {}
         self._keep: tuple = ()  # the generation's weights: the plans point into them
@@ -200,7 +201,7 @@ class HostLink:
                 pass
             self._launched = False
             self._unfolded += 1
-            step, errors, _, self.kernel_ns, self.wait_ns = (int(v) for v in self._report)
+            step, errors, self.layers_answered, self.kernel_ns, self.wait_ns = (int(v) for v in self._report)
             counts = self._fold() if fold or self._unfolded >= self.fold_every else []
             return ll.StepReport(step, errors, counts)
 

@@ -93,6 +93,22 @@ class _WorkerState(Collector):
             "expertmesh_worker_requests", "Forward requests computed", value=st.requests
         )
         yield CounterMetricFamily("expertmesh_worker_tokens", "Token rows computed", value=st.tokens)
+        yield CounterMetricFamily(
+            "expertmesh_worker_link_steps", "Decode steps answered over a host link", value=st.link_steps
+        )
+        yield CounterMetricFamily(
+            "expertmesh_worker_link_layers", "MoE layers answered over a host link", value=st.link_layers
+        )
+        yield CounterMetricFamily(
+            "expertmesh_worker_link_kernel_seconds",
+            "Host-link layers: the C thread's time in its kernels (routing copy included)",
+            value=st.link_kernel_seconds,
+        )
+        yield CounterMetricFamily(
+            "expertmesh_worker_link_wait_seconds",
+            "Host-link layers: the C thread's time spinning for the coordinator's next layer",
+            value=st.link_wait_seconds,
+        )
         routed = CounterMetricFamily(
             "expertmesh_worker_routed_tokens",
             "(token, k) pairs computed, by MoE layer",

@@ -63,6 +63,13 @@ class WorkerStats:
     tokens: int = 0
     errors: int = 0
     compute_seconds: float = 0.0
+    # host-link steps (cpu_expert_server/hostlink.py): the C thread's own time in its kernels
+    # (routing copy included) and spinning for the coordinator's flags, summed over the MoE
+    # layers it answered
+    link_steps: int = 0
+    link_layers: int = 0
+    link_kernel_seconds: float = 0.0
+    link_wait_seconds: float = 0.0
 
 
 class ExpertWorker:
@@ -519,6 +526,13 @@ class ExpertWorker:
     def _link_report(self, graphs: Any, report: Any) -> None:
         """Folds a finished step's token counts into the stats; a step that timed out or met
         bad slot ids is an error, logged once per link and kind."""
+        kernel_ns = getattr(graphs, "kernel_ns", None)
+        if kernel_ns is not None:  # a host link's step: its C thread's own split
+            st = self.stats
+            st.link_steps += 1
+            st.link_layers += getattr(graphs, "layers_answered", len(self.slots.moe_layers))
+            st.link_kernel_seconds += kernel_ns / 1e9
+            st.link_wait_seconds += graphs.wait_ns / 1e9
         live = self.slots.live
         for layer, counts in zip(self.slots.moe_layers, report.counts):
             if counts.shape[0] == len(live.layers[layer].experts):
