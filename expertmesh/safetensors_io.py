@@ -21,6 +21,7 @@ data_offsets: [begin, end]}}`` (offsets after the header), then the data.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import os
@@ -190,9 +191,38 @@ def read_threads(limit: int = MAX_READ_THREADS) -> int:
 def reader_pool(threads: int) -> ThreadPoolExecutor:
     """Threads for checkpoint reads."""
     # NOTE: a reader's dtype conversions and packing run on its own thread only: torch's
-    # OpenMP team per calling thread would put n x cores threads on the cores (the setting is
-    # per thread: compute threads keep theirs)
-    return ThreadPoolExecutor(threads, "checkpoint-read", initializer=torch.set_num_threads, initargs=(1,))
+    # OpenMP team per calling thread would put n x cores threads on the cores
+    return ThreadPoolExecutor(threads, "checkpoint-read", initializer=_one_thread_here)
+
+
+def _one_thread_here() -> None:
+    """This thread's torch ops on one thread, every other thread's as they were.
+
+    ``torch.set_num_threads`` would also set the count that every thread started afterwards
+    takes (a server's compute threads, the coordinator's scheduler would then run on one
+    thread, whatever ``--threads`` said); OpenMP's own setting is the calling thread's only."""
+    torch.get_num_threads()  # NOTE: first: torch's lazy per-thread set-up would overwrite ours
+    fn = _omp_set_num_threads()
+    if fn is not None:
+        fn(1)
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    """``omp_set_num_threads`` of the OpenMP runtime torch's CPU ops use (the one under torch's
+    own lib/ directory), or None (another runtime: readers then use torch's count)."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libgomp" in line}
+    except OSError:
+        return None
+    ours = sorted(p for p in paths if p.startswith(lib_dir))
+    if not ours:
+        return None
+    fn = ctypes.CDLL(ours[0]).omp_set_num_threads
+    fn.argtypes, fn.restype = [ctypes.c_int], None
+    return cast(Callable[[int], None], fn)
 
 
 def run_on(pool: ThreadPoolExecutor | None, jobs: Sequence[Callable[[], T]]) -> list[T]:

@@ -174,3 +174,26 @@ def test_a_load_reads_on_every_cpu_and_a_change_beside_requests_on_few(tmp_path,
         assert torch.equal(a.live.layers[layer].w13[1:], b.live.layers[layer].w13[1:])
         gate, up, down = stored(path, layer, 3, False)
         assert torch.equal(b.live.layers[layer].w13[0], torch.cat([gate, up]))
+
+
+def test_reader_threads_run_on_one_thread_and_leave_the_others_theirs():
+    """A checkpoint reader's torch ops use one thread; threads started afterwards (a server's
+    compute threads, the coordinator's scheduler) keep the process's configured count."""
+    import threading
+
+    from expertmesh.safetensors_io import _omp_set_num_threads, reader_pool
+
+    if _omp_set_num_threads() is None:
+        pytest.skip("torch here uses another OpenMP runtime: readers keep torch's count")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with reader_pool(2) as pool:
+            assert set(pool.map(lambda _: torch.get_num_threads(), range(4))) == {1}
+        later: list[int] = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert later == [2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
