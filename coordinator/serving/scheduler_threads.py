@@ -5,8 +5,8 @@ its barrier; the ops of a decode step or a short prefill chunk of a small model 
 of work each, so the fork and the barrier are the cost, and while another process holds a core
 the barrier waits for the descheduled thread's next time slice. Measured on the shared 2-core
 VM with the demo model (hidden 128), one thread against two: a decode step of 4 sequences
-5.2 ms against 8.5 ms on a quiet host and 5-22 ms against 25-350 ms on a busy one; a 512-token
-prefill 52-71 ms against 44-48 ms (quiet: there two threads win). At real widths (hidden 2048) two
+5.2 ms against 8.5 ms on a quiet host and 5-14 ms against 25-52 ms on a busy one; a 512-token
+prefill 52-71 ms against 44-50 ms (there two threads win). At real widths (hidden 2048) two
 threads already win on a quiet host from a few decode tokens on (0.8-0.9x the time of one).
 
 So a step whose work, tokens x hidden size, is under ``SMALL_STEP_WORK`` (256 tokens at hidden
@@ -26,34 +26,44 @@ SMALL_STEP_WORK = 1 << 15  # tokens x hidden size below which a CPU step runs on
 
 
 class StepThreads:
-    """Picks and sets the calling thread's torch intra-op threads for one step."""
+    """Sets the calling thread's torch intra-op threads for each step.
 
-    def __init__(self, device: torch.device, hidden_size: int, small_work: int = SMALL_STEP_WORK) -> None:
+    ``threads``: the process's count (default: the constructing thread's, i.e. ``--threads``).
+    It is set on the scheduler thread explicitly rather than inherited: torch starts a new
+    thread with the count last set by any thread (a checkpoint reader pool sets one for its
+    own threads), not with the one the process was configured with."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        hidden_size: int,
+        small_work: int = SMALL_STEP_WORK,
+        threads: int | None = None,
+    ) -> None:
         assert hidden_size > 0 and small_work >= 0, f"{hidden_size=} {small_work=}"
         self.cpu = device.type == "cpu"
         self.hidden_size, self.small_work = hidden_size, small_work
+        self.configured = threads if threads is not None else torch.get_num_threads()
+        assert self.configured >= 1, f"{self.configured=}"
 
-    def threads(self, tokens: int, configured: int) -> int:
-        """Threads for a step of ``tokens`` tokens, given the process's ``configured`` count."""
+    def threads(self, tokens: int) -> int:
+        """Threads for a step of ``tokens`` tokens."""
         if self.cpu and tokens * self.hidden_size < self.small_work:
             return 1
-        return configured
+        return self.configured
 
     @contextlib.contextmanager
     def step(self, tokens: int) -> Iterator[None]:
-        """Runs the body with this step's thread count, then restores the count it found.
-
-        NOTE: torch.set_num_threads sets the calling thread's OpenMP and MKL counts, and the
-        default a thread that has not used torch's pool yet starts with: the scheduler thread
-        restores it after every step, so only a thread whose first parallel torch op falls
-        inside a small step could start on one thread."""
-        configured = torch.get_num_threads()
-        n = self.threads(tokens, configured)
-        if n == configured:
+        """Runs the body with this step's thread count; after a small step the configured count
+        is set again, so that threads torch starts later do not inherit the one."""
+        if not self.cpu:
             yield
             return
-        torch.set_num_threads(n)
+        n = self.threads(tokens)
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
         try:
             yield
         finally:
-            torch.set_num_threads(configured)
+            if n != self.configured:
+                torch.set_num_threads(self.configured)
