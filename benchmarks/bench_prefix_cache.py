@@ -83,6 +83,7 @@ from coordinator.model.loader import load_model  # noqa: E402
 from coordinator.serving.outputs import Output  # noqa: E402
 from coordinator.serving.sampler import SamplingParams  # noqa: E402
 from coordinator.serving.scheduler import Scheduler, SchedulerLimits  # noqa: E402
+from coordinator.serving.scheduler_threads import SMALL_STEP_WORK  # noqa: E402
 from expertmesh.checkpoint import CheckpointReader  # noqa: E402
 
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
@@ -376,7 +377,7 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=0, help="the cpu-server's --threads (0: its default)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--parts", nargs="+", default=["chat"], choices=["chat", "shared"])
     ap.add_argument("--pages", type=int, default=2048)
     ap.add_argument("--page-size", type=int, default=16)
@@ -400,8 +401,10 @@ def main() -> None:
     args = ap.parse_args()
     if not 0 <= args.gpu_share <= 1:
         raise SystemExit(f"--gpu-share {args.gpu_share}: expected a fraction in [0, 1]")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # NOTE: set on this thread before any load: the schedulers take it as the count to run large
+    # steps with, and a checkpoint reader pool's setting for its own threads must not leak into it
+    args.threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model, what = prepare_model(args, Path(tmp))
@@ -418,7 +421,8 @@ def main() -> None:
 def report(res: dict, args) -> None:
     print(
         f"model: {res['model']}, {res['device']} {res['dtype']}, page size {args.page_size}, "
-        f"torch threads {torch.get_num_threads()}, host load average {res['load']}; "
+        f"torch threads {args.threads} (one for a CPU step under {SMALL_STEP_WORK} tokens x hidden), "
+        f"host load average {res['load']}; "
         f"{res['seconds']:.0f} s in all"
     )
     rows = []
