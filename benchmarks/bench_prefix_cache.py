@@ -39,10 +39,11 @@ engines of a large model need not fit at once). A setup with servers starts them
 
     python benchmarks/bench_prefix_cache.py                   # 2-core CPU, demo model
     # the device benchmark (2k shared prefix, 64 suffixes of 64; chat replay), 2-GPU host:
-    python benchmarks/bench_prefix_cache.py --device cuda --dtype bfloat16 \\
-        --real-width qwen3-30b-a3b --layers 8 --setups inproc local+cpu --parts shared chat \\
-        --pages 8192 --conversations 8 --turns 6 --system 512 --message 128 --reply 32 \\
-        --off-suffixes 8 --repeat 1
+    python benchmarks/bench_prefix_cache.py --device cuda:0 --dtype bfloat16 \\
+        --real-width qwen3-30b-a3b --layers 8 --ckpt-dir /tmp/q3-8l \\
+        --setups inproc local+cpu --parts shared chat --pages 8192 \\
+        --conversations 8 --turns 6 --system 512 --message 128 --reply 32 \\
+        --off-suffixes 16 --repeat 1
 
 Shapes: none (token counts only).
 """
