@@ -13,19 +13,37 @@ Two workloads (``--parts``):
   shared  one ``--prefix``-token prefix with ``--suffixes`` distinct ``--suffix``-token endings,
           sent one at a time (one new token each): time to first token of the first request
           (nothing cached) against the median of the others (the prefix cached), and the
-          median without the cache.
+          median without the cache (over ``--off-suffixes`` requests, to bound a slow setup).
 
-Prompts are random token ids (seeded), so speed does not depend on the weights. The model
-defaults to the demo model; ``--real-width`` writes a random checkpoint of a real model's widths
-(benchmarks/bench_e2e.py) with ``--layers`` decoder layers instead.
+Prompts are random token ids (seeded), so speed does not depend on the weights. Before the timed
+parts each engine serves two untimed requests as long as the shared part's (a prefix, then an
+extension of it), so that kernels compiled on first use (Triton on CUDA) are not timed.
 
-Experts run in this process by default. ``--servers gpu cpu`` starts those expert servers
-(``expertmesh gpu-server`` on ``--device``, ``expertmesh cpu-server``) and both engines send
-every MoE layer to them (half of the experts on each when there are two: the hybrid setup).
+The model defaults to the demo model. ``--real-width qwen3-30b-a3b`` (or ``deepseek-v2-lite``)
+writes a random checkpoint of that model's published config (benchmarks/fullsize_ckpt.py) with
+``--layers`` decoder layers instead of the published depth (0 = all of them): every width is
+the real one, only the depth is cut, so per-layer costs are the full-size model's and the totals
+are a fraction of them; ``--ckpt-dir`` keeps it for the next run. ``tiny`` is a CPU smoke test.
+
+Setups (``--setups``, each run with the cache off and on):
+
+  inproc     every expert in the engine's process (LocalDispatcher);
+  local+cpu  the hybrid: ``--gpu-share`` of each layer's experts in the coordinator's process
+             (the cluster member ``local``, as ``--num-gpu-experts`` with ``--cpu-server``), the
+             rest on an ``expertmesh cpu-server`` started here;
+  gpu+cpu    the same split over an ``expertmesh gpu-server`` on ``--device`` and a cpu-server.
+
+On the CPU the two modes' engines stay up and take turns, each mode's fastest of ``--repeat``
+runs kept (a busy host's noise hits both alike); on CUDA one mode runs after the other (two
+engines of a large model need not fit at once). A setup with servers starts them per mode.
 
     python benchmarks/bench_prefix_cache.py                   # 2-core CPU, demo model
-    python benchmarks/bench_prefix_cache.py --device cuda --dtype bfloat16 \\
-        --real-width qwen3-30b-a3b --layers 8 --parts shared chat [--servers gpu cpu]
+    # the device benchmark (2k shared prefix, 64 suffixes of 64; chat replay), 2-GPU host:
+    python benchmarks/bench_prefix_cache.py --device cuda:0 --dtype bfloat16 \\
+        --real-width qwen3-30b-a3b --layers 8 --ckpt-dir /tmp/q3-8l \\
+        --setups inproc local+cpu --parts shared chat --pages 8192 \\
+        --conversations 8 --turns 6 --system 512 --message 128 --reply 32 \\
+        --off-suffixes 16 --repeat 1
 
 Shapes: none (token counts only).
 """
@@ -33,6 +51,7 @@ Shapes: none (token counts only).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -54,7 +73,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from coordinator.config import DTYPES  # noqa: E402
+from coordinator.experts.cluster import ExpertCluster  # noqa: E402
 from coordinator.experts.cluster_config import ClusterConfig, ServerSpec  # noqa: E402
+from coordinator.experts.local import connector  # noqa: E402
 from coordinator.experts.remote import RemoteDispatcher  # noqa: E402
 from coordinator.model.dispatch import Dispatcher, LocalDispatcher  # noqa: E402
 from coordinator.model.engine import Engine  # noqa: E402
@@ -63,6 +84,7 @@ from coordinator.model.loader import load_model  # noqa: E402
 from coordinator.serving.outputs import Output  # noqa: E402
 from coordinator.serving.sampler import SamplingParams  # noqa: E402
 from coordinator.serving.scheduler import Scheduler, SchedulerLimits  # noqa: E402
+from coordinator.serving.scheduler_threads import SMALL_STEP_WORK  # noqa: E402
 from expertmesh.checkpoint import CheckpointReader  # noqa: E402
 
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
@@ -78,14 +100,26 @@ class Done:
     error: BaseException | None = None
 
 
+SETUPS = ("inproc", "local+cpu", "gpu+cpu")
+
+
 def make_scheduler(args, model: Path, prefix: bool, servers: list[tuple[str, str]]) -> Scheduler:
-    """An engine (experts in process, or on ``servers``: (kind, address)) and its scheduler."""
+    """An engine and its scheduler: experts in process, or split over ``servers`` ((kind,
+    address); kind ``local`` is the coordinator's own share, the hybrid's in-process member)."""
     dtype, dev = DTYPES[args.dtype], torch.device(args.device)
     reader = CheckpointReader(str(model))
     dispatcher: Dispatcher
     if servers:
-        specs = tuple(ServerSpec(f"{kind}{i}", addr, kind) for i, (kind, addr) in enumerate(servers))
-        remote = RemoteDispatcher(reader.config, ClusterConfig(specs, timeout_s=120), dtype, args.device)
+        specs = tuple(
+            ServerSpec.local() if kind == "local" else ServerSpec(f"{kind}{i}", addr, kind)
+            for i, (kind, addr) in enumerate(servers)
+        )
+        share = round(args.gpu_share * reader.config.num_experts)
+        cfg = ClusterConfig(specs, num_gpu_experts=share, timeout_s=300)
+        local = connector(str(model), dtype, dev) if any(k == "local" for k, _ in servers) else None
+        remote = RemoteDispatcher(
+            reader.config, cfg, dtype, args.device, ExpertCluster(reader.config, cfg, dev, local=local)
+        )
         remote.connect(300)
         dispatcher = remote
     else:
@@ -172,7 +206,8 @@ def chat(args, s: Scheduler, vocab: int, seed: int) -> dict:
 def shared(args, s: Scheduler, vocab: int, seed: int) -> dict:
     g = random.Random(seed + 1)
     prefix = [g.randrange(2, vocab) for _ in range(args.prefix)]
-    suffixes = [[g.randrange(2, vocab) for _ in range(args.suffix)] for _ in range(args.suffixes)]
+    n = args.suffixes if s.engine.prefix is not None or not args.off_suffixes else args.off_suffixes
+    suffixes = [[g.randrange(2, vocab) for _ in range(args.suffix)] for _ in range(max(2, n))]
     times, cached = [], []
     for suf in suffixes:
         t, done = one(s, prefix + suf, 1)
@@ -183,6 +218,7 @@ def shared(args, s: Scheduler, vocab: int, seed: int) -> dict:
         "repeat_ttft_s": statistics.median(times[1:]),
         "first_cached": cached[0],
         "repeat_cached": statistics.median(cached[1:]),
+        "requests": len(times),
     }
 
 
@@ -192,6 +228,8 @@ def start_server(kind: str, args, model: Path, log: Path) -> tuple[subprocess.Po
            "--dtype", args.dtype]  # fmt: skip
     if kind == "gpu":
         cmd += ["--device", args.device]
+    if kind == "cpu" and args.cpu_threads:
+        cmd += ["--threads", str(args.cpu_threads)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
@@ -208,6 +246,17 @@ def start_server(kind: str, args, model: Path, log: Path) -> tuple[subprocess.Po
     raise RuntimeError(f"{kind}-server did not start (exit {proc.returncode}; log: {log})")
 
 
+def warm_up(args, s: Scheduler, vocab: int) -> None:
+    """Untimed: a short request, then one as long as the shared part's and an extension of it
+    (prefill, cached-prefix extend and decode kernels compiled and allocations made)."""
+    one(s, [5, 6, 7], 2)
+    g = random.Random(-1)
+    n = min(args.prefix + args.suffix, s.limits.max_context - 2) if "shared" in args.parts else 64
+    long = [g.randrange(2, vocab) for _ in range(n)]
+    one(s, long[: n - n // 8], 2)
+    one(s, long, 2)
+
+
 def run_modes(args, scheds: dict[str, Scheduler], runs: dict[str, dict[str, list[dict]]]) -> None:
     """``--repeat`` rounds of the parts on each scheduler in turn (results into ``runs``); each
     round has prompts of its own seed (a round finds nothing of the last one cached). Stops them."""
@@ -215,14 +264,16 @@ def run_modes(args, scheds: dict[str, Scheduler], runs: dict[str, dict[str, list
         vocab = next(iter(scheds.values())).engine.config.vocab_size
         for s in scheds.values():
             check_fits(args, s.limits.max_context)
-            one(s, [5, 6, 7], 2)  # warm-up (first-use kernels and allocations), not timed
+            warm_up(args, s, vocab)
         for rep in range(args.repeat):
             for key, s in scheds.items():
                 seed = args.seed + 1000 * rep
+                t0 = time.perf_counter()
                 if "shared" in args.parts:
                     runs.setdefault("shared", {}).setdefault(key, []).append(shared(args, s, vocab, seed))
                 if "chat" in args.parts:
                     runs.setdefault("chat", {}).setdefault(key, []).append(chat(args, s, vocab, seed))
+                print(f"  {key} round {rep + 1}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     finally:
         for s in scheds.values():
             s.stop()
@@ -247,18 +298,68 @@ def prepare_model(args, work: Path) -> tuple[Path, str]:
         return Path(args.model), args.model
     if args.real_width:
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        from bench_e2e import MODELS, TINY, write_checkpoint
+        from fullsize_ckpt import CONFIGS, tiny_overrides, write_checkpoint
 
-        out = work / f"{args.real_width}-{args.layers}l"
-        widths = {"tiny": TINY, **MODELS}[args.real_width]
-        w = dict(widths, max_position_embeddings=args.pages * args.page_size)
-        write_checkpoint(out, w, args.layers, DTYPES[args.dtype], args.device)  # random init on the device
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()  # the HF model written is garbage now
-        return out, f"random {args.real_width} widths, {args.layers} layers"
+        name = "qwen3-30b-a3b" if args.real_width == "tiny" else args.real_width
+        over: dict = {"num_hidden_layers": args.layers} if args.layers else {}
+        if args.real_width == "tiny":  # small widths and few experts: the CPU smoke test of this path
+            over.update(tiny_overrides(name), experts=8, hidden_size=64)
+        out = Path(args.ckpt_dir) if args.ckpt_dir else work / "ckpt"
+        t0 = time.perf_counter()
+        summary, wrote = write_checkpoint(name, out, over, args.device)
+        print(f"checkpoint {'written' if wrote else 'reused'} in {time.perf_counter() - t0:.1f} s: {summary}",
+              file=sys.stderr)  # fmt: skip
+        depth = CONFIGS[name]["num_hidden_layers"]
+        what = (
+            "tiny widths"
+            if args.real_width == "tiny"
+            else f"real widths, {summary['layers']} of {depth} layers"
+        )
+        return out, f"random {name}, {what}, {summary['bytes'] / 1e9:.1f} GB"
     from expertmesh.demo import write_demo_model
 
     return write_demo_model(work / "demo-model"), "demo model"
+
+
+def run_setup(args, setup: str, model: Path, tmp: Path) -> dict[str, dict[str, list[dict]]]:
+    """Both modes of one setup; returns each part's runs per mode."""
+    runs: dict[str, dict[str, list[dict]]] = {}
+    kinds = {"inproc": [], "local+cpu": ["local", "cpu"], "gpu+cpu": ["gpu", "cpu"]}[setup]
+    if not kinds and args.device == "cpu":
+        # both engines stay up and take turns, so that a busy host's noise hits both alike
+        run_modes(
+            args, {k: make_scheduler(args, model, k == "cache", []) for k in ("no_cache", "cache")}, runs
+        )
+        return runs
+    for key in ("no_cache", "cache"):
+        # NOTE: an expert server follows one coordinator's placement: each mode gets servers of its own
+        procs = [start_server(k, args, model, tmp / f"{k}-{key}.log") for k in kinds if k != "local"]
+        try:
+            addrs, it = [], iter(procs)
+            for k in kinds:
+                addrs.append((k, "") if k == "local" else (k, next(it)[1]))
+            run_modes(args, {key: make_scheduler(args, model, key == "cache", addrs)}, runs)
+        finally:
+            for proc, _ in procs:
+                proc.terminate()
+                proc.wait(30)
+        gc.collect()  # the mode's engine, before the next one loads
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return runs
+
+
+def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict:
+    """Each mode's fastest repeat (the least disturbed by other work on the host)."""
+    res: dict = {
+        "chat": {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.get("chat", {}).items()},
+        "shared": {k: min(v, key=lambda r: r["repeat_ttft_s"]) for k, v in runs.get("shared", {}).items()},
+    }
+    if "chat" in runs:
+        res["chat_same_replies"] = all(
+            a["replies"] == b["replies"] for a, b in zip(runs["chat"]["no_cache"], runs["chat"]["cache"])
+        )
+    return res
 
 
 def main() -> None:
@@ -268,12 +369,16 @@ def main() -> None:
         "--real-width",
         default="",
         choices=["", "qwen3-30b-a3b", "deepseek-v2-lite", "tiny"],
-        help="a random checkpoint of these widths (tiny: a smoke test of this path)",
+        help="a random checkpoint of this published config, --layers deep (tiny: a CPU smoke test)",
     )
-    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the --real-width checkpoint")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of --real-width (0: published)")
+    ap.add_argument("--ckpt-dir", default="", help="where --real-width writes (reused if the same)")
+    ap.add_argument("--setups", nargs="+", default=["inproc"], choices=SETUPS)
+    ap.add_argument("--gpu-share", type=float, default=0.5, help="experts in the coordinator / gpu-server")
+    ap.add_argument("--cpu-threads", type=int, default=0, help="the cpu-server's --threads (0: its default)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--parts", nargs="+", default=["chat"], choices=["chat", "shared"])
     ap.add_argument("--pages", type=int, default=2048)
     ap.add_argument("--page-size", type=int, default=16)
@@ -286,58 +391,68 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--suffixes", type=int, default=64)
+    ap.add_argument(
+        "--off-suffixes", type=int, default=0, help="shared-part requests without the cache (0: --suffixes)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--repeat", type=int, default=3, help="runs of each mode, taking turns; the fastest is kept"
     )
-    ap.add_argument(
-        "--servers", nargs="*", default=[], choices=["gpu", "cpu"], help="expert servers to start"
-    )
     ap.add_argument("--json", default="", help="also write the numbers here")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if not 0 <= args.gpu_share <= 1:
+        raise SystemExit(f"--gpu-share {args.gpu_share}: expected a fraction in [0, 1]")
+    # NOTE: set on this thread before any load: the schedulers take it as the count to run large
+    # steps with, and a checkpoint reader pool's setting for its own threads must not leak into it
+    args.threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model, what = prepare_model(args, Path(tmp))
         res: dict = {"model": what, "device": args.device, "dtype": args.dtype, "host": platform.node()}
         res["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())  # other work on the host, 1/5/15 min
-        res["servers"] = " + ".join(args.servers) or "none (experts in process)"
-        runs: dict[str, dict[str, list[dict]]] = {}
-        if args.servers:
-            # an expert server follows one coordinator's placement: each mode gets servers of
-            # its own, one mode after the other
-            for key in ("no_cache", "cache"):
-                procs = [start_server(k, args, model, Path(tmp) / f"{k}-{key}.log") for k in args.servers]
-                try:
-                    addrs = [(k, addr) for k, (_, addr) in zip(args.servers, procs)]
-                    run_modes(args, {key: make_scheduler(args, model, key == "cache", addrs)}, runs)
-                finally:
-                    for proc, _ in procs:
-                        proc.terminate()
-                        proc.wait(30)
-        else:
-            # both engines stay up and take turns, so that a busy host's noise hits both alike
-            run_modes(
-                args, {k: make_scheduler(args, model, k == "cache", []) for k in ("no_cache", "cache")}, runs
-            )
-        # the fastest repeat of each mode (the least disturbed by other work on the host)
-        res["chat"] = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.get("chat", {}).items()}
-        res["shared"] = {
-            k: min(v, key=lambda r: r["repeat_ttft_s"]) for k, v in runs.get("shared", {}).items()
-        }
-        if "chat" in runs:
-            res["chat_same_replies"] = all(
-                a["replies"] == b["replies"] for a, b in zip(runs["chat"]["no_cache"], runs["chat"]["cache"])
-            )
+        res["setups"] = {}
+        for setup in args.setups:
+            print(f"{setup}: ...", file=sys.stderr)
+            res["setups"][setup] = summarise(run_setup(args, setup, model, Path(tmp)))
+    res["seconds"] = time.perf_counter() - t0
     report(res, args)
 
 
 def report(res: dict, args) -> None:
     print(
         f"model: {res['model']}, {res['device']} {res['dtype']}, page size {args.page_size}, "
-        f"torch threads {torch.get_num_threads()}, expert servers {res['servers']}, "
-        f"host load average {res['load']}"
+        f"torch threads {args.threads} (one for a CPU step under {SMALL_STEP_WORK} tokens x hidden), "
+        f"host load average {res['load']}; "
+        f"{res['seconds']:.0f} s in all"
     )
+    rows = []
+    for setup, r in res["setups"].items():
+        print(f"\n### {setup}: {setup_text(setup, args)}")
+        rows.append((setup, report_setup(r, args)))
+        for c in r["chat"].values():
+            c.pop("replies")
+    if len(rows) > 1 or args.device != "cpu":
+        print("\nsummary")
+        print("| setup | chat req/s off | chat req/s on | chat speed-up | first TTFT ms (cache on) | "
+              "repeat TTFT ms (on) | first / repeat | repeat TTFT ms (off) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        for setup, cells in rows:
+            print(f"| {setup} | " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+def setup_text(setup: str, args) -> str:
+    if setup == "inproc":
+        return "every expert in the engine's process"
+    where = "the coordinator's process (local)" if setup == "local+cpu" else "a gpu-server"
+    return f"{args.gpu_share:.0%} of each layer's experts in {where}, the rest on a cpu-server"
+
+
+def report_setup(res: dict, args) -> list[str]:
+    """Prints a setup's tables; returns its summary cells."""
+    cells = ["-"] * 7
     if res["chat"]:
         a, b = res["chat"]["no_cache"], res["chat"]["cache"]
         print(
@@ -358,18 +473,21 @@ def report(res: dict, args) -> None:
             f"speed-up (total time off / on): {res['chat_speedup']:.2f}x; "
             f"replies identical in every run: {res['chat_same_replies']}"
         )
-        for r in (a, b):
-            r.pop("replies")
+        cells[:3] = [
+            f"{a['requests_per_s']:.2f}",
+            f"{b['requests_per_s']:.2f}",
+            f"{res['chat_speedup']:.2f}x",
+        ]
     if res["shared"]:
         a, b = res["shared"]["no_cache"], res["shared"]["cache"]
+        print(f"\nshared prefix: {args.prefix} tokens + distinct {args.suffix}-token suffixes, one at a time")
         print(
-            f"\nshared prefix: {args.prefix} tokens + {args.suffixes} distinct {args.suffix}-token suffixes"
+            "| prefix cache | requests | first TTFT ms | median TTFT of the rest ms | cached tokens (rest) |"
         )
-        print("| prefix cache | first TTFT ms | median TTFT of the rest ms | cached tokens (rest) |")
-        print("|---|---|---|---|")
+        print("|---|---|---|---|---|")
         for name, r in (("off", a), ("on", b)):
             print(
-                f"| {name} | {r['first_ttft_s'] * 1e3:.1f} | {r['repeat_ttft_s'] * 1e3:.1f} "
+                f"| {name} | {r['requests']} | {r['first_ttft_s'] * 1e3:.1f} | {r['repeat_ttft_s'] * 1e3:.1f} "
                 f"| {r['repeat_cached']:.0f} |"
             )
         res["shared_ratio"] = b["first_ttft_s"] / b["repeat_ttft_s"]
@@ -378,8 +496,9 @@ def report(res: dict, args) -> None:
             f"TTFT with the cache, first / median of the rest: {res['shared_ratio']:.2f}x (one first "
             f"request: noisy); without the cache / with it, medians: {res['shared_ratio_vs_off']:.2f}x"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        cells[3:] = [f"{b['first_ttft_s'] * 1e3:.1f}", f"{b['repeat_ttft_s'] * 1e3:.1f}",
+                     f"{res['shared_ratio']:.1f}x", f"{a['repeat_ttft_s'] * 1e3:.1f}"]  # fmt: skip
+    return cells
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ import torch
 from coordinator.model.engine import Engine
 from coordinator.serving.outputs import DeadlineExceeded, Output, QueueFull, SchedulerStopped, Sink
 from coordinator.serving.sampler import SamplingParams, make_generator, sample
+from coordinator.serving.scheduler_threads import StepThreads
 from coordinator.serving.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from expertmesh import errors
 
@@ -166,6 +167,8 @@ class Scheduler:
         self._running: list[Request] = []  # admission order, oldest first
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.metrics: CoordinatorMetrics | None = None  # set by the coordinator
+        # a small CPU step runs on one intra-op thread (coordinator/serving/scheduler_threads.py)
+        self.step_threads = StepThreads(engine.device, engine.config.hidden_size)
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -418,7 +421,10 @@ class Scheduler:
         # NOTE: every position's logits only when a request in prefill asks for its prompt's logprobs
         scoring = any(r.params.prompt_logprobs and r.computed < r.num_prompt for r, _ in plan)
         try:
-            logits = self.engine.step(items, all_logits=scoring, adapters=adapters if any(adapters) else None)
+            with self.step_threads.step(sum(n for _, n in plan)):
+                logits = self.engine.step(
+                    items, all_logits=scoring, adapters=adapters if any(adapters) else None
+                )
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
         except Exception as exc:  # noqa: BLE001 - the thread boundary (above)

@@ -46,28 +46,72 @@ def paged_attention_torch(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, Dv]
-    """The plain-torch reference (and CPU path): gathers each sequence's rows, one chunk at a time."""
+    """The plain-torch reference (and CPU path): gathers each sequence's rows, one chunk at a time,
+    and the single-token chunks (decodes) of the step all at once.
+
+    The query heads that share a KV head are stacked as rows of one matmul against it (GQA
+    without a copy of K/V per query head). A CPU decode step of a small model is mostly per-op
+    overhead: the decodes' attention is one padded batch of ops, not a batch per sequence."""
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    groups = q.shape[1] // k_cache.shape[1]
+    hq, hk, dk, dv = q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[-1]
+    groups = hq // hk
+    decodes = [b for b, c in enumerate(batch.chunks) if c.length == 1]
+    if len(decodes) > 1:
+        _decode_attention(q, k_cache, v_cache, batch, decodes, scale, out)
     for b, c in enumerate(batch.chunks):
-        s = c.past + c.length
+        if len(decodes) > 1 and c.length == 1:
+            continue
+        s, n = c.past + c.length, c.length
         kv_index = c.kv_index if c.kv_index is not None else _cache_rows(batch, b, s)
-        qs = q[c.start : c.start + c.length].transpose(0, 1)  # [Hq, n, Dk]
+        # query head h reads KV head h // groups: rows (g, i) of group-stack j are head j*groups+g, token i
+        qs = (
+            q[c.start : c.start + n]
+            .reshape(n, hk, groups, dk)
+            .permute(1, 2, 0, 3)
+            .reshape(hk, groups * n, dk)
+        )
         ks = k_cache[kv_index].transpose(0, 1)  # [Hk, S, Dk]
         vs = v_cache[kv_index].transpose(0, 1)  # [Hk, S, Dv]
-        if groups > 1:
-            ks = ks.repeat_interleave(groups, dim=0)
-            vs = vs.repeat_interleave(groups, dim=0)
-        # query i (absolute position past+i) sees keys 0..past+i
-        mask = (
-            torch.arange(s, device=q.device)[None, :]
-            <= (c.past + torch.arange(c.length, device=q.device))[:, None]
-        )
-        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale  # [Hq, n, S]
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale  # [Hk, G*n, S]
+        if n > 1:  # query i (absolute position past+i) sees keys 0..past+i; one token sees all
+            mask = (
+                torch.arange(s, device=q.device)[None, :]
+                <= (c.past + torch.arange(n, device=q.device))[:, None]
+            )  # [n, S]
+            scores = scores.view(hk, groups, n, s).masked_fill(~mask, float("-inf")).view(hk, groups * n, s)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[c.start : c.start + c.length] = torch.matmul(probs, vs).transpose(0, 1)
+        o = torch.matmul(probs, vs)  # [Hk, G*n, Dv]
+        out[c.start : c.start + n] = o.view(hk, groups, n, dv).permute(2, 0, 1, 3).reshape(n, hq, dv)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    k_cache: torch.Tensor,  # [rows, Hk, Dk]
+    v_cache: torch.Tensor,  # [rows, Hk, Dv]
+    batch: ForwardBatch,
+    seqs: list[int],  # B sequences of the step whose chunk is one token
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, Dv], their rows written
+) -> None:
+    """One token per sequence, each seeing all its S_b cached keys: the sequences' rows padded
+    to the longest (pad keys masked out), so the ops run once for all of them."""
+    hq, hk, dk, dv = q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[-1]
+    rows = []
+    for b in seqs:
+        c = batch.chunks[b]
+        rows.append(c.kv_index if c.kv_index is not None else _cache_rows(batch, b, c.past + 1))
+    index = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, S] cache rows, 0-padded
+    length = torch.tensor([r.shape[0] for r in rows], device=q.device)  # [B]
+    at = torch.tensor([batch.chunks[b].start for b in seqs], device=q.device)  # [B] rows of T
+    qs = q[at].view(len(seqs), hk, hq // hk, dk)  # [B, Hk, G, Dk]
+    ks = k_cache[index].permute(0, 2, 3, 1)  # [B, Hk, Dk, S]
+    vs = v_cache[index].transpose(1, 2)  # [B, Hk, S, Dv]
+    scores = torch.matmul(qs, ks) * scale  # [B, Hk, G, S]
+    pad = torch.arange(index.shape[1], device=q.device)[None, :] >= length[:, None]  # [B, S]
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out[at] = torch.matmul(probs, vs).reshape(len(seqs), hq, dv)  # [B, Hk, G, Dv] -> [B, Hq, Dv]
 
 
 def _cache_rows(batch: ForwardBatch, b: int, s: int) -> torch.Tensor:  # [s] cache rows of sequence b
