@@ -205,12 +205,14 @@ def _one_thread_here() -> None:
     fn = _omp_set_num_threads()
     if fn is not None:
         fn(1)
+    else:  # another OpenMP runtime: one thread here, and the count of later threads with it
+        torch.set_num_threads(1)
 
 
 @functools.cache
 def _omp_set_num_threads() -> Callable[[int], None] | None:
     """``omp_set_num_threads`` of the OpenMP runtime torch's CPU ops use (the one under torch's
-    own lib/ directory), or None (another runtime: readers then use torch's count)."""
+    own lib/ directory), or None (another runtime)."""
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     try:
         with open("/proc/self/maps") as f:

@@ -197,3 +197,23 @@ def test_reader_threads_run_on_one_thread_and_leave_the_others_theirs():
         assert later == [2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_quantising_load_keeps_to_a_few_reader_threads(tmp_path, monkeypatch):
+    """Start-up reads use every CPU for plain rows, at most MAX_QUANTISE_THREADS for rows a
+    backend quantises (its per-block torch calls contend for the GIL)."""
+    from expertmesh.worker import slots as sl
+
+    path = write_checkpoint(tmp_path, H, INTER, E, L, torch.bfloat16)
+    monkeypatch.setattr(sl, "read_threads", lambda limit: limit)  # as on a host with many CPUs
+    plain = SlotTable(CheckpointReader(path), torch.bfloat16, torch.device("cpu"), E, views=plain_views)
+    packed = SlotTable(
+        CheckpointReader(path),
+        torch.bfloat16,
+        torch.device("cpu"),
+        E,
+        pack=lambda w13, w2: (w13.to(torch.uint8), w2.to(torch.uint8)),  # a quantised layout
+    )
+    with plain._load_pool() as a, packed._load_pool() as b:
+        assert a._max_workers == sl.MAX_PRELOAD_THREADS
+        assert b._max_workers == sl.MAX_QUANTISE_THREADS

@@ -46,9 +46,13 @@ Views = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor,
 # parallel checkpoint reads while requests are served: page-cache copies release the GIL;
 # more threads than this gained nothing measurable on the hosts tried
 MAX_READ_THREADS = 8
-# start-up reads (nothing computes yet) use every CPU of the process up to this many: a backend
-# that quantises as it reads is bound by its threads' arithmetic, not by the page cache
+# start-up reads (nothing computes yet) use every CPU of the process up to this many (page-cache
+# copies release the GIL)
 MAX_PRELOAD_THREADS = 64
+# ... but at most this many for a backend that quantises as it reads: its torch calls per block
+# hold the GIL between them, and 32 such threads loaded a full-size int4 CPU server at 0.59
+# GB/s where 8 had loaded it at 1.3-1.5 GB/s (2x H200 host, 32 cores)
+MAX_QUANTISE_THREADS = 8
 # a new slot's weights: an expert to read, or rows to copy (a live slot, a staged read)
 Source = int | Rows
 
@@ -246,8 +250,11 @@ class SlotTable:
         return run_on(pool, jobs)
 
     def _load_pool(self) -> ThreadPoolExecutor:
-        """Reader threads for a load (nothing computes yet): every CPU of the process."""
-        return reader_pool(read_threads(MAX_PRELOAD_THREADS))
+        """Reader threads for a load (nothing computes yet): every CPU of the process, fewer
+        when the backend quantises."""
+        w13 = self._empty().w13
+        quantises = w13.dtype in (torch.uint8, torch.int8)
+        return reader_pool(read_threads(MAX_QUANTISE_THREADS if quantises else MAX_PRELOAD_THREADS))
 
     def _build(self, layer: int, sources: list[Source], pool: ThreadPoolExecutor | None = None) -> Rows:
         """A new layer allocation holding ``sources [S]``: [S, *row13], [S, *row2] (reads on
