@@ -25,7 +25,7 @@ from expertmesh.checkpoint import CheckpointReader
 from tests.cluster_utils import start_server
 from tests.hf_models import ARCHS, make_checkpoint
 from tests.test_local_member import local_engine, replicas_file, servers
-from tests.test_parity import DECODE_STEPS, hf_greedy, rel_err
+from tests.test_parity import DECODE_STEPS, assert_greedy_matches_hf, hf_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -43,18 +43,7 @@ def test_host_link_decode_matches_hf(arch, share, tmp_path):
     eng, d = local_engine(tmp_path, cluster, "cuda")
     try:
         prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
-        sid = eng.new_seq()
-        full = eng.step([(sid, prompt.tolist())], all_logits=True)[0].cpu()
-        with torch.no_grad():
-            assert rel_err(full, hf(prompt[None]).logits[0]) < 1e-4
-            ref_toks, ref_logits = hf_greedy(hf, prompt, DECODE_STEPS)
-        toks, logits = [int(full[-1].argmax())], [full[-1]]
-        for _ in range(DECODE_STEPS - 1):
-            out = eng.step([(sid, [toks[-1]])])[0].cpu()
-            logits.append(out)
-            toks.append(int(out.argmax()))
-        assert toks == ref_toks
-        assert rel_err(torch.stack(logits), ref_logits) < 1e-4
+        assert_greedy_matches_hf(eng, hf, prompt)
         assert d.linked_steps == DECODE_STEPS - 1, (d.linked_steps, d.conns[1].link_note)
         assert d.link_reruns == 0
     finally:

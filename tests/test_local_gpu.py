@@ -25,7 +25,7 @@ from expertmesh.demo import WEIGHTS_DIR, write_demo_model
 from tests.cluster_utils import ROOT, start_server
 from tests.hf_models import ARCHS, make_checkpoint
 from tests.test_local_member import local_engine, replicas_file, servers
-from tests.test_parity import DECODE_STEPS, hf_greedy, rel_err
+from tests.test_parity import assert_greedy_matches_hf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -48,18 +48,7 @@ def test_local_gpu_float32_matches_hf(arch, which, tmp_path):
         assert isinstance(local, LocalConnection) and local.worker.slots.device.type == "cuda"
         assert local.worker.backend.name == "triton"
         prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
-        sid = eng.new_seq()
-        full = eng.step([(sid, prompt.tolist())], all_logits=True)[0].cpu()
-        with torch.no_grad():
-            assert rel_err(full, hf(prompt[None]).logits[0]) < 1e-4
-            ref_toks, ref_logits = hf_greedy(hf, prompt, DECODE_STEPS)
-        toks, logits = [int(full[-1].argmax())], [full[-1]]
-        for _ in range(DECODE_STEPS - 1):
-            out = eng.step([(sid, [toks[-1]])])[0].cpu()
-            logits.append(out)
-            toks.append(int(out.argmax()))
-        assert toks == ref_toks
-        assert rel_err(torch.stack(logits), ref_logits) < 1e-4
+        assert_greedy_matches_hf(eng, hf, prompt)
         assert local.worker.stats.tokens > 0
     finally:
         d.close()

@@ -33,13 +33,13 @@ def assert_greedy_matches_hf(eng: Engine, hf, prompt: torch.Tensor, steps: int =
     """Prefill logits of every prompt position, then ``steps`` greedy tokens and their logits,
     from ``eng`` against HF (float32: relative error below 1e-4, tokens equal)."""
     sid = eng.new_seq()
-    full = eng.step([(sid, prompt.tolist())], all_logits=True)[0]
+    full = eng.step([(sid, prompt.tolist())], all_logits=True)[0].cpu()  # (HF runs on the CPU)
     with torch.no_grad():
         assert rel_err(full, hf(prompt[None]).logits[0]) < 1e-4
         ref_toks, ref_logits = hf_greedy(hf, prompt, steps)
     toks, logits = [int(full[-1].argmax())], [full[-1]]
     for _ in range(steps - 1):
-        out = eng.step([(sid, [toks[-1]])])[0]
+        out = eng.step([(sid, [toks[-1]])])[0].cpu()
         logits.append(out)
         toks.append(int(out.argmax()))
     assert toks == ref_toks

@@ -23,7 +23,7 @@ from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint
 from tests.test_link_e2e import _check_linked_decode
 from tests.test_local_member import local_engine
-from tests.test_parity import DECODE_STEPS, hf_greedy, rel_err
+from tests.test_parity import DECODE_STEPS, assert_greedy_matches_hf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -42,17 +42,7 @@ def test_cpu_server_over_tcp_decodes_linked_as_hf(share, tmp_path):
         conn = d.conns[1]
         assert conn.transport == "tcp" and conn.link() is not None, conn.link_note
         prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
-        sid = eng.new_seq()
-        full = eng.step([(sid, prompt.tolist())], all_logits=True)[0].cpu()
-        with torch.no_grad():
-            ref_toks, ref_logits = hf_greedy(hf, prompt, DECODE_STEPS)
-        toks, logits = [int(full[-1].argmax())], [full[-1]]
-        for _ in range(DECODE_STEPS - 1):
-            out = eng.step([(sid, [toks[-1]])])[0].cpu()
-            logits.append(out)
-            toks.append(int(out.argmax()))
-        assert toks == ref_toks
-        assert rel_err(torch.stack(logits), ref_logits) < 1e-4
+        assert_greedy_matches_hf(eng, hf, prompt)
         assert d.linked_steps == DECODE_STEPS - 1, (d.linked_steps, conn.link_note)
         assert d.link_reruns == 0
     finally:
