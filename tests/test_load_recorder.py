@@ -52,3 +52,13 @@ def test_ids_on_another_dtype_are_counted():
     rec = LoadRecorder([0], 3, window_steps=1)
     rec.record(0, torch.tensor([[2, 2], [1, 0]], dtype=torch.int32))
     assert rec.snapshot().window.tolist() == [[1, 1, 2]]
+
+
+def test_a_server_that_joined_later_gets_its_time_recorded():
+    rec = LoadRecorder([0], 4, window_steps=2, num_servers=1)
+    rec.record(0, torch.tensor([[0, 1]]))
+    rec.record_server_time(0, 0, compute_ms=2.0, tokens=4)
+    rec.record_server_time(2, 0, compute_ms=1.0, tokens=4)  # server 2 joined at run time
+    snap = rec.snapshot()
+    assert snap.server_ms[:, 0].tolist() == [2.0, 0.0, 1.0]
+    assert snap.server_tokens[:, 0].tolist() == [4.0, 0.0, 4.0]

@@ -181,3 +181,29 @@ def test_a_follower_that_finds_a_joined_server_late_reads_its_slots_from_the_ser
     finally:
         a.close()
         b.close()
+
+
+def test_a_joined_server_gets_the_link_offer_of_the_others():
+    """A CUDA coordinator's dispatcher sets a link shape on each connection it starts with; a
+    server that joins at run time gets the same (else it would never link)."""
+    from tests.test_cluster_state import FakeConn, FakeServer, make
+
+    c, conns = make(FakeServer(), FakeServer())
+    try:
+        for conn in conns:
+            conn.link_shape = (64, 8, 2)  # type: ignore[attr-defined]
+        joined: list[FakeConn] = []
+
+        def make_conn(spec):
+            conn = FakeConn(spec, FakeServer())
+            conn.link_shape = None  # type: ignore[attr-defined]  # a new ServerConnection's
+            joined.append(conn)
+            return conn
+
+        c._make = make_conn
+        from coordinator.experts.cluster_config import ServerSpec
+
+        c.add_member(ServerSpec("cpu1", "fake:3", "cpu"))
+        assert joined and joined[0].link_shape == (64, 8, 2)
+    finally:
+        c.close()

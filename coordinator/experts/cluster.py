@@ -195,6 +195,11 @@ class ExpertCluster:
         in the live placement (same generation, one more server) until the next push gives it
         some; the maintenance thread brings it up. Returns its index."""
         conn = self._make(spec)
+        # NOTE: the same link offer as the servers this coordinator started with (the remote
+        # dispatcher sets their shape: a CUDA coordinator's)
+        shape = next((s for m in self.members if (s := getattr(m.conn, "link_shape", None))), None)
+        if shape is not None and hasattr(conn, "link_shape"):
+            conn.link_shape = shape
         with self._push_lock, self._cond:
             i = len(self.members)
             conn.on_down = self._down_hook(i)

@@ -85,9 +85,14 @@ class LoadRecorder:
     def record_server_time(self, server: int, layer: int, compute_ms: float, tokens: int) -> None:
         """A server's reply for one layer: its compute time and the tokens it computed."""
         row = self.row.get(layer)
-        if row is None or not 0 <= server < self.server_ms.shape[1]:
+        if row is None or server < 0:
             return
         with self._lock:
+            if server >= self.server_ms.shape[1]:  # a server that joined at run time
+                grow = server + 1 - self.server_ms.shape[1]
+                pad = torch.zeros(self.window_steps, grow, len(self.moe_layers), dtype=torch.float64)
+                self.server_ms = torch.cat([self.server_ms, pad], 1)
+                self.server_tokens = torch.cat([self.server_tokens, pad], 1)
             self.server_ms[self.cursor, server, row] += compute_ms
             self.server_tokens[self.cursor, server, row] += tokens
 
