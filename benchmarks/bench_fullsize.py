@@ -31,7 +31,7 @@ dtype is reused, and each row's CPU share is a subset of the row before, so noth
 - ``remote_T[_dUS][_mbN]``: every expert on a ``gpu-server`` on ``--remote-device`` (another GPU
   standing in for another machine) over ``--transport T`` (grpc, tcp, shm, auto); ``_dUS``: the
   TCP data path through the loopback delay proxy adding US microseconds each way
-  (``--server-data-address``); ``_mbN``: ``--micro-batches N``;
+  (``--server-data-address``; ``_d0``: the proxy's own cost); ``_mbN``: ``--micro-batches N``;
 - ``up``: ``expertmesh up --model DIR`` with its defaults.
 
 Tiny run anywhere (CPU; proves the script)::
@@ -275,7 +275,9 @@ class Row:
     gpu_server: bool = False
     up: bool = False
     transport: str = ""  # remote rows: every expert on a gpu-server on --remote-device over this
-    delay_us: int = 0  # remote rows: the data path through the delay proxy
+    # remote rows: the data path through the delay proxy adding this much each way (None: no
+    # proxy; 0: the proxy's own cost, to set beside the direct row)
+    delay_us: int | None = None
     micro_batches: int = 0
     link: bool = True  # the CPU server takes the host link (a ``_nolink`` row: EXPERTMESH_LINK=0)
 
@@ -289,7 +291,7 @@ def parse_row(name: str) -> Row:
     if r:
         if r.group(2) and r.group(1) != "tcp":
             raise SystemExit(f"row {name!r}: the delay proxy sits on the TCP data path only")
-        return Row(name, None, 1.0, True, transport=r.group(1), delay_us=int(r.group(2) or 0),
+        return Row(name, None, 1.0, True, transport=r.group(1), delay_us=None if r.group(2) is None else int(r.group(2)),
                    micro_batches=int(r.group(3) or 0))  # fmt: skip
     m = re.fullmatch(r"(cpu|local(\d+)|gpusrv(\d+))_(int4|int8|bf16)(_nolink)?", name)
     if not m:
@@ -365,7 +367,7 @@ class Bench:
                     flags += ["--transport", row.transport]
                 if row.micro_batches:
                     flags += ["--micro-batches", str(row.micro_batches)]
-                if row.delay_us:
+                if row.delay_us is not None:
                     data = next((m for ln in gpu.lines if (m := _DATA.search(ln))), None)
                     if data is None:
                         raise RuntimeError("the gpu-server printed no TCP data port")
