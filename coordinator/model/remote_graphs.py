@@ -16,7 +16,8 @@ summed answer into the static buffer the next segment reads.
 NOTE: a shared expert (DeepSeek, Qwen2-MoE) runs at the start of the next segment, after the
 servers answered, so it no longer overlaps with them; the eager path keeps the overlap.
 
-The device link (expertmesh/transport/link.py): when every MoE layer routes to one
+The device link (expertmesh/transport/link.py; the step's pieces in coordinator/model/linked_step.py,
+the host link's and the hybrid share's there too): when every MoE layer routes to one
 expert server over a live link (RemoteDispatcher.link_plan), the step is ONE graph with no cuts,
 captured lazily per bucket (its own pool, again for each new link). At each MoE dispatch the
 graph writes the layer's hidden states, local slot ids (the dispatcher's GPU slot table; -1 for
@@ -34,21 +35,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from coordinator.model.cuda_graphs import BUCKETS, DecodeGraphs
 from coordinator.model.dispatch import Dispatcher, Pending
 from coordinator.model.kv_cache import KVCache
+from coordinator.model.linked_step import LinkedStep, Linker, LinkState, LocalShare
 from coordinator.model.models.base import CausalLM
 from coordinator.model.models.moe import LoadHook
 
 if TYPE_CHECKING:
     from coordinator.experts.remote import RemoteDispatcher
     from expertmesh.transport.client import LinkAreas
-    from expertmesh.transport.link import StepWord
 
 log = logging.getLogger("expertmesh.remote")
 
@@ -102,176 +103,6 @@ class _Cutter(Dispatcher):
         self.segments.append(g)
 
 
-@dataclass
-class _LinkedStep:
-    """One bucket's whole decode step over a link, as one graph."""
-
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, V] static output
-    ids: list[tuple[int, torch.Tensor]]  # (layer, [bucket, K] routing ids) for the load hook
-
-
-@dataclass
-class _LocalShare:
-    """The in-process member's share of a hybrid linked step (coordinator/experts/local.py):
-    its Triton backend, its slot table (the dispatcher's ``link_local_table``) and the live
-    generation's weights per MoE layer, whose addresses the graphs hold."""
-
-    inner: Any  # gpu_server/backend.py TritonExpertBackend
-    table: torch.Tensor  # [L_moe, E] int32: the local slot of each expert, -1 elsewhere
-    weights: list[tuple[torch.Tensor, torch.Tensor]]  # per MoE layer (w13 [S, 2I, H], w2 [S, H, I])
-    key: tuple  # (generation, the weights' addresses): new -> the graphs are captured again
-
-
-@dataclass
-class _LinkState:
-    """What the linked graphs of one link share: the link, the areas as our device addresses
-    them (the link's own for a device link; mapped host memory for a host link), its step
-    word, the abort and error words (ours), the padding mask, the graphs' own pool and each
-    bucket's step."""
-
-    link: LinkAreas
-    req: Any  # link.RequestViews on our device
-    ans: Any  # link.AnswerViews on our device
-    step: StepWord
-    abort: torch.Tensor  # [1] int64
-    errors: torch.Tensor  # [1] int64: ERR_* bits of the step (zeroed by the graph)
-    rowid: torch.Tensor  # [Bm, 1] int64
-    pad: torch.Tensor  # [Bm, 1] bool: rows >= b of the step (computed by the graph)
-    pool: Any = None  # the graphs' own memory pool (torch.cuda.graph_pool_handle)
-    steps: dict[int, _LinkedStep] = field(default_factory=dict)
-    mapped: Any = None  # host link: the HostMapped areas (unregistered when the link goes)
-    local_key: tuple | None = None  # the _LocalShare.key the graphs in ``steps`` were captured with
-
-    @classmethod
-    def new(cls, lnk: LinkAreas, device: torch.device, bm: int) -> _LinkState:
-        from expertmesh.transport import link  # NOTE: Triton: CUDA coordinators only
-
-        assert lnk.ans is not None
-        req, ans, mapped = lnk.req, lnk.ans, None
-        if lnk.host:
-            req, ans, mapped = _map_host_areas(lnk, device)
-            # NOTE: the channel's close() unpins the pages before it unmaps them (a later
-            # segment at the same address could not be pinned while they stay registered)
-            lnk.mapped = mapped
-        st = cls(
-            lnk,
-            req,
-            ans,
-            link.StepWord(device),
-            torch.zeros(1, dtype=torch.int64, device=device),
-            torch.zeros(1, dtype=torch.int64, device=device),
-            torch.arange(bm, device=device).view(bm, 1),
-            torch.zeros(bm, 1, dtype=torch.bool, device=device),
-            torch.cuda.graph_pool_handle(),
-            mapped=mapped,
-        )
-        # a dead channel ends a step in flight at once instead of at its timeout (ShmClient.kill)
-        lnk.cancel = link.Canceller(st.abort)
-        return st
-
-    def close(self) -> None:
-        """Drops the graphs and unmaps a host link's areas (the caller holds no replay)."""
-        self.steps.clear()
-        if self.mapped is not None:
-            from expertmesh.transport.cuda_ipc import CudaIpcError
-
-            try:
-                self.mapped.close()
-            except CudaIpcError as e:  # the segment may be gone already: nothing reads it now
-                log.info("host link areas: %s", e)
-            self.mapped = None
-
-
-def _map_host_areas(lnk: LinkAreas, device: torch.device) -> tuple[Any, Any, Any]:
-    """A host link's request and answer areas (shared memory, request first) as views on our
-    device: one registration over both, so that the graph writes and polls them over PCIe."""
-    from expertmesh.transport import cuda_ipc, link
-    from expertmesh.transport.host_map import HostMapped
-
-    assert lnk.ans is not None
-    r, h, k, dt = lnk.rows, lnk.hidden, lnk.top_k, lnk.dtype
-    start, ans_at = lnk.area.data_ptr(), lnk.ans.flag.data_ptr()
-    end = ans_at + link.answer_bytes(r, h, dt)
-    if not start < ans_at or ans_at - start < link.request_bytes(r, h, k, dt):
-        raise RuntimeError("the host link's answer area does not follow its request area")
-    span = cuda_ipc.wrap(start, end - start, torch.device("cpu"))  # [end - start] uint8, no copy
-    mapped = HostMapped(span, device)
-    dev = mapped.tensor
-    req = link.RequestViews.of(dev, r, h, k, dt)
-    ans = link.AnswerViews.of(dev[ans_at - start :], r, h, dt)
-    return req, ans, mapped
-
-
-class _Linker(Dispatcher):
-    """Stands in for the remote dispatcher while a bucket's linked step is captured: submit
-    fills the request area and signals, the Pending's wait waits for the answer and copies it."""
-
-    def __init__(
-        self,
-        st: _LinkState,
-        table: torch.Tensor,
-        moe_index: dict[int, int],
-        bucket: int,
-        timeout_s: float,
-        local: _LocalShare | None = None,
-    ):
-        self.st, self.table, self.moe_index = st, table, moe_index  # table: [L_moe, E] int32
-        self.bucket, self.timeout_s, self.local = bucket, timeout_s, local
-        self.capturing = False  # False: the warm-up run (every op once, no flag kernel)
-        self.ids: list[tuple[int, torch.Tensor]] = []
-
-    def prologue(self) -> None:
-        """The step's first nodes: its (step, rows) word, zero errors, the padding mask."""
-        st = self.st
-        st.step.copy_in()
-        st.errors.zero_()
-        torch.ge(st.rowid, st.step.rows, out=st.pad)
-
-    def submit(self, layer, x, topk_ids, topk_weights):
-        from expertmesh.transport import link
-
-        st, tb, i = self.st, self.bucket, self.moe_index[layer]
-        req, ans = st.req, st.ans
-        step = st.step.step
-        req.x[:tb].copy_(x)
-        ids = req.ids[:tb]  # [tb, K] int32: the server's slot of each (token, k); -1: padding, local
-        torch.index_select(self.table[i], 0, topk_ids.reshape(-1), out=ids.view(-1))
-        ids.masked_fill_(st.pad[:tb], -1)
-        req.w[:tb].copy_(topk_weights)
-        if self.capturing:
-            link.signal(req.flag, step, i)
-            self.ids.append((layer, topk_ids))
-        mine = self._local_share(i, x, topk_ids, topk_weights)  # runs while the server computes
-
-        def wait() -> torch.Tensor:  # [tb, H]
-            if self.capturing:
-                link.wait(ans.flag, step, i, st.abort, st.errors, self.timeout_s)
-            # NOTE: a copy into our memory now: the server reuses its area for the next layer
-            routed = ans.out[:tb].to(dtype=x.dtype, copy=True)
-            st.errors.bitwise_or_(ans.status)
-            if mine is not None:
-                routed.add_(mine)
-            return routed
-
-        return Pending(wait)
-
-    def _local_share(self, i: int, x, topk_ids, topk_weights) -> torch.Tensor | None:
-        """The in-process member's experts of MoE layer ``i`` (``[tb, H]``), queued after the
-        server's request went out; None when the server holds every expert."""
-        if self.local is None:
-            return None
-        from gpu_server.link_graphs import moe_into  # NOTE: Triton: CUDA coordinators only
-
-        tb = self.bucket
-        ids = torch.index_select(self.local.table[i], 0, topk_ids.reshape(-1)).view(tb, -1)
-        ids.masked_fill_(self.st.pad[:tb], -1)  # [tb, K] int32: -1 for the server's and padding
-        w13, w2 = self.local.weights[i]
-        out = torch.empty_like(x)  # [tb, H]
-        moe_into(self.local.inner, x, w13, w2, ids, topk_weights.to(torch.float32), out)
-        return out
-
-
 class RemoteDecodeGraphs(DecodeGraphs):
     """Decode graphs (coordinator/model/cuda_graphs.py) cut at each MoE dispatch; ``dispatcher`` is
     the remote one the model is attached to."""
@@ -300,7 +131,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
         # set to a list to get, per replayed layer, host seconds of (segment replay + routing
         # on the host, route + send, wait + copy-in): benchmarks/bench_e2e.py's profile
         self.timings: list[tuple[float, float, float]] | None = None
-        self._link: _LinkState | None = None  # the graphs of the current device link
+        self._link: LinkState | None = None  # the graphs of the current device link
         self._link_note = ""  # the last reason a step did not link (logged when it changes)
         self.link_pool_bytes = 0  # what the current link's graphs added to the allocator's reserve
         self._broken: LinkAreas | None = None  # a link whose capture failed: its steps go piecewise
@@ -348,7 +179,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
                     st.close()
                 self._link = None
                 try:
-                    st = self._link = _LinkState.new(lnk, self.cache.k.device, self.buckets[-1])
+                    st = self._link = LinkState.new(lnk, self.cache.k.device, self.buckets[-1])
                 except RuntimeError as e:  # NOTE: the host link's mapping (CudaIpcError), CUDA errors
                     log.error("%s: cannot map the link's areas: %s; this link is not used", conn.spec.name, e)
                     self._broken = lnk
@@ -402,7 +233,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
             log.info("%s: decode step without the link: %s", name, why)
             self._link_note = why
 
-    def _local_share(self, d: RemoteDispatcher) -> tuple[_LocalShare | None, str]:
+    def _local_share(self, d: RemoteDispatcher) -> tuple[LocalShare | None, str]:
         """The in-process member's share of a hybrid linked step (None: no share), or why this
         step cannot link."""
         member = d.link_local()
@@ -415,16 +246,16 @@ class RemoteDecodeGraphs(DecodeGraphs):
         live = worker.slots.live
         weights = [(live.layers[i].w13, live.layers[i].w2) for i in worker.slots.moe_layers]
         key = (live.generation, tuple((a.data_ptr(), b.data_ptr()) for a, b in weights))
-        return _LocalShare(inner, d.link_local_table, weights, key), ""
+        return LocalShare(inner, d.link_local_table, weights, key), ""
 
-    def _capture_linked(self, st: _LinkState, bucket: int, share: _LocalShare | None = None) -> _LinkedStep:
+    def _capture_linked(self, st: LinkState, bucket: int, share: LocalShare | None = None) -> LinkedStep:
         """Captures ``bucket``'s whole step over ``st``'s link: a warm-up run first (every op
         once, outside any capture, with no flag kernel: link.py's NOTE on lazy loading), on
         padding metadata (K/V writes go to the scratch row); the step's metadata is restored."""
         blocks = self.model.moe_blocks()
         saved = [(blk.dispatcher, blk.load_hook) for blk in blocks]
         meta = self.meta.clone()
-        linker = _Linker(
+        linker = Linker(
             st, self.dispatcher.link_table, self._moe_index, bucket, self.dispatcher.cluster.timeout_s, share
         )
         graph = torch.cuda.CUDAGraph()
@@ -450,7 +281,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
                 blk.dispatcher, blk.load_hook = disp, hook
             self.meta.copy_(meta)
         torch.cuda.synchronize()
-        return _LinkedStep(graph, logits, linker.ids)
+        return LinkedStep(graph, logits, linker.ids)
 
     def _capture_all(self) -> None:
         self._pad(0, self.buckets[-1])
