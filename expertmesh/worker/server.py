@@ -151,12 +151,18 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     if config.fast_paths:
         for name in segment.sweep():
             log.info("removed %s from %s (its creator is gone)", name, segment.SHM_DIR)
+    # NOTE: the gRPC port is bound before the data port: a data port the kernel picks (--data-port
+    # 0) could otherwise take a --port that was just freed (a server restarted on its port)
+    server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
+    # TLS (mutual with --tls-ca) when configured
+    port = tls.add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     data = None
     if config.tcp:
         # NOTE: the gRPC port's host and certificate; its token checks happen in the handshake
         try:
             data = DataListener(config.host, config.data_port, tcp.server_context(config.tls))
         except OSError as e:  # one line naming the port and its flag, as for --port
+            await server.stop(None)
             raise BindError(f"{config.host}:{config.data_port}", "--data-port", e.strerror or "") from None
     servicer = ExpertWorkerServicer(
         slots,
@@ -178,7 +184,6 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
             config.host,
             config.port,
         )
-    server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
     add_worker_servicer(servicer, server)  # malformed bytes -> INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -188,13 +193,6 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         health.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    # TLS (mutual with --tls-ca) when configured
-    try:
-        port = tls.add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
-    except BindError:
-        if data is not None:
-            data.close()
-        raise
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
