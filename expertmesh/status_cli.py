@@ -56,7 +56,8 @@ def summarize(a: dict[str, Any], b: dict[str, Any], top: int) -> dict[str, Any]:
         servers.append(
             {
                 "name": s.name, "address": s.address, "kind": s.kind, "state": s.state,
-                "transport": s.transport or "-", "slots_used": s.slots_used, "slot_capacity": s.slot_capacity,
+                "transport": s.transport or "-", "link": s.link or "-", "link_note": s.link_note,
+                "slots_used": s.slots_used, "slot_capacity": s.slot_capacity,
                 "layer_round_trip_ms": secs / n * 1e3 if n else None, "last_error": s.last_error,
             }
         )  # fmt: skip
@@ -86,6 +87,7 @@ def summarize(a: dict[str, Any], b: dict[str, Any], top: int) -> dict[str, Any]:
             "prompt_tokens_cached_per_s": (cb.prompt_tokens_cached - ca.prompt_tokens_cached) / dt,
             "requests_per_s": (cb.requests_finished - ca.requests_finished) / dt,
             "steps_per_s": (cb.steps - ca.steps) / dt,
+            "linked_steps_per_s": (cb.linked_decode_steps - ca.linked_decode_steps) / dt,
         },
         "servers": servers,
         "hottest_experts": hottest,
@@ -105,15 +107,17 @@ def render(addr: str, s: dict[str, Any]) -> str:
         f"throughput over {tp['interval_seconds']:.1f}s: {tp['generation_tokens_per_s']:.1f} generated tok/s, "
         f"{tp['prompt_tokens_per_s']:.1f} prompt tok/s ({tp['prompt_tokens_cached_per_s']:.1f} cached), "
         f"{tp['requests_per_s']:.2f} req/s, "
-        f"{tp['steps_per_s']:.1f} steps/s",
+        f"{tp['steps_per_s']:.1f} steps/s ({tp['linked_steps_per_s']:.1f} linked)",
         "",
     ]
     if s["servers"]:
-        rows = [("SERVER", "KIND", "STATE", "TRANSPORT", "SLOTS", "LAYER RTT", "ADDRESS")]
+        rows = [("SERVER", "KIND", "STATE", "TRANSPORT", "LINK", "SLOTS", "LAYER RTT", "ADDRESS")]
         for v in s["servers"]:
             rtt = f"{v['layer_round_trip_ms']:.2f} ms" if v["layer_round_trip_ms"] is not None else "-"
             slots = f"{v['slots_used']}/{v['slot_capacity']}"
-            rows.append((v["name"], v["kind"], v["state"], v["transport"], slots, rtt, v["address"]))
+            rows.append(
+                (v["name"], v["kind"], v["state"], v["transport"], v["link"], slots, rtt, v["address"])
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         # NOTE: below the table, one line each: an error message would stretch every row

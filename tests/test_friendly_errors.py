@@ -106,7 +106,9 @@ def test_help_shows_the_defaults():
 
 def test_status_keeps_a_down_servers_error_out_of_the_table():
     long_error = "UNAVAILABLE: failed to connect to all addresses; last error: " + "x" * 300
-    server = dict(kind="cpu", transport="grpc", slots_used=8, slot_capacity=8, layer_round_trip_ms=None)
+    server = dict(
+        kind="cpu", transport="grpc", link="-", slots_used=8, slot_capacity=8, layer_round_trip_ms=None
+    )
     s = {
         "uptime_seconds": 5,
         "placement_generation": 1,
@@ -119,6 +121,7 @@ def test_status_keeps_a_down_servers_error_out_of_the_table():
             prompt_tokens_cached_per_s=0,
             requests_per_s=0,
             steps_per_s=0,
+            linked_steps_per_s=0,
         ),
         "servers": [
             dict(server, name="cpu0", address="127.0.0.1:1", state="unavailable", last_error=long_error),

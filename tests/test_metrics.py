@@ -158,6 +158,9 @@ def test_status_view(cluster, capsys):
     assert s["kv"]["pages_cached"] >= (n - 1) // page and s["throughput"]["prompt_tokens_cached_per_s"] > 0
     (srv,) = s["servers"]
     assert (srv["name"], srv["state"], srv["transport"]) == ("cpu0", "ready", "grpc")
+    # a CPU coordinator never links a decode step, and says so
+    assert srv["link"] == "-" and srv["link_note"]
+    assert s["throughput"]["linked_steps_per_s"] == 0
     assert srv["slots_used"] == srv["slot_capacity"] == ModelConfig.from_dir(path).num_experts
     assert srv["layer_round_trip_ms"] is not None and srv["layer_round_trip_ms"] > 0
     # the hottest experts are the largest counts of Admin/GetExpertLoad
@@ -168,7 +171,7 @@ def test_status_view(cluster, capsys):
     assert main(["status", "--addr", coord.addr, "--interval", "0.1"]) == 0
     text = capsys.readouterr().out
     assert "cpu0" in text and "placement generation" in text and "layer   0:" in text
-    assert "pages in the prefix cache" in text
+    assert "pages in the prefix cache" in text and "LINK" in text and "linked)" in text
 
 
 def test_grafana_dashboard_uses_exported_metrics(cluster):

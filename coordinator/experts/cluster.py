@@ -275,6 +275,7 @@ class ExpertCluster:
                     transport=getattr(c, "transport", "grpc"),
                     transport_note=getattr(c, "transport_note", ""),
                     fast_fallbacks=getattr(c, "fast_fallbacks", 0),
+                    link=_link_kind(c),
                     link_note=getattr(c, "link_note", ""),
                     relay=c.relays.totals() if hasattr(c, "relays") else {},
                     last_error=m.last_error,
@@ -907,3 +908,14 @@ def _describe_until(conn: Connection, deadline: float) -> WorkerInfo:
 
 def _plan_transport(conn: Connection, info: WorkerInfo, local: negotiate.Side) -> None:
     conn.plan_transport(info, local)
+
+
+def _link_kind(conn: object) -> str:
+    """The decode-step link a connection has now: "device", "host", "tcp", or ""."""
+    link = getattr(conn, "link", None)
+    lnk = link() if callable(link) else None
+    if lnk is None:
+        return ""
+    if not lnk.host:
+        return "device"
+    return "tcp" if getattr(conn, "transport", "") == "tcp" else "host"

@@ -32,5 +32,6 @@ def add_status(coord: Any, resp: admin_pb2.ListServersResponse) -> None:
             placement_generation=placement.generation if placement is not None else 0,
             prompt_tokens_cached=m.prompt_cached_total,
             kv_pages_cached=st["cached_pages"],
+            linked_decode_steps=getattr(coord.dispatcher, "linked_steps", 0),
         )
     )

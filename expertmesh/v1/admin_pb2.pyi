@@ -11,7 +11,7 @@ class ListServersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("name", "address", "kind", "state", "device", "slot_capacity", "slots_used", "transport", "last_error", "layer_round_trips", "layer_round_trip_seconds")
+    __slots__ = ("name", "address", "kind", "state", "device", "slot_capacity", "slots_used", "transport", "last_error", "link", "link_note", "layer_round_trips", "layer_round_trip_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class ServerInfo(_message.Message):
     SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    LINK_NOTE_FIELD_NUMBER: _ClassVar[int]
     LAYER_ROUND_TRIPS_FIELD_NUMBER: _ClassVar[int]
     LAYER_ROUND_TRIP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
@@ -32,9 +34,11 @@ class ServerInfo(_message.Message):
     slots_used: int
     transport: str
     last_error: str
+    link: str
+    link_note: str
     layer_round_trips: int
     layer_round_trip_seconds: float
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., slot_capacity: _Optional[int] = ..., slots_used: _Optional[int] = ..., transport: _Optional[str] = ..., last_error: _Optional[str] = ..., layer_round_trips: _Optional[int] = ..., layer_round_trip_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., slot_capacity: _Optional[int] = ..., slots_used: _Optional[int] = ..., transport: _Optional[str] = ..., last_error: _Optional[str] = ..., link: _Optional[str] = ..., link_note: _Optional[str] = ..., layer_round_trips: _Optional[int] = ..., layer_round_trip_seconds: _Optional[float] = ...) -> None: ...
 
 class ListServersResponse(_message.Message):
     __slots__ = ("servers", "coordinator")
@@ -45,7 +49,7 @@ class ListServersResponse(_message.Message):
     def __init__(self, servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., coordinator: _Optional[_Union[CoordinatorStats, _Mapping]] = ...) -> None: ...
 
 class CoordinatorStats(_message.Message):
-    __slots__ = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total", "kv_page_size", "requests_finished", "prompt_tokens", "generation_tokens", "steps", "preemptions", "uptime_seconds", "placement_generation", "prompt_tokens_cached", "kv_pages_cached")
+    __slots__ = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total", "kv_page_size", "requests_finished", "prompt_tokens", "generation_tokens", "steps", "preemptions", "uptime_seconds", "placement_generation", "prompt_tokens_cached", "kv_pages_cached", "linked_decode_steps")
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +64,7 @@ class CoordinatorStats(_message.Message):
     PLACEMENT_GENERATION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    LINKED_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     requests_running: int
     requests_waiting: int
     kv_pages_used: int
@@ -74,7 +79,8 @@ class CoordinatorStats(_message.Message):
     placement_generation: int
     prompt_tokens_cached: int
     kv_pages_cached: int
-    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., placement_generation: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ...) -> None: ...
+    linked_decode_steps: int
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., placement_generation: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., linked_decode_steps: _Optional[int] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
     __slots__ = ()
