@@ -183,8 +183,8 @@ def test_reader_threads_run_on_one_thread_and_leave_the_others_theirs():
 
     from expertmesh.safetensors_io import _omp_set_num_threads, reader_pool
 
-    if _omp_set_num_threads() is None:
-        pytest.skip("torch here uses another OpenMP runtime: readers fall back to torch.set_num_threads(1)")
+    # the pinned torch wheel (constraints.txt) brings its own libgomp under torch/lib
+    assert _omp_set_num_threads() is not None, "torch's OpenMP runtime not found: readers would leak"
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -23,7 +23,6 @@ from expertmesh import errors
 from expertmesh.experts import TorchExpertBackend
 from expertmesh.transport import descriptor as dsc
 from expertmesh.transport import link_layout as ll
-from expertmesh.transport import relay as rl
 from expertmesh.transport import tcp, tcp_relay
 from expertmesh.transport.errors import Rejected
 from expertmesh.transport.handshake import Ack, HandshakeError, Hello
@@ -33,8 +32,6 @@ from expertmesh.worker.core import ExpertWorker
 from expertmesh.worker_api import ExpertRequest
 from tests.test_hostlink import CPU, DT, H, K, R, inputs, make_worker
 from tests.tls_utils import CA
-
-pytestmark = pytest.mark.skipif(rl.load() is None, reason=rl.unavailable() or "no relay")
 
 LAYERS = 2  # tests/test_hostlink.py's checkpoint
 TIMEOUT_S = 5.0  # the cluster timeout the test's coordinator runs with
