@@ -57,6 +57,14 @@ def test_fit_speed_gives_servers_joined_since_the_mean_measured_speed():
     assert fit_speed(torch.tensor([2.0, 4.0, 5.0], dtype=torch.float64), default).tolist() == [2.0, 4.0, 5.0]
 
 
+def drain(c, server, i: int) -> None:
+    """SIGTERM of member ``i``: its health says NOT_SERVING (the fakes have no health: marked
+    as the maintenance thread marks it), it is routed around and exits."""
+    server.up = False
+    c.members[i].draining = True
+    c.mark_down(i, "draining (health NOT_SERVING)")
+
+
 def test_a_leaving_server_is_re_placed_then_returns_and_gets_copies_first():
     gpu, cpu = FakeServer(capacity=4), FakeServer(capacity=4)
     c, conns = make(gpu, cpu)  # gpu0 holds experts 0, 1; cpu0 holds 2, 3
@@ -64,11 +72,7 @@ def test_a_leaving_server_is_re_placed_then_returns_and_gets_copies_first():
     try:
         c.connect(5)
         gen = c.placement.generation
-        # SIGTERM: its health says NOT_SERVING (the fakes have no health: marked as the
-        # maintenance thread marks it), it is routed around and exits
-        cpu.up = False
-        c.members[1].draining = True
-        c.mark_down(1, "draining (health NOT_SERVING)")
+        drain(c, cpu, 1)
         wait_for(lambda: hook.replaced == 1)
         assert c.placement.generation == gen + 1 and gpu.table == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
         assert c.placement.server_slots(1) == {0: [], 1: []} and c.covered()
@@ -102,9 +106,7 @@ def test_the_rest_too_small_keeps_routing_around_and_retries(caplog):
     try:
         c.connect(5)
         gen = c.placement.generation
-        cpu.up = False
-        c.members[1].draining = True
-        c.mark_down(1, "draining (health NOT_SERVING)")
+        drain(c, cpu, 1)
         wait_for(lambda: caplog.text.count("cannot re-place its experts") >= 2)  # retried
         assert "fewer than the 4 experts" in caplog.text  # gpu0 holds 2 slots per layer at most
         assert c.placement.generation == gen and hook.replaced == 0 and ("prepare", gen + 1) not in gpu.calls

@@ -10,9 +10,7 @@ import threading
 import time
 
 import grpc
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 from coordinator.serving.server import CoordinatorConfig
@@ -21,17 +19,10 @@ from expertmesh.demo import write_demo_model
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc
 from tests.cluster_utils import start_server
 from tests.serving_utils import ServerThread, one_thread  # noqa: F401 (autouse fixture)
+from tests.test_metrics import scrape
 from tests.test_serving_cluster import wait_health
 
 pytestmark = pytest.mark.slow
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(url, timeout=10).text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def value(m: dict, name: str, **labels: str) -> float:
