@@ -12,14 +12,11 @@ backend falls back to torch.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from expertmesh.cbuild import build_cached
 
 log = logging.getLogger("expertmesh.cpu_kernels")
 
@@ -55,13 +52,6 @@ def cpu_caps(names: tuple[str, ...] | None = None) -> int:
     )
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("EXPERTMESH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "expertmesh"
-    )
-    return Path(base) / "cpu_kernels"
-
-
 def build(defines: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
     """Compiles moe_gemv.c (or reuses the cached build); raises OSError/CalledProcessError.
 
@@ -69,23 +59,10 @@ def build(defines: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
     EXPERTMESH_AMX_EMULATE runs the AMX tile logic as plain C on any x86-64 CPU, AMX_PROFILE adds
     ``moe_amx_profile`` (seconds per stage of the AMX kernel). ``source``: another copy of the
     kernels (a benchmark's baseline)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise OSError("no C compiler (cc/gcc) on PATH")
     flags = [*FLAGS, *(f"-D{d}" for d in defines)]
-    src = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.c")))
-    key = hashlib.sha256(
-        src + cc.encode() + " ".join(flags).encode() + platform.machine().encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"moe_gemv-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        subprocess.run([cc, *flags, "-o", str(tmp_so), str(source), "-lm"], check=True, capture_output=True)
-        os.replace(tmp_so, out)  # atomic: concurrent servers never load a half-written file
-    return out
+    # NOTE: moe_gemv.c includes the other .c files: they are in the key, not on the command line
+    deps = sorted(source.parent.glob("*.c"))
+    return build_cached("moe_gemv", "cpu_kernels", [source], flags, key_sources=deps, libs=["-lm"])
 
 
 def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | None:

@@ -31,21 +31,17 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import socket
 import ssl
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from expertmesh.cbuild import build_cached
 from expertmesh.transport import link_layout as link
 
 log = logging.getLogger("expertmesh.relay")
@@ -71,31 +67,10 @@ _why = ""
 _lock = threading.Lock()
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("EXPERTMESH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "expertmesh"
-    )
-    return Path(base) / "relay"
-
-
 def build() -> Path:
     """Compiles relay.c (or reuses the build cached for this source, compiler and machine);
     raises OSError / CalledProcessError."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise OSError("no C compiler (cc/gcc) on PATH")
-    src = b"".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(src + cc.encode() + " ".join(FLAGS).encode() + platform.machine().encode())
-    out = _cache_dir() / f"relay-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        cmd = [cc, *FLAGS, "-o", str(tmp_so), *map(str, SOURCES)]
-        subprocess.run(cmd, check=True, capture_output=True)
-        os.replace(tmp_so, out)  # atomic: two processes never load a half-written file
-    return out
+    return build_cached("relay", "relay", SOURCES, FLAGS)
 
 
 def load() -> ctypes.CDLL | None:
