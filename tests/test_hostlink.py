@@ -287,20 +287,21 @@ def test_cancel_ends_a_step_in_flight_at_once():
         c.close()
 
 
-def _tasks(settle_to: int | None = None) -> int:
-    """This process's threads (a joined thread may linger in /proc for a moment: up to 2 s
-    for the count to come down to ``settle_to``)."""
+def _new_tasks(before: set[str]) -> set[str]:
+    """This process's threads that were not there ``before`` (a joined thread may linger in
+    /proc for a moment: up to 2 s for them to go). Compared by id, not by count: a thread an
+    earlier test left behind may end meanwhile and hide one that leaked."""
     deadline = time.monotonic() + 2
     while True:
-        n = len(os.listdir("/proc/self/task"))
-        if settle_to is None or n <= settle_to or time.monotonic() > deadline:
-            return n
+        new = set(os.listdir("/proc/self/task")) - before
+        if not new or time.monotonic() > deadline:
+            return new
         time.sleep(0.01)
 
 
 def test_closing_the_channel_mid_step_joins_the_thread():
     worker = make_worker("int4")
-    before = _tasks()
+    before = set(os.listdir("/proc/self/task"))
     c = Coordinator(worker)
     assert c.launch(1, 1, 1, timeout_ms=60_000).code == 0
     link = c.server._link
@@ -308,7 +309,7 @@ def test_closing_the_channel_mid_step_joins_the_thread():
     c.close()  # the coordinator's stream ended: the step waiting for layer 0 ends, the thread goes
     assert time.monotonic() - t0 < 5 and not c.server._thread.is_alive()
     assert c.server._link is None and link._h is None
-    assert _tasks(settle_to=before) == before, "a thread of the channel outlived it"
+    assert not _new_tasks(before), "a thread of the channel outlived it"
 
 
 # ---------------------------------------------------------------------- refusals
