@@ -46,6 +46,8 @@ from coordinator.model.kv_cache import KVCache
 from coordinator.model.linked_step import LinkedStep, Linker, LinkState, LocalShare
 from coordinator.model.models.base import CausalLM
 from coordinator.model.models.moe import LoadHook
+from expertmesh.gpu_share import ShareProbe
+from expertmesh.net import device_uuid
 
 if TYPE_CHECKING:
     from coordinator.experts.remote import RemoteDispatcher
@@ -135,6 +137,10 @@ class RemoteDecodeGraphs(DecodeGraphs):
         self._link_note = ""  # the last reason a step did not link (logged when it changes)
         self.link_pool_bytes = 0  # what the current link's graphs added to the allocator's reserve
         self._broken: LinkAreas | None = None  # a link whose capture failed: its steps go piecewise
+        # "auto" links stand down while other processes compute on this GPU (expertmesh/gpu_share.py)
+        self._share = (
+            ShareProbe.for_device(device_uuid(dev)) if dispatcher.cluster.device_link == "auto" else None
+        )
         ids = model.config.moe_layer_ids
         self._moe_index = {layer: i for i, layer in enumerate(ids)}
         super().__init__(model, cache, max_pages_per_seq, load_hook, buckets)
@@ -166,6 +172,10 @@ class RemoteDecodeGraphs(DecodeGraphs):
         if plan is None:
             return None
         server, conn, lnk = plan
+        why = self._share.shared() if self._share is not None else ""
+        if why:
+            self._note(conn.spec.name, why)
+            return None
         with lnk.lock:  # NOTE: the channel's close() waits for it before unmapping the answer area
             if lnk.closed or lnk.ans is None or lnk is self._broken:
                 return None

@@ -1,0 +1,126 @@
+"""Whether another process computes on a GPU, read from NVML (the driver's management library,
+loaded with ctypes: no Python package needed).
+
+A linked decode step (coordinator/model/remote_graphs.py) spins on its GPU until the expert
+server's answer arrives. Two processes with CUDA contexts on one GPU are time-sliced by the
+driver (no MPS): while one process's graph spins, the other's kernels wait for the slice to end.
+Two coordinators on one GPU, each spinning on its link, measured 441 -> 45 tok/s at
+concurrency 8 (full-size Qwen3-30B-A3B, 2x H200: benchmarks/RESULTS.md). So in the link's
+``auto`` mode a coordinator stands its link down while its GPU has other compute processes,
+and takes it up again when they have gone.
+
+The count includes this process: NVML reports host PIDs, which inside a container are not ours
+to compare with, so "shared" is two or more processes, not "a PID other than mine".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+NVML_SUCCESS = 0
+NVML_ERROR_INSUFFICIENT_SIZE = 7
+MAX_PROCESSES = 64
+
+
+class _ProcessInfo(ctypes.Structure):
+    # nvmlProcessInfo_t of the _v2/_v3 process queries (pid, used memory, MIG instance ids)
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("usedGpuMemory", ctypes.c_ulonglong),
+        ("gpuInstanceId", ctypes.c_uint),
+        ("computeInstanceId", ctypes.c_uint),
+    ]
+
+
+class Nvml:
+    """The few NVML calls this needs. Raises OSError where the library or the device is missing."""
+
+    _lock = threading.Lock()
+    _lib: ctypes.CDLL | None = None
+
+    def __init__(self) -> None:
+        with Nvml._lock:
+            if Nvml._lib is None:
+                lib = ctypes.CDLL("libnvidia-ml.so.1")
+                self._check(lib.nvmlInit_v2(), "nvmlInit")
+                Nvml._lib = lib
+        self.lib = Nvml._lib
+        fn = getattr(self.lib, "nvmlDeviceGetComputeRunningProcesses_v3", None)
+        self._procs = fn if fn is not None else self.lib.nvmlDeviceGetComputeRunningProcesses_v2
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != NVML_SUCCESS:
+            raise OSError(f"NVML {what} returned {rc}")
+
+    def handle(self, uuid: str) -> ctypes.c_void_p:
+        h = ctypes.c_void_p()
+        # NOTE: torch spells the UUID without NVML's "GPU-" prefix
+        key = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+        self._check(self.lib.nvmlDeviceGetHandleByUUID(key.encode(), ctypes.byref(h)), "GetHandleByUUID")
+        return h
+
+    def compute_processes(self, handle: ctypes.c_void_p) -> int:
+        n = ctypes.c_uint(MAX_PROCESSES)
+        infos = (_ProcessInfo * MAX_PROCESSES)()
+        rc = self._procs(handle, ctypes.byref(n), infos)
+        if rc == NVML_ERROR_INSUFFICIENT_SIZE:
+            return MAX_PROCESSES  # more than we asked for: shared, certainly
+        self._check(rc, "GetComputeRunningProcesses")
+        return int(n.value)
+
+
+def nvml_counter(uuid: str) -> Callable[[], int]:
+    """A function returning how many processes compute on the GPU ``uuid`` (OSError: NVML is
+    not there, or does not know the device)."""
+    nvml = Nvml()
+    handle = nvml.handle(uuid)
+    return lambda: nvml.compute_processes(handle)
+
+
+class ShareProbe:
+    """Answers "does another process compute on this GPU?" at most once per ``ttl_s`` (the
+    question is asked every decode step; NVML takes tens of microseconds to a millisecond)."""
+
+    def __init__(self, count: Callable[[], int] | None, ttl_s: float = 2.0, clock=time.monotonic) -> None:
+        self._count, self.ttl_s, self._clock = count, ttl_s, clock
+        self._at = -float("inf")
+        self._why = ""
+
+    @classmethod
+    def for_device(cls, uuid: str, ttl_s: float = 2.0) -> ShareProbe:
+        """A probe of the GPU ``uuid``; one that never reports sharing where NVML cannot tell
+        (logged once: the link then behaves as without the probe)."""
+        try:
+            return cls(nvml_counter(uuid), ttl_s)
+        except (OSError, AttributeError) as e:
+            log.info("cannot count the processes on GPU %s (%s): the device link does not stand "
+                     "down for other processes there", uuid, e)  # fmt: skip
+            return cls(None, ttl_s)
+
+    def shared(self) -> str:
+        """Why this GPU counts as shared now ("" when it does not)."""
+        if self._count is None:
+            return ""
+        now = self._clock()
+        if now - self._at < self.ttl_s:
+            return self._why
+        self._at = now
+        try:
+            n = self._count()
+        except OSError as e:
+            log.warning("counting the processes on this GPU failed (%s): taken as not shared", e)
+            n = 1
+        self._why = (
+            f"{n} processes compute on this GPU: a spinning linked step would time-slice it "
+            "with the others (EXPERTMESH_LINK=force links anyway)"
+            if n >= 2
+            else ""
+        )
+        return self._why
