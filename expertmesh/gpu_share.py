@@ -1,4 +1,4 @@
-"""Whether another process computes on a GPU, read from NVML (the driver's management library,
+"""Whether other processes run kernels on a GPU, read from NVML (the driver's management library,
 loaded with ctypes: no Python package needed).
 
 A linked decode step (coordinator/model/remote_graphs.py) spins on its GPU until the expert
@@ -9,8 +9,12 @@ concurrency 8 (full-size Qwen3-30B-A3B, 2x H200: benchmarks/RESULTS.md). So in t
 ``auto`` mode a coordinator stands its link down while its GPU has other compute processes,
 and takes it up again when they have gone.
 
-The count includes this process: NVML reports host PIDs, which inside a container are not ours
-to compare with, so "shared" is two or more processes, not "a PID other than mine".
+What counts is processes that ran kernels in the last second (NVML's per-process SM
+utilisation samples), not processes that hold a context: a context alone does not time-slice
+anything, and a process may hold a stray one (a GPU expert server on another GPU of the host
+creates a context on GPU 0 when it pins memory). The count includes this process: NVML reports
+host PIDs, which inside a container are not ours to compare with, so "shared" is two or more
+busy processes, not "a busy PID other than mine".
 """
 
 from __future__ import annotations
@@ -24,17 +28,20 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 NVML_SUCCESS = 0
+NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_INSUFFICIENT_SIZE = 7
-MAX_PROCESSES = 64
+MAX_SAMPLES = 256
 
 
-class _ProcessInfo(ctypes.Structure):
-    # nvmlProcessInfo_t of the _v2/_v3 process queries (pid, used memory, MIG instance ids)
+class _UtilSample(ctypes.Structure):
+    # nvmlProcessUtilizationSample_t
     _fields_ = [
         ("pid", ctypes.c_uint),
-        ("usedGpuMemory", ctypes.c_ulonglong),
-        ("gpuInstanceId", ctypes.c_uint),
-        ("computeInstanceId", ctypes.c_uint),
+        ("timeStamp", ctypes.c_ulonglong),  # CPU time, microseconds since the epoch
+        ("smUtil", ctypes.c_uint),
+        ("memUtil", ctypes.c_uint),
+        ("encUtil", ctypes.c_uint),
+        ("decUtil", ctypes.c_uint),
     ]
 
 
@@ -51,8 +58,7 @@ class Nvml:
                 self._check(lib.nvmlInit_v2(), "nvmlInit")
                 Nvml._lib = lib
         self.lib = Nvml._lib
-        fn = getattr(self.lib, "nvmlDeviceGetComputeRunningProcesses_v3", None)
-        self._procs = fn if fn is not None else self.lib.nvmlDeviceGetComputeRunningProcesses_v2
+        self._util = self.lib.nvmlDeviceGetProcessUtilization  # AttributeError: an NVML without it
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -66,26 +72,33 @@ class Nvml:
         self._check(self.lib.nvmlDeviceGetHandleByUUID(key.encode(), ctypes.byref(h)), "GetHandleByUUID")
         return h
 
-    def compute_processes(self, handle: ctypes.c_void_p) -> int:
-        n = ctypes.c_uint(MAX_PROCESSES)
-        infos = (_ProcessInfo * MAX_PROCESSES)()
-        rc = self._procs(handle, ctypes.byref(n), infos)
-        if rc == NVML_ERROR_INSUFFICIENT_SIZE:
-            return MAX_PROCESSES  # more than we asked for: shared, certainly
-        self._check(rc, "GetComputeRunningProcesses")
-        return int(n.value)
+    def busy_processes(self, handle: ctypes.c_void_p, window_s: float) -> int:
+        """Processes with SM utilisation above 0 in a sample of the last ``window_s`` seconds."""
+        since = int((time.time() - window_s) * 1e6)
+        size = MAX_SAMPLES
+        while True:
+            n = ctypes.c_uint(size)
+            samples = (_UtilSample * size)()
+            rc = self._util(handle, samples, ctypes.byref(n), ctypes.c_ulonglong(since))
+            if rc == NVML_ERROR_NOT_FOUND:  # no sample since then: nothing ran
+                return 0
+            if rc == NVML_ERROR_INSUFFICIENT_SIZE and size < 16 * MAX_SAMPLES:
+                size *= 4
+                continue
+            self._check(rc, "GetProcessUtilization")
+            return len({samples[i].pid for i in range(n.value) if samples[i].smUtil > 0})
 
 
-def nvml_counter(uuid: str) -> Callable[[], int]:
-    """A function returning how many processes compute on the GPU ``uuid`` (OSError: NVML is
-    not there, or does not know the device)."""
+def nvml_counter(uuid: str, window_s: float = 1.0) -> Callable[[], int]:
+    """A function returning how many processes ran kernels on the GPU ``uuid`` in the last
+    ``window_s`` seconds (OSError: NVML is not there, or does not know the device)."""
     nvml = Nvml()
     handle = nvml.handle(uuid)
-    return lambda: nvml.compute_processes(handle)
+    return lambda: nvml.busy_processes(handle, window_s)
 
 
 class ShareProbe:
-    """Answers "does another process compute on this GPU?" at most once per ``ttl_s`` (the
+    """Answers "do other processes run kernels on this GPU?" at most once per ``ttl_s`` (the
     question is asked every decode step; NVML takes tens of microseconds to a millisecond)."""
 
     def __init__(self, count: Callable[[], int] | None, ttl_s: float = 2.0, clock=time.monotonic) -> None:
@@ -114,11 +127,12 @@ class ShareProbe:
         self._at = now
         try:
             n = self._count()
-        except OSError as e:
-            log.warning("counting the processes on this GPU failed (%s): taken as not shared", e)
-            n = 1
+        except OSError as e:  # NOTE: e.g. a driver without per-process samples: asked once
+            log.warning("counting the busy processes on this GPU failed (%s): the link no longer "
+                        "stands down for them", e)  # fmt: skip
+            self._count, n = None, 1
         self._why = (
-            f"{n} processes compute on this GPU: a spinning linked step would time-slice it "
+            f"{n} processes run kernels on this GPU: a spinning linked step would time-slice it "
             "with the others (EXPERTMESH_LINK=force links anyway)"
             if n >= 2
             else ""

@@ -34,7 +34,7 @@ def test_two_processes_are_shared_one_is_not_and_the_answer_is_cached():
     clock.t = 1.0
     assert probe.shared() == "", "asked again inside its ttl"
     clock.t = 2.5
-    assert "2 processes compute on this GPU" in probe.shared()
+    assert "2 processes run kernels on this GPU" in probe.shared()
     clock.t = 3.0
     counts[0] = 1
     assert probe.shared() != "", "the cached answer stands until the ttl ends"
@@ -51,33 +51,35 @@ def test_a_failing_count_is_not_shared_and_a_missing_nvml_never_is():
     assert ShareProbe(None).shared() == ""
 
 
-@pytest.mark.gpu
-def test_nvml_counts_a_second_process_on_the_gpu():
+def _busy(seconds: float) -> None:
     import torch
 
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        torch.cuda._sleep(5_000_000)  # a kernel that spins ~ms: SM utilisation above 0
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_nvml_counts_a_second_busy_process_on_the_gpu():
+    """NVML's per-process samples: this process busy alone is one; a second process running
+    kernels on the GPU makes two (shared); one that only holds a context does not count."""
     from expertmesh.net import device_uuid
 
-    torch.zeros(1, device="cuda:0")  # this process's context
     probe = ShareProbe.for_device(device_uuid("cuda:0"), ttl_s=0)
     assert probe._count is not None, "NVML not found on a GPU host"
-    base = probe._count()
-    assert base >= 1
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import torch, time; torch.zeros(1, device='cuda:0'); print(1, flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
+    prog = (
+        "import sys, time, torch; torch.zeros(1, device='cuda:0'); print(1, flush=True)\n"
+        "while sys.argv[1] == 'busy': torch.cuda._sleep(5_000_000); torch.cuda.synchronize()\n"
+        "time.sleep(60)"
     )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == b"1"
-        assert probe._count() == base + 1
-        assert probe.shared() != ""
-    finally:
-        holder.kill()
-        holder.wait()
-    deadline = time.monotonic() + 10
-    while probe._count() > base and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert probe._count() == base
+    for what, want in (("idle", 1), ("busy", 2)):
+        other = subprocess.Popen([sys.executable, "-c", prog, what], stdout=subprocess.PIPE)
+        try:
+            assert other.stdout is not None and other.stdout.readline().strip() == b"1"
+            _busy(2.0)
+            assert probe._count() == want, what
+            assert bool(probe.shared()) == (want == 2), what
+        finally:
+            other.kill()
+            other.wait()
