@@ -11,8 +11,8 @@ and takes it up again when they have gone.
 
 What counts is processes that ran kernels in the last second (NVML's per-process SM
 utilisation samples), not processes that hold a context: a context alone does not time-slice
-anything, and a process may hold a stray one (a GPU expert server on another GPU of the host
-creates a context on GPU 0 when it pins memory). The count includes this process: NVML reports
+anything, and a process can hold a stray one (pinning memory from a thread whose current GPU
+is 0 creates a context there, whichever GPU the process computes on). The count includes this process: NVML reports
 host PIDs, which inside a container are not ours to compare with, so "shared" is two or more
 busy processes, not "a busy PID other than mine".
 """
