@@ -2,7 +2,7 @@
 beside the Python TCP data path, at Qwen3-30B-A3B widths (H 2048, top-8, bf16).
 
     python benchmarks/bench_relay.py [--rows 1,8,64] [--layers 48] [--steps 40] [--repeat 3] \\
-        [--delay-us 100] [--spin-us 0,20] [--no-python-tcp] [--cuda cuda:0]
+        [--delay-us 100] [--proxy-impl c,python] [--spin-us 0,20] [--no-python-tcp] [--cuda cuda:0]
 
 Modes, per row count (a decode bucket; every row travels):
 
@@ -14,8 +14,9 @@ Modes, per row count (a decode bucket; every row travels):
   coordinator relay and a server relay between them over loopback TCP (all in this process,
   C threads only: no Python and no GIL inside the measured loop). Each step is launched with
   ``relay.step`` from the graph stand-in, as the coordinator's host would before a replay.
-- ``relay +N us``: the same through ``expertmesh.transport.delay_proxy`` adding N us each way
-  (the proxy's own Python hops come on top: compare with ``--delay-us 0``).
+- ``relay +N us (IMPL proxy)``: the same through ``expertmesh.transport.delay_proxy`` (its C
+  or its Python data path, ``--proxy-impl``, in this process) adding N us each way (the proxy's
+  own socket hops come on top: compare with ``--delay-us 0``).
 - ``python tcp``: the existing Python data path (tcp_client.TcpClient, tcp_server.TcpServer
   with an echo for compute, the server in another process), one request at a time, the
   coordinator's send to its result: what the relay replaces.
@@ -177,7 +178,9 @@ def _graph(args: argparse.Namespace, areas: Areas, rows: int, spin_ns: int) -> C
 class RelayPath:
     """Graph stand-in -> coordinator relay -> TCP (-> delay proxy) -> server relay -> compute stand-in."""
 
-    def __init__(self, args: argparse.Namespace, rows: int, delay_us: float | None, spin_us: float) -> None:
+    def __init__(
+        self, args: argparse.Namespace, rows: int, delay_us: float | None, spin_us: float, impl: str = "auto"
+    ) -> None:
         lib = rl.load()
         assert lib is not None, rl.unavailable()
         self.lib, spin_ns = lib, int(spin_us * 1e3)
@@ -192,7 +195,9 @@ class RelayPath:
         listener = self.stack.enter_context(socket.create_server(("127.0.0.1", 0)))
         port = listener.getsockname()[1]
         if delay_us is not None:
-            port = self.stack.enter_context(DelayProxy(("127.0.0.1", port), delay_us=delay_us)).port
+            port = self.stack.enter_context(
+                DelayProxy(("127.0.0.1", port), delay_us=delay_us, impl=impl)
+            ).port
         c = socket.create_connection(("127.0.0.1", port), timeout=10)
         srv_sock, _ = listener.accept()
         assert self.srv.attach(srv_sock) and self.co.attach(c)
@@ -320,6 +325,9 @@ def main() -> None:
     )
     ap.add_argument("--no-python-tcp", action="store_true", help="skip the Python TCP path")
     ap.add_argument(
+        "--proxy-impl", default="auto", help="comma-separated: the delay proxy's data paths (c, python, auto)"
+    )
+    ap.add_argument(
         "--cuda", default="", help="a CUDA device (cuda:0): the coordinator's graph is a real CUDA graph"
     )
     if sys.argv[1:2] == ["_tcp-echo"]:
@@ -345,9 +353,10 @@ def main() -> None:
             makers[f"areas (no relay), spin {sp:g}"] = lambda rows=rows, sp=sp: AreasPath(args, rows, sp)
             makers[f"relay, spin {sp:g}"] = lambda rows=rows, sp=sp: RelayPath(args, rows, None, sp)
             for d in delays:
-                makers[f"relay +{d:g} us, spin {sp:g}"] = lambda rows=rows, d=d, sp=sp: RelayPath(
-                    args, rows, d, sp
-                )
+                for impl in args.proxy_impl.split(","):
+                    makers[f"relay +{d:g} us ({impl} proxy), spin {sp:g}"] = (
+                        lambda rows=rows, d=d, sp=sp, impl=impl: RelayPath(args, rows, d, sp, impl)
+                    )
         if not args.no_python_tcp:
             makers["python tcp"] = lambda rows=rows: PythonTcpPath(args, rows)
         paths: dict[str, AreasPath | RelayPath | PythonTcpPath] = {}

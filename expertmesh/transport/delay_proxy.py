@@ -6,14 +6,21 @@ no netem.
         --delay-us 100 [--jitter-us 20]
 
 Every byte read from one side is written to the other ``delay`` (+ a uniform draw in
-``[-jitter, +jitter]``) after it was read, in order: a chunk never overtakes the one before it
+``[-jitter, +jitter]``) after it arrived, in order: a chunk never overtakes the one before it
 (TCP would see its stream corrupted), so jitter only ever delays. Both ways, any number of
-connections, each with its own reader and writer thread per direction. A writer sleeps until
-shortly before its chunk is due and polls for the last ``spin_us`` (a sleep alone overshoots by
-tens of microseconds). Only loopback addresses are accepted, on both ends.
+connections. Only loopback addresses are accepted, on both ends.
 
-Its own cost (two socket hops and two thread wake-ups per direction) comes on top of the
-delay: measure it with ``--delay-us 0`` beside the direct path.
+Two implementations of the data path (``impl``, ``--impl``):
+- ``c`` (the default where a C compiler builds it, :mod:`.delay_proxy_c`): one pthread per
+  connection and direction reads, stamps each chunk with the time the kernel received it, and
+  sends it when due, busy-polling for ``spin_us`` around each wait; no GIL, no thread hand-over.
+- ``python`` (the fallback): per direction a reader thread and a writer thread handing chunks
+  over; the writer sleeps until shortly before its chunk is due and polls for the last
+  ``spin_us``. Its own cost (two thread wake-ups per direction under the GIL) comes on top of
+  the delay, tens of microseconds and more on a loaded machine.
+
+Measure the proxy's own cost with ``--delay-us 0`` beside the direct path
+(benchmarks/bench_delay_proxy.py).
 
 For the TCP data path, run one proxy in front of the expert server's data port and give the
 coordinator ``--server-data-address SERVER=127.0.0.1:PROXY_PORT`` (a second one in front of the
@@ -31,10 +38,13 @@ import socket
 import threading
 import time
 from collections import deque
+from typing import Literal
 
+from expertmesh.transport import delay_proxy_c
 from expertmesh.transport.tcp import split_address
 
 CHUNK = 1 << 16
+IMPLS = ("auto", "c", "python")
 
 
 def check_loopback(host: str, what: str) -> None:
@@ -100,7 +110,9 @@ class _Direction:
 
 
 class DelayProxy:
-    """Forwards ``listen`` -> ``to`` with ``delay_us`` added each way (see the module text)."""
+    """Forwards ``listen`` -> ``to`` with ``delay_us`` added each way (see the module text).
+    ``impl``: ``"c"``, ``"python"`` or ``"auto"`` (C where it builds); :attr:`impl` says which
+    runs."""
 
     def __init__(
         self,
@@ -110,11 +122,17 @@ class DelayProxy:
         jitter_us: float = 0.0,
         spin_us: float = 100.0,
         seed: int | None = None,
+        impl: Literal["auto", "c", "python"] = "auto",
     ) -> None:
         if delay_us < 0 or jitter_us < 0 or spin_us < 0:
             raise ValueError("--delay-us, --jitter-us and --spin-us must be >= 0")
+        if impl not in IMPLS:
+            raise ValueError(f"impl {impl!r}: one of {', '.join(IMPLS)}")
         check_loopback(listen[0], "--listen")
         check_loopback(to[0], "--to")
+        if impl == "c" and delay_proxy_c.unavailable():
+            raise ValueError(delay_proxy_c.unavailable())
+        self.impl = "c" if impl != "python" and not delay_proxy_c.unavailable() else "python"
         self.to = to
         self.delay_s, self.jitter_s, self.spin_s = delay_us * 1e-6, jitter_us * 1e-6, spin_us * 1e-6
         self.rng = random.Random(seed)
@@ -125,10 +143,33 @@ class DelayProxy:
         self.address = f"{listen[0]}:{self.port}"
         self._closed = False
         self._conns: set[socket.socket] = set()
-        self.connections = 0  # accepted so far
+        self._accepted = 0
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._accept, daemon=True, name="delay-proxy")
-        self._thread.start()
+        self._c: delay_proxy_c.CProxy | None = None
+        if self.impl == "c":
+            # NOTE: the C side takes an IP address; getaddrinfo's first, as a connect would try
+            ip = socket.getaddrinfo(to[0], to[1], type=socket.SOCK_STREAM)[0][4][0]
+            try:
+                self._c = delay_proxy_c.CProxy(
+                    self._sock, (str(ip).split("%")[0], to[1]), delay_us, jitter_us, spin_us,
+                    self.rng.getrandbits(64),
+                )  # fmt: skip
+            except OSError:
+                self._sock.close()
+                raise
+        else:
+            threading.Thread(target=self._accept, daemon=True, name="delay-proxy").start()
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted so far."""
+        return self._c.connections if self._c is not None else self._accepted
+
+    def stats(self) -> dict[str, int]:
+        """``connections``, and with the C data path its counters (delay_proxy_c.STATS: chunks
+        and bytes sent, how late after their due time, how long after the kernel received
+        them they were read); final after :meth:`close`."""
+        return self._c.stats() if self._c is not None else {"connections": self._accepted}
 
     def __enter__(self) -> DelayProxy:
         return self
@@ -138,6 +179,8 @@ class DelayProxy:
 
     def close(self) -> None:
         self._closed = True
+        if self._c is not None:
+            self._c.close()  # its threads are gone before the listening socket closes
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
@@ -164,7 +207,7 @@ class DelayProxy:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._conns.update((a, b))
-                self.connections += 1
+                self._accepted += 1
             self._pair(a, b)
 
     def _pair(self, a: socket.socket, b: socket.socket) -> None:
@@ -203,23 +246,47 @@ def main(argv: list[str] | None = None) -> int:
         "--jitter-us", type=float, default=0.0, help="uniform jitter around the delay (never reorders)"
     )
     ap.add_argument(
-        "--spin-us", type=float, default=100.0, help="poll this long before a chunk is due (0 = sleep only)"
+        "--spin-us",
+        type=float,
+        default=100.0,
+        help="busy-poll this long before a chunk is due (and, C, after the last byte moved); 0 = sleep only",
+    )
+    ap.add_argument(
+        "--impl", choices=IMPLS, default="auto", help="data path: C (auto: where it builds) or Python threads"
     )
     args = ap.parse_args(argv)
     host, port = args.listen.rpartition(":")[0].strip("[]"), int(args.listen.rpartition(":")[2])
     try:
-        proxy = DelayProxy(split_address(args.to), (host, port), args.delay_us, args.jitter_us, args.spin_us)
+        proxy = DelayProxy(
+            split_address(args.to), (host, port), args.delay_us, args.jitter_us, args.spin_us, impl=args.impl
+        )
     except (ValueError, OSError) as e:
         ap.error(str(e))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(
-        f"delay proxy listening on {proxy.address} -> {args.to} (+{args.delay_us:g} us each way)", flush=True
+        f"delay proxy listening on {proxy.address} -> {args.to} (+{args.delay_us:g} us each way, {proxy.impl})",
+        flush=True,
     )
     stop.wait()
     proxy.close()
+    print(summary(proxy.stats()), flush=True)
     return 0
+
+
+def summary(st: dict[str, int]) -> str:
+    """One line of the proxy's counters (DelayProxy.stats)."""
+    line = f"delay proxy stopped: {st['connections']} connections"
+    if "chunks" in st:
+        n, reads = max(1, st["chunks"]), max(1, st["reads"])
+        line += (
+            f", {st['chunks']} chunks ({st['bytes']} bytes) sent {st['late_ns_sum'] / n / 1e3:.1f} us after"
+            f" due on average (max {st['late_ns_max'] / 1e3:.1f}, {st['late']} >= 20 us late), read"
+            f" {st['lag_ns_sum'] / reads / 1e3:.1f} us after arrival on average (max {st['lag_ns_max'] / 1e3:.1f};"
+            f" {st['stamped']} of {st['reads']} reads stamped by the kernel)"
+        )
+    return line
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""The delay proxy's C data path (delay_proxy.c), built on first use through
+:mod:`expertmesh.cbuild` and driven through ctypes: its threads are pthreads that never take
+the GIL, so the proxy's own cost per chunk is a few system calls, not Python.
+
+:class:`DelayProxy <expertmesh.transport.delay_proxy.DelayProxy>` uses it where it builds and
+falls back to the Python threads otherwise (:func:`unavailable` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+from expertmesh.cbuild import build_cached
+
+log = logging.getLogger("expertmesh.transport")
+
+SOURCES = (Path(__file__).with_name("delay_proxy.c"),)
+FLAGS = ["-O2", "-fPIC", "-shared", "-pthread"]
+# dproxy_stats() slots (delay_proxy.c ST_*): chunks and bytes sent; ns each chunk went out after
+# its due time (sum, max) and chunks 20 us or more late; ns from the kernel's receive stamp to
+# the read (sum, max); reads that carried the stamp; reads
+STATS = (
+    "chunks",
+    "bytes",
+    "late_ns_sum",
+    "late_ns_max",
+    "late",
+    "lag_ns_sum",
+    "lag_ns_max",
+    "stamped",
+    "reads",
+)
+_lib: ctypes.CDLL | None = None
+_why = ""
+_lock = threading.Lock()
+
+
+def build() -> Path:
+    """Compiles delay_proxy.c (or reuses the cached build); raises OSError / CalledProcessError."""
+    return build_cached("delay_proxy", "delay_proxy", SOURCES, FLAGS)
+
+
+def load() -> ctypes.CDLL | None:
+    """The proxy's library, or None (:func:`unavailable` says why) where it cannot be built."""
+    global _lib, _why
+    with _lock:
+        if _lib is not None or _why:
+            return _lib
+        try:
+            lib = ctypes.CDLL(str(build()), use_errno=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = ""
+            if isinstance(e, subprocess.CalledProcessError):
+                detail = e.stderr.decode(errors="replace")[-500:]
+            _why = f"the C delay proxy cannot be built here: {e} {detail}".strip()
+            log.warning("%s", _why)
+            return None
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.dproxy_start.argtypes = [
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_int,
+            i64,
+            i64,
+            i64,
+            ctypes.c_uint64,
+        ]
+        lib.dproxy_start.restype = p
+        lib.dproxy_connections.argtypes = [p]
+        lib.dproxy_connections.restype = i64
+        lib.dproxy_stats.argtypes = [p, p]
+        lib.dproxy_stats.restype = None
+        lib.dproxy_stop.argtypes = [p, p]
+        lib.dproxy_stop.restype = None
+        _lib = lib
+        return lib
+
+
+def unavailable() -> str:
+    """Why there is no C proxy here ("" where :func:`load` gives one)."""
+    load()
+    return _why
+
+
+class CProxy:
+    """The C threads forwarding the connections ``listener`` accepts to ``to`` (an IP address,
+    already checked to be loopback). ``listener`` stays the caller's: close it after
+    :meth:`close`."""
+
+    def __init__(
+        self, listener: socket.socket, to: tuple[str, int], delay_us: float, jitter_us: float,
+        spin_us: float, seed: int,
+    ) -> None:  # fmt: skip
+        lib = load()
+        if lib is None:
+            raise OSError(_why)
+        self._lib = lib
+        ns = [round(v * 1e3) for v in (delay_us, jitter_us, spin_us)]
+        handle = lib.dproxy_start(listener.fileno(), to[0].encode(), to[1], *ns, seed & (2**64 - 1))
+        if not handle:
+            err = ctypes.get_errno() or 22
+            raise OSError(err, f"the C delay proxy did not start for {to[0]}:{to[1]}")
+        self._h: int | None = handle
+        self._final: dict[str, int] = dict.fromkeys((*STATS, "connections"), 0)
+        self._lock = threading.Lock()
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted so far."""
+        with self._lock:
+            return (
+                self._final["connections"] if self._h is None else int(self._lib.dproxy_connections(self._h))
+            )
+
+    def stats(self) -> dict[str, int]:
+        """The counters of :data:`STATS` and ``connections``, so far (after :meth:`close`: final)."""
+        with self._lock:
+            if self._h is None:
+                return dict(self._final)
+            out = (ctypes.c_int64 * len(STATS))()
+            self._lib.dproxy_stats(self._h, out)
+            return {
+                **dict(zip(STATS, out, strict=True)),
+                "connections": int(self._lib.dproxy_connections(self._h)),
+            }
+
+    def close(self) -> None:
+        """Stops accepting, closes every connection and waits for the C threads to end."""
+        with self._lock:  # NOTE: held while the threads end: no stats() reads a freed proxy
+            if self._h is None:
+                return
+            final = (ctypes.c_int64 * (len(STATS) + 1))()
+            self._lib.dproxy_stop(self._h, final)
+            self._final = {
+                **dict(zip(STATS, final[: len(STATS)], strict=True)),
+                "connections": final[len(STATS)],
+            }
+            self._h = None
