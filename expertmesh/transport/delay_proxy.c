@@ -32,6 +32,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -45,6 +46,7 @@
 #define MAX_READ (256 << 10)
 #define NEVER INT64_MAX
 #define CONNECT_TIMEOUT_S 10
+#define MAX_TARGETS 8
 #define LATE_NS 20000 /* a chunk sent this long after it was due counts as late */
 
 /* dproxy_stats() slots */
@@ -95,8 +97,9 @@ typedef struct conn {
 
 typedef struct proxy {
     int listen_fd, stop_fd;
-    struct sockaddr_storage to;
-    socklen_t to_len;
+    struct sockaddr_storage to[MAX_TARGETS]; /* tried in order, as a resolver's answers */
+    socklen_t to_len[MAX_TARGETS];
+    int targets;
     int64_t delay, jitter, spin;
     int64_t read_spin; /* spin - the shortest delay: a wake-up later than the delay is absorbed */
     uint64_t seed;
@@ -352,20 +355,31 @@ static void *direction_main(void *arg) {
     return NULL;
 }
 
-static void start_conn(proxy_t *p, int a) {
-    int b = socket(p->to.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+/* A connection to the first target address that takes one, or -1. */
+static int connect_target(proxy_t *p) {
     /* NOTE: a target whose backlog is full would hold the accept thread (and a stop) in connect
      * for minutes; on Linux the send timeout bounds a connect */
     struct timeval limit = {CONNECT_TIMEOUT_S, 0}, none = {0, 0};
-    if (b >= 0)
+    for (int i = 0; i < p->targets; i++) {
+        int b = socket(p->to[i].ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (b < 0)
+            continue;
         setsockopt(b, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
-    if (b < 0 || connect(b, (struct sockaddr *)&p->to, p->to_len) != 0) {
-        if (b >= 0)
-            close(b);
+        if (connect(b, (struct sockaddr *)&p->to[i], p->to_len[i]) == 0) {
+            setsockopt(b, SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none);
+            return b;
+        }
+        close(b);
+    }
+    return -1;
+}
+
+static void start_conn(proxy_t *p, int a) {
+    int b = connect_target(p);
+    if (b < 0) {
         close(a);
         return;
     }
-    setsockopt(b, SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none);
     int one = 1;
     for (int i = 0; i < 2; i++) {
         int fd = i ? b : a;
@@ -433,9 +447,10 @@ static void *accept_main(void *arg) {
     return NULL;
 }
 
-/* Forwards connections accepted on listen_fd (which stays the caller's) to host:port. Returns
- * NULL with errno set where it cannot start. */
-void *dproxy_start(int listen_fd, const char *host, int port, int64_t delay_ns, int64_t jitter_ns,
+/* Forwards connections accepted on listen_fd (which stays the caller's) to port at the first of
+ * ``hosts`` (comma-separated IP addresses, up to MAX_TARGETS) that takes the connection.
+ * Returns NULL with errno set where it cannot start. */
+void *dproxy_start(int listen_fd, const char *hosts, int port, int64_t delay_ns, int64_t jitter_ns,
                    int64_t spin_ns, uint64_t seed) {
     if (delay_ns < 0 || jitter_ns < 0 || spin_ns < 0 || port <= 0 || port > 65535) {
         errno = EINVAL;
@@ -444,13 +459,24 @@ void *dproxy_start(int listen_fd, const char *host, int port, int64_t delay_ns, 
     proxy_t *p = calloc(1, sizeof *p);
     if (!p)
         return NULL;
-    struct sockaddr_in *v4 = (struct sockaddr_in *)&p->to;
-    struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)&p->to;
-    if (inet_pton(AF_INET, host, &v4->sin_addr) == 1) {
-        v4->sin_family = AF_INET, v4->sin_port = htons((uint16_t)port), p->to_len = sizeof *v4;
-    } else if (inet_pton(AF_INET6, host, &v6->sin6_addr) == 1) {
-        v6->sin6_family = AF_INET6, v6->sin6_port = htons((uint16_t)port), p->to_len = sizeof *v6;
-    } else {
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", hosts);
+    char *save = NULL;
+    for (char *h = strtok_r(buf, ",", &save); h && p->targets < MAX_TARGETS; h = strtok_r(NULL, ",", &save)) {
+        struct sockaddr_in *v4 = (struct sockaddr_in *)&p->to[p->targets];
+        struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)&p->to[p->targets];
+        if (inet_pton(AF_INET, h, &v4->sin_addr) == 1) {
+            v4->sin_family = AF_INET, v4->sin_port = htons((uint16_t)port);
+            p->to_len[p->targets++] = sizeof *v4;
+        } else if (inet_pton(AF_INET6, h, &v6->sin6_addr) == 1) {
+            v6->sin6_family = AF_INET6, v6->sin6_port = htons((uint16_t)port);
+            p->to_len[p->targets++] = sizeof *v6;
+        } else {
+            p->targets = 0;
+            break;
+        }
+    }
+    if (p->targets == 0) {
         free(p);
         errno = EINVAL;
         return NULL;

@@ -147,13 +147,13 @@ class DelayProxy:
         self._lock = threading.Lock()
         self._c: delay_proxy_c.CProxy | None = None
         if self.impl == "c":
-            # NOTE: the C side takes an IP address; getaddrinfo's first, as a connect would try
-            ip = socket.getaddrinfo(to[0], to[1], type=socket.SOCK_STREAM)[0][4][0]
+            # NOTE: the C side takes IP addresses, tried in the resolver's order as a connect would
+            infos = socket.getaddrinfo(to[0], to[1], type=socket.SOCK_STREAM)
+            ips = list(dict.fromkeys(str(i[4][0]).split("%")[0] for i in infos))
             try:
                 self._c = delay_proxy_c.CProxy(
-                    self._sock, (str(ip).split("%")[0], to[1]), delay_us, jitter_us, spin_us,
-                    self.rng.getrandbits(64),
-                )  # fmt: skip
+                    self._sock, ips, to[1], delay_us, jitter_us, spin_us, self.rng.getrandbits(64)
+                )
             except OSError:
                 self._sock.close()
                 raise

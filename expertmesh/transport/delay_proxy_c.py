@@ -9,7 +9,9 @@ falls back to the Python threads otherwise (:func:`unavailable` says why).
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
+import os
 import socket
 import subprocess
 import threading
@@ -88,12 +90,12 @@ def unavailable() -> str:
 
 
 class CProxy:
-    """The C threads forwarding the connections ``listener`` accepts to ``to`` (an IP address,
-    already checked to be loopback). ``listener`` stays the caller's: close it after
-    :meth:`close`."""
+    """The C threads forwarding the connections ``listener`` accepts to ``port`` at the first
+    of ``hosts`` (IP addresses, already checked to be loopback) that takes the connection.
+    ``listener`` stays the caller's: close it after :meth:`close`."""
 
     def __init__(
-        self, listener: socket.socket, to: tuple[str, int], delay_us: float, jitter_us: float,
+        self, listener: socket.socket, hosts: list[str], port: int, delay_us: float, jitter_us: float,
         spin_us: float, seed: int,
     ) -> None:  # fmt: skip
         lib = load()
@@ -101,10 +103,12 @@ class CProxy:
             raise OSError(_why)
         self._lib = lib
         ns = [round(v * 1e3) for v in (delay_us, jitter_us, spin_us)]
-        handle = lib.dproxy_start(listener.fileno(), to[0].encode(), to[1], *ns, seed & (2**64 - 1))
+        handle = lib.dproxy_start(
+            listener.fileno(), ",".join(hosts[:8]).encode(), port, *ns, seed & (2**64 - 1)
+        )
         if not handle:
-            err = ctypes.get_errno() or 22
-            raise OSError(err, f"the C delay proxy did not start for {to[0]}:{to[1]}")
+            err = ctypes.get_errno() or errno.EINVAL
+            raise OSError(err, f"the C delay proxy did not start for {hosts} port {port}: {os.strerror(err)}")
         self._h: int | None = handle
         self._final: dict[str, int] = dict.fromkeys((*STATS, "connections"), 0)
         self._lock = threading.Lock()
