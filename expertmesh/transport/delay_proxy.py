@@ -6,7 +6,8 @@ no netem.
         --delay-us 100 [--jitter-us 20]
 
 Every byte read from one side is written to the other ``delay`` (+ a uniform draw in
-``[-jitter, +jitter]``) after it arrived, in order: a chunk never overtakes the one before it
+``[-jitter, +jitter]``) after it arrived (C: when the kernel received it; Python: when the
+reader thread read it), in order: a chunk never overtakes the one before it
 (TCP would see its stream corrupted), so jitter only ever delays. Both ways, any number of
 connections. Only loopback addresses are accepted, on both ends.
 
@@ -20,7 +21,8 @@ Two implementations of the data path (``impl``, ``--impl``):
   the delay, tens of microseconds and more on a loaded machine.
 
 Measure the proxy's own cost with ``--delay-us 0`` beside the direct path
-(benchmarks/bench_delay_proxy.py).
+(benchmarks/bench_delay_proxy.py). On SIGTERM/SIGINT the CLI closes every connection and
+prints one line of counters (C: how late after their due time chunks went out).
 
 For the TCP data path, run one proxy in front of the expert server's data port and give the
 coordinator ``--server-data-address SERVER=127.0.0.1:PROXY_PORT`` (a second one in front of the
