@@ -31,7 +31,8 @@ dtype is reused, and each row's CPU share is a subset of the row before, so noth
 - ``remote_T[_dUS][_mbN]``: every expert on a ``gpu-server`` on ``--remote-device`` (another GPU
   standing in for another machine) over ``--transport T`` (grpc, tcp, shm, auto); ``_dUS``: the
   TCP data path through the loopback delay proxy adding US microseconds each way
-  (``--server-data-address``; ``_d0``: the proxy's own cost); ``_mbN``: ``--micro-batches N``;
+  (``--server-data-address``; ``_d0``: the proxy's own cost; ``--proxy-impl``: its C or Python
+  data path); ``_mbN``: ``--micro-batches N``;
 - ``up``: ``expertmesh up --model DIR`` with its defaults.
 
 Tiny run anywhere (CPU; proves the script)::
@@ -372,7 +373,8 @@ class Bench:
                     if data is None:
                         raise RuntimeError("the gpu-server printed no TCP data port")
                     pcmd = [sys.executable, "-m", "expertmesh.transport.delay_proxy", "--listen", "127.0.0.1:0",
-                            "--to", f"127.0.0.1:{data.group(2)}", "--delay-us", str(row.delay_us)]  # fmt: skip
+                            "--to", f"127.0.0.1:{data.group(2)}", "--delay-us", str(row.delay_us),
+                            "--impl", a.proxy_impl]  # fmt: skip
                     proxy = spawn("delay-proxy", pcmd, _PROXY, a.startup_timeout, self.log)
                     procs.append(proxy)
                     flags += ["--server-data-address", f"gpu0=127.0.0.1:{proxy.port}"]
@@ -470,6 +472,9 @@ def main() -> None:
         help="the gpu-server of the remote_* rows (another GPU stands in for another machine)",
     )
     p.add_argument("--rows", default=ROWS)
+    p.add_argument(
+        "--proxy-impl", default="auto", choices=("auto", "c", "python"), help="the _dUS rows' delay proxy"
+    )
     p.add_argument("--batches", default="1,8")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
