@@ -98,6 +98,9 @@ class CProxy:
         self, listener: socket.socket, hosts: list[str], port: int, delay_us: float, jitter_us: float,
         spin_us: float, seed: int,
     ) -> None:  # fmt: skip
+        self._h: int | None = None
+        self._final: dict[str, int] = dict.fromkeys((*STATS, "connections"), 0)
+        self._lock = threading.Lock()
         lib = load()
         if lib is None:
             raise OSError(_why)
@@ -109,9 +112,10 @@ class CProxy:
         if not handle:
             err = ctypes.get_errno() or errno.EINVAL
             raise OSError(err, f"the C delay proxy did not start for {hosts} port {port}: {os.strerror(err)}")
-        self._h: int | None = handle
-        self._final: dict[str, int] = dict.fromkeys((*STATS, "connections"), 0)
-        self._lock = threading.Lock()
+        self._h = handle
+        # NOTE: held so that the listening socket cannot close (and its descriptor be reused)
+        # under the accept thread before close() has stopped it
+        self._listener = listener
 
     @property
     def connections(self) -> int:
@@ -132,6 +136,10 @@ class CProxy:
                 **dict(zip(STATS, out, strict=True)),
                 "connections": int(self._lib.dproxy_connections(self._h)),
             }
+
+    def __del__(self) -> None:
+        if getattr(self, "_h", None) is not None:  # never started: nothing to stop
+            self.close()
 
     def close(self) -> None:
         """Stops accepting, closes every connection and waits for the C threads to end."""
