@@ -9,7 +9,7 @@
  * counts inside the delay instead of on top of it.
  *
  * Waiting: within spin_ns of the next chunk's due time the thread busy-polls (non-blocking recv,
- * clock); otherwise it sleeps in ppoll on the source (and the destination when a send would
+ * clock, yielding the core between polls); otherwise it sleeps in ppoll on the source (and the destination when a send would
  * block) until spin_ns before the next due time. After the last byte moved it busy-polls the
  * source for spin_ns less the shortest delay before it sleeps: thanks to the receive stamp a
  * wake-up that takes less than the delay costs nothing, so with a delay of 100 us it sleeps at
