@@ -16,8 +16,9 @@ from expertmesh.experts import TorchExpertBackend, torch_moe
 from expertmesh.lora import ExpertLoRA, MoELoRAWeights, moe_lora_reference
 from expertmesh.lora.store import LayerAdapter
 from expertmesh.lora.wire import decode_adapter, encode_adapter
+from expertmesh.worker.budget import plan_change
 from expertmesh.worker.core import ExpertWorker, WorkerIdentity
-from expertmesh.worker.moves import TEMP, move_order, plan_layer, stage_reads
+from expertmesh.worker.moves import TEMP, move_order, plan_layer
 from expertmesh.worker.slots import SlotTable
 from expertmesh.worker_api import ExpertRequest
 from tests.test_slots import INTER, FakeReader, H
@@ -58,12 +59,18 @@ def test_plan_of_an_equal_table_moves_nothing():
     assert p.resize and p.reads == ((2, 9),)
 
 
-def test_stage_reads_keeps_commit_within_the_budget():
-    plans = {0: plan_layer((0, 1), (2, 3)), 1: plan_layer((0, 1), (4, 1)), 2: plan_layer((), (5,))}
-    held = {0: 2, 1: 2, 2: 0}
-    assert stage_reads(plans, held, 10, 0) == set()
-    assert stage_reads(plans, held, 10, 25) == {(0, 0), (0, 1)}  # a third would make 30
-    assert stage_reads(plans, held, 10, 1000) == {(0, 0), (0, 1), (1, 0)}  # layer 2 is built whole
+def test_plan_change_keeps_commit_within_the_budget():
+    live, alloc = {0: (0, 1), 1: (0, 1), 2: ()}, {0: 2, 1: 2, 2: 0}
+    new = {0: (2, 3), 1: (4, 1), 2: (5,)}
+
+    def staged(budget: int) -> frozenset:
+        lay = plan_change(live, alloc, new, 4, budget, 0)
+        assert lay.built == lay.loads == {2}  # held nothing: built whole, outside the budget
+        return lay.staged
+
+    assert staged(0) == set()
+    assert staged(2) == {(0, 0), (0, 1)}  # a third read would hold 3 slots
+    assert staged(100) == {(0, 0), (0, 1), (1, 0)}
 
 
 def table(capacity: int = 4, staging: int | None = None) -> tuple[SlotTable, FakeReader]:
@@ -101,10 +108,13 @@ def test_equal_push_touches_no_weight_and_rebalance_rewrites_in_place():
     t2.commit(1)
     assert values(t2, 0) == [1.0, 2.0, 3.0, 0.0] and values(t2, 2) == [200.0, 201.0, 204.0, 203.0]
     assert t2.live.layers[2].w13.data_ptr() == ptr
-    # growing and shrinking reallocate; a layer left out holds nothing
+    # growing into the allocation's spare slot (capacity 5 keeps one per layer) rewrites in
+    # place; a layer left out holds nothing (its allocation goes)
+    ptr = t2.live.layers[0].w13.data_ptr()
     t2.prepare(2, {0: [3, 4, 1, 2, 0]})
     t2.commit(2)
-    assert values(t2, 0) == [3.0, 4.0, 1.0, 2.0, 0.0] and t2.live.layers[2].experts == ()
+    assert values(t2, 0) == [3.0, 4.0, 1.0, 2.0, 0.0] and t2.live.layers[0].w13.data_ptr() == ptr
+    assert t2.live.layers[2].experts == () and t2.live.layers[2].allocated == 0
 
 
 def test_budget_bounds_the_extra_bytes_and_unstaged_reads_happen_at_commit():

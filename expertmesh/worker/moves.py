@@ -1,7 +1,7 @@
 """Per-layer slot moves of a placement change, and the order that applies them in place.
 
 Pure: no tensors, no gRPC. The slot table (slots.py) plans each MoE layer with
-:func:`plan_layer`, stages what it can read ahead within a byte budget (:func:`stage_reads`),
+:func:`plan_layer` (budget.py chooses which layers need a new allocation and what is staged),
 and at commit rewrites a layer's slots in the order :func:`move_order` gives, through one
 spare slot when the moves form a cycle.
 
@@ -22,30 +22,35 @@ class LayerPlan:
     experts: tuple[int, ...]  # [S'] logical expert of each new slot
     moves: tuple[tuple[int, int], ...]  # (dst, src): new slot dst takes live slot src's weights
     reads: tuple[tuple[int, int], ...]  # (dst, expert): new slot dst takes an expert not resident here
-    resize: bool  # S' != S: a new allocation of S' slots; otherwise the live one is rewritten
+    resize: bool  # S' != S: the live slot count changes
+    # None: the slots are rewritten inside the live allocation (which holds at least S'); else
+    # the slots of a new allocation (>= S') that every new slot is copied or read into
+    rebuild: int | None = None
 
     @property
     def unchanged(self) -> bool:
-        return not (self.resize or self.moves or self.reads)
+        return not (self.resize or self.moves or self.reads) and self.rebuild is None
 
 
-def plan_layer(live: tuple[int, ...], new: tuple[int, ...]) -> LayerPlan:
-    """The moves from ``live [S]`` to ``new [S']``; a slot that keeps its expert moves nothing.
-    Slots marked -1 in ``live`` (contents unknown after a failed commit) are never reused."""
+def plan_layer(live: tuple[int, ...], new: tuple[int, ...], rebuild: int | None = None) -> LayerPlan:
+    """The moves from ``live [S]`` to ``new [S']``: in place (a slot that keeps its expert moves
+    nothing; slots past S are spare slots of the allocation), or into a new allocation of
+    ``rebuild`` slots (every slot is listed). Slots marked -1 in ``live`` (contents unknown after
+    a failed commit) are never reused."""
+    assert rebuild is None or rebuild >= len(new), f"{rebuild=} {len(new)=}"
     have: dict[int, int] = {}
     for s, e in enumerate(live):
         if e >= 0:
             have.setdefault(e, s)
-    resize = len(live) != len(new)
     moves, reads = [], []
     for dst, e in enumerate(new):
-        if not resize and live[dst] == e and e >= 0:
+        if rebuild is None and dst < len(live) and live[dst] == e and e >= 0:
             continue
         if e in have:
             moves.append((dst, have[e]))
         else:
             reads.append((dst, e))
-    return LayerPlan(tuple(new), tuple(moves), tuple(reads), resize)
+    return LayerPlan(tuple(new), tuple(moves), tuple(reads), len(live) != len(new), rebuild)
 
 
 def move_order(moves: tuple[tuple[int, int], ...]) -> list[tuple[str, int, int]]:
@@ -79,40 +84,3 @@ def move_order(moves: tuple[tuple[int, int], ...]) -> list[tuple[str, int, int]]
             else:
                 readers[src] -= 1
     return order
-
-
-def stage_reads(
-    plans: dict[int, LayerPlan], live_slots: dict[int, int], slot_bytes: int, budget: int
-) -> set[tuple[int, int]]:
-    """Which (layer, dst) reads a prepare reads ahead, in layer order, so that at no point of the
-    commit that follows the staged slots still held plus the layer being rewritten's transient
-    (a rebuilt layer: its new allocation; one rewritten in place: its spare slot) exceed
-    ``budget`` bytes. Layers rebuilt from nothing (``live_slots`` 0) are left out: the prepare
-    builds them whole (they double nothing). Returns the staged (layer, dst) pairs."""
-    order = sorted(plans)
-    transient = {}
-    for layer in order:
-        p = plans[layer]
-        if p.unchanged:
-            transient[layer] = 0
-        elif p.resize:
-            transient[layer] = len(p.experts) * slot_bytes
-        else:
-            transient[layer] = slot_bytes if p.moves else 0
-    staged_in: dict[int, int] = {layer: 0 for layer in order}
-    chosen: set[tuple[int, int]] = set()
-    for j, layer in enumerate(order):
-        p = plans[layer]
-        if live_slots.get(layer, 0) == 0:
-            continue
-        for dst, _ in p.reads:
-            # the commit reaches layer i (i <= j) holding every staged slot of layers >= i
-            tail, worst = slot_bytes, 0
-            for i in range(j, -1, -1):
-                tail += staged_in[order[i]]
-                worst = max(worst, tail + transient[order[i]])
-            if worst > budget:
-                return chosen
-            staged_in[layer] += slot_bytes
-            chosen.add((layer, dst))
-    return chosen

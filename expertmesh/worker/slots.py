@@ -1,14 +1,19 @@
 """The slot table of an expert server: which logical expert each local slot holds, per layer,
 and the stacked weights the backend computes with.
 
-Placement changes are two-phase and hold every expert once. :meth:`SlotTable.prepare` plans
-each layer's slot moves (moves.py) beside the live table, touching no live weight: it reads
-ahead the new experts that fit a staging budget (default: one layer of this server's slots) and
-builds whole only the layers that hold nothing yet. :meth:`commit` (which the worker core runs
-under the lock every compute takes, so no forward sees a half-moved layer) rewrites each
-changed layer in place, layer by layer: moves inside a layer through one spare slot, staged
-experts copied in, the others read from the checkpoint straight into their slot; a layer whose
-slot count changes is reallocated. A placement equal to the live one touches no weight.
+Placement changes are two-phase and hold every expert once. Each layer's slots live in an
+allocation that may hold a few spare slots past the live ones (budget.py says how many), so a
+resize within it rewrites only the slots that change. :meth:`SlotTable.prepare` plans each
+layer's slot moves (moves.py) beside the live table, touching no live weight: it builds the new
+allocation of a layer that outgrows its own (or holds nothing yet, or is trimmed of spare
+slots) and reads ahead the new experts, within a staging budget (default: one layer of this
+server's slots). :meth:`commit` (which the worker core runs under the lock every compute takes,
+so no forward sees a half-moved layer) swaps in the layers built by prepare and rewrites the
+others in place, layer by layer: moves inside a layer through one spare slot, staged experts
+copied in, the others read from the checkpoint straight into their slot; so its pause follows
+the slots that change, not the layers' sizes (only a layer that outgrows its allocation when
+the budget could not hold its new one is rebuilt in the commit). A placement equal to the live
+one touches no weight.
 :meth:`abort` drops what was staged; the live table was never touched. Memory freed by either
 goes back to the device or the OS (memory.py): abort does it, and the worker calls
 :meth:`release` after a commit, once requests flow again.
@@ -37,7 +42,8 @@ from expertmesh.errors import InvalidRequest, StaleGeneration, Unavailable
 from expertmesh.placement import MAX_GENERATION
 from expertmesh.safetensors_io import read_threads, reader_pool, run_on
 from expertmesh.worker import memory
-from expertmesh.worker.moves import TEMP, LayerPlan, move_order, plan_layer, stage_reads
+from expertmesh.worker.budget import headroom, plan_change
+from expertmesh.worker.moves import TEMP, LayerPlan, move_order
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # one slot: w13 row [2I, H] (or packed), w2 row [H, I]
 # a slot's rows -> where its gate [I, H], up [I, H] and down [H, I] go (views, any layout), or
@@ -66,6 +72,27 @@ class LayerSlots:
     experts: tuple[int, ...]  # [S] logical expert of each local slot (-1: unknown, never computed)
     w13: torch.Tensor  # [S, 2I, H], or the backend's packed layout (slot still dim 0)
     w2: torch.Tensor  # [S, H, I], or packed
+    # the allocation w13 and w2 are the first S slots of: [A, ...] each, A >= S (spare slots
+    # past S take a growth in place); None: w13 and w2 are the whole allocation
+    alloc: Rows | None = None
+
+    @classmethod
+    def of(cls, experts: tuple[int, ...], w13: torch.Tensor, w2: torch.Tensor) -> LayerSlots:
+        """The first ``len(experts)`` slots of the allocation ``w13 [A, ...]``, ``w2 [A, ...]``."""
+        n = len(experts)
+        assert w13.shape[0] >= n and w2.shape[0] == w13.shape[0], f"{n=} {w13.shape=} {w2.shape=}"
+        if w13.shape[0] == n:
+            return cls(experts, w13, w2)
+        return cls(experts, w13[:n], w2[:n], (w13, w2))
+
+    @property
+    def rows(self) -> Rows:
+        """The whole allocation, spare slots included."""
+        return self.alloc if self.alloc is not None else (self.w13, self.w2)
+
+    @property
+    def allocated(self) -> int:
+        return self.rows[0].shape[0]
 
 
 @dataclass(frozen=True)
@@ -121,8 +148,7 @@ class _Staged:
     built: dict[int, LayerSlots] = field(default_factory=dict)  # layers that held nothing
 
     def nbytes(self) -> int:
-        n = sum(a.nbytes + b.nbytes for a, b in self.rows.values())
-        return n + sum(ls.w13.nbytes + ls.w2.nbytes for ls in self.built.values())
+        return sum(a.nbytes + b.nbytes for a, b in self.rows.values()) + _live_bytes(self.built)
 
 
 def parse_expert_spec(spec: str, num_experts: int) -> list[int]:
@@ -154,6 +180,7 @@ class SlotTable:
         stack: Callable[[list[torch.Tensor], list[torch.Tensor]], Rows] | None = None,
         staging_bytes: int | None = None,
         views: Views | None = None,
+        spare_bytes: int | None = None,
     ) -> None:
         self.reader, self.dtype, self.device, self.capacity = reader, dtype, device, capacity
         # ExpertBackend.pack_weights: applied once per expert as it is read, so moves work on
@@ -170,6 +197,8 @@ class SlotTable:
         # where a slot's weights go, to read them from the checkpoint straight into the slot
         # (plain_views for backends that compute on the weights as stored)
         self.views = views
+        # spare slots kept between changes, over all layers (None: half the staging budget)
+        self.spare_bytes = spare_bytes
         self._pool: ThreadPoolExecutor | None = None
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
@@ -256,12 +285,16 @@ class SlotTable:
         quantises = w13.dtype in (torch.uint8, torch.int8)
         return reader_pool(read_threads(MAX_QUANTISE_THREADS if quantises else MAX_PRELOAD_THREADS))
 
-    def _build(self, layer: int, sources: list[Source], pool: ThreadPoolExecutor | None = None) -> Rows:
-        """A new layer allocation holding ``sources [S]``: [S, *row13], [S, *row2] (reads on
-        ``pool``, see :meth:`_parallel`)."""
+    def _build(
+        self, layer: int, sources: list[Source], pool: ThreadPoolExecutor | None = None, slots: int = 0
+    ) -> Rows:
+        """A new layer allocation of ``max(slots, S)`` slots whose first S hold ``sources [S]``:
+        [A, *row13], [A, *row2] (reads on ``pool``, see :meth:`_parallel`); a backend that
+        stacks its own memory gets exactly S."""
         if not sources:
             empty = self._empty()
             return empty.w13, empty.w2
+        n = max(slots, len(sources))
         if self.stack is not None:
             got = self._parallel([_rows_job(self, layer, s) for s in sources], pool)
             rows = [r for r in got if isinstance(r, tuple)]
@@ -271,8 +304,8 @@ class SlotTable:
         if layout is None:  # the first read tells the rows' shape
             first = sources[0] if isinstance(sources[0], tuple) else self._read_rows(layer, sources[0])
             layout = first[0].shape, first[0].dtype, first[1].shape, first[1].dtype
-        w13 = torch.empty((len(sources), *layout[0]), dtype=layout[1], device=self.device)
-        w2 = torch.empty((len(sources), *layout[2]), dtype=layout[3], device=self.device)
+        w13 = torch.empty((n, *layout[0]), dtype=layout[1], device=self.device)
+        w2 = torch.empty((n, *layout[2]), dtype=layout[3], device=self.device)
 
         def fill(s: int, src: Source) -> None:
             if s == 0 and first is not None:
@@ -303,6 +336,18 @@ class SlotTable:
         """One layer of this server's slots: the default staging budget."""
         return self.capacity * self.slot_bytes()
 
+    def _budget_slots(self) -> tuple[int, int]:
+        """(staging budget, spare slots kept between changes), in slots (budget.py)."""
+        slot = max(1, self.slot_bytes())
+        budget = self.layer_bytes() if self.staging_bytes is None else self.staging_bytes
+        spare = budget // 2 if self.spare_bytes is None else self.spare_bytes
+        return budget // slot, spare // slot
+
+    def _alloc_slots(self, size: int) -> int:
+        """Slots of a new allocation holding ``size`` live ones (budget.headroom)."""
+        _, spare = self._budget_slots()
+        return headroom(spare, len(self.moe_layers), self.capacity, size, self.stack is not None)
+
     def resident_bytes(self) -> int:
         """Bytes of the live experts plus what a prepare has staged."""
         staged = self._staged
@@ -330,7 +375,8 @@ class SlotTable:
         layers, read = dict(self.live.layers), 0
         with self._load_pool() as pool:
             for layer in self.moe_layers:
-                layers[layer] = LayerSlots(tuple(experts), *self._build(layer, list(experts), pool))
+                rows = self._build(layer, list(experts), pool, self._alloc_slots(len(experts)))
+                layers[layer] = LayerSlots.of(tuple(experts), *rows)
                 read += len(experts)
         self.live = SlotSet(0, layers)
         self._note()
@@ -360,31 +406,37 @@ class SlotTable:
             self._staged = None  # NOTE: a newer prepare replaces it: never two stagings at once
             live, base = self.live, self._commits
         memory.release(self.device)
-        plans = {
-            layer: plan_layer(live.layers[layer].experts, tuple(table.get(layer, [])))
-            for layer in self.moe_layers
-        }
-        held = {layer: len(live.layers[layer].experts) for layer in self.moe_layers}
-        budget = self.layer_bytes() if self.staging_bytes is None else self.staging_bytes
-        ahead = stage_reads(plans, held, self.slot_bytes(), budget)
-        staged = _Staged(generation, base, plans)
+        budget, spare = self._budget_slots()
+        lay = plan_change(
+            {layer: live.layers[layer].experts for layer in self.moe_layers},
+            {layer: live.layers[layer].allocated for layer in self.moe_layers},
+            {layer: tuple(table.get(layer, [])) for layer in self.moe_layers},
+            self.capacity,
+            budget,
+            spare,
+            exact=self.stack is not None,
+        )
+        staged = _Staged(generation, base, lay.plans)
         # NOTE: a table holding nothing serves nothing yet: this placement is its load, read on
         # every CPU as a preload is (beside requests, reads keep to the table's few threads)
-        loading = not any(held.values())
+        loading = not any(live.layers[layer].experts for layer in self.moe_layers)
         with self._load_pool() if loading else contextlib.nullcontext() as pool:
             for layer in self.moe_layers:
-                p = plans[layer]
-                if held[layer] == 0 and p.experts:  # holds nothing: built whole, doubles nothing
-                    staged.built[layer] = LayerSlots(p.experts, *self._build(layer, list(p.experts), pool))
+                p = lay.plans[layer]
+                if layer in lay.built:  # NOTE: copies live slots, which no commit changes meanwhile
+                    sources = _sources(layer, p, live.layers[layer], {})
+                    rows = self._build(layer, sources, pool, p.rebuild or 0)
+                    staged.built[layer] = LayerSlots.of(p.experts, *rows)
+                    del sources, rows
                 for dst, e in p.reads:
-                    if (layer, dst) in ahead:
+                    if (layer, dst) in lay.staged:
                         staged.rows[layer, dst] = self._read_rows(layer, e)
                 self._note(staged.nbytes())
         with self._lock:
             if self._commits != base:  # NOTE: planned against a placement that is gone
                 raise StaleGeneration(f"generation {generation}: the live placement changed during prepare")
             self._staged = staged
-        return sum(len(p.reads) for p in plans.values())
+        return sum(len(p.reads) for p in lay.plans.values())
 
     def commit(self, generation: int) -> None:
         """Makes the prepared placement live. The caller keeps every forward out meanwhile."""
@@ -427,23 +479,26 @@ class SlotTable:
             return
         built = staged.built.pop(layer, None)
         if built is not None:
-            layers[layer] = built
+            layers[layer] = built  # the old allocation goes with its last reference
             return
-        if plan.resize:
-            sources: list[Source] = list(plan.experts)
-            for dst, src in plan.moves:
-                sources[dst] = (cur.w13[src], cur.w2[src])
-            for dst, _ in plan.reads:
-                rows = staged.rows.pop((layer, dst), None)
-                if rows is not None:
-                    sources[dst] = rows
-            self._note(len(sources) * self.slot_bytes())
-            new = LayerSlots(plan.experts, *self._build(layer, sources))
+        if plan.rebuild is not None:  # outgrew its allocation beyond what prepare could stage
+            sources = _sources(layer, plan, cur, staged.rows)
+            self._note(plan.rebuild * self.slot_bytes())
+            new = LayerSlots.of(plan.experts, *self._build(layer, sources, slots=plan.rebuild))
             del sources, cur
-            layers[layer] = new  # the old allocation goes with its last reference
+            layers[layer] = new
             return
-        content = list(cur.experts)  # what each slot holds at this point (-1: being written)
-        w13, w2 = cur.w13, cur.w2
+        self._rewrite(layer, plan, cur, staged, layers)
+
+    def _rewrite(
+        self, layer: int, plan: LayerPlan, cur: LayerSlots, staged: _Staged, layers: dict[int, LayerSlots]
+    ) -> None:
+        """The in-place path: the changed slots of the allocation are written, the live count
+        becomes S' (slots past it stay allocated as spare)."""
+        n = max(len(cur.experts), len(plan.experts))
+        # what each slot holds at this point (-1: being written); spare slots it grows into too
+        content = list(cur.experts) + [-1] * (n - len(cur.experts))
+        w13, w2 = cur.rows
         spare: Rows | None = None
         spare_expert = -1
         try:
@@ -475,8 +530,10 @@ class SlotTable:
             for dst, e in unread:
                 content[dst] = e
         finally:
-            layers[layer] = LayerSlots(tuple(content), w13, w2)
-        assert tuple(content) == plan.experts, f"{layer=} {content=} {plan.experts=}"
+            # NOTE: on a failure the slots being written stay listed as -1 (never computed)
+            layers[layer] = LayerSlots.of(tuple(content), w13, w2)
+        assert tuple(content[: len(plan.experts)]) == plan.experts, f"{layer=} {content=} {plan.experts=}"
+        layers[layer] = LayerSlots.of(plan.experts, w13, w2)
 
     def release(self) -> None:
         """Hands what a commit freed back to the device or the OS (memory.py); the worker calls
@@ -502,6 +559,19 @@ def _live_bytes(layers: dict[int, LayerSlots]) -> int:
             seen.add(ptr)
             n += t.untyped_storage().nbytes()
     return n
+
+
+def _sources(layer: int, plan: LayerPlan, cur: LayerSlots, rows: dict[tuple[int, int], Rows]) -> list[Source]:
+    """What each slot of ``plan``'s new allocation is filled from: a live slot of ``cur``, rows
+    read ahead (taken from ``rows``), or the expert to read."""
+    sources: list[Source] = list(plan.experts)
+    for dst, src in plan.moves:
+        sources[dst] = (cur.w13[src], cur.w2[src])
+    for dst, _ in plan.reads:
+        got = rows.pop((layer, dst), None)
+        if got is not None:
+            sources[dst] = got
+    return sources
 
 
 def plain_views(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

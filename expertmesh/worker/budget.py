@@ -1,0 +1,168 @@
+"""Where a placement change's slots go in memory: which layers are rewritten inside their live
+allocation, which get a new allocation (built during prepare, so the commit only swaps it in,
+or in the commit when the budget is spent), and which new experts are read ahead.
+
+Pure: no tensors, no gRPC. Sizes are in slots (one slot: one expert's w13 + w2 rows).
+
+Each layer of a server keeps an allocation of A >= S slots and computes on its first S (a view):
+a resize within A rewrites only the slots that change and moves the live count. Two budgets:
+
+- ``budget`` B (one layer of the server's slots, or ``--placement-staging-mb``): what a change
+  may add beyond the live allocations while it runs (new allocations built during prepare,
+  experts read ahead, the commit's transients), less the spare slots already held up to
+  ``spare``.
+- ``spare`` (default B / 2): the spare slots (A - S, summed over layers) a server keeps between
+  changes. A layer given a new allocation gets ``spare / layers`` slots of headroom (none when
+  only its exact size fits the budget); a shrinking
+  layer keeps its allocation, and when the spare slots pass ``spare`` the layers with the most
+  are trimmed to their size plus headroom (a new allocation built during prepare, within B; a
+  trim that does not fit waits for a later change).
+
+So between changes a server holds its experts plus at most ``spare`` slots, plus what shrinking
+layers left and no trim has taken back yet (slots its experts held before); during a change at
+most B more. The one exception: a layer that must grow past its allocation when B cannot hold
+its new allocation is rebuilt in the commit (its new allocation is the transient).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from expertmesh.worker.moves import LayerPlan, plan_layer
+
+
+@dataclass(frozen=True)
+class Layout:
+    plans: dict[int, LayerPlan]
+    built: frozenset[int]  # layers whose new allocation the prepare builds (the commit swaps it in)
+    loads: frozenset[int]  # ... of them, layers that held nothing (built outside the budget)
+    staged: frozenset[tuple[int, int]]  # (layer, dst) experts read during prepare
+
+
+def headroom(spare: int, layers: int, capacity: int, size: int, exact: bool = False) -> int:
+    """Slots of a new allocation for ``size`` live slots: ``spare`` shared evenly over the
+    ``layers``, never past ``capacity``; exactly ``size`` for ``exact`` tables and empty layers."""
+    if exact or size == 0:
+        return size
+    return min(capacity, size + spare // max(1, layers))
+
+
+def plan_change(
+    live: dict[int, tuple[int, ...]],
+    allocated: dict[int, int],
+    table: dict[int, tuple[int, ...]],
+    capacity: int,
+    budget: int,
+    spare: int,
+    exact: bool = False,
+) -> Layout:
+    """Lays out the change from ``live`` (layer -> [S] experts in an allocation of
+    ``allocated[layer]`` slots) to ``table`` (layer -> [S'], layers left out hold nothing).
+    ``exact``: every allocation holds exactly its live slots (a backend that places a layer's
+    memory by its slot count), so every resize is a new allocation."""
+    order = sorted(live)
+    size = {layer: len(table.get(layer, ())) for layer in order}
+    plans: dict[int, LayerPlan] = {}
+    grow: list[int] = []
+    loads: set[int] = set()
+    for layer in order:
+        old, new, a = live[layer], tuple(table.get(layer, ())), allocated[layer]
+        alloc = headroom(spare, len(order), capacity, len(new), exact)
+        if a == 0 and new:  # holds nothing: a load, doubles nothing
+            plans[layer] = plan_layer(old, new, alloc)
+            loads.add(layer)
+        elif not new and old:  # holds nothing from now on: its allocation goes
+            plans[layer] = plan_layer(old, new, 0)
+        elif len(new) > a or (exact and len(new) != len(old)):
+            plans[layer] = plan_layer(old, new, alloc)
+            grow.append(layer)
+        else:
+            plans[layer] = plan_layer(old, new)
+    spare_now = sum(allocated[layer] - len(live[layer]) for layer in order)
+    room = max(0, budget - min(spare_now, spare))
+    built: set[int] = set(loads)
+    staged: set[tuple[int, int]] = set()
+
+    def fits() -> bool:
+        return _peak(plans, allocated, built, loads, staged) <= room
+
+    for layer in grow:  # first: a growth the prepare does not build is a rebuild in the commit
+        built.add(layer)
+        if fits():
+            continue
+        with_headroom = plans[layer]
+        plans[layer] = plan_layer(live[layer], tuple(table.get(layer, ())), size[layer])
+        if not fits():  # NOTE: rebuilt in the commit, with headroom so it grows in place next time
+            plans[layer] = with_headroom
+            built.discard(layer)
+    for layer in order:  # then experts read ahead, in layer order (the commit reads the rest)
+        if layer in built:
+            continue
+        full = False
+        for dst, _ in plans[layer].reads:
+            staged.add((layer, dst))
+            if not fits():
+                staged.discard((layer, dst))
+                full = True
+                break
+        if full:
+            break
+    # last: trims of the layers with the most spare slots, while the spare slots pass ``spare``
+    left = sum(_alloc_after(plans[layer], allocated[layer]) - size[layer] for layer in order)
+    if all(p.unchanged for p in plans.values()):
+        left = 0  # NOTE: a push equal to the live placement touches no weight, not even to trim
+    candidates = sorted(
+        (-(allocated[layer] - size[layer]), layer)
+        for layer in order
+        if plans[layer].rebuild is None and size[layer] > 0
+    )
+    for minus, layer in candidates:
+        extra = -minus
+        alloc = headroom(spare, len(order), capacity, size[layer], exact)
+        if left <= spare or extra <= alloc - size[layer]:
+            break
+        was, kept = plans[layer], {s for s in staged if s[0] == layer}
+        plans[layer] = plan_layer(live[layer], tuple(table.get(layer, ())), alloc)
+        built.add(layer)
+        staged -= kept
+        if fits():
+            left -= allocated[layer] - alloc
+        else:
+            plans[layer] = was
+            built.discard(layer)
+            staged |= kept
+    return Layout(plans, frozenset(built), frozenset(loads), frozenset(staged))
+
+
+def _alloc_after(plan: LayerPlan, allocated: int) -> int:
+    return allocated if plan.rebuild is None else plan.rebuild
+
+
+def _peak(
+    plans: dict[int, LayerPlan],
+    allocated: dict[int, int],
+    built: set[int],
+    loads: set[int],
+    staged: set[tuple[int, int]],
+) -> int:
+    """The most slots held beyond the live allocations from the end of prepare through the
+    commit, which rewrites the layers in order: new allocations built during prepare (each
+    frees the live one when swapped in), staged reads (freed once their layer is rewritten), a
+    layer rebuilt in the commit (its new allocation), the spare slot of in-place moves."""
+    extra = sum(plans[layer].rebuild or 0 for layer in built - loads) + len(staged)
+    peak = extra
+    per = Counter(layer for layer, _ in staged)
+    for layer in sorted(plans):
+        p = plans[layer]
+        if layer in loads or p.unchanged:
+            continue
+        if layer in built:
+            extra -= allocated[layer]
+        elif p.rebuild is not None:
+            peak = max(peak, extra + p.rebuild)
+            extra += p.rebuild - allocated[layer] - per[layer]
+        else:
+            peak = max(peak, extra + (1 if p.moves else 0))
+            extra -= per[layer]
+    return peak
