@@ -20,10 +20,11 @@ cache, so every pass computes the same thing:
   a placement push (``placement="moving"``: prepare through commit; the commit runs between two
   steps and counts in the next step) and their exact worst;
 - every rebalance of run B (``Admin/GetEplbStatus``: the last 16): weights moved, the
-  (layer, server) slot tables whose slot count changes (a server rebuilds such a layer in its
-  commit) and the slots the commits write (by the worker's own move planner), prepare and
-  commit (the between-steps switch: every server's commit, one after the other) times; how
-  many rebalances moved weights (``expertmesh_rebalances_total{result="rebalanced"}``).
+  (layer, server) slot tables whose slot count changes and the slots that change (by the
+  worker's own move planner: what the commits write where the tables' allocations hold their
+  new sizes), prepare and commit (the between-steps switch: the servers' commits, at once)
+  times; how many rebalances moved weights
+  (``expertmesh_rebalances_total{result="rebalanced"}``).
 
 Greedy equality is exact only where a moved expert computes bit for bit as before: in float32
 on the demo model it holds; in bf16 an expert that changes server is computed by another
@@ -275,15 +276,16 @@ def slots_of_json(text: str) -> Slots:
 
 
 def rewrites(old: Slots, new: Slots) -> tuple[int, int]:
-    """(layer, server) tables whose slot count changes (the server rebuilds the layer in its
-    commit), and the slots the commits write (every slot of a rebuilt layer), by the worker's
-    own move planner."""
-    resized = written = 0
+    """(layer, server) tables whose slot count changes, and the slots that change (moved or
+    read), by the worker's own move planner: what a commit writes where each table's allocation
+    holds its new size (a table that outgrows it is built during prepare, or in the commit
+    where the staging budget cannot hold it)."""
+    resized = changed = 0
     for key, experts in new.items():
         plan = plan_layer(tuple(old.get(key, [])), tuple(experts))
         resized += plan.resize
-        written += len(experts) if plan.resize else len(plan.moves) + len(plan.reads)
-    return resized, written
+        changed += len(plan.moves) + len(plan.reads)
+    return resized, changed
 
 
 # ---------------------------------------------------------------------- report
@@ -331,7 +333,7 @@ def report(args: argparse.Namespace, a: Run, b: Run, requests: int) -> str:
     lines += [
         "",
         f"| rebalance (run B) | weights moved | MiB | (layer, server) tables resized (of {len(live)}) | "
-        "slots written by the commits | prepare ms | commit ms |",
+        "slots changed | prepare ms | commit ms |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for o in sorted(b.history, key=lambda o: o.generation):
