@@ -44,8 +44,8 @@ from expertmesh.safetensors_io import read_threads, reader_pool, run_on
 from expertmesh.worker import memory
 from expertmesh.worker.budget import headroom, plan_change
 from expertmesh.worker.moves import TEMP, LayerPlan, move_order
+from expertmesh.worker.slot_state import LayerSlots, PreviousSlots, Rows, SlotSet, live_bytes
 
-Rows = tuple[torch.Tensor, torch.Tensor]  # one slot: w13 row [2I, H] (or packed), w2 row [H, I]
 # a slot's rows -> where its gate [I, H], up [I, H] and down [H, I] go (views, any layout), or
 # None when the backend's layout needs the plain weights first (quantised rows)
 Views = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
@@ -67,78 +67,6 @@ class SlotError(InvalidRequest, ValueError):
     """A slot table that cannot be built: unknown layers or experts, more slots than capacity."""
 
 
-@dataclass(frozen=True)
-class LayerSlots:
-    experts: tuple[int, ...]  # [S] logical expert of each local slot (-1: unknown, never computed)
-    w13: torch.Tensor  # [S, 2I, H], or the backend's packed layout (slot still dim 0)
-    w2: torch.Tensor  # [S, H, I], or packed
-    # the allocation w13 and w2 are the first S slots of: [A, ...] each, A >= S (spare slots
-    # past S take a growth in place); None: w13 and w2 are the whole allocation
-    alloc: Rows | None = None
-
-    @classmethod
-    def of(cls, experts: tuple[int, ...], w13: torch.Tensor, w2: torch.Tensor) -> LayerSlots:
-        """The first ``len(experts)`` slots of the allocation ``w13 [A, ...]``, ``w2 [A, ...]``."""
-        n = len(experts)
-        assert w13.shape[0] >= n and w2.shape[0] == w13.shape[0], f"{n=} {w13.shape=} {w2.shape=}"
-        if w13.shape[0] == n:
-            return cls(experts, w13, w2)
-        return cls(experts, w13[:n], w2[:n], (w13, w2))
-
-    @property
-    def rows(self) -> Rows:
-        """The whole allocation, spare slots included."""
-        return self.alloc if self.alloc is not None else (self.w13, self.w2)
-
-    @property
-    def allocated(self) -> int:
-        return self.rows[0].shape[0]
-
-
-@dataclass(frozen=True)
-class SlotSet:
-    generation: int
-    layers: dict[int, LayerSlots]
-    # why this table must not compute ("" = it may): a commit that failed half-way
-    broken: str = ""
-    # a commit is rewriting these layers (requests wait for it under the worker's lock, or are
-    # stale if they check now)
-    committing: bool = False
-
-
-@dataclass(frozen=True)
-class PreviousSlots:
-    """The generation the last commit replaced, as a map from its slots to the live ones:
-    a coordinator that follows another's placement (coordinator/experts/pool.py) sends that
-    generation for a moment after the commit, and its requests are computed on the live slots
-    holding the same experts."""
-
-    generation: int
-    to_live: dict[int, torch.Tensor]  # layer -> [S_old] int64 live slot of each old slot, -2: gone
-
-    @classmethod
-    def between(
-        cls, generation: int, before: dict[int, tuple[int, ...]], layers: dict[int, LayerSlots]
-    ) -> PreviousSlots:
-        to_live = {}
-        for layer, old in before.items():
-            where: dict[int, int] = {}
-            for s, e in enumerate(layers[layer].experts):
-                if e >= 0:
-                    where.setdefault(e, s)
-            to_live[layer] = torch.tensor([where.get(e, -2) for e in old], dtype=torch.long)
-        return cls(generation, to_live)
-
-    def translate(self, layer: int, slot_ids: torch.Tensor) -> torch.Tensor | None:
-        """``slot_ids [T, K]`` (checked in range of the old layer) as live slots (-1 stays);
-        None when a routed expert is no longer on this server."""
-        m = self.to_live[layer].to(slot_ids.device)
-        out = torch.where(slot_ids >= 0, m[slot_ids.clamp(min=0).long()], -1)
-        if bool((out == -2).any()):
-            return None
-        return out.to(torch.int32)
-
-
 @dataclass
 class _Staged:
     generation: int
@@ -148,7 +76,7 @@ class _Staged:
     built: dict[int, LayerSlots] = field(default_factory=dict)  # layers that held nothing
 
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.rows.values()) + _live_bytes(self.built)
+        return sum(a.nbytes + b.nbytes for a, b in self.rows.values()) + live_bytes(self.built)
 
 
 def parse_expert_spec(spec: str, num_experts: int) -> list[int]:
@@ -351,7 +279,7 @@ class SlotTable:
     def resident_bytes(self) -> int:
         """Bytes of the live experts plus what a prepare has staged."""
         staged = self._staged
-        return _live_bytes(self.live.layers) + (staged.nbytes() if staged is not None else 0)
+        return live_bytes(self.live.layers) + (staged.nbytes() if staged is not None else 0)
 
     def _note(self, extra: int = 0) -> None:
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes() + extra)
@@ -546,19 +474,6 @@ class SlotTable:
                 return
             self._staged = None
         memory.release(self.device)
-
-
-def _live_bytes(layers: dict[int, LayerSlots]) -> int:
-    seen: set[int] = set()
-    n = 0
-    for ls in layers.values():
-        for t in (ls.w13, ls.w2):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:
-                continue
-            seen.add(ptr)
-            n += t.untyped_storage().nbytes()
-    return n
 
 
 def _sources(layer: int, plan: LayerPlan, cur: LayerSlots, rows: dict[tuple[int, int], Rows]) -> list[Source]:
