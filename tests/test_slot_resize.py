@@ -290,3 +290,15 @@ def test_cpu_server_packed_slots_resize_as_a_fresh_load(wdtype):
             out = b.forward(x, ls.w13, ls.w2, slot_ids, weights)
             assert torch.equal(out, fb.forward(x, fs.w13, fs.w2, slot_ids, weights))
             assert torch.equal(ls.w13, fs.w13) and torch.equal(ls.w2, fs.w2)
+
+
+def test_no_spare_slots_every_resize_is_a_new_allocation_built_in_prepare():
+    t, _ = table(spare=0)  # --placement-spare-mb 0
+    t.preload([0, 1, 2])
+    assert [t.live.layers[la].allocated for la in LAYERS] == [3, 3]
+    t.builds.clear()
+    placement = {0: [0, 1], 2: [0, 1, 2, 3]}
+    push(t, 1, placement)
+    assert sorted(t.builds) == [("prepare", 0, 2), ("prepare", 2, 4)]
+    assert t.resident_bytes() == 6 * SLOT
+    same_as_fresh_load(t, placement)

@@ -48,6 +48,7 @@ class WorkerConfig:
     link: str = "auto"  # the device link: auto | force | off (expertmesh/transport/server.py)
     # bytes a placement prepare may read ahead beside the live experts (None: one layer of slots)
     staging_mb: int | None = None
+    spare_mb: int | None = None
     # fast-path requests of several coordinators for one layer computed together (combine.py)
     combine_streams: bool = False
 
@@ -70,6 +71,8 @@ class WorkerConfig:
             raise ValueError(f"--capacity must be positive, got {self.capacity}")
         if self.staging_mb is not None and self.staging_mb < 0:
             raise ValueError(f"--placement-staging-mb must be >= 0, got {self.staging_mb}")
+        if self.spare_mb is not None and self.spare_mb < 0:
+            raise ValueError(f"--placement-spare-mb must be >= 0, got {self.spare_mb}")
         if self.max_loras <= 0:
             raise ValueError(f"--max-loras must be positive, got {self.max_loras}")
         if self.max_message_mb <= 0:
@@ -90,6 +93,10 @@ class WorkerConfig:
     @property
     def staging_bytes(self) -> int | None:
         return None if self.staging_mb is None else self.staging_mb << 20
+
+    @property
+    def spare_bytes(self) -> int | None:
+        return None if self.spare_mb is None else self.spare_mb << 20
 
     @property
     def fast_paths(self) -> tuple[str, ...]:
@@ -168,6 +175,14 @@ class WorkerConfig:
             "ahead of its commit (default: one layer of slots; 0: every new expert is read during "
             "the commit, which then takes longer)",
         )
+        p.add_argument(
+            "--placement-spare-mb",
+            type=int,
+            default=None,
+            help="spare expert slots kept in the layers' allocations between placement changes, so "
+            "a layer that grows or shrinks rewrites only its changed slots (default: half the "
+            "staging budget; it counts against that budget; 0: every resize is a new allocation)",
+        )
 
         p.add_argument(
             "--drain-timeout",
@@ -201,6 +216,7 @@ class WorkerConfig:
             drain_timeout_s=args.drain_timeout,
             link=link_mode(os.environ.get(LINK_ENV, "")),
             staging_mb=args.placement_staging_mb,
+            spare_mb=args.placement_spare_mb,
             combine_streams=args.combine_streams,
         )
 

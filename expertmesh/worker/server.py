@@ -120,6 +120,7 @@ def slot_table(
     device: torch.device,
     capacity: int,
     staging_bytes: int | None = None,
+    spare_bytes: int | None = None,
 ) -> SlotTable:
     """``backend``'s slot table: an expert server's, and the coordinator's in-process member's
     (coordinator/experts/local.py)."""
@@ -128,7 +129,16 @@ def slot_table(
     hook = (lambda layer, e: read(reader, layer, e, device)) if read is not None else None
     stack = getattr(backend, "stack_slots", None)  # NUMA placement of the stacked slots
     return SlotTable(
-        reader, dtype, device, capacity, backend.pack_weights, hook, stack, staging_bytes, slot_views(backend)
+        reader,
+        dtype,
+        device,
+        capacity,
+        backend.pack_weights,
+        hook,
+        stack,
+        staging_bytes,
+        slot_views(backend),
+        spare_bytes,
     )
 
 
@@ -138,7 +148,9 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
     cfg = reader.config
     capacity = config.capacity or cfg.num_experts
     device = torch.device(config.device)
-    slots = slot_table(reader, backend, config.torch_dtype, device, capacity, config.staging_bytes)
+    slots = slot_table(
+        reader, backend, config.torch_dtype, device, capacity, config.staging_bytes, config.spare_bytes
+    )
     preload_ids = parse_expert_spec(config.experts, cfg.num_experts)
     identity = WorkerIdentity(
         kind=config.kind,
