@@ -302,3 +302,39 @@ def test_no_spare_slots_every_resize_is_a_new_allocation_built_in_prepare():
     assert sorted(t.builds) == [("prepare", 0, 2), ("prepare", 2, 4)]
     assert t.resident_bytes() == 6 * SLOT
     same_as_fresh_load(t, placement)
+
+
+@pytest.mark.gpu
+def test_gpu_server_tables_resize_as_a_fresh_load_under_cuda_graphs():
+    """On the GPU the graphs are keyed by the weights' address and shape: a table resized
+    inside its allocation keeps the address and changes the shape, and computes as a fresh load."""
+    from gpu_server.backend import TritonExpertBackend
+    from gpu_server.graphs import GraphedBackend
+
+    dev, h, inter = torch.device("cuda"), 128, 64
+    backend = GraphedBackend(TritonExpertBackend.for_device(dev))
+
+    def gpu_table() -> SlotTable:
+        return slot_table(RandomReader(h, inter), backend, torch.bfloat16, dev, 8)  # type: ignore[arg-type]
+
+    t = gpu_table()
+    t.preload([0, 1, 2, 3])
+    rng, g = random.Random(1), torch.Generator().manual_seed(1)
+    for gen in range(1, 8):
+        placement = {layer: [rng.randrange(EXPERTS) for _ in range(rng.randint(1, 8))] for layer in LAYERS}
+        push(t, gen, placement)
+        fresh = gpu_table()
+        push(fresh, 1, placement)
+        for layer in LAYERS:
+            ls, fs = t.live.layers[layer], fresh.live.layers[layer]
+            assert ls.experts == fs.experts == tuple(placement[layer])
+            x = torch.randn(3, h, generator=g).to(dev, torch.bfloat16)  # decode-sized: graphed
+            slot_ids = torch.randint(0, len(ls.experts), (3, 2), generator=g, dtype=torch.int32)
+            weights = torch.rand(3, 2, generator=g)
+            out = backend.forward(x, ls.w13, ls.w2, slot_ids, weights)
+            assert torch.equal(out, backend.forward(x, fs.w13, fs.w2, slot_ids, weights))
+            w = [ref_weights(layer, e, h, inter) for e in ls.experts]
+            w13 = torch.stack([a["w13"] for a in w]).bfloat16().float()
+            w2 = torch.stack([a["w2"] for a in w]).bfloat16().float()
+            ref = torch_moe(x.float().cpu(), w13, w2, slot_ids, weights)
+            torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
