@@ -118,7 +118,12 @@ def test_a_resize_within_the_allocation_writes_only_the_changed_slots():
     t.builds.clear()
     r.reads.clear()
     placement = {0: [0, 1, 2, 3, 4, 5], 2: [3, 0]}  # grows into its spare slots / shrinks
-    push(t, 1, placement)
+    t.prepare(1, placement)
+    # the new slots past the live ones are read in place by the prepare: nothing is staged and
+    # the live layer still computes on its 4 slots
+    assert sorted(r.reads) == [(0, 4), (0, 5)] and t._staged is not None and t._staged.rows == {}
+    assert t.live.layers[0].experts == (0, 1, 2, 3) and t.resident_bytes() == 2 * 6 * slot
+    t.commit(1)
     assert t.builds == [] and sorted(r.reads) == [(0, 4), (0, 5)]
     assert {layer: ls.w13.data_ptr() for layer, ls in t.live.layers.items()} == ptrs
     assert [ls.allocated for ls in t.live.layers.values()] == [6, 6]
@@ -167,6 +172,18 @@ def test_abort_after_a_prepared_growth_leaves_the_live_placement():
     same_as_fresh_load(t, {0: [0, 1, 2, 3], 2: [0, 1, 2, 3]})
 
 
+def test_abort_after_the_prepare_wrote_spare_slots_leaves_the_live_placement():
+    t, _ = table()
+    t.preload([0, 1, 2, 3])  # allocations of 6
+    before = [outputs(t, layer)[0] for layer in LAYERS]
+    t.prepare(1, {0: [0, 1, 2, 3, 7, 8], 2: [0, 1, 2, 3, 9]})
+    t.abort(1)
+    assert all(torch.equal(outputs(t, layer)[0], b) for layer, b in zip(LAYERS, before))
+    placement = {0: [0, 1, 2, 3, 5], 2: [4, 1, 2, 3, 6]}  # the same spare slots, other experts
+    push(t, 2, placement)
+    same_as_fresh_load(t, placement)
+
+
 def test_spare_slots_past_the_target_are_trimmed_within_the_budget():
     t, _ = table()  # budget 8 slots, spare target 4 (2 per layer)
     t.preload([0, 1, 2, 3, 4, 5])  # allocations of 8 = 6 + 2
@@ -189,7 +206,8 @@ def test_plan_change_lays_out_in_place_growth_staged_builds_and_trims():
     # growth within the allocation is in place; past it a new allocation (headroom 1 per layer)
     lay = plan_change(live, alloc, {0: (0, 1, 2, 3), 1: (0, 1, 2, 3, 4)}, 8, 9, 2)  # room 9 - 2
     assert lay.plans[0].rebuild is None and lay.plans[0].reads == ((3, 3),)
-    assert lay.plans[1].rebuild == 6 and lay.built == {1} and lay.staged == {(0, 3)}
+    assert lay.plans[1].rebuild == 6 and lay.built == {1}
+    assert lay.staged == set() and lay.direct == {(0, 3)}  # past the live slots: written in place
     # room for 7 - 2 (spare held) = 5 slots: its exact size fits, not 6 with headroom
     lay = plan_change(live, alloc, {0: (0, 1, 2), 1: (0, 1, 2, 3, 4)}, 8, 7, 2)
     assert lay.plans[1].rebuild == 5 and lay.built == {1}

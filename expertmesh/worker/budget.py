@@ -37,7 +37,10 @@ class Layout:
     plans: dict[int, LayerPlan]
     built: frozenset[int]  # layers whose new allocation the prepare builds (the commit swaps it in)
     loads: frozenset[int]  # ... of them, layers that held nothing (built outside the budget)
-    staged: frozenset[tuple[int, int]]  # (layer, dst) experts read during prepare
+    staged: frozenset[tuple[int, int]]  # (layer, dst) experts read ahead during prepare
+    # (layer, dst) slots past a layer's live ones, inside its allocation: nothing computes them,
+    # so the prepare writes them in place (read or copied from a live slot) at no memory cost
+    direct: frozenset[tuple[int, int]]
 
 
 def headroom(spare: int, layers: int, capacity: int, size: int, exact: bool = False) -> int:
@@ -101,6 +104,8 @@ def plan_change(
             continue
         full = False
         for dst, _ in plans[layer].reads:
+            if plans[layer].rebuild is None and dst >= len(live[layer]):
+                continue  # direct
             staged.add((layer, dst))
             if not fits():
                 staged.discard((layer, dst))
@@ -132,7 +137,14 @@ def plan_change(
             plans[layer] = was
             built.discard(layer)
             staged |= kept
-    return Layout(plans, frozenset(built), frozenset(loads), frozenset(staged))
+    direct = frozenset(
+        (layer, dst)
+        for layer in order
+        if plans[layer].rebuild is None
+        for dst, _ in (*plans[layer].moves, *plans[layer].reads)
+        if dst >= len(live[layer])
+    )
+    return Layout(plans, frozenset(built), frozenset(loads), frozenset(staged), direct)
 
 
 def _alloc_after(plan: LayerPlan, allocated: int) -> int:

@@ -1,22 +1,23 @@
 """The slot table of an expert server: which logical expert each local slot holds, per layer,
 and the stacked weights the backend computes with.
 
-Placement changes are two-phase and hold every expert once. Each layer's slots live in an
-allocation that may hold a few spare slots past the live ones (budget.py says how many), so a
+Placement changes are two-phase and hold every expert once. Each layer's slots are the first S
+of an allocation that may hold a few spare slots past them (budget.py says how many), so a
 resize within it rewrites only the slots that change. :meth:`SlotTable.prepare` plans each
-layer's slot moves (moves.py) beside the live table, touching no live weight: it builds the new
+layer's slot moves (moves.py) beside the live table, touching no live slot: it builds the new
 allocation of a layer that outgrows its own (or holds nothing yet, or is trimmed of spare
-slots) and reads ahead the new experts, within a staging budget (default: one layer of this
-server's slots). :meth:`commit` (which the worker core runs under the lock every compute takes,
-so no forward sees a half-moved layer) swaps in the layers built by prepare and rewrites the
-others in place, layer by layer: moves inside a layer through one spare slot, staged experts
-copied in, the others read from the checkpoint straight into their slot; so its pause follows
-the slots that change, not the layers' sizes (only a layer that outgrows its allocation when
-the budget could not hold its new one is rebuilt in the commit). A placement equal to the live
-one touches no weight.
-:meth:`abort` drops what was staged; the live table was never touched. Memory freed by either
-goes back to the device or the OS (memory.py): abort does it, and the worker calls
-:meth:`release` after a commit, once requests flow again.
+slots), writes the new slots that land in spare slots (nothing computes them), and reads ahead
+the other new experts, within a staging budget (default: one layer of this server's slots).
+:meth:`commit` (which the worker core runs under the lock every compute takes, so no forward
+sees a half-moved layer) swaps in the layers built by prepare and rewrites the live slots of
+the others in place, layer by layer: moves inside a layer through one spare slot, staged
+experts copied in, the others read from the checkpoint straight into their slot, then the live
+count set. Its pause follows the live slots that change, not the layers' sizes (only a layer
+that outgrows its allocation when the budget cannot hold its new one is rebuilt in the
+commit). A placement equal to the live one touches no weight. :meth:`abort` drops what was
+staged; the live slots were never touched. Memory freed by either goes back to the device or
+the OS (memory.py): abort does it, and the worker calls :meth:`release` after a commit, once
+requests flow again.
 
 Errors are typed: :class:`SlotError` (an InvalidRequest) for a table that cannot be built,
 ``StaleGeneration`` for a phase naming the wrong generation, ``Unavailable`` for a commit that
@@ -73,7 +74,9 @@ class _Staged:
     base: int  # the table's commit count when planned: a commit in between invalidates it
     plans: dict[int, LayerPlan]
     rows: dict[tuple[int, int], Rows] = field(default_factory=dict)  # (layer, dst) read ahead
-    built: dict[int, LayerSlots] = field(default_factory=dict)  # layers that held nothing
+    built: dict[int, LayerSlots] = field(default_factory=dict)  # new allocations, swapped in
+    # (layer, dst) spare slots of the live allocation the prepare already wrote
+    direct: set[tuple[int, int]] = field(default_factory=set)
 
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.rows.values()) + live_bytes(self.built)
@@ -136,6 +139,8 @@ class SlotTable:
         self._slot_bytes = 0  # one slot's w13 + w2 bytes, known once a slot was read
         self.peak_bytes = 0  # the most expert bytes (live + staged + transient) held at once
         self._lock = threading.Lock()  # guards _staged and orders prepare's plan with commit
+        # NOTE: one prepare at a time: a prepare writes the spare slots of the live allocation
+        self._preparing = threading.Lock()
 
     # ------------------------------------------------------------ reading
 
@@ -326,6 +331,10 @@ class SlotTable:
                 raise SlotError(
                     f"layer {layer}: {len(experts)} slots exceed this server's capacity {self.capacity}"
                 )
+        with self._preparing:
+            return self._prepare(generation, table)
+
+    def _prepare(self, generation: int, table: dict[int, list[int]]) -> int:
         with self._lock:
             if generation <= self.live.generation:
                 raise StaleGeneration(
@@ -359,12 +368,33 @@ class SlotTable:
                 for dst, e in p.reads:
                     if (layer, dst) in lay.staged:
                         staged.rows[layer, dst] = self._read_rows(layer, e)
+                self._write_spare(layer, p, live.layers[layer], lay.direct, staged)
                 self._note(staged.nbytes())
         with self._lock:
             if self._commits != base:  # NOTE: planned against a placement that is gone
                 raise StaleGeneration(f"generation {generation}: the live placement changed during prepare")
             self._staged = staged
         return sum(len(p.reads) for p in lay.plans.values())
+
+    def _write_spare(
+        self,
+        layer: int,
+        plan: LayerPlan,
+        cur: LayerSlots,
+        direct: frozenset[tuple[int, int]],
+        staged: _Staged,
+    ) -> None:
+        """Writes the new slots of ``layer`` that lie past its live ones, inside its allocation:
+        no forward reads them, so the commit has nothing left to do for them."""
+        w13, w2 = cur.rows
+        for dst, src in plan.moves:
+            if (layer, dst) in direct:
+                w13[dst].copy_(w13[src])
+                w2[dst].copy_(w2[src])
+                staged.direct.add((layer, dst))
+        reads = [(dst, e) for dst, e in plan.reads if (layer, dst) in direct]
+        self._parallel([_bind(self._read_into, layer, e, w13[dst], w2[dst]) for dst, e in reads])
+        staged.direct.update((layer, dst) for dst, _ in reads)
 
     def commit(self, generation: int) -> None:
         """Makes the prepared placement live. The caller keeps every forward out meanwhile."""
@@ -427,10 +457,14 @@ class SlotTable:
         # what each slot holds at this point (-1: being written); spare slots it grows into too
         content = list(cur.experts) + [-1] * (n - len(cur.experts))
         w13, w2 = cur.rows
+        for dst, e in ((d, plan.experts[d]) for d in range(len(cur.experts), len(plan.experts))):
+            if (layer, dst) in staged.direct:  # written by the prepare
+                content[dst] = e
+        moves = tuple((d, s) for d, s in plan.moves if (layer, d) not in staged.direct)
         spare: Rows | None = None
         spare_expert = -1
         try:
-            for op, dst, src in move_order(plan.moves):
+            for op, dst, src in move_order(moves):
                 if op == "save":
                     if spare is None:
                         spare = (torch.empty_like(w13[dst]), torch.empty_like(w2[dst]))
@@ -446,6 +480,8 @@ class SlotTable:
                 content[dst] = spare_expert if src == TEMP else content[src]
             unread = []
             for dst, e in plan.reads:
+                if (layer, dst) in staged.direct:
+                    continue
                 content[dst] = -1
                 rows = staged.rows.pop((layer, dst), None)
                 if rows is None:
