@@ -184,20 +184,22 @@ def test_abort_after_the_prepare_wrote_spare_slots_leaves_the_live_placement():
     same_as_fresh_load(t, placement)
 
 
-def test_spare_slots_past_the_target_are_trimmed_within_the_budget():
+def test_spare_slots_past_the_target_are_trimmed():
     t, _ = table()  # budget 8 slots, spare target 4 (2 per layer)
     t.preload([0, 1, 2, 3, 4, 5])  # allocations of 8 = 6 + 2
     slot = t.slot_bytes()
     t.builds.clear()
     placement = {0: [5], 2: [4]}
-    push(t, 1, placement)  # 14 spare slots: a trim to 1 + 2 fits the 4 slots of room, a second not
-    assert t.builds == [("prepare", 0, 3)]
-    assert [t.live.layers[la].allocated for la in LAYERS] == [3, 8]
+    # 14 spare slots: both layers are trimmed to 1 + 2; the first fits the room the 4 spare
+    # slots leave in the budget and is built during prepare, the second is built by the commit
+    push(t, 1, placement)
+    assert t.builds == [("prepare", 0, 3), ("commit", 2, 3)]
+    assert [t.live.layers[la].allocated for la in LAYERS] == [3, 3] and t.resident_bytes() == 6 * slot
     same_as_fresh_load(t, placement)
     t.builds.clear()
-    placement = {0: [5], 2: [4, 4]}
-    push(t, 2, placement)  # 9 spare slots now: the room (8 - 4) trims layer 2 to 2 + 2
-    assert t.builds == [("prepare", 2, 4)] and t.resident_bytes() == 7 * slot
+    placement = {0: [5, 6], 2: [4, 4, 7]}  # grows back into the spare slots: no allocation
+    push(t, 2, placement)
+    assert t.builds == [] and t.resident_bytes() == 6 * slot
     same_as_fresh_load(t, placement)
 
 
@@ -244,6 +246,9 @@ def test_random_changes_compute_as_a_fresh_load_within_the_budget(staging_slots)
         # rebuilt in the commit, where the budget is below a layer)
         held = max(before, t.resident_bytes())
         assert t.peak_bytes <= held + max(budget, capacity * slot), (gen, t.peak_bytes, before)
+        # and between changes the spare slots stay within their target, half the budget
+        experts = sum(len(ls.experts) for ls in t.live.layers.values()) * slot
+        assert t.resident_bytes() - experts <= budget // 2, (gen, t.resident_bytes(), experts)
         same_as_fresh_load(t, placement)
 
 

@@ -7,21 +7,23 @@ Pure: no tensors, no gRPC. Sizes are in slots (one slot: one expert's w13 + w2 r
 Each layer of a server keeps an allocation of A >= S slots and computes on its first S (a view):
 a resize within A rewrites only the slots that change and moves the live count. Two budgets:
 
-- ``budget`` B (one layer of the server's slots, or ``--placement-staging-mb``): what a change
-  may add beyond the live allocations while it runs (new allocations built during prepare,
-  experts read ahead, the commit's transients), less the spare slots already held up to
-  ``spare``.
-- ``spare`` (default B / 2): the spare slots (A - S, summed over layers) a server keeps between
-  changes. A layer given a new allocation gets ``spare / layers`` slots of headroom (none when
-  only its exact size fits the budget); a shrinking
-  layer keeps its allocation, and when the spare slots pass ``spare`` the layers with the most
-  are trimmed to their size plus headroom (a new allocation built during prepare, within B; a
-  trim that does not fit waits for a later change).
+- ``spare`` (default half of ``budget``): the spare slots (A - S, summed over layers) a server
+  keeps between changes. A layer given a new allocation gets ``spare / layers`` slots of
+  headroom (none when only its exact size fits the room); a shrinking layer keeps its
+  allocation, and when the spare slots would pass ``spare`` the layers that free the most spare
+  slots per slot copied are trimmed to their size plus headroom.
+- ``budget`` B (one layer of the server's slots, or ``--placement-staging-mb``), less the spare
+  slots held: the room a change may use beyond the live allocations while it runs. In order,
+  layers that outgrow their allocation and trims are built during prepare where they fit (the
+  commit swaps them in), then experts are read ahead; what does not fit is done by the commit
+  (a layer rebuilt there, an expert read there). New slots that land in spare slots cost no
+  room: nothing computes them, so the prepare writes them in place.
 
-So between changes a server holds its experts plus at most ``spare`` slots, plus what shrinking
-layers left and no trim has taken back yet (slots its experts held before); during a change at
-most B more. The one exception: a layer that must grow past its allocation when B cannot hold
-its new allocation is rebuilt in the commit (its new allocation is the transient).
+So between changes a server holds its experts plus at most ``spare`` slots; during a change at
+most B beyond the experts it held before, except for a layer the commit rebuilds (its new
+allocation, at most the server's slot capacity, is the transient). On a GPU the commit's copies
+are device copies; on the CPU the room is what keeps the commit's work near the slots that
+change (benchmarks/sim_slot_layout.py counts both at any model size).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def plan_change(
         else:
             plans[layer] = plan_layer(old, new)
     spare_now = sum(allocated[layer] - len(live[layer]) for layer in order)
-    room = max(0, budget - min(spare_now, spare))
+    room = max(0, budget - spare_now)
     built: set[int] = set(loads)
     staged: set[tuple[int, int]] = set()
 
@@ -99,7 +101,26 @@ def plan_change(
         if not fits():  # NOTE: rebuilt in the commit, with headroom so it grows in place next time
             plans[layer] = with_headroom
             built.discard(layer)
-    for layer in order:  # then experts read ahead, in layer order (the commit reads the rest)
+    # then trims, while the spare slots would pass ``spare``: built during prepare where they fit,
+    # else in the commit; the layers that free the most spare slots per slot copied first
+    left = sum(_alloc_after(plans[layer], allocated[layer]) - size[layer] for layer in order)
+    if all(p.unchanged for p in plans.values()):
+        left = 0  # NOTE: a push equal to the live placement touches no weight, not even to trim
+    trims = sorted(
+        (-(allocated[layer] - headroom(spare, len(order), capacity, size[layer], exact)) / size[layer], layer)
+        for layer in order
+        if plans[layer].rebuild is None and size[layer] > 0
+    )
+    for _, layer in trims:
+        alloc = headroom(spare, len(order), capacity, size[layer], exact)
+        if left <= spare or allocated[layer] <= alloc:
+            break
+        plans[layer] = plan_layer(live[layer], tuple(table.get(layer, ())), alloc)
+        left -= allocated[layer] - alloc
+        built.add(layer)
+        if not fits():
+            built.discard(layer)
+    for layer in order:  # last: experts read ahead, in layer order (the commit reads the rest)
         if layer in built:
             continue
         full = False
@@ -113,30 +134,6 @@ def plan_change(
                 break
         if full:
             break
-    # last: trims of the layers with the most spare slots, while the spare slots pass ``spare``
-    left = sum(_alloc_after(plans[layer], allocated[layer]) - size[layer] for layer in order)
-    if all(p.unchanged for p in plans.values()):
-        left = 0  # NOTE: a push equal to the live placement touches no weight, not even to trim
-    candidates = sorted(
-        (-(allocated[layer] - size[layer]), layer)
-        for layer in order
-        if plans[layer].rebuild is None and size[layer] > 0
-    )
-    for minus, layer in candidates:
-        extra = -minus
-        alloc = headroom(spare, len(order), capacity, size[layer], exact)
-        if left <= spare or extra <= alloc - size[layer]:
-            break
-        was, kept = plans[layer], {s for s in staged if s[0] == layer}
-        plans[layer] = plan_layer(live[layer], tuple(table.get(layer, ())), alloc)
-        built.add(layer)
-        staged -= kept
-        if fits():
-            left -= allocated[layer] - alloc
-        else:
-            plans[layer] = was
-            built.discard(layer)
-            staged |= kept
     direct = frozenset(
         (layer, dst)
         for layer in order
