@@ -1,6 +1,7 @@
 """Every expert held once: a real expert server (a subprocess) through a load, a push equal to
 the live placement, a rebalance that changes a quarter of every layer's slots (rotations and
-experts read from the checkpoint) and an aborted change stays within its experts' bytes plus
+experts read from the checkpoint), layers that shrink and grow back inside their allocations,
+and an aborted change stays within its experts' bytes plus
 one layer plus 5% (peak RSS of the CPU server from /proc; torch's peak CUDA bytes of the GPU
 server), and answers every layer as plain torch does with the weights the checkpoint holds.
 Describe and /metrics (parsed with prometheus_client) report the same expert bytes.
@@ -45,7 +46,9 @@ def weights(model: Path, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def placements() -> list[dict[int, list[int]]]:
     """First placement (experts 0..23 in order, as loaded), the same again, then per layer a
-    quarter of the slots changed: three rotated, three given experts 24.. not held before."""
+    quarter of the slots changed: three rotated, three given experts 24.. not held before; then
+    every other layer shrinks by three slots (the allocation keeps them as spare slots) and
+    grows back (into them)."""
     first = {layer: list(range(SLOTS)) for layer in range(LAYERS)}
     moved = {}
     for layer in range(LAYERS):
@@ -56,7 +59,8 @@ def placements() -> list[dict[int, list[int]]]:
             s[slot] = SLOTS + (layer + k) % (EXPERTS - SLOTS)
         moved[layer] = s
     assert all(sum(x != y for x, y in zip(first[la], moved[la])) == SLOTS // 4 for la in first)
-    return [first, first, moved]
+    shrunk = {layer: s[: SLOTS - 3] if layer % 2 == 0 else s for layer, s in moved.items()}
+    return [first, first, moved, shrunk, moved]
 
 
 def check_outputs(srv: Server, model: Path, gen: int, table: dict[int, list[int]], refs: dict) -> None:
@@ -67,7 +71,9 @@ def check_outputs(srv: Server, model: Path, gen: int, table: dict[int, list[int]
             refs[layer] = weights(model, layer)
         w13, w2 = refs[layer]
         held = table[layer]
-        slot_ids = torch.stack([torch.randperm(SLOTS, generator=g)[:TOP_K] for _ in range(T)]).int()  # [T, K]
+        slot_ids = torch.stack(
+            [torch.randperm(len(held), generator=g)[:TOP_K] for _ in range(T)]
+        ).int()  # [T, K]
         routing = torch.rand(T, TOP_K, generator=g)
         x = torch.randn(T, HID, generator=g).to(DTYPE)
         out = srv.forward(ExpertRequest(1, gen, layer, x, slot_ids, routing), DTYPE).float()
@@ -119,17 +125,20 @@ def run(kind: str, model: Path, *extra: str) -> None:
         base_rss = proc_kib(pid, "VmRSS") * 1024
         refs: dict = {}
         tables = placements()
+        slot = 3 * INTER * HID * DTYPE.itemsize
         for gen, table in enumerate(tables, 1):
             srv.push(gen, table)
             check_outputs(srv, model, gen, table, refs)
-        srv.apply(pb.ApplyPlacementRequest.PREPARE, 4, placements()[0])  # a change, then abort
-        srv.apply(pb.ApplyPlacementRequest.ABORT, 4)
-        check_outputs(srv, model, 3, tables[2], refs)
+            # the allocations stay whole while layers shrink: their spare slots count as resident
+            assert srv.describe().weight_bytes == LAYERS * SLOTS * slot
+        last = len(tables)
+        srv.apply(pb.ApplyPlacementRequest.PREPARE, last + 1, tables[0])  # a change, then abort
+        srv.apply(pb.ApplyPlacementRequest.ABORT, last + 1)
+        check_outputs(srv, model, last, tables[-1], refs)
         info = srv.describe()
-        slot = 3 * INTER * HID * DTYPE.itemsize
         experts, layer = LAYERS * SLOTS * slot, SLOTS * slot
         bound = experts + layer + experts // 20
-        assert info.generation == 3 and info.weight_bytes == experts, (info.weight_bytes, experts)
+        assert info.generation == last and info.weight_bytes == experts, (info.weight_bytes, experts)
         assert experts <= info.peak_weight_bytes <= experts + layer, info.peak_weight_bytes
         assert metric(url, "expertmesh_worker_expert_bytes") == experts
         assert metric(url, "expertmesh_worker_expert_peak_bytes") == info.peak_weight_bytes
