@@ -1,9 +1,9 @@
 """Every expert held once: a real expert server (a subprocess) through a load, a push equal to
 the live placement, a rebalance that changes a quarter of every layer's slots (rotations and
 experts read from the checkpoint), layers that shrink and grow back inside their allocations,
-and an aborted change stays within its experts' bytes plus
-one layer plus 5% (peak RSS of the CPU server from /proc; torch's peak CUDA bytes of the GPU
-server), and answers every layer as plain torch does with the weights the checkpoint holds.
+and an aborted change stays within its experts' bytes plus one layer plus 5% (peak RSS of the
+CPU server from /proc; torch's peak CUDA bytes of the GPU server), and answers every layer as
+plain torch does with the weights the checkpoint holds.
 Describe and /metrics (parsed with prometheus_client) report the same expert bytes.
 
 Sizes: 6 layers of 24 slots of 1024 x 384 bf16 experts, ~340 MB resident (CI runs it in
