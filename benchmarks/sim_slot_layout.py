@@ -3,10 +3,12 @@ size, without a GPU: the coordinator's own planner (coordinator/eplb/plan.py) on
 synthetic expert loads, each server's change laid out by the worker's own budget
 (expertmesh/worker/budget.py), counted in slots (one expert's weights).
 
-Per rebalance and server: tables resized, live slots the commit writes (moves and reads of live
-slots, every slot of a layer rebuilt in the commit), layers rebuilt in the commit, slots the
-prepare writes beside serving (new allocations, experts read ahead, spare slots), the most
-slots held beyond the live allocations, and the spare slots held afterwards.
+Per rebalance and server: tables resized, the slots that change (moved or read), live slots
+the commit writes (moves and reads of live slots, every slot of a layer rebuilt in the commit),
+the same where every resized table is rebuilt whole in the commit (tables of exact size),
+layers rebuilt in the commit, slots the prepare writes beside serving (new allocations,
+experts read ahead, spare slots), the most slots held beyond the allocations held before the
+change (a server that grows holds its new experts too), and the spare slots held afterwards.
 
     python benchmarks/sim_slot_layout.py --layers 48 --experts 128 --gpu-experts 96
 """
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coordinator.eplb.plan import EplbConfig, plan_rebalance  # noqa: E402
 from expertmesh import placement as pl  # noqa: E402
 from expertmesh.worker.budget import _peak, headroom, plan_change  # noqa: E402
+from expertmesh.worker.moves import plan_layer  # noqa: E402
 
 
 def main() -> None:
@@ -52,9 +55,10 @@ def main() -> None:
 
     print(f"{args.layers} layers x {e} experts; budget {budget} slots per server, spare {spare}")
     print(
-        "| rebalance | server | resized | commit writes | rebuilt in commit | prepare writes | peak extra | spare |"
+        "| rebalance | server | resized | slots changed | commit writes | exact tables: commit writes "
+        "| rebuilt in commit | prepare writes | peak extra | spare |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for step in range(1, args.rebalances + 1):
         noise = torch.exp(torch.randn(len(layers), e, generator=g) * args.drift)
         plan = plan_rebalance((base * noise).round().double(), live, layers, cap, speed, cfg, expert_bytes=1)
@@ -64,10 +68,13 @@ def main() -> None:
         for s, name in enumerate(live.servers):
             new = live.server_slots(s)
             lay = plan_change(tables[s], alloc[s], {la: tuple(v) for la, v in new.items()}, e, budget, spare)
-            commit = rebuilt = prepare = resized = 0
+            commit = rebuilt = prepare = resized = changed = whole = 0
             for la in layers:
                 pln = lay.plans[la]
                 resized += pln.resize
+                in_place = plan_layer(tables[s][la], tuple(new[la]))
+                changed += len(in_place.moves) + len(in_place.reads)
+                whole += len(new[la]) if in_place.resize else len(in_place.moves) + len(in_place.reads)
                 if la in lay.built:
                     prepare += pln.rebuild or 0
                 elif pln.rebuild is not None:
@@ -83,7 +90,8 @@ def main() -> None:
                 alloc[s][la] = alloc[s][la] if r is None else r
             tables[s] = {la: tuple(v) for la, v in new.items()}
             held = sum(alloc[s][la] - len(tables[s][la]) for la in layers)
-            print(f"| {step} | {name} | {resized} | {commit} | {rebuilt} | {prepare} | {peak} | {held} |")
+            cols = (step, name, resized, changed, commit, whole, rebuilt, prepare, peak, held)
+            print("| " + " | ".join(map(str, cols)) + " |")
 
 
 if __name__ == "__main__":
