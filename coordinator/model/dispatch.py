@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from coordinator.model.cpu_moe import CPUExpertBackend
 from expertmesh.checkpoint import CheckpointReader
 from expertmesh.experts import ExpertBackend, TorchExpertBackend
 from expertmesh.progress import LoadProgress
@@ -86,12 +87,15 @@ def stack_experts(
 
 
 def default_backend(device: torch.device) -> ExpertBackend:
-    """The fused Triton kernels on CUDA (the GPU expert server's backend), plain torch elsewhere."""
+    """The fused Triton kernels on CUDA (the GPU expert server's backend), plain torch with few
+    ops per step on the CPU (coordinator/model/cpu_moe.py), the plain-torch reference elsewhere."""
     if device.type == "cuda":
         # NOTE: imported here so the CPU coordinator never loads Triton
         from gpu_server.backend import make_backend
 
         return make_backend(str(device))
+    if device.type == "cpu":
+        return CPUExpertBackend()
     return TorchExpertBackend()
 
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator.model.batch import ForwardBatch
-from coordinator.model.models.layers import MergedLinear, RMSNorm, Rotary, linear
+from coordinator.model.batch import DecodeRows, ForwardBatch
+from coordinator.model.models.layers import MergedLinear, RMSNorm, Rotary, linear, rms_norm
 from expertmesh.config import ModelConfig
 
 
@@ -55,11 +55,11 @@ def paged_attention_torch(
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     hq, hk, dk, dv = q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[-1]
     groups = hq // hk
-    decodes = [b for b, c in enumerate(batch.chunks) if c.length == 1]
-    if len(decodes) > 1:
-        _decode_attention(q, k_cache, v_cache, batch, decodes, scale, out)
+    decodes = _decode_rows(batch)
+    if decodes is not None:
+        _decode_attention(q, k_cache, v_cache, batch.page_size, decodes, scale, out)
     for b, c in enumerate(batch.chunks):
-        if len(decodes) > 1 and c.length == 1:
+        if decodes is not None and c.length == 1:
             continue
         s, n = c.past + c.length, c.length
         kv_index = c.kv_index if c.kv_index is not None else _cache_rows(batch, b, s)
@@ -70,8 +70,8 @@ def paged_attention_torch(
             .permute(1, 2, 0, 3)
             .reshape(hk, groups * n, dk)
         )
-        ks = k_cache[kv_index].transpose(0, 1)  # [Hk, S, Dk]
-        vs = v_cache[kv_index].transpose(0, 1)  # [Hk, S, Dv]
+        ks = k_cache.index_select(0, kv_index).transpose(0, 1)  # [Hk, S, Dk]
+        vs = v_cache.index_select(0, kv_index).transpose(0, 1)  # [Hk, S, Dv]
         scores = torch.matmul(qs, ks.transpose(1, 2)) * scale  # [Hk, G*n, S]
         if n > 1:  # query i (absolute position past+i) sees keys 0..past+i; one token sees all
             mask = (
@@ -85,33 +85,51 @@ def paged_attention_torch(
     return out
 
 
+def _decode_rows(batch: ForwardBatch) -> DecodeRows | None:
+    """The step's one-token chunks: built with the batch on the CPU, here for a batch made
+    without them (a test's, or a device's); None when there are none."""
+    if batch.decode is not None:
+        return batch.decode
+    seqs = [b for b, c in enumerate(batch.chunks) if c.length == 1]
+    if not seqs:
+        return None
+    p, dev = batch.page_size, batch.page_table.device
+    width = max(-(-(batch.chunks[b].past + 1) // p) for b in seqs)
+    index = torch.tensor(seqs, device=dev)
+    pages = batch.page_table[index, :width].long().reshape(-1)  # [B_d * W_d]
+    length = torch.tensor([batch.chunks[b].past + 1 for b in seqs], device=dev)  # [B_d]
+    pad = torch.arange(width * p, device=dev)[None, :] >= length[:, None]  # [B_d, W_d * P]
+    mask = torch.zeros(pad.shape, device=dev).masked_fill_(pad, float("-inf"))[:, None, :]
+    rows = torch.tensor([batch.chunks[b].start for b in seqs], device=dev)
+    return DecodeRows(tuple(seqs), rows, pages, mask)
+
+
 def _decode_attention(
     q: torch.Tensor,  # [T, Hq, Dk]
-    k_cache: torch.Tensor,  # [rows, Hk, Dk]
-    v_cache: torch.Tensor,  # [rows, Hk, Dv]
-    batch: ForwardBatch,
-    seqs: list[int],  # B sequences of the step whose chunk is one token
+    k_cache: torch.Tensor,  # [R, Hk, Dk]
+    v_cache: torch.Tensor,  # [R, Hk, Dv]
+    page_size: int,
+    d: DecodeRows,  # the B_d sequences of the step whose chunk is one token
     scale: float,
     out: torch.Tensor,  # [T, Hq, Dv], their rows written
 ) -> None:
-    """One token per sequence, each seeing all its S_b cached keys: the sequences' rows padded
-    to the longest (pad keys masked out), so the ops run once for all of them."""
+    """One token per sequence, each seeing all its cached keys: whole pages of every sequence
+    gathered (one copy of a page's rows each), padded to the longest with the pad keys masked,
+    so the ops run once for all of them. S = W_d * P keys per sequence."""
     hq, hk, dk, dv = q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[-1]
-    rows = []
-    for b in seqs:
-        c = batch.chunks[b]
-        rows.append(c.kv_index if c.kv_index is not None else _cache_rows(batch, b, c.past + 1))
-    index = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, S] cache rows, 0-padded
-    length = torch.tensor([r.shape[0] for r in rows], device=q.device)  # [B]
-    at = torch.tensor([batch.chunks[b].start for b in seqs], device=q.device)  # [B] rows of T
-    qs = q[at].view(len(seqs), hk, hq // hk, dk)  # [B, Hk, G, Dk]
-    ks = k_cache[index].permute(0, 2, 3, 1)  # [B, Hk, Dk, S]
-    vs = v_cache[index].transpose(1, 2)  # [B, Hk, S, Dv]
-    scores = torch.matmul(qs, ks) * scale  # [B, Hk, G, S]
-    pad = torch.arange(index.shape[1], device=q.device)[None, :] >= length[:, None]  # [B, S]
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    b, s = len(d.seqs), d.width
+    pages = k_cache.shape[0] // page_size
+    ks = k_cache.view(pages, -1).index_select(0, d.pages).view(b, s, hk, dk)
+    vs = v_cache.view(pages, -1).index_select(0, d.pages).view(b, s, hk, dv)
+    # NOTE: head-major copies so that each (sequence, KV head) is one matrix of one bmm
+    ks = ks.transpose(1, 2).reshape(b * hk, s, dk)  # [B*Hk, S, Dk]
+    vs = vs.transpose(1, 2).reshape(b * hk, s, dv)  # [B*Hk, S, Dv]
+    qs = q.index_select(0, d.rows).view(b * hk, hq // hk, dk)  # [B*Hk, G, Dk]
+    mask = d.mask if q.dtype == torch.float32 else d.mask.to(q.dtype)  # [B, 1, S]
+    mask = mask[:, None].expand(b, hk, 1, s).reshape(b * hk, 1, s)
+    scores = torch.baddbmm(mask, qs, ks.transpose(1, 2), alpha=scale)  # [B*Hk, G, S]
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out[at] = torch.matmul(probs, vs).reshape(len(seqs), hq, dv)  # [B, Hk, G, Dv] -> [B, Hq, Dv]
+    out[d.rows] = torch.bmm(probs, vs).view(b, hq, dv)  # [B*Hk, G, Dv] -> [B, Hq, Dv]
 
 
 def _cache_rows(batch: ForwardBatch, b: int, s: int) -> torch.Tensor:  # [s] cache rows of sequence b
@@ -140,6 +158,8 @@ class Attention(nn.Module):
         self.rotary = Rotary(self.d, cfg.rope_theta, scaling=cfg.rope_scaling)
         self.scale = self.d**-0.5
         self._inv_freq: torch.Tensor | None = None  # the fused CUDA path's rotary frequencies
+        self._qk_weight: torch.Tensor | None = None  # see _qk_norm_weight
+        self._qk_stamp: tuple[int, ...] = ()
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
@@ -147,18 +167,48 @@ class Attention(nn.Module):
         t = x.shape[0]
         if x.is_cuda and self.qk_norm in (None, "head") and self.clip is None and self.d in (64, 128, 256):
             return self._forward_fused(x, batch, kv)
+        if self.qk_norm != "full":
+            return self._forward_joint(x, batch, kv)
         q, k, v = self.qkv_proj(x)  # [T, Hq*D], [T, Hk*D], [T, Hk*D]
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
             q, k, v = (z.clamp(-self.clip, self.clip) for z in (q, k, v))
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hk, self.d), v.view(t, self.hk, self.d)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, batch.memo if not x.is_cuda else None)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.hq * self.d))
+
+    def _forward_joint(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """q and k as one ``[T, Hq+Hk, D]`` view of the projection: the per-head norms (one
+        weight row per head) and the rotary run once for both. Each op works per head row, so
+        the numbers are those of q and k done apart; a step of a small model is mostly per-op
+        overhead, so half the ops is most of the saving."""
+        t, hq, d = x.shape[0], self.hq, self.d
+        if self.qkv_proj._forward_hooks:  # LoRA on the projection hooks the module's call
+            qkv = torch.cat(self.qkv_proj(x), dim=-1)  # [T, (Hq+2Hk)*D]
+        else:
+            qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        if self.clip is not None:
+            qkv = qkv.clamp(-self.clip, self.clip)
+        qk = qkv[:, : (hq + self.hk) * d].view(t, hq + self.hk, d)  # [T, Hq+Hk, D]
+        v = qkv[:, (hq + self.hk) * d :].view(t, self.hk, d)  # [T, Hk, D]
+        if self.qk_norm == "head":
+            qk = rms_norm(qk, self._qk_norm_weight(), self.q_norm.eps)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, batch.memo if not x.is_cuda else None)
+        qk = self.rotary.apply(qk, cos, sin)
+        o = paged_attention(qk[:, :hq], qk[:, hq:], v, kv[0], kv[1], batch, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, hq * d))
+
+    def _qk_norm_weight(self) -> torch.Tensor:  # [Hq+Hk, D]: q_norm's weight per query head, then k_norm's
+        w_q, w_k = self.q_norm.weight, self.k_norm.weight
+        stamp = (w_q.data_ptr(), w_q._version, w_k.data_ptr(), w_k._version)
+        if self._qk_weight is None or self._qk_stamp != stamp:  # built once, again if the weights change
+            self._qk_weight = torch.cat([w_q.detach().expand(self.hq, -1), w_k.detach().expand(self.hk, -1)])
+            self._qk_stamp = stamp
+        return self._qk_weight
 
     def _forward_fused(
         self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]

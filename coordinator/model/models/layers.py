@@ -24,10 +24,16 @@ class RMSNorm(nn.Module):
             from coordinator.model.kernels.fused_ops import rmsnorm
 
             return rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[1].view(x.shape)
-        # NOTE: normalise in float32, cast back, then scale: the order HF uses, so bf16 rounds alike.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [..., D]``, ``weight`` broadcast against it (``[D]``, or
+    ``[heads, D]`` for per-head weights of a ``[T, heads, D]`` input)."""
+    # NOTE: normalise in float32, cast back, then scale: the order HF uses, so bf16 rounds alike.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 class MergedLinear(nn.Module):
@@ -89,7 +95,20 @@ class Rotary(nn.Module):
     def inv_freq(self, device: torch.device) -> torch.Tensor:  # [D/2] float32, scaled if configured
         return rope.inv_freq(self.dim, self.theta, self.scaling, device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, memo: dict[object, object] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, D] each
+        """``memo``: the step's (ForwardBatch.memo): the first layer computes, the others reuse
+        (every layer's rotary is the same function of the step's positions)."""
+        if memo is None:
+            return self._cos_sin(positions, dtype)
+        key = ("rotary", self.dim, self.theta, self.scaling, dtype, positions.data_ptr(), positions.shape)
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = self._cos_sin(positions, dtype)
+        return got  # type: ignore[return-value]
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq(positions.device)  # [D/2]
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
