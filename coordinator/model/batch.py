@@ -34,6 +34,8 @@ class DecodeRows:
     rows: torch.Tensor  # [B_d] long, their rows of T
     pages: torch.Tensor  # [B_d * W_d] long page ids (pad: page 0, masked)
     mask: torch.Tensor  # [B_d, 1, W_d * P] float32: 0 for keys 0..past, -inf past the end
+    # the mask laid out per (KV heads, dtype) the attention asks for, made by its first layer
+    head_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False)
 
     @property
     def width(self) -> int:  # W_d * P keys per sequence

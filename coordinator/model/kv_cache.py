@@ -150,6 +150,12 @@ class KVCache:
             width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
             self.k = torch.zeros(cfg.num_layers, rows, 1, width, dtype=dtype, device=device)
             self.v = self.k[..., : cfg.kv_lora_rank]
+        elif device.type == "cpu":
+            # NOTE: stored head-major ([L, Hk, rows, D], seen as [L, rows, Hk, D]): the CPU
+            # attention gathers a sequence's pages per KV head, and from this layout that gather
+            # is the only copy (row-major storage needs a second, transposing one per layer)
+            self.k = torch.zeros(cfg.num_layers, hk, rows, cfg.q_head_dim, dtype=dtype).transpose(1, 2)
+            self.v = torch.zeros(cfg.num_layers, hk, rows, cfg.v_dim, dtype=dtype).transpose(1, 2)
         else:
             self.k = torch.zeros(cfg.num_layers, rows, hk, cfg.q_head_dim, dtype=dtype, device=device)
             self.v = torch.zeros(cfg.num_layers, rows, hk, cfg.v_dim, dtype=dtype, device=device)

@@ -70,15 +70,11 @@ def paged_attention_torch(
             .permute(1, 2, 0, 3)
             .reshape(hk, groups * n, dk)
         )
-        ks = k_cache.index_select(0, kv_index).transpose(0, 1)  # [Hk, S, Dk]
-        vs = v_cache.index_select(0, kv_index).transpose(0, 1)  # [Hk, S, Dv]
-        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale  # [Hk, G*n, S]
-        if n > 1:  # query i (absolute position past+i) sees keys 0..past+i; one token sees all
-            mask = (
-                torch.arange(s, device=q.device)[None, :]
-                <= (c.past + torch.arange(n, device=q.device))[:, None]
-            )  # [n, S]
-            scores = scores.view(hk, groups, n, s).masked_fill(~mask, float("-inf")).view(hk, groups * n, s)
+        ks = k_cache.transpose(0, 1).index_select(1, kv_index)  # [Hk, S, Dk]
+        vs = v_cache.transpose(0, 1).index_select(1, kv_index)  # [Hk, S, Dv]
+        scores = _scores(
+            qs, ks.transpose(1, 2), _causal_mask(batch, b, groups, q.dtype), scale
+        )  # [Hk, G*n, S]
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(probs, vs)  # [Hk, G*n, Dv]
         out[c.start : c.start + n] = o.view(hk, groups, n, dv).permute(2, 0, 1, 3).reshape(n, hq, dv)
@@ -114,22 +110,66 @@ def _decode_attention(
     out: torch.Tensor,  # [T, Hq, Dv], their rows written
 ) -> None:
     """One token per sequence, each seeing all its cached keys: whole pages of every sequence
-    gathered (one copy of a page's rows each), padded to the longest with the pad keys masked,
-    so the ops run once for all of them. S = W_d * P keys per sequence."""
+    gathered per KV head, padded to the longest with the pad keys masked, so the ops run once
+    for all of them. S = W_d * P keys per sequence.
+
+    The gather's result is head-major, ``[Hk, B_d, S, D]``, one matrix per (KV head,
+    sequence) for the batched matmuls; from the CPU cache's head-major storage
+    (coordinator/model/kv_cache.py) it copies whole pages, from a row-major one row by row."""
     hq, hk, dk, dv = q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[-1]
-    b, s = len(d.seqs), d.width
-    pages = k_cache.shape[0] // page_size
-    ks = k_cache.view(pages, -1).index_select(0, d.pages).view(b, s, hk, dk)
-    vs = v_cache.view(pages, -1).index_select(0, d.pages).view(b, s, hk, dv)
-    # NOTE: head-major copies so that each (sequence, KV head) is one matrix of one bmm
-    ks = ks.transpose(1, 2).reshape(b * hk, s, dk)  # [B*Hk, S, Dk]
-    vs = vs.transpose(1, 2).reshape(b * hk, s, dv)  # [B*Hk, S, Dv]
-    qs = q.index_select(0, d.rows).view(b * hk, hq // hk, dk)  # [B*Hk, G, Dk]
-    mask = d.mask if q.dtype == torch.float32 else d.mask.to(q.dtype)  # [B, 1, S]
-    mask = mask[:, None].expand(b, hk, 1, s).reshape(b * hk, 1, s)
-    scores = torch.baddbmm(mask, qs, ks.transpose(1, 2), alpha=scale)  # [B*Hk, G, S]
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out[d.rows] = torch.bmm(probs, vs).view(b, hq, dv)  # [B*Hk, G, Dv] -> [B, Hq, Dv]
+    b, s, g = len(d.seqs), d.width, hq // hk
+    ks = _pages_by_head(k_cache, page_size, d.pages).view(hk * b, s, dk)  # [Hk*B, S, Dk]
+    vs = _pages_by_head(v_cache, page_size, d.pages).view(hk * b, s, dv)  # [Hk*B, S, Dv]
+    qs = q.view(q.shape[0], hk, g, dk).transpose(0, 1).index_select(1, d.rows)  # [Hk, B, G, Dk]
+    scores = _scores(qs.view(hk * b, g, dk), ks.transpose(1, 2), _head_mask(d, hk, q.dtype), scale)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hk*B, G, S]
+    o = torch.bmm(probs, vs).view(hk, b, g, dv)  # [Hk, B, G, Dv]
+    out[d.rows] = o.transpose(0, 1).reshape(b, hq, dv)
+
+
+def _scores(
+    q: torch.Tensor,  # [N, M, Dk]
+    k_t: torch.Tensor,  # [N, Dk, S]
+    mask: torch.Tensor,  # broadcast to [N, M, S]: 0 where seen, -inf where not
+    scale: float,
+) -> torch.Tensor:  # [N, M, S]
+    """``q @ k_t * scale + mask`` with HF's roundings: in float32 one op (the scale applied to
+    the float32 dot is the same rounding as after it), in lower precision three (HF rounds the
+    product, then the scaled product, to the activation dtype)."""
+    if q.dtype == torch.float32:
+        return torch.baddbmm(mask, q, k_t, alpha=scale)
+    return torch.bmm(q, k_t) * scale + mask
+
+
+def _causal_mask(batch: ForwardBatch, b: int, groups: int, dtype: torch.dtype) -> torch.Tensor:  # [G*n, S]
+    """Chunk ``b``'s mask for its rows (g, i) of a group stack: query i (position past+i) sees
+    keys 0..past+i. The same for every layer: made once per step (in the batch's memo)."""
+    key = ("causal", b, groups, dtype)
+    got = batch.memo.get(key)
+    if got is None:
+        c = batch.chunks[b]
+        s, n, dev = c.past + c.length, c.length, batch.page_table.device
+        seen = (
+            torch.arange(s, device=dev)[None, :] <= (c.past + torch.arange(n, device=dev))[:, None]
+        )  # [n, S]
+        mask = torch.zeros(n, s, dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
+        got = batch.memo[key] = mask.repeat(groups, 1)
+    return got  # type: ignore[return-value]
+
+
+def _pages_by_head(cache: torch.Tensor, page_size: int, pages: torch.Tensor) -> torch.Tensor:
+    """``cache [R, Hk, D]`` -> ``[Hk, len(pages) * P, D]``: the pages' rows, per KV head."""
+    return cache.transpose(0, 1).unflatten(1, (-1, page_size)).index_select(1, pages).flatten(1, 2)
+
+
+def _head_mask(d: DecodeRows, hk: int, dtype: torch.dtype) -> torch.Tensor:  # [Hk*B, 1, S]
+    """The decodes' pad mask in the gather's (KV head, sequence) order; the same for every
+    layer, so made once per step (kept in the DecodeRows)."""
+    key = (hk, dtype)
+    got = d.head_masks.get(key)
+    if got is None:
+        got = d.head_masks[key] = d.mask.to(dtype).repeat(hk, 1, 1)
+    return got
 
 
 def _cache_rows(batch: ForwardBatch, b: int, s: int) -> torch.Tensor:  # [s] cache rows of sequence b
@@ -174,8 +214,10 @@ class Attention(nn.Module):
         if self.clip is not None:
             q, k, v = (z.clamp(-self.clip, self.clip) for z in (q, k, v))
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hk, self.d), v.view(t, self.hk, self.d)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, batch.memo if not x.is_cuda else None)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        cos, sin_neg = self.rotary.rolled_tables(
+            batch.positions, x.dtype, batch.memo if not x.is_cuda else None
+        )
+        q, k = self.rotary.apply_rolled(q, cos, sin_neg), self.rotary.apply_rolled(k, cos, sin_neg)
         o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.hq * self.d))
 
@@ -197,8 +239,10 @@ class Attention(nn.Module):
         v = qkv[:, (hq + self.hk) * d :].view(t, self.hk, d)  # [T, Hk, D]
         if self.qk_norm == "head":
             qk = rms_norm(qk, self._qk_norm_weight(), self.q_norm.eps)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, batch.memo if not x.is_cuda else None)
-        qk = self.rotary.apply(qk, cos, sin)
+        cos, sin_neg = self.rotary.rolled_tables(
+            batch.positions, x.dtype, batch.memo if not x.is_cuda else None
+        )
+        qk = self.rotary.apply_rolled(qk, cos, sin_neg)
         o = paged_attention(qk[:, :hq], qk[:, hq:], v, kv[0], kv[1], batch, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, hq * d))
 

@@ -30,6 +30,12 @@ class RMSNorm(nn.Module):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of ``x [..., D]``, ``weight`` broadcast against it (``[D]``, or
     ``[heads, D]`` for per-head weights of a ``[T, heads, D]`` input)."""
+    if x.dtype == torch.float32:
+        # one op instead of six; in float32 torch's norm gives HF's numbers bit for bit (there is
+        # no cast in between to round)
+        if weight.dim() == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
     # NOTE: normalise in float32, cast back, then scale: the order HF uses, so bf16 rounds alike.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -95,20 +101,32 @@ class Rotary(nn.Module):
     def inv_freq(self, device: torch.device) -> torch.Tensor:  # [D/2] float32, scaled if configured
         return rope.inv_freq(self.dim, self.theta, self.scaling, device)
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype, memo: dict[object, object] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, D] each
-        """``memo``: the step's (ForwardBatch.memo): the first layer computes, the others reuse
-        (every layer's rotary is the same function of the step's positions)."""
-        if memo is None:
-            return self._cos_sin(positions, dtype)
+    def rolled_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype, memo: dict[object, object] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, 1, D] each: cos, and sin negated on the first half
+        """The tables :meth:`apply_rolled` takes. ``memo``: the step's (ForwardBatch.memo): the
+        first layer computes them, the others reuse them (every layer's rotary is the same
+        function of the step's positions)."""
         key = ("rotary", self.dim, self.theta, self.scaling, dtype, positions.data_ptr(), positions.shape)
-        got = memo.get(key)
+        got = memo.get(key) if memo is not None else None
         if got is None:
-            got = memo[key] = self._cos_sin(positions, dtype)
+            cos, sin = self.cos_sin(positions, dtype)
+            half = self.dim // 2
+            got = (cos[:, None, :], torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)[:, None, :])
+            if memo is not None:
+                memo[key] = got
         return got  # type: ignore[return-value]
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply_rolled(self, x: torch.Tensor, cos: torch.Tensor, sin_neg: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply` of half-split pairs in fewer ops, the same numbers: x [T, heads, D],
+        tables from :meth:`rolled_tables`. The halves swapped (a roll) times the sin whose first
+        half is negated is the same product as ``cat(-x2, x1) * sin`` (a sign flip is exact)."""
+        assert not self.interleave, "interleaved pairs take apply()"
+        return x * cos + x.roll(self.dim // 2, -1) * sin_neg
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, D]
         inv_freq = self.inv_freq(positions.device)  # [D/2]
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
