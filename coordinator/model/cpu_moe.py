@@ -37,21 +37,24 @@ def gathered_moe(
     weights: torch.Tensor,  # [T, K] float32
 ) -> torch.Tensor:  # [T, H]
     t, k = slot_ids.shape
-    inter = w2.shape[2]
+    h, inter = x.shape[1], w2.shape[2]
     if k > 2:  # two terms add alike in either order; more follow the experts' ascending order
         slot_ids, order = torch.sort(slot_ids, dim=1)
         weights = weights.gather(1, order)
-    live = slot_ids >= 0  # [T, K]
-    ids = slot_ids.clamp(min=0).reshape(-1)  # [N]; a -1 pair computes slot 0 and adds 0
-    xs = x[:, None, None, :].expand(t, k, 1, x.shape[1]).reshape(t * k, 1, x.shape[1])  # [N, 1, H]
-    gate_up = torch.bmm(xs, w13.index_select(0, ids).transpose(1, 2))  # [N, 1, 2I]
-    act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [N, 1, I]
-    y = torch.bmm(act, w2.index_select(0, ids).transpose(1, 2)).view(t, k, -1)  # [N, 1, H] -> [T, K, H]
+    weights = weights.float()
+    if int(slot_ids.min()) < 0:  # a -1 pair computes slot 0 and adds 0
+        weights = weights.masked_fill(slot_ids < 0, 0.0)
+        slot_ids = slot_ids.clamp(min=0)
+    ids = slot_ids.reshape(-1)  # [N], token-major: a token's K experts are adjacent
+    w13s = w13.index_select(0, ids).view(t, k * 2 * inter, h)  # [T, K*2I, H]
+    gate_up = torch.bmm(x.unsqueeze(1), w13s.transpose(1, 2)).view(t * k, 2 * inter)  # [N, 2I]
+    act = F.silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter)  # [N, I]
+    y = torch.bmm(act.unsqueeze(1), w2.index_select(0, ids).transpose(1, 2)).view(t, k, h)  # [T, K, H]
     # NOTE: weights are float32; each product rounds once to x's dtype, as the reference's
-    y = (y * torch.where(live, weights.float(), 0.0)[:, :, None]).to(x.dtype)
-    out = y[:, 0]
+    y = (y * weights.unsqueeze(2)).to(x.dtype)
+    out = y.select(1, 0)
     for j in range(1, k):
-        out = out + y[:, j]
+        out = out + y.select(1, j)
     return out
 
 

@@ -95,7 +95,8 @@ def route(
         denom = weights.sum(-1, keepdim=True)
         # sigmoid scores are not a distribution: the guard is DeepSeek-V3's, softmax models have none
         weights = weights / (denom + 1e-20) if spec.scoring == "sigmoid" else weights / denom
-    weights = weights * spec.routed_scaling_factor
+    if spec.routed_scaling_factor != 1.0:  # (a product by 1.0 changes nothing but costs an op)
+        weights = weights * spec.routed_scaling_factor
     if spec.round_weights:
         weights = weights.to(logits.dtype).float()
     return ids, weights

@@ -52,12 +52,16 @@ def paged_attention_torch(
     The query heads that share a KV head are stacked as rows of one matmul against it (GQA
     without a copy of K/V per query head). A CPU decode step of a small model is mostly per-op
     overhead: the decodes' attention is one padded batch of ops, not a batch per sequence."""
-    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     hq, hk, dk, dv = q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[-1]
     groups = hq // hk
     decodes = _decode_rows(batch)
     if decodes is not None:
-        _decode_attention(q, k_cache, v_cache, batch.page_size, decodes, scale, out)
+        o_dec = _decode_attention(q, k_cache, v_cache, batch.page_size, decodes, scale)  # [B_d, Hq, Dv]
+        if len(decodes.seqs) == q.shape[0]:  # every token decodes: rows 0..T-1 in order
+            return o_dec
+    out = q.new_empty(q.shape[0], hq, dv)
+    if decodes is not None:
+        out[decodes.rows] = o_dec
     for b, c in enumerate(batch.chunks):
         if decodes is not None and c.length == 1:
             continue
@@ -107,8 +111,7 @@ def _decode_attention(
     page_size: int,
     d: DecodeRows,  # the B_d sequences of the step whose chunk is one token
     scale: float,
-    out: torch.Tensor,  # [T, Hq, Dv], their rows written
-) -> None:
+) -> torch.Tensor:  # [B_d, Hq, Dv]
     """One token per sequence, each seeing all its cached keys: whole pages of every sequence
     gathered per KV head, padded to the longest with the pad keys masked, so the ops run once
     for all of them. S = W_d * P keys per sequence.
@@ -124,7 +127,7 @@ def _decode_attention(
     scores = _scores(qs.view(hk * b, g, dk), ks.transpose(1, 2), _head_mask(d, hk, q.dtype), scale)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hk*B, G, S]
     o = torch.bmm(probs, vs).view(hk, b, g, dv)  # [Hk, B, G, Dv]
-    out[d.rows] = o.transpose(0, 1).reshape(b, hq, dv)
+    return o.transpose(0, 1).reshape(b, hq, dv)
 
 
 def _scores(
@@ -235,15 +238,16 @@ class Attention(nn.Module):
             qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         if self.clip is not None:
             qkv = qkv.clamp(-self.clip, self.clip)
-        qk = qkv[:, : (hq + self.hk) * d].view(t, hq + self.hk, d)  # [T, Hq+Hk, D]
-        v = qkv[:, (hq + self.hk) * d :].view(t, self.hk, d)  # [T, Hk, D]
+        qk = qkv.narrow(1, 0, (hq + self.hk) * d).view(t, hq + self.hk, d)  # [T, Hq+Hk, D]
+        v = qkv.narrow(1, (hq + self.hk) * d, self.hk * d).view(t, self.hk, d)  # [T, Hk, D]
         if self.qk_norm == "head":
             qk = rms_norm(qk, self._qk_norm_weight(), self.q_norm.eps)
         cos, sin_neg = self.rotary.rolled_tables(
             batch.positions, x.dtype, batch.memo if not x.is_cuda else None
         )
         qk = self.rotary.apply_rolled(qk, cos, sin_neg)
-        o = paged_attention(qk[:, :hq], qk[:, hq:], v, kv[0], kv[1], batch, self.scale)  # [T, Hq, D]
+        q, k = qk.narrow(1, 0, hq), qk.narrow(1, hq, self.hk)
+        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, hq * d))
 
     def _qk_norm_weight(self) -> torch.Tensor:  # [Hq+Hk, D]: q_norm's weight per query head, then k_norm's

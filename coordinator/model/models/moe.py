@@ -51,7 +51,8 @@ class MoEBlock(nn.Module):
         self.gate = Gate(cfg, dtype)
         self.shared_name = shared_name
         self.logits_fp32 = logits_fp32  # DeepSeek's router multiplies in float32
-        if cfg.shared_expert_intermediate_size:
+        self.has_shared = bool(cfg.shared_expert_intermediate_size)
+        if self.has_shared:
             setattr(self, shared_name, GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype))
         self.shared_expert_gate = linear(cfg.hidden_size, 1, dtype) if cfg.shared_expert_gate else None
         # set by the model owner; not parameters
@@ -76,8 +77,8 @@ class MoEBlock(nn.Module):
         pending = self.dispatcher.submit(self.layer, x, topk_ids, topk_weights)
 
         def finish() -> torch.Tensor:
-            shared = getattr(self, self.shared_name, None)
-            shared_out = shared(x) if shared is not None else None
+            # NOTE: no getattr default: a missing module attribute costs a raised exception per layer
+            shared_out = getattr(self, self.shared_name)(x) if self.has_shared else None
             if shared_out is not None and self.shared_expert_gate is not None:
                 shared_out = torch.sigmoid(self.shared_expert_gate(x)) * shared_out
             routed = pending.wait()
