@@ -31,8 +31,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of ``x [..., D]``, ``weight`` broadcast against it (``[D]``, or
     ``[heads, D]`` for per-head weights of a ``[T, heads, D]`` input)."""
     if x.dtype == torch.float32:
-        # one op instead of six; in float32 torch's norm gives HF's numbers bit for bit (there is
-        # no cast in between to round)
+        # one call instead of six from Python; in float32 torch's norm gives HF's numbers bit for
+        # bit (there is no cast in between to round; tests/test_cpu_step.py checks it)
         if weight.dim() == 1:
             return F.rms_norm(x, (x.shape[-1],), weight, eps)
         return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
