@@ -252,6 +252,8 @@ class Attention(nn.Module):
 
     def _qk_norm_weight(self) -> torch.Tensor:  # [Hq+Hk, D]: q_norm's weight per query head, then k_norm's
         w_q, w_k = self.q_norm.weight, self.k_norm.weight
+        if w_q.is_cuda:  # NOTE: never kept on CUDA: one made while a graph is captured holds no values
+            return torch.cat([w_q.expand(self.hq, -1), w_k.expand(self.hk, -1)])
         stamp = (w_q.data_ptr(), w_q._version, w_k.data_ptr(), w_k._version)
         if self._qk_weight is None or self._qk_stamp != stamp:  # built once, again if the weights change
             self._qk_weight = torch.cat([w_q.detach().expand(self.hq, -1), w_k.detach().expand(self.hk, -1)])
