@@ -140,11 +140,40 @@ class _WorkerState(Collector):
         for kind, n in self.metrics.relays.totals().items():
             relay.add_metric([kind], n)
         yield relay
+        combiner = getattr(s, "combiner", None)
+        if combiner is not None:  # --combine-streams (expertmesh/worker/combine.py)
+            yield from _combine(combiner.stats)
         yield GaugeMetricFamily(
             "expertmesh_worker_resident_adapters",
             "LoRA adapters resident",
             value=self.metrics.resident_adapters,
         )
+
+
+def _combine(st: Any) -> Iterator[Metric]:
+    """Cross-coordinator batching: calls that combined several streams' requests, and the
+    requests held for another stream's request of their layer (met: it came in time)."""
+    yield CounterMetricFamily(
+        "expertmesh_worker_combined_calls",
+        "Layer computations that combined the requests of several streams",
+        value=st.batches,
+    )
+    yield CounterMetricFamily(
+        "expertmesh_worker_combined_requests", "Requests computed in combined calls", value=st.combined
+    )
+    held = CounterMetricFamily(
+        "expertmesh_worker_combine_waits",
+        "Requests held for other streams' request of their layer, by outcome",
+        labels=["outcome"],
+    )
+    held.add_metric(["met"], st.met)
+    held.add_metric(["timed_out"], st.waits - st.met)
+    yield held
+    yield CounterMetricFamily(
+        "expertmesh_worker_combine_wait_seconds",
+        "Time requests were held for other streams' request of their layer",
+        value=st.wait_seconds,
+    )
 
 
 def _memory(slots: Any) -> Iterator[Metric]:

@@ -18,6 +18,7 @@ KINDS = ("gpu", "cpu")
 LINK_ENV = "EXPERTMESH_LINK"  # the device link: unset/1 auto, 0 off, force (one GPU too)
 LINK_MODES = {"": "auto", "1": "auto", "auto": "auto", "0": "off", "off": "off", "force": "force"}
 DTYPES = ("float32", "bfloat16", "float16")
+COMBINE_WAIT_US = 200.0  # --combine-wait-us default (benchmarks/RESULTS.md, bench_two_coordinators)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class WorkerConfig:
     spare_mb: int | None = None
     # fast-path requests of several coordinators for one layer computed together (combine.py)
     combine_streams: bool = False
+    # with it: the longest a request is held for other coordinators' request of its layer
+    combine_wait_us: float = COMBINE_WAIT_US
 
     def __post_init__(self) -> None:
         if self.link not in ("auto", "force", "off"):
@@ -73,6 +76,8 @@ class WorkerConfig:
             raise ValueError(f"--placement-staging-mb must be >= 0, got {self.staging_mb}")
         if self.spare_mb is not None and self.spare_mb < 0:
             raise ValueError(f"--placement-spare-mb must be >= 0, got {self.spare_mb}")
+        if not 0 <= self.combine_wait_us <= 1e6:
+            raise ValueError(f"--combine-wait-us must be in [0, 1000000], got {self.combine_wait_us}")
         if self.max_loras <= 0:
             raise ValueError(f"--max-loras must be positive, got {self.max_loras}")
         if self.max_message_mb <= 0:
@@ -156,6 +161,13 @@ class WorkerConfig:
             "layer that wait together as one batch (off: one after the other)",
         )
         p.add_argument(
+            "--combine-wait-us",
+            type=float,
+            default=COMBINE_WAIT_US,
+            help="with --combine-streams: hold a request up to this long for the other coordinators' "
+            "request of the same layer, only while several coordinators stream (0 = never hold; default %(default)g)",
+        )
+        p.add_argument(
             "--max-loras",
             type=int,
             default=4,
@@ -218,6 +230,7 @@ class WorkerConfig:
             staging_mb=args.placement_staging_mb,
             spare_mb=args.placement_spare_mb,
             combine_streams=args.combine_streams,
+            combine_wait_us=args.combine_wait_us,
         )
 
 

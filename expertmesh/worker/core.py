@@ -80,6 +80,7 @@ class ExpertWorker:
         identity: WorkerIdentity,
         max_loras: int = 4,
         combine: bool = False,
+        combine_wait_us: float = 0.0,
     ) -> None:
         self.slots, self.backend, self.identity = slots, backend, identity
         self.cfg = slots.reader.config
@@ -106,8 +107,9 @@ class ExpertWorker:
         self.open_streams = 0
         # the host links open on this server (cpu_expert_server/hostlink.py): a commit waits for their steps
         self._host_links: weakref.WeakSet[Any] = weakref.WeakSet()
-        # fast-path requests of several streams for one layer computed together (opt-in)
-        self.combiner = StreamCombiner(self) if combine else None
+        # fast-path requests of several streams for one layer computed together (opt-in), a
+        # request held up to ``combine_wait_us`` for the other streams' request of its layer
+        self.combiner = StreamCombiner(self, slots.moe_layers, combine_wait_us) if combine else None
 
     def info(self) -> WorkerInfo:
         cfg, ident = self.cfg, self.identity

@@ -186,6 +186,7 @@ async def start_worker(config: WorkerConfig, backend: ExpertBackend, device_uuid
         link=config.link,  # the device link
         data=data,
         combine=config.combine_streams,
+        combine_wait_us=config.combine_wait_us,
     )
     if data is not None:
         data.on_drop = servicer.worker.data_path_error

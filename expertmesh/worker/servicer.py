@@ -56,8 +56,9 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         link: str = "auto",  # the device link's mode (WorkerConfig.link)
         data: DataListener | None = None,  # the TCP data path's port (None: not offered)
         combine: bool = False,  # WorkerConfig.combine_streams
+        combine_wait_us: float = 0.0,  # WorkerConfig.combine_wait_us
     ) -> None:
-        self.worker = ExpertWorker(slots, backend, identity, max_loras, combine)
+        self.worker = ExpertWorker(slots, backend, identity, max_loras, combine, combine_wait_us)
         self.link = link
         self.data = data
         self.shm_spin_us = shm_spin_us
