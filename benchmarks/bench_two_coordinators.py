@@ -4,6 +4,7 @@ concurrency: aggregate output tokens/s and the expert server's batch size per la
     python benchmarks/bench_two_coordinators.py [--model DIR | --widths qwen3-30b-a3b --layers 4]
         [--server-device cuda:0] [--coord-devices cuda:0 cuda:0] [--concurrency 16 64]
         [--new-tokens 64] [--coord-flags "--dtype bfloat16"] [--server-flags "--dtype bfloat16"]
+        [--combine-too [--combine-wait-us 0 200]]
 
 For each level and mode a fresh GPU expert server (every expert) and fresh coordinators start
 with the real CLI (``--placement-lease``, so they share the server; the first one places the
@@ -12,13 +13,18 @@ experts, the second follows):
   one             a single coordinator (the first of ``--coord-devices``) with all ``c`` clients;
   two             two coordinators (``--coord-devices``: one per GPU, or both on one), ``c/2``
                   clients each;
-  two, combined   (``--combine-too``) the same on a server started with ``--combine-streams``.
+  two, combined   (``--combine-too``) the same on a server started with ``--combine-streams``,
+                  once per ``--combine-wait-us`` value (how long a request may be held for the
+                  other coordinator's request of its layer; 0: only requests that already
+                  wait together are combined).
 
 Clients are closed-loop (each sends its next request when the previous one finished), greedy
 with ``ignore_eos``, ``max(2c, 8)`` requests per level after one warm-up request per client.
 The server's rows per layer call come from its ``Stats`` (tokens / requests over the level):
 without ``--combine-streams`` each layer call carries one coordinator's rows; with it, the
 requests of both that wait for the same layer are one call (expertmesh/worker/combine.py).
+The combined rows also report, from the server's /metrics, the requests held for the other
+coordinator and how many of them met it, and the mean hold.
 
 On a machine without a GPU everything runs on the CPU (``--server-device cpu``): a smoke run
 of the protocol, not a speed figure.
@@ -35,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,14 +51,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpc  # noqa: E402
 from bench_serving import prepare_model  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from expertmesh.client import AsyncClient  # noqa: E402
 from expertmesh.health import check  # noqa: E402
 from expertmesh.v1 import expert_worker_pb2 as pb  # noqa: E402
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc  # noqa: E402
+from expertmesh.worker.config import COMBINE_WAIT_US  # noqa: E402
 
 LISTEN = r"listening on (\S+):(\d+)"
 COORD_LISTEN = r"coordinator listening on (\S+):(\d+)"
+METRICS = r"Prometheus metrics on (\S+)"
 
 
 @dataclass
@@ -97,6 +107,30 @@ def server_counts(addr: str) -> tuple[int, int]:
     with grpc.insecure_channel(addr) as ch:
         s = pb_grpc.ExpertWorkerStub(ch).Stats(pb.StatsRequest(), timeout=10)
     return int(s.requests), int(s.tokens)
+
+
+def metrics_url(server: Proc) -> str:
+    """The /metrics address the server prints after its listening line (``--metrics-port 0``)."""
+    assert server.proc.stdout is not None
+    for line in server.proc.stdout:
+        m = re.search(METRICS, line)
+        if m:
+            return m.group(1)
+    raise RuntimeError("the expert server printed no metrics address")
+
+
+def held(url: str) -> tuple[float, float, float]:
+    """(requests held, of them met, seconds held) since the server started."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    got = {"met": 0.0, "timed_out": 0.0, "s": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == "expertmesh_worker_combine_waits_total":
+                got[sample.labels["outcome"]] = sample.value
+            elif sample.name == "expertmesh_worker_combine_wait_seconds_total":
+                got["s"] = sample.value
+    return got["met"] + got["timed_out"], got["met"], got["s"]
 
 
 async def client_loop(addr: str, prompts: list[list[int]], new_tokens: int) -> int:
@@ -149,6 +183,13 @@ def main() -> None:
         action="store_true",
         help="also run two coordinators on a server started with --combine-streams",
     )
+    ap.add_argument(
+        "--combine-wait-us",
+        type=float,
+        nargs="+",
+        default=[COMBINE_WAIT_US],
+        help="with --combine-too: one combined row per value of the server's --combine-wait-us",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--coord-flags", default="", help="extra coordinator flags, one string")
     ap.add_argument("--server-flags", default="", help="extra expert-server flags, one string")
@@ -184,22 +225,25 @@ def main() -> None:
 
         vocab = CheckpointReader(str(model)).config.vocab_size
         cli = [sys.executable, "-m", "expertmesh.cli"]
-        modes = [("one", args.coord_devices[:1], False), ("two", args.coord_devices, False)]
+        modes: list[tuple[str, list[str], float | None]] = [
+            ("one", args.coord_devices[:1], None),
+            ("two", args.coord_devices, None),
+        ]
         if args.combine_too:
-            modes.append(("two, combined", args.coord_devices, True))
+            for w in args.combine_wait_us:
+                modes.append((f"two, combined, wait {w:g} us", args.coord_devices, w))
         rows = []
         for c in args.concurrency:
             n = args.requests or max(2 * c, 8)
-            for mode, devs, combine in modes:
+            for mode, devs, wait_us in modes:
                 # NOTE: a fresh server per run: its counts and caches start from the same state
                 server_cmd = [*cli, "gpu-server", "--model", str(model), "--port", "0"]
                 server_cmd += ["--device", args.server_device, *args.server_flags.split()]
-                server = start(
-                    server_cmd + (["--combine-streams"] if combine else []),
-                    LISTEN,
-                    args.threads,
-                    env=server_env,
-                )
+                if wait_us is not None:
+                    server_cmd += ["--combine-streams", "--combine-wait-us", f"{wait_us:g}"]
+                    server_cmd += ["--metrics-port", "0"]
+                server = start(server_cmd, LISTEN, args.threads, env=server_env)
+                url = metrics_url(server) if wait_us is not None else ""
                 coords: list[Proc] = []
                 try:
                     for dev in devs:
@@ -208,30 +252,36 @@ def main() -> None:
                         cmd += ["--placement-lease", "5", *args.coord_flags.split()]
                         coords.append(start(cmd, COORD_LISTEN, args.threads))
                     calls0, toks0 = server_counts(server.addr)
+                    held0 = held(url) if url else (0.0, 0.0, 0.0)
                     addrs = [p.addr for p in coords]
                     made, secs = asyncio.run(
                         run_level(addrs, c, n, args.prompt_tokens, args.new_tokens, vocab)
                     )
                     calls1, toks1 = server_counts(server.addr)
+                    held1 = held(url) if url else (0.0, 0.0, 0.0)
                 finally:
                     for p in coords:
                         p.stop()
                     server.stop()
                 calls, toks = calls1 - calls0, toks1 - toks0
-                rows.append((c, mode, made / secs, toks / max(1, calls), calls))
+                n_held, n_met, s_held = (b - a for a, b in zip(held0, held1))
+                waits = f"{n_held:.0f} / {n_met:.0f} / {s_held / max(1, n_held) * 1e6:.0f}" if url else ""
+                rows.append((c, mode, made / secs, toks / max(1, calls), calls, waits))
                 print(
                     f"c={c} {mode}: {made / secs:.1f} tok/s, {toks / max(1, calls):.1f} rows per layer call"
+                    + (f", held / met / mean hold us: {waits}" if url else "")
                 )
     print(
         f"\nmodel: {what}; expert server on {args.server_device}; coordinators on {' / '.join(args.coord_devices)}"
     )
     print(
-        "| total concurrency | coordinators | aggregate tok/s | vs one | server rows per layer call | layer calls |"
+        "| total concurrency | coordinators | aggregate tok/s | vs one | server rows per layer call "
+        "| layer calls | held / met / mean hold (us) |"
     )
-    print("|---|---|---|---|---|---|")
-    base = {c: tps for c, mode, tps, _, _ in rows if mode == "one"}
-    for c, mode, tps, per_call, calls in rows:
-        print(f"| {c} | {mode} | {tps:.1f} | {tps / base[c]:.2f}x | {per_call:.1f} | {calls} |")
+    print("|---|---|---|---|---|---|---|")
+    base = {c: tps for c, mode, tps, *_ in rows if mode == "one"}
+    for c, mode, tps, per_call, calls, waits in rows:
+        print(f"| {c} | {mode} | {tps:.1f} | {tps / base[c]:.2f}x | {per_call:.1f} | {calls} | {waits} |")
 
 
 if __name__ == "__main__":

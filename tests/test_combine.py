@@ -206,6 +206,23 @@ def test_a_hold_ends_at_its_deadline_when_the_awaited_stream_does_not_come():
     assert 0.19 <= c.stats.wait_seconds < 2.0
 
 
+def test_a_hold_ends_after_the_awaited_streams_usual_gap_between_requests():
+    worker = make_worker(10_000_000.0)  # 10 s: the awaited stream's cadence ends the hold first
+    c = worker.combiner
+    assert c is not None
+    b = Stream(worker, steps(1, 1, 2), lambda: time.sleep(0.02), linger=True)  # a request per 20 ms
+    b.start()
+    wait_until(lambda: len(b.outs) == len(LAYERS))  # its last layer: 3, so 0 is its next
+    a = Stream(worker, [request(0, 3, 2)])
+    a.start()
+    a.join(10)
+    assert b.linger is not None
+    b.linger.set()
+    b.join(10)
+    assert a.errs == [None] and 0.015 <= a.seconds[0] < 2.0, a.seconds
+    assert (c.stats.waits, c.stats.met) == (1, 0)
+
+
 def test_a_hold_ends_when_the_awaited_stream_moves_past_the_layer():
     worker = make_worker(10_000_000.0)  # 10 s: only arrivals end these holds in time
     c = worker.combiner

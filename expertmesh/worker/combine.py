@@ -17,12 +17,15 @@ to W microseconds for the streams expected to send ``l`` next: other streams of 
 layer comes at most half the MoE layers before ``l`` (cyclically: the next step starts again at
 the first layer). A stream whose last layer is ``l`` or after it is not waited for, so of two
 streams only the one ahead waits. The hold ends as soon as every awaited stream's request has
-come (or that stream moved past ``l``), or when another thread computes the batch. Each hold
-shortens the gap between the two streams by up to W, and once a layer is computed for both
-they get their answers at the same moment and send the next layer close together, so later
-layers meet with little waiting. A lone stream never waits.
+come (or that stream moved past ``l``), when another thread computes the batch, or at its
+deadline: W after it came, or sooner the awaited streams' usual gap between two of their
+requests (one that has not sent its next layer by then has stalled: its step's end, a prefill).
+Each hold shortens the gap between the two streams, and once a layer is computed for both they
+get their answers at the same moment and send the next layer close together, so later layers
+meet with little waiting. A lone stream never waits.
 
-What it costs: a request computed alone loses the early input copy of a graphed GPU backend
+What it costs: a held stream is slowed by its holds (the one ahead keeps the pace of the one
+behind); a request computed alone loses the early input copy of a graphed GPU backend
 (``load_input``); requests naming adapters are never combined.
 
 Shapes: T tokens of one request, H hidden, K top-k.
@@ -43,6 +46,7 @@ from expertmesh.worker_api import ExpertRequest
 
 # a stream that sent nothing for this long is not waited for (its coordinator is idle or gone)
 ACTIVE_S = 1.0
+GAP_WEIGHT = 0.2  # of a stream's newest gap between requests in its moving average
 
 
 class Worker(Protocol):
@@ -75,6 +79,7 @@ class _Stream:
     at: float  # its clock time
     layer: int
     family: tuple | None  # its batch key without the layer; None: never combined
+    gap: float | None = None  # seconds between its requests (moving average); None: one so far
 
 
 @dataclass
@@ -155,7 +160,13 @@ class StreamCombiner:
     # ------------------------------------------------------------ meeting (under self._lock)
 
     def _saw(self, layer: int, family: tuple | None, now: float) -> None:
-        self._streams[threading.get_ident()] = _Stream(now, layer, family)
+        me = threading.get_ident()
+        prev = self._streams.get(me)
+        gap = None
+        if prev is not None and now - prev.at <= ACTIVE_S:
+            d = now - prev.at
+            gap = d if prev.gap is None else prev.gap + GAP_WEIGHT * (d - prev.gap)
+        self._streams[me] = _Stream(now, layer, family, gap)
 
     def _behind(self, s: _Stream, layer: int) -> bool:
         """Whether stream ``s`` is expected to send ``layer`` soon (its last layer is 1 to
@@ -177,8 +188,13 @@ class StreamCombiner:
 
     def _hold(self, me: _Waiting, awaited: list[int], since: float) -> None:
         """Waits (releasing the lock) until every awaited stream's request for this layer came
-        or it moved on, another thread took ``me``, or ``since + wait_s``."""
-        layer, deadline = me.key[0], since + self.wait_s
+        or it moved on, another thread took ``me``, or its deadline: ``wait_s`` after it came,
+        or sooner, the longest of the awaited streams' gaps between their requests."""
+        layer = me.key[0]
+        gaps = [g for sid in awaited if (g := self._streams[sid].gap) is not None]
+        # NOTE: a stream that has not sent its next layer within its usual gap has stalled (its
+        # step's end, a prefill): holding longer for it only slows this stream
+        deadline = since + (min(self.wait_s, max(gaps)) if len(gaps) == len(awaited) else self.wait_s)
         pending = awaited
         while not me.taken:
             pending = [

@@ -18,7 +18,7 @@ KINDS = ("gpu", "cpu")
 LINK_ENV = "EXPERTMESH_LINK"  # the device link: unset/1 auto, 0 off, force (one GPU too)
 LINK_MODES = {"": "auto", "1": "auto", "auto": "auto", "0": "off", "off": "off", "force": "force"}
 DTYPES = ("float32", "bfloat16", "float16")
-COMBINE_WAIT_US = 200.0  # --combine-wait-us default (benchmarks/RESULTS.md, bench_two_coordinators)
+COMBINE_WAIT_US = 1000.0  # --combine-wait-us default (benchmarks/RESULTS.md, bench_two_coordinators)
 
 
 @dataclass(frozen=True)
