@@ -254,6 +254,27 @@ def test_a_hold_ends_when_the_awaited_stream_moves_past_the_layer():
     assert (c.stats.batches, c.stats.combined) == (1, 2)
 
 
+def test_a_hold_ends_when_the_awaited_stream_sends_its_layer_with_adapters():
+    worker = make_worker(10_000_000.0)
+    c = worker.combiner
+    assert c is not None
+    gate = threading.Event()
+    lora = request(1, 2, 3, adapter_slots=torch.full((2,), -1, dtype=torch.int32))  # never combined
+    b = Stream(worker, [request(0, 2, 1), lora])
+    b.before = lambda: gate.wait(10) if b.outs else None
+    b.start()
+    wait_until(lambda: len(b.outs) == 1)
+    a = Stream(worker, [request(1, 3, 2)])
+    a.start()
+    wait_until(lambda: len(c._waiting) == 1)  # a held for b
+    gate.set()
+    a.join(10)
+    b.join(10)
+    assert a.errs == [None] and b.errs == [None, None] and a.seconds[0] < 5.0, a.seconds
+    torch.testing.assert_close(a.outs[0], reference(worker, a.reqs[0]))
+    assert (c.stats.waits, c.stats.met, c.stats.batches) == (1, 1, 0)
+
+
 def test_a_bad_request_in_a_met_batch_fails_alone():
     worker = make_worker(10_000_000.0)  # 10 s: every hold here ends by an arrival
     c = worker.combiner

@@ -138,6 +138,7 @@ class StreamCombiner:
             if self.wait_s > 0:
                 with self._lock:  # NOTE: so that nobody waits for this stream's layer
                     self._saw(req.layer, None, self.clock())
+                    self._arrived.notify_all()  # ... nor goes on waiting for it
             w.forward_into_alone(req, out)
             return
         me = _Waiting(req, out, key=key)
