@@ -51,6 +51,30 @@ def test_a_failing_count_is_not_shared_and_a_missing_nvml_never_is():
     assert ShareProbe(None).shared() == ""
 
 
+def test_a_paused_link_says_why_in_the_status_until_a_step_links():
+    """A step of a live link that ran without it (here: the GPU shared) leaves its reason on
+    the connection, and the server's status shows it instead of the offer's note."""
+    from types import SimpleNamespace
+
+    from coordinator.experts.cluster import ExpertCluster, ServerState
+    from coordinator.model.remote_graphs import RemoteDecodeGraphs
+
+    conn = SimpleNamespace(spec=SimpleNamespace(name="gpu0", address="a:1", kind="gpu"), info=None)
+    conn.link_note, conn.link_pause = "", ""
+    graphs = SimpleNamespace(_link_note="")
+    RemoteDecodeGraphs._note(graphs, conn, "2 processes run kernels on this GPU")
+    assert conn.link_pause == graphs._link_note == "2 processes run kernels on this GPU"
+    cluster = SimpleNamespace(
+        members=[SimpleNamespace(conn=conn, state=ServerState.READY, last_error="")],
+        tables=SimpleNamespace(slots=[]),
+    )
+    (info,) = ExpertCluster.server_infos(cluster)
+    assert info["link_note"] == "2 processes run kernels on this GPU"
+    conn.link_pause = ""  # what a linked step does
+    (info,) = ExpertCluster.server_infos(cluster)
+    assert info["link_note"] == ""
+
+
 def _busy(seconds: float) -> None:
     import torch
 

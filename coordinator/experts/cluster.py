@@ -276,7 +276,7 @@ class ExpertCluster:
                     transport_note=getattr(c, "transport_note", ""),
                     fast_fallbacks=getattr(c, "fast_fallbacks", 0),
                     link=_link_kind(c),
-                    link_note=getattr(c, "link_note", ""),
+                    link_note=getattr(c, "link_pause", "") or getattr(c, "link_note", ""),
                     relay=c.relays.totals() if hasattr(c, "relays") else {},
                     last_error=m.last_error,
                 )

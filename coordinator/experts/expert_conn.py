@@ -152,6 +152,9 @@ class ServerConnection:
         # coordinator); None: never offered
         self.link_shape: tuple[int, int, int] | None = None
         self.link_note = "not offered"  # why the current stream has no device link
+        # why decode steps of a live link run without it now ("": they link), e.g. the GPU is
+        # shared (coordinator/model/remote_graphs.py sets it)
+        self.link_pause = ""
         self._retry_tcp = ""  # auto: why shared memory failed, when a tcp stream is to replace it
         self.relays = RelayTally()  # the relayed links' counters over every stream (metrics)
         # this coordinator's id in placement pushes when several share the servers ("": none)

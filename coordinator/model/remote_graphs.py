@@ -50,6 +50,7 @@ from expertmesh.gpu_share import ShareProbe
 from expertmesh.net import device_uuid
 
 if TYPE_CHECKING:
+    from coordinator.experts.expert_conn import ServerConnection
     from coordinator.experts.remote import RemoteDispatcher
     from expertmesh.transport.client import LinkAreas
 
@@ -174,14 +175,14 @@ class RemoteDecodeGraphs(DecodeGraphs):
         server, conn, lnk = plan
         why = self._share.shared() if self._share is not None else ""
         if why:
-            self._note(conn.spec.name, why)
+            self._note(conn, why)
             return None
         with lnk.lock:  # NOTE: the channel's close() waits for it before unmapping the answer area
             if lnk.closed or lnk.ans is None or lnk is self._broken:
                 return None
             share, why = self._local_share(d)
             if why:
-                self._note(conn.spec.name, why)
+                self._note(conn, why)
                 return None
             st = self._link
             if st is None or st.link is not lnk:  # a new link: the old one's graphs go
@@ -216,7 +217,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
             lnk.next_step += 1
             why = d.launch_link_step(server, conn, step, b, bucket)
             if why:
-                self._note(conn.spec.name, why)
+                self._note(conn, why)
                 return None
             st.step.set(step, b)
             linked.graph.replay()
@@ -232,15 +233,18 @@ class RemoteDecodeGraphs(DecodeGraphs):
             d.begin_step(b)
             return None
         d.linked_steps += 1
-        self._link_note = ""
+        self._link_note = conn.link_pause = ""
         if self.load_hook is not None:
             for layer, ids in linked.ids:
                 self.load_hook(layer, ids[:b])
         return linked.logits
 
-    def _note(self, name: str, why: str) -> None:
+    def _note(self, conn: ServerConnection, why: str) -> None:
+        """A step of a live link ran without it: logged when the reason changes, and shown in
+        the server's status (``expertmesh status``) until a step links again."""
+        conn.link_pause = why
         if why != self._link_note:
-            log.info("%s: decode step without the link: %s", name, why)
+            log.info("%s: decode step without the link: %s", conn.spec.name, why)
             self._link_note = why
 
     def _local_share(self, d: RemoteDispatcher) -> tuple[LocalShare | None, str]:
