@@ -23,6 +23,7 @@ import ctypes
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -98,20 +99,30 @@ def nvml_counter(uuid: str, window_s: float = 1.0) -> Callable[[], int]:
 
 
 class ShareProbe:
-    """Answers "do other processes run kernels on this GPU?" at most once per ``ttl_s`` (the
-    question is asked every decode step; NVML takes tens of microseconds to a millisecond)."""
+    """Answers "do other processes run kernels on this GPU?" from a count at most ``ttl_s``
+    old. The question is asked every decode step; NVML's samples take up to milliseconds to
+    read, so with ``background`` a daemon thread refreshes the answer (started by the first
+    question, ended when the probe is gone) and a step only reads it; without, the question
+    itself counts when the answer is older than ``ttl_s``."""
 
-    def __init__(self, count: Callable[[], int] | None, ttl_s: float = 2.0, clock=time.monotonic) -> None:
-        self._count, self.ttl_s, self._clock = count, ttl_s, clock
+    def __init__(
+        self,
+        count: Callable[[], int] | None,
+        ttl_s: float = 2.0,
+        clock=time.monotonic,
+        background: bool = False,
+    ) -> None:
+        self._count, self.ttl_s, self._clock, self._background = count, ttl_s, clock, background
         self._at = -float("inf")
         self._why = ""
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def for_device(cls, uuid: str, ttl_s: float = 2.0) -> ShareProbe:
-        """A probe of the GPU ``uuid``; one that never reports sharing where NVML cannot tell
-        (logged once: the link then behaves as without the probe)."""
+        """A probe of the GPU ``uuid``, refreshed in the background; one that never reports
+        sharing where NVML cannot tell (logged once: the link then behaves as without it)."""
         try:
-            return cls(nvml_counter(uuid), ttl_s)
+            return cls(nvml_counter(uuid), ttl_s, background=True)
         except (OSError, AttributeError) as e:
             log.info("cannot count the processes on GPU %s (%s): the device link does not stand "
                      "down for other processes there", uuid, e)  # fmt: skip
@@ -121,12 +132,25 @@ class ShareProbe:
         """Why this GPU counts as shared now ("" when it does not)."""
         if self._count is None:
             return ""
-        now = self._clock()
-        if now - self._at < self.ttl_s:
+        if self._background:
+            if self._thread is None:
+                self._refresh()  # the first answer is a fresh one
+                self._thread = threading.Thread(
+                    target=_refresher, args=(weakref.ref(self), self.ttl_s), daemon=True, name="gpu-share"
+                )
+                self._thread.start()
             return self._why
-        self._at = now
+        if self._clock() - self._at >= self.ttl_s:
+            self._refresh()
+        return self._why
+
+    def _refresh(self) -> None:
+        self._at = self._clock()
+        count = self._count
+        if count is None:
+            return
         try:
-            n = self._count()
+            n = count()
         except OSError as e:  # NOTE: e.g. a driver without per-process samples: asked once
             log.warning("counting the busy processes on this GPU failed (%s): the link no longer "
                         "stands down for them", e)  # fmt: skip
@@ -137,4 +161,15 @@ class ShareProbe:
             if n >= 2
             else ""
         )
-        return self._why
+
+
+def _refresher(ref: weakref.ref[ShareProbe], ttl_s: float) -> None:
+    """The background probe's loop: holds no reference to it between refreshes, so a probe
+    that is dropped ends its thread within ``ttl_s``."""
+    while True:
+        time.sleep(ttl_s)
+        probe = ref()
+        if probe is None or probe._count is None:
+            return
+        probe._refresh()
+        del probe

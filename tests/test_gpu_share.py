@@ -51,6 +51,26 @@ def test_a_failing_count_is_not_shared_and_a_missing_nvml_never_is():
     assert ShareProbe(None).shared() == ""
 
 
+def test_a_background_probe_refreshes_off_the_caller_and_ends_with_the_probe():
+    import gc
+    import threading
+
+    counts = [1]
+    probe = ShareProbe(lambda: counts[0], ttl_s=0.05, background=True)
+    assert probe.shared() == ""  # the first answer is counted there and then
+    thread = probe._thread
+    assert thread is not None and thread.is_alive()
+    counts[0] = 3
+    deadline = time.monotonic() + 5
+    while not probe.shared() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "3 processes" in probe.shared(), "the thread did not refresh the answer"
+    del probe
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive() and all(t is not thread for t in threading.enumerate())
+
+
 def test_a_paused_link_says_why_in_the_status_until_a_step_links():
     """A step of a live link that ran without it (here: the GPU shared) leaves its reason on
     the connection, and the server's status shows it instead of the offer's note."""
