@@ -268,8 +268,8 @@ def test_a_target_that_refuses_ends_only_that_connection(impl):
 
 
 def test_without_a_compiler_auto_falls_back_and_c_says_why(monkeypatch):
-    monkeypatch.setattr(delay_proxy_c, "_lib", None)
-    monkeypatch.setattr(delay_proxy_c, "_why", "the C delay proxy cannot be built here: no C compiler")
+    monkeypatch.setattr(delay_proxy_c._LIB, "_lib", None)
+    monkeypatch.setattr(delay_proxy_c._LIB, "_why", "the C delay proxy cannot be built here: no C compiler")
     with DelayProxy(("127.0.0.1", 9), delay_us=0) as p:
         assert p.impl == "python"
     with pytest.raises(ValueError, match="no C compiler"):

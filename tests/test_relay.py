@@ -238,7 +238,7 @@ def test_abort_ends_the_step_at_once_on_both_ends():
 def test_without_a_compiler_the_reason_is_given(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("EXPERTMESH_CACHE", str(tmp_path))
-    monkeypatch.setattr(rl, "_lib", None)
-    monkeypatch.setattr(rl, "_why", "")
+    monkeypatch.setattr(rl._LIB, "_lib", None)
+    monkeypatch.setattr(rl._LIB, "_why", "")
     assert rl.load() is None
     assert "cannot be built" in rl.unavailable() and "no-such-cc" in rl.unavailable()

@@ -13,11 +13,10 @@ import errno
 import logging
 import os
 import socket
-import subprocess
 import threading
 from pathlib import Path
 
-from expertmesh.cbuild import build_cached
+from expertmesh.cbuild import CachedLibrary
 
 log = logging.getLogger("expertmesh.transport")
 
@@ -37,56 +36,30 @@ STATS = (
     "stamped",
     "reads",
 )
-_lib: ctypes.CDLL | None = None
-_why = ""
-_lock = threading.Lock()
 
 
-def build() -> Path:
-    """Compiles delay_proxy.c (or reuses the cached build); raises OSError / CalledProcessError."""
-    return build_cached("delay_proxy", "delay_proxy", SOURCES, FLAGS)
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.dproxy_start.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        i64,
+        i64,
+        i64,
+        ctypes.c_uint64,
+    ]
+    lib.dproxy_start.restype = p
+    lib.dproxy_connections.argtypes = [p]
+    lib.dproxy_connections.restype = i64
+    lib.dproxy_stats.argtypes = [p, p]
+    lib.dproxy_stats.restype = None
+    lib.dproxy_stop.argtypes = [p, p]
+    lib.dproxy_stop.restype = None
 
 
-def load() -> ctypes.CDLL | None:
-    """The proxy's library, or None (:func:`unavailable` says why) where it cannot be built."""
-    global _lib, _why
-    with _lock:
-        if _lib is not None or _why:
-            return _lib
-        try:
-            lib = ctypes.CDLL(str(build()), use_errno=True)
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = ""
-            if isinstance(e, subprocess.CalledProcessError):
-                detail = e.stderr.decode(errors="replace")[-500:]
-            _why = f"the C delay proxy cannot be built here: {e} {detail}".strip()
-            log.warning("%s", _why)
-            return None
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.dproxy_start.argtypes = [
-            ctypes.c_int,
-            ctypes.c_char_p,
-            ctypes.c_int,
-            i64,
-            i64,
-            i64,
-            ctypes.c_uint64,
-        ]
-        lib.dproxy_start.restype = p
-        lib.dproxy_connections.argtypes = [p]
-        lib.dproxy_connections.restype = i64
-        lib.dproxy_stats.argtypes = [p, p]
-        lib.dproxy_stats.restype = None
-        lib.dproxy_stop.argtypes = [p, p]
-        lib.dproxy_stop.restype = None
-        _lib = lib
-        return lib
-
-
-def unavailable() -> str:
-    """Why there is no C proxy here ("" where :func:`load` gives one)."""
-    load()
-    return _why
+_LIB = CachedLibrary("the C delay proxy", "delay_proxy", SOURCES, FLAGS, _declare, use_errno=True)
+build, load, unavailable = _LIB.build, _LIB.load, _LIB.unavailable
 
 
 class CProxy:
@@ -103,7 +76,7 @@ class CProxy:
         self._lock = threading.Lock()
         lib = load()
         if lib is None:
-            raise OSError(_why)
+            raise OSError(unavailable())
         self._lib = lib
         ns = [round(v * 1e3) for v in (delay_us, jitter_us, spin_us)]
         handle = lib.dproxy_start(

@@ -34,14 +34,12 @@ import errno
 import logging
 import socket
 import ssl
-import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from expertmesh.cbuild import build_cached
+from expertmesh.cbuild import CachedLibrary
 from expertmesh.transport import link_layout as link
 
 log = logging.getLogger("expertmesh.relay")
@@ -62,58 +60,31 @@ STATS = (
     "last_bits",
 )
 _ROLES = {"coordinator": 0, "server": 1}
-_lib: ctypes.CDLL | None = None
-_why = ""
-_lock = threading.Lock()
 
 
-def build() -> Path:
-    """Compiles relay.c (or reuses the build cached for this source, compiler and machine);
-    raises OSError / CalledProcessError."""
-    return build_cached("relay", "relay", SOURCES, FLAGS)
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.relay_new.argtypes = [i, p, p, i64, i64]
+    lib.relay_new.restype = p
+    lib.relay_attach.argtypes = [p, i]
+    lib.relay_connected.argtypes = [p]
+    lib.relay_step.argtypes = [p, i64, i64, i64]
+    lib.relay_wait_idle.argtypes = [p, i64]
+    lib.relay_abort.argtypes = [p, i64]
+    lib.relay_abort.restype = None
+    lib.relay_stats.argtypes = [p, p]
+    lib.relay_stats.restype = None
+    lib.relay_free.argtypes = [p]
+    lib.relay_free.restype = None
+    lib.probe_graph.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, p]
+    lib.probe_echo_start.argtypes = [p, i64, i64]
+    lib.probe_echo_start.restype = p
+    lib.probe_echo_stop.argtypes = [p]
+    lib.probe_echo_stop.restype = None
 
 
-def load() -> ctypes.CDLL | None:
-    """The relay's library, or None (:func:`unavailable` says why) where it cannot be built."""
-    global _lib, _why
-    with _lock:
-        if _lib is not None or _why:
-            return _lib
-        try:
-            lib = ctypes.CDLL(str(build()))
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = ""
-            if isinstance(e, subprocess.CalledProcessError):
-                detail = e.stderr.decode(errors="replace")[-500:]
-            _why = f"the TCP relay cannot be built here: {e} {detail}".strip()
-            log.warning("%s", _why)
-            return None
-        p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.relay_new.argtypes = [i, p, p, i64, i64]
-        lib.relay_new.restype = p
-        lib.relay_attach.argtypes = [p, i]
-        lib.relay_connected.argtypes = [p]
-        lib.relay_step.argtypes = [p, i64, i64, i64]
-        lib.relay_wait_idle.argtypes = [p, i64]
-        lib.relay_abort.argtypes = [p, i64]
-        lib.relay_abort.restype = None
-        lib.relay_stats.argtypes = [p, p]
-        lib.relay_stats.restype = None
-        lib.relay_free.argtypes = [p]
-        lib.relay_free.restype = None
-        lib.probe_graph.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, p]
-        lib.probe_echo_start.argtypes = [p, i64, i64]
-        lib.probe_echo_start.restype = p
-        lib.probe_echo_stop.argtypes = [p]
-        lib.probe_echo_stop.restype = None
-        _lib = lib
-        return lib
-
-
-def unavailable() -> str:
-    """Why there is no relay here ("" where :func:`load` gives one)."""
-    load()
-    return _why
+_LIB = CachedLibrary("the TCP relay", "relay", SOURCES, FLAGS, _declare)
+build, load, unavailable = _LIB.build, _LIB.load, _LIB.unavailable
 
 
 _PAGE = 4096
@@ -187,7 +158,7 @@ class Relay:
         self._h: ctypes.c_void_p | None = None
         lib = load()
         if lib is None:
-            raise OSError(_why)
+            raise OSError(unavailable())
         assert role in _ROLES, f"{role=}"
         assert request.device.type == "cpu" and answer.device.type == "cpu", "the relay reads host areas"
         self.config = config or RelayConfig()
