@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -50,13 +51,16 @@ def warm_page_cache(model: Path) -> int:
     return n
 
 
-def _timed(fn: Callable[[], object], dev: torch.device) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of every thread) of ``fn``, finished on ``dev``."""
+def _timed(fn: Callable[[], object], dev: torch.device) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds of every thread, minor page faults) of ``fn``, finished on
+    ``dev``."""
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     w0, c0 = time.perf_counter(), time.process_time()
     fn()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    return time.perf_counter() - w0, time.process_time() - c0
+    secs, cpu = time.perf_counter() - w0, time.process_time() - c0
+    return secs, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 def _load(path: str, model: Path, device: str, dtype: torch.dtype) -> dict:
@@ -74,13 +78,13 @@ def _load(path: str, model: Path, device: str, dtype: torch.dtype) -> dict:
 
         nbytes = sum(reader.nbytes(n) for n in reader.non_expert_names())
         note = f"non-expert weights in {dtype}"
-        secs, cpu = _timed(lambda: load_model(reader, dtype, dev), dev)
+        secs, cpu, faults = _timed(lambda: load_model(reader, dtype, dev), dev)
     elif path == "inproc":
         from coordinator.model.dispatch import LocalDispatcher
         from expertmesh.experts import TorchExpertBackend
 
         note = "every expert, stacked per layer"
-        secs, cpu = _timed(lambda: LocalDispatcher(reader, dtype, dev, TorchExpertBackend()), dev)
+        secs, cpu, faults = _timed(lambda: LocalDispatcher(reader, dtype, dev, TorchExpertBackend()), dev)
     else:
         from expertmesh.worker.server import slot_table
 
@@ -97,10 +101,17 @@ def _load(path: str, model: Path, device: str, dtype: torch.dtype) -> dict:
             backend = cpu_backend(torch.get_num_threads(), wdtype)
             note = f"weights {wdtype}, {torch.get_num_threads()} threads"
         table = slot_table(reader, backend, dtype, dev, cfg.num_experts)
-        secs, cpu = _timed(lambda: table.preload(list(range(cfg.num_experts))), dev)
+        secs, cpu, faults = _timed(lambda: table.preload(list(range(cfg.num_experts))), dev)
     gb = nbytes / GB
     return dict(
-        path=path, seconds=secs, gb=gb, gb_per_s=gb / secs, cpu_s=cpu, gb_per_cpu_s=gb / cpu, note=note
+        path=path,
+        seconds=secs,
+        gb=gb,
+        gb_per_s=gb / secs,
+        cpu_s=cpu,
+        gb_per_cpu_s=gb / cpu,
+        faults_per_gb=faults / gb,
+        note=note,
     )
 
 
@@ -154,7 +165,8 @@ def main() -> None:
         rows.append(best)
         print(
             f"{path:12s} {best['gb']:7.2f} GB in {best['seconds']:6.2f}s: {best['gb_per_s']:6.2f} GB/s"
-            f" ({best['gb_per_cpu_s']:.2f} GB per CPU second; {best['note']})",
+            f" ({best['gb_per_cpu_s']:.2f} GB per CPU second, {best['faults_per_gb']:.0f} minor faults"
+            f" per GB; {best['note']})",
             flush=True,
         )
     if args.json:
