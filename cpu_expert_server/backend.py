@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +33,17 @@ from cpu_expert_server import kernels
 from cpu_expert_server.packing import (
     WEIGHT_DTYPES,
     PackedFormat,
+    Scratch,
     dequantize_rows,
     pack,
+    quantize_rows,
     split_gate_up,
 )
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora.moe import LoRABatch, MoELoRAWeights, moe_lora_reference
+
+if TYPE_CHECKING:
+    from expertmesh.worker.slots import ReadExpert
 
 log = logging.getLogger("expertmesh.cpu_backend")
 
@@ -127,8 +133,26 @@ class CpuExpertBackend(ExpertBackend):
         fmt = self.fmt
         if fmt is None or fmt.quantised:
             return None
-        blocks = w13.view(fmt.inter // fmt.rb, 2, fmt.rb, fmt.hidden)  # see packing.interleave
-        return blocks[:, 0], blocks[:, 1], w2
+        return _interleaved(fmt, w13, w2)
+
+    def read_packed(
+        self, read: ReadExpert, w13: torch.Tensor, w2: torch.Tensor, scratch: Scratch, dtype: torch.dtype
+    ) -> bool:
+        """The slot table's hook for quantised rows: ``read`` puts one expert's gate, up
+        [I, H] and down [H, I] into ``scratch`` buffers in ``dtype`` (this reader thread's own,
+        reused expert after expert, already in the interleaved order), quantised straight into
+        the slot's ``w13 [2I, row13]``, ``w2 [H, row2]``: the same bytes as pack_weights,
+        without its fresh plain, interleaved and packed copies of every expert (each a few MB
+        of new pages to fault in). False (nothing read) for unquantised rows (slot_views)."""
+        fmt = self.fmt
+        if fmt is None or not fmt.quantised:
+            return False
+        p13 = scratch("plain.w13", (2 * fmt.inter, fmt.hidden), dtype)  # [2I, H]
+        p2 = scratch("plain.w2", (fmt.hidden, fmt.inter), dtype)  # [H, I]
+        read(*_interleaved(fmt, p13, p2))
+        quantize_rows(p13, fmt.wdtype, fmt.g13, w13, scratch)
+        quantize_rows(p2, fmt.wdtype, fmt.g2, w2, scratch)
+        return True
 
     def forward(self, x, w13, w2, slot_ids, weights, lora=None):
         if lora is None and self._qdec_limit() >= 0:
@@ -519,6 +543,15 @@ class CpuExpertBackend(ExpertBackend):
         return moe_lora_reference(
             x, torch.stack(dense13), torch.stack(dense2), local, weights, sub, lora.token_adapter
         )
+
+
+def _interleaved(
+    fmt: PackedFormat, w13: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gate and up [I/RB, RB, H] views of a [2I, H] buffer in packing.interleave's order, and
+    down [H, I]."""
+    blocks = w13.view(fmt.inter // fmt.rb, 2, fmt.rb, fmt.hidden)
+    return blocks[:, 0], blocks[:, 1], w2
 
 
 def make_backend(threads: int | None = None, weight_dtype: str = "bfloat16") -> ExpertBackend:

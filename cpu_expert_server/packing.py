@@ -25,9 +25,14 @@ shape (same bytes per row); only whole blocks are meaningful.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# (name, shape, dtype) -> a buffer the caller may reuse on the next call of the same name (a
+# reader thread's own, so a load's expert after expert touch the same pages)
+Scratch = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 
 QUANT_DTYPES = ("int8", "int4")
 WEIGHT_DTYPES = ("bfloat16", *QUANT_DTYPES)
@@ -101,37 +106,54 @@ def split_gate_up(gu: torch.Tensor, rb: int) -> tuple[torch.Tensor, torch.Tensor
     return v[:, :, 0].reshape(n, -1), v[:, :, 1].reshape(n, -1)
 
 
-def quantize_rows(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
+def quantize_rows(
+    w: torch.Tensor, wdtype: str, g: int, out: torch.Tensor | None = None, scratch: Scratch | None = None
+) -> torch.Tensor:
     """[..., R, C] float -> [..., R, row bytes] uint8, tiled when :func:`tiled` says so, else in
-    the row format above."""
+    the row format above; written into ``out`` when given (a contiguous slot: a load then
+    allocates no packed copy per expert); the tiled path's temporaries from ``scratch``."""
     *lead, c = w.shape
     if len(lead) >= 1 and tiled(wdtype, lead[-1], g):
-        return _quantize_tiled(w, wdtype, g)
-    return _quantize(w, wdtype, g)
+        return _quantize_tiled(w, wdtype, g, out, scratch)
+    if out is None:
+        return _quantize(w, wdtype, g)
+    return out.copy_(_quantize(w, wdtype, g))
 
 
-def _absmax(wg: torch.Tensor) -> torch.Tensor:
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _fresh(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A :data:`Scratch` that allocates every buffer (CPU)."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def _absmax(wg: torch.Tensor, buf: Scratch = _fresh) -> torch.Tensor:
     """[..., G] -> max |w| over the last dim, in float32. On the bits: clearing the sign bit
     of an IEEE float is |w|, and non-negative floats order as their bits do (a NaN stays the
-    largest, as amax propagates it); torch reduces integers several times faster than bf16."""
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-    ity = bits.get(wg.dtype)
+    largest, as amax propagates it); torch reduces integers several times faster than bf16.
+    The bits, maxima and result are written into ``buf``'s buffers."""
+    ity = _BITS.get(wg.dtype)
     if ity is None:
         return wg.abs().amax(-1).float()
     mask = 0x7FFF if ity == torch.int16 else 0x7FFFFFFF
-    return (wg.view(ity) & mask).amax(-1).view(wg.dtype).float()
+    shape = tuple(wg.shape)
+    bits = torch.bitwise_and(wg.view(ity), mask, out=buf("quant.bits", shape, ity))
+    top = torch.amax(bits, -1, out=buf("quant.max", shape[:-1], ity))
+    # NOTE: bf16 -> float32 is exact, so this copy is the .float() it replaces
+    return buf("quant.scale", shape[:-1], torch.float32).copy_(top.view(wg.dtype))
 
 
-def _levels(w: torch.Tensor, wdtype: str, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _levels(w: torch.Tensor, wdtype: str, g: int, buf: Scratch = _fresh) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., R, C] -> the codes stored [..., R, C/G, G] (float32: int8 levels in [-127, 127],
-    int4 levels + 8 in [0, 15]) and the scales [..., R, C/G].
+    int4 levels + 8 in [0, 15]) and the scales [..., R, C/G], in ``buf``'s buffers.
 
     NOTE: ``w / scale`` promotes to float32 exactly as ``w.float() / scale`` does, so no float32
     copy of w is made; the rest runs in place (a load quantises tens of GB here)."""
     *lead, c = w.shape
     wg = w.reshape(*lead, c // g, g)  # [..., C/G, G]
-    scale = (_absmax(wg) / QMAX[wdtype]).clamp_min_(1e-12)  # [..., C/G]
-    q = torch.div(wg, scale[..., None]).round_()
+    scale = _absmax(wg, buf).div_(QMAX[wdtype]).clamp_min_(1e-12)  # [..., C/G]
+    q = torch.div(wg, scale[..., None], out=buf("quant.codes", tuple(wg.shape), torch.float32)).round_()
     if wdtype == "int8":
         return q.clamp_(-QMAX["int8"], QMAX["int8"]), scale
     return q.add_(8).clamp_(0, 15), scale  # clamp(q, -8, 7) + 8, exactly
@@ -152,14 +174,19 @@ def _quantize(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
 _BLOCK_BYTES = 1 << 20
 
 
-def _quantize_tiled(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
+def _quantize_tiled(
+    w: torch.Tensor, wdtype: str, g: int, out: torch.Tensor | None = None, scratch: Scratch | None = None
+) -> torch.Tensor:
     """:func:`_quantize` then :func:`_to_tiles`, with the codes written straight into their
     tile positions, a few blocks of 16 rows at a time (the same bytes, several times faster;
     few torch calls per block, as several reader threads run this at once)."""
     *lead, r, c = w.shape
     body = c if wdtype == "int8" else c // 2
     nbytes = body + 4 * (c // g)
-    out = torch.empty(*lead, r, nbytes, dtype=torch.uint8, device=w.device)
+    if out is None:
+        out = torch.empty(*lead, r, nbytes, dtype=torch.uint8, device=w.device)
+    assert out.shape == (*lead, r, nbytes) and out.dtype == torch.uint8, f"{out.shape=} {w.shape=}"
+    assert out.is_contiguous(), "tiles are written through a view of out's blocks"
     n = out.numel() // nbytes  # rows of every matrix: each block of 16 lies in one (R % 16 == 0)
     blocks = out.view(n // 16, 16 * nbytes)
     step = 64 if wdtype == "int8" else 32  # bytes of one row per 64 input features
@@ -169,18 +196,40 @@ def _quantize_tiled(w: torch.Tensor, wdtype: str, g: int) -> torch.Tensor:
     tiles = tiles.view(torch.int8) if wdtype == "int8" else tiles
     scales = blocks[:, 16 * body :].view(torch.float32).unflatten(-1, (c // g, 16)).transpose(-2, -1)
     flat = w.reshape(n, c)
-    rows = max(16, _BLOCK_BYTES // (4 * c) // 16 * 16)
+    rows = _block_rows(c)
+    # NOTE: the blocks' temporaries (the absmax's bits, the float32 codes, int4's paired
+    # nibbles; ~2.5 MB) come from ``scratch`` (else from one allocation per matrix), never
+    # one per block: glibc hands freed memory at the top of a thread's arena back to the
+    # kernel, and the next block faulted those pages in again (as many faults as the slots')
+    kept: dict[str, torch.Tensor] = {}
+
+    def buf(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The first ``shape[0]`` rows' worth of a buffer sized for a whole block."""
+        full = (rows if name != "quant.pairs" else shape[0], *shape[1:])
+        t = kept.get(name)
+        if t is None:
+            t = scratch(name, full, dtype) if scratch is not None else torch.empty(full, dtype=dtype)
+            kept[name] = t
+        return t[: shape[0]]
+
     for a in range(0, n, rows):
-        q, scale = _levels(flat[a : a + rows], wdtype, g)  # [B, C/G, G], [B, C/G]
-        k, at = q.shape[0] // 16, a // 16
+        b = min(rows, n - a)
+        q, scale = _levels(flat[a : a + b], wdtype, g, buf)  # [B, C/G, G], [B, C/G]
+        k, at = b // 16, a // 16
         if wdtype == "int8":
             tiles[at : at + k].copy_(q.view(k, 16, c // 64, 64))
         else:
             # a step's byte j: feature j in the low nibble, j + 32 in the high one
             lo, hi = q.view(k, 16, c // 64, 2, 32).unbind(-2)
-            tiles[at : at + k].copy_(torch.add(lo, hi, alpha=16))
+            pairs = buf("quant.pairs", (rows // 16, 16, c // 64, 32), torch.float32)[:k]
+            tiles[at : at + k].copy_(torch.add(lo, hi, alpha=16, out=pairs))
         scales[at : at + k].copy_(scale.view(k, 16, c // g))
     return out
+
+
+def _block_rows(c: int) -> int:
+    """Rows of C features quantised at a time (a multiple of 16): about _BLOCK_BYTES of codes."""
+    return max(16, _BLOCK_BYTES // (4 * c) // 16 * 16)
 
 
 def _to_tiles(rows: torch.Tensor, wdtype: str, c: int, g: int) -> torch.Tensor:

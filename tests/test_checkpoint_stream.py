@@ -63,23 +63,38 @@ def test_runs_of_a_blocked_view():
     assert safetensors_io._runs(t[..., :3]) is None  # 6-byte runs: staged instead
 
 
-@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8", "int4"])
 def test_slot_table_streamed_equals_read_then_packed(tmp_path, wdtype):
+    """Read straight into the slots (bf16), or quantised straight into them from a reader
+    thread's reused buffers (int8/int4), against read, pack and copy; then a change that
+    reads experts again (staged and in place) the same way."""
     path = write_checkpoint(tmp_path, H, INTER, E, L, torch.bfloat16)
-    tables = []
-    for views in (True, False):
+    tables, packed = [], []
+    for direct in (True, False):
         b = CpuExpertBackend(threads=1, weight_dtype=wdtype)
+        real = b.pack_weights
+
+        def pack(w13, w2, real=real, direct=direct):  # counts the experts that went through pack
+            packed.append((direct, w13.shape[0]))
+            return real(w13, w2)
+
         t = SlotTable(
-            CheckpointReader(path), torch.bfloat16, torch.device("cpu"), E, b.pack_weights,
-            views=slot_views(b) if views else None,
+            CheckpointReader(path), torch.bfloat16, torch.device("cpu"), E, pack,
+            views=slot_views(b) if direct else None, read_packed=b.read_packed if direct else None,
         )  # fmt: skip
         t.preload([5, 0, 3])
+        t.prepare(1, {0: [4, 5, 1], 1: [2, 0, 3, 1]})
+        t.commit(1)
         tables.append(t)
+    assert [n for d, n in packed if d and n > 0] == []  # no expert of the direct table was packed
+    assert sum(n for d, n in packed if not d) > 0
     if wdtype == "bfloat16":
         assert slot_views(CpuExpertBackend(threads=1)) is not None
     for layer in (0, 1):
         a, b = tables[0].live.layers[layer], tables[1].live.layers[layer]
-        assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)
+        assert a.experts == b.experts and len(a.experts) in (3, 4)
+        n = len(a.experts)
+        assert torch.equal(a.w13[:n], b.w13[:n]) and torch.equal(a.w2[:n], b.w2[:n])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

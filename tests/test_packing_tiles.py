@@ -49,3 +49,30 @@ def test_group_maxima_from_the_bits(dtype):
     w[3, 2] = -torch.rand(16).to(dtype)  # a group of negatives only
     w[3, 3] = 0.0
     assert torch.equal(packing._absmax(w), w.abs().amax(-1).float())
+
+
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+def test_into_a_slot_with_reused_scratch_equals_fresh(monkeypatch, wdtype):
+    """A load quantises each expert straight into its slot with one thread's buffers reused
+    expert after expert (two widths alternating, a last block shorter than the others): the
+    same bytes as the two-step definition, and the scratch asked for only once per buffer."""
+    torch.manual_seed(2)
+    monkeypatch.setattr(packing, "_BLOCK_BYTES", 32 * 4 * 256)  # 48 rows: blocks of 32 and 16
+    bufs: dict[tuple, torch.Tensor] = {}
+
+    def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        key = (name, shape, dtype)
+        if key not in bufs:
+            bufs[key] = torch.full(shape, 7, dtype=dtype)  # stale contents must not matter
+        return bufs[key]
+
+    slots = {c: torch.zeros(3, 48, packing.quantize_rows(torch.zeros(48, c), wdtype, 64).shape[-1],
+                            dtype=torch.uint8) for c in (256, 128)}  # fmt: skip
+    for s in range(3):
+        for c in (256, 128):
+            w = (torch.randn(48, c) * (s + 1)).bfloat16()
+            got = packing.quantize_rows(w, wdtype, 64, slots[c][s], scratch)
+            assert got.data_ptr() == slots[c][s].data_ptr()
+            want = packing._to_tiles(packing._quantize(w, wdtype, 64), wdtype, c, 64)
+            assert torch.equal(slots[c][s], want)
+    assert len(bufs) == 2 * (5 if wdtype == "int4" else 4)  # bits, max, scale, codes (+ pairs) per width

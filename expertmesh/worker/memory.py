@@ -42,6 +42,29 @@ def release(device: torch.device) -> None:
         libc.malloc_trim(0)
 
 
+# Linux madvise advice (5.14 and later): fault the range in now, writable
+_MADV_POPULATE_WRITE = 23
+_PAGE = 4096
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Faults in the whole pages inside a host tensor about to be written for the first time
+    (a new slot before the checkpoint is read into it), in one madvise call instead of one
+    fault per 4 KB page taken in the middle of the copy. Measured on a 2-core VM with a bf16
+    load: about a quarter less kernel time outside the pages' zeroing (the zeroing stays).
+    False where it does not apply (not glibc, before Linux 5.14): the writes fault as before."""
+    libc = _libc()
+    if libc is None or t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    start = -(-t.data_ptr() // _PAGE) * _PAGE  # whole pages only: a neighbour may be in use
+    end = (t.data_ptr() + t.nbytes) // _PAGE * _PAGE
+    if end <= start:
+        return False
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn(start, end - start, _MADV_POPULATE_WRITE) == 0
+
+
 def _status_kib(field: str) -> int:
     try:
         with open("/proc/self/status") as f:

@@ -104,13 +104,19 @@ def slot_views(backend: ExpertBackend) -> Views | None:
     is read straight into the slot: the backend's own ``slot_views`` (the CPU backend's
     interleaved rows), the plain halves for a backend that keeps weights as stored, None (read,
     then pack) otherwise. A wrapper (the CUDA graphs) answers for the backend inside it."""
-    inner = getattr(backend, "inner", backend)
-    if not isinstance(inner, ExpertBackend):  # NUMA groups: one backend per node, its own stacking
-        inner = backend
+    inner = _inner(backend)
     own = getattr(inner, "slot_views", None)
     if own is not None:
         return own
     return plain_views if type(inner).pack_weights is ExpertBackend.pack_weights else None
+
+
+def _inner(backend: ExpertBackend) -> ExpertBackend:
+    """The backend that lays out the slots: the one inside a wrapper (the CUDA graphs)."""
+    inner = getattr(backend, "inner", backend)
+    if not isinstance(inner, ExpertBackend):  # NUMA groups: one backend per node, its own stacking
+        inner = backend
+    return inner
 
 
 def slot_table(
@@ -139,6 +145,7 @@ def slot_table(
         staging_bytes,
         slot_views(backend),
         spare_bytes,
+        getattr(_inner(backend), "read_packed", None),  # quantised straight into the slots
     )
 
 

@@ -50,6 +50,15 @@ from expertmesh.worker.slot_state import LayerSlots, PreviousSlots, Rows, SlotSe
 # a slot's rows -> where its gate [I, H], up [I, H] and down [H, I] go (views, any layout), or
 # None when the backend's layout needs the plain weights first (quantised rows)
 Views = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+# reads one expert's gate [I, H], up [I, H] and down [H, I] into these views
+ReadExpert = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+# (name, shape, dtype) -> the calling reader thread's buffer of that name, reused expert after
+# expert (SlotTable._scratch_buffer)
+Scratch = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+# a backend that quantises as it reads: ``read`` into scratch buffers in the server's dtype
+# (the last argument), packed into the slot's w13, w2 rows; False when its layout does not
+# take this path
+ReadPacked = Callable[[ReadExpert, torch.Tensor, torch.Tensor, Scratch, torch.dtype], bool]
 # parallel checkpoint reads while requests are served: page-cache copies release the GIL;
 # more threads than this gained nothing measurable on the hosts tried
 MAX_READ_THREADS = 8
@@ -112,6 +121,7 @@ class SlotTable:
         staging_bytes: int | None = None,
         views: Views | None = None,
         spare_bytes: int | None = None,
+        read_packed: ReadPacked | None = None,
     ) -> None:
         self.reader, self.dtype, self.device, self.capacity = reader, dtype, device, capacity
         # ExpertBackend.pack_weights: applied once per expert as it is read, so moves work on
@@ -130,6 +140,12 @@ class SlotTable:
         self.views = views
         # spare slots kept between changes, over all layers (None: half the staging budget)
         self.spare_bytes = spare_bytes
+        # quantises each expert straight into its slot through a reader thread's plain buffers
+        # (the CPU backend's int8/int4); None: read, pack, copy
+        self.read_packed = read_packed
+        # each reader thread's buffers for read_packed; replaced (so freed) after each
+        # load, prepare and commit, so no thread keeps them between placement changes
+        self._scratch = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
@@ -176,11 +192,11 @@ class SlotTable:
         if self.read_expert is not None:
             return self.read_expert(layer, e)
         layout = self._row_layout()
-        if self.views is not None and layout is not None:
+        direct = self.views is not None or self.read_packed is not None
+        if direct and layout is not None and getattr(self.reader, "expert_into", None) is not None:
             a = torch.empty(layout[0], dtype=layout[1], device=self.device)
             b = torch.empty(layout[2], dtype=layout[3], device=self.device)
-            if self.views(a, b) is not None:
-                self._read_into(layer, e, a, b)
+            if self._read_direct(layer, e, a, b):
                 return a, b
         w13, w2 = self._read_plain(layer, e)
         if self.pack is None:
@@ -191,14 +207,47 @@ class SlotTable:
     def _read_into(self, layer: int, e: int, out13: torch.Tensor, out2: torch.Tensor) -> None:
         """Reads expert ``e`` of ``layer`` into a slot's rows: straight from the checkpoint when
         the backend's layout allows it, else through its plain weights and pack."""
-        direct = getattr(self.reader, "expert_into", None)
-        v = self.views(out13, out2) if self.views is not None and self.read_expert is None else None
-        if v is not None and direct is not None:
-            direct(layer, e, *v)
+        if self._read_direct(layer, e, out13, out2):
             return
         a, b = self._read_rows(layer, e)
         out13.copy_(a)
         out2.copy_(b)
+
+    def _read_direct(self, layer: int, e: int, out13: torch.Tensor, out2: torch.Tensor) -> bool:
+        """Reads expert ``e`` of ``layer`` into a slot's rows with no per-expert copy: into the
+        slot itself (views), or through this thread's plain buffers into the backend's
+        quantiser (read_packed); False when neither applies (nothing read)."""
+        direct = getattr(self.reader, "expert_into", None)
+        if direct is None or self.read_expert is not None:
+            return False
+        v = self.views(out13, out2) if self.views is not None else None
+        if v is not None:
+            direct(layer, e, *v)
+            return True
+        if self.read_packed is None:
+            return False
+
+        def read(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+            direct(layer, e, gate, up, down)
+
+        return self.read_packed(read, out13, out2, self._scratch_buffer, self.dtype)
+
+    def _scratch_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """This thread's buffer ``name`` of ``shape`` and ``dtype`` (read_packed's plain weights
+        and quantiser blocks; one per shape, as w13 and w2 alternate)."""
+        bufs: dict[tuple, torch.Tensor] | None = getattr(self._scratch, "bufs", None)
+        if bufs is None:
+            bufs = self._scratch.bufs = {}
+        key = (name, shape, dtype)
+        got = bufs.get(key)
+        if got is None:
+            got = bufs[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return got
+
+    def _drop_scratch(self) -> None:
+        """Frees every reader thread's scratch buffers (those in use stay alive until their
+        reader lets go)."""
+        self._scratch = threading.local()
 
     def _parallel(
         self, jobs: list[Callable[[], object]], pool: ThreadPoolExecutor | None = None
@@ -243,6 +292,9 @@ class SlotTable:
         def fill(s: int, src: Source) -> None:
             if s == 0 and first is not None:
                 src = first
+            # NOTE: a new allocation: its pages are faulted in by the thread filling the slot
+            memory.populate(w13[s])
+            memory.populate(w2[s])
             if isinstance(src, tuple):
                 w13[s].copy_(src[0])
                 w2[s].copy_(src[1])
@@ -313,6 +365,7 @@ class SlotTable:
                 read += len(experts)
         self.live = SlotSet(0, layers)
         self._note()
+        self._drop_scratch()
         memory.release(self.device)  # the reads' temporaries
         return read
 
@@ -370,6 +423,7 @@ class SlotTable:
                         staged.rows[layer, dst] = self._read_rows(layer, e)
                 self._write_spare(layer, p, live.layers[layer], lay.direct, staged)
                 self._note(staged.nbytes())
+        self._drop_scratch()
         with self._lock:
             if self._commits != base:  # NOTE: planned against a placement that is gone
                 raise StaleGeneration(f"generation {generation}: the live placement changed during prepare")
@@ -428,6 +482,7 @@ class SlotTable:
             self.live = SlotSet(generation, layers)
             self.previous = PreviousSlots.between(old_generation, before, layers)
             self._staged = None
+            self._drop_scratch()
             del staged
 
     def _apply(self, layer: int, staged: _Staged, layers: dict[int, LayerSlots]) -> None:
