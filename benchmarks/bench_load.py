@@ -9,7 +9,8 @@ server has) and times only the load itself, as the process runs it:
   the plain torch backend and the same direct reads elsewhere), every expert preloaded;
 - ``cpu_bf16`` / ``cpu_int4`` / ``cpu_int8``: the CPU server's slot table and packing.
 
-GB/s = checkpoint bytes the path reads / seconds. The checkpoint is ``--model`` or a random
+GB/s = checkpoint bytes the path reads / seconds; also GB per CPU second and minor page faults
+per GB (each a fresh 4 KB page written: counts that a busy or small host does not blur). The checkpoint is ``--model`` or a random
 Qwen3-30B-A3B written to ``--dir`` (benchmarks/fullsize_ckpt.py; ``--layers``/``--experts``
 shrink it; the full 48 x 128 is 61 GB). ``--threads`` caps the child's torch threads (a CPU
 server's ``--threads``). Runs anywhere; the device command is in benchmarks/RESULTS.md.
