@@ -123,12 +123,12 @@ def quantize_rows(
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
-def _fresh(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A :data:`Scratch` that allocates every buffer (CPU)."""
-    return torch.empty(shape, dtype=dtype)
+def _fresh(like: torch.Tensor) -> Scratch:
+    """A :data:`Scratch` that allocates every buffer, on ``like``'s device."""
+    return lambda name, shape, dtype: torch.empty(shape, dtype=dtype, device=like.device)
 
 
-def _absmax(wg: torch.Tensor, buf: Scratch = _fresh) -> torch.Tensor:
+def _absmax(wg: torch.Tensor, buf: Scratch | None = None) -> torch.Tensor:
     """[..., G] -> max |w| over the last dim, in float32. On the bits: clearing the sign bit
     of an IEEE float is |w|, and non-negative floats order as their bits do (a NaN stays the
     largest, as amax propagates it); torch reduces integers several times faster than bf16.
@@ -137,6 +137,7 @@ def _absmax(wg: torch.Tensor, buf: Scratch = _fresh) -> torch.Tensor:
     if ity is None:
         return wg.abs().amax(-1).float()
     mask = 0x7FFF if ity == torch.int16 else 0x7FFFFFFF
+    buf = buf or _fresh(wg)
     shape = tuple(wg.shape)
     bits = torch.bitwise_and(wg.view(ity), mask, out=buf("quant.bits", shape, ity))
     top = torch.amax(bits, -1, out=buf("quant.max", shape[:-1], ity))
@@ -144,13 +145,16 @@ def _absmax(wg: torch.Tensor, buf: Scratch = _fresh) -> torch.Tensor:
     return buf("quant.scale", shape[:-1], torch.float32).copy_(top.view(wg.dtype))
 
 
-def _levels(w: torch.Tensor, wdtype: str, g: int, buf: Scratch = _fresh) -> tuple[torch.Tensor, torch.Tensor]:
+def _levels(
+    w: torch.Tensor, wdtype: str, g: int, buf: Scratch | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., R, C] -> the codes stored [..., R, C/G, G] (float32: int8 levels in [-127, 127],
     int4 levels + 8 in [0, 15]) and the scales [..., R, C/G], in ``buf``'s buffers.
 
     NOTE: ``w / scale`` promotes to float32 exactly as ``w.float() / scale`` does, so no float32
     copy of w is made; the rest runs in place (a load quantises tens of GB here)."""
     *lead, c = w.shape
+    buf = buf or _fresh(w)
     wg = w.reshape(*lead, c // g, g)  # [..., C/G, G]
     scale = _absmax(wg, buf).div_(QMAX[wdtype]).clamp_min_(1e-12)  # [..., C/G]
     q = torch.div(wg, scale[..., None], out=buf("quant.codes", tuple(wg.shape), torch.float32)).round_()
@@ -208,7 +212,7 @@ def _quantize_tiled(
         full = (rows if name != "quant.pairs" else shape[0], *shape[1:])
         t = kept.get(name)
         if t is None:
-            t = scratch(name, full, dtype) if scratch is not None else torch.empty(full, dtype=dtype)
+            t = (scratch or _fresh(w))(name, full, dtype)
             kept[name] = t
         return t[: shape[0]]
 
