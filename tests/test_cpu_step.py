@@ -9,7 +9,6 @@ Shapes: T tokens, Hq/Hk query/KV heads, D head dim, K top-k, H hidden, I expert 
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -22,22 +21,12 @@ from coordinator.model.models.attention import paged_attention_torch
 from coordinator.model.models.layers import RMSNorm, Rotary
 from expertmesh.config import ModelConfig
 from expertmesh.experts import torch_moe
+from tests.test_attention_kernels import make_step
 
 # (cached, new) per sequence: decodes of different lengths, a fresh prefill, an extend over a
 # cached prefix, a decode at position 0
+CPU = torch.device("cpu")
 MIXED = [(0, 5), (7, 1), (3, 6), (20, 1), (0, 1), (33, 1)]
-
-
-def make_step(shape: list[tuple[int, int]], page_size: int, num_pages: int, seed: int) -> ForwardBatch:
-    rng = random.Random(seed)
-    free = list(range(num_pages))
-    rng.shuffle(free)
-    seqs = []
-    for past, new in shape:
-        need = -(-(past + new) // page_size)
-        pages, free = free[:need], free[need:]
-        seqs.append(([rng.randrange(50) for _ in range(new)], past, pages))
-    return ForwardBatch.build(seqs, page_size, torch.device("cpu"))
 
 
 def sdpa_reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:  # [T, Hq, Dv]
@@ -64,7 +53,7 @@ def test_paged_attention_matches_sdpa(hq, hk, dk, dv, head_major):
     and a batch without its per-step decode rows (built where the attention finds them itself)."""
     page_size = 4
     num_pages = sum(-(-(p + n) // page_size) for p, n in MIXED) + 3
-    batch = make_step(MIXED, page_size, num_pages, seed=1)
+    batch = make_step(MIXED, page_size, num_pages, 1, CPU)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch.num_tokens, hq, dk, generator=g)
     rows = num_pages * page_size
@@ -84,7 +73,7 @@ def test_paged_attention_matches_sdpa(hq, hk, dk, dv, head_major):
 
 def test_paged_attention_bf16_close_to_sdpa():
     """bf16 takes HF's three-op score rounding; close to the float64 reference."""
-    batch = make_step(MIXED, 4, 40, seed=2)
+    batch = make_step(MIXED, 4, 40, 2, CPU)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(batch.num_tokens, 4, 16, generator=g).bfloat16()
     k_cache = torch.randn(160, 2, 16, generator=g).bfloat16()

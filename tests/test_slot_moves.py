@@ -194,18 +194,23 @@ def test_a_commit_failing_half_way_refuses_requests_until_a_new_placement():
     assert torch.equal(w.compute(w.check(req)), ref)
 
 
+def two_expert_lora(g: torch.Generator, h: int = H, inter: int = INTER) -> ExpertLoRA:
+    """Random LoRA weights of two experts (rank 3 on gate/up, 2 on down) at widths ``h``, ``inter``."""
+    return ExpertLoRA(
+        torch.randn(2, 3, h, generator=g),
+        torch.randn(2, 2 * inter, 3, generator=g),
+        torch.randn(2, 2, inter, generator=g),
+        torch.randn(2, h, 2, generator=g),
+    )
+
+
 def test_lora_follows_experts_moved_in_place():
     t, _ = table()
     w = ExpertWorker(t, TorchExpertBackend(), WorkerIdentity("cpu", "cpu", "host"), max_loras=2)
     w.prepare(1, {0: [3, 1], 2: [3, 1]})
     w.commit(1)
     g = torch.Generator().manual_seed(0)
-    lora = ExpertLoRA(
-        torch.randn(2, 3, H, generator=g),
-        torch.randn(2, 2 * INTER, 3, generator=g),
-        torch.randn(2, 2, INTER, generator=g),
-        torch.randn(2, H, 2, generator=g),
-    )  # experts (1, 3) of layer 2, sorted
+    lora = two_expert_lora(g)  # experts (1, 3) of layer 2, sorted
     msg = encode_adapter({2: LayerAdapter((1, 3), lora)}, torch.float32)
     w.load_adapter(5, "a", decode_adapter(msg, H, INTER, 4, [0, 2], torch.float32))
     hidden = torch.randn(3, H, generator=g) / 100

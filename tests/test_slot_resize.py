@@ -24,6 +24,7 @@ from expertmesh.worker.core import ExpertWorker, WorkerIdentity
 from expertmesh.worker.server import slot_table
 from expertmesh.worker.slots import SlotTable
 from expertmesh.worker_api import ExpertRequest
+from tests.test_slot_moves import two_expert_lora
 
 H, INTER, EXPERTS, LAYERS = 8, 4, 10, (0, 2)
 SLOT = (3 * H * INTER) * 4  # one float32 slot: w13 [2I, H] + w2 [H, I]
@@ -257,12 +258,7 @@ def test_lora_follows_experts_moved_by_a_resize():
     w = ExpertWorker(t, TorchExpertBackend(), WorkerIdentity("cpu", "cpu", "host"), max_loras=2)
     t.preload([3, 1])
     g = torch.Generator().manual_seed(0)
-    lora = ExpertLoRA(
-        torch.randn(2, 3, H, generator=g),
-        torch.randn(2, 2 * INTER, 3, generator=g),
-        torch.randn(2, 2, INTER, generator=g),
-        torch.randn(2, H, 2, generator=g),
-    )  # experts (1, 3) of layer 2, sorted
+    lora = two_expert_lora(g, H, INTER)  # experts (1, 3) of layer 2, sorted
     msg = encode_adapter({2: LayerAdapter((1, 3), lora)}, torch.float32)
     w.load_adapter(5, "a", decode_adapter(msg, H, INTER, EXPERTS, list(LAYERS), torch.float32))
     hidden = torch.randn(3, H, generator=g) / 10
