@@ -56,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: before make_backend, whose log line says which decode kernel runs (C or the torch
     # fallback); serve() configures the same format again, a no-op then
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as e:  # a bad flag (or EXPERTMESH_LINK): say which, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # --- one server over every node (cpu_expert_server/numa_backend.py) ---
     if args.numa_node == "all":
         try:
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if backend is not None:
-            return serve(config_from_args(args), backend)
+            return serve(config, backend)
         args.numa_node = None  # one node: exactly the server without the flag
     # --- NUMA binding before any thread pool starts (threads inherit the mask) ---
     if args.numa_node is not None:
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"NUMA: {numa.describe(numa.read_nodes())}", flush=True)
     if args.threads:
         cores.set_torch_threads(args.threads)  # intra- and inter-op pools
-    return serve(config_from_args(args), make_backend(args.threads, args.weight_dtype))
+    return serve(config, make_backend(args.threads, args.weight_dtype))
 
 
 def numa_backend_from_args(args: argparse.Namespace, nodes: list[numa.Node]) -> ExpertBackend | None:

@@ -4,6 +4,7 @@ CPU with ``--device cpu`` (plain torch backend) so the cluster can be tested wit
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -47,6 +48,10 @@ def backend_for(device: str, model_dir: str = "", cuda_graphs: bool = True) -> E
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         cores.set_torch_threads(args.threads)  # intra- and inter-op pools
-    config = WorkerConfig.from_args(args, kind="gpu", device=args.device)
+    try:
+        config = WorkerConfig.from_args(args, kind="gpu", device=args.device)
+    except ValueError as e:  # a bad flag (or EXPERTMESH_LINK): say which, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     backend = backend_for(args.device, args.model, cuda_graphs=not args.no_cuda_graphs)
     return serve(config, backend, device_uuid(args.device))

@@ -1,6 +1,7 @@
 """What a user sees when something is wrong: a busy port is one line naming the port and its
 flag (coordinator and both expert servers), a plaintext client meeting a TLS server is told to
-pass --tls-ca, the Python client raises the library's typed errors, --help shows the defaults,
+pass --tls-ca, a bad flag value is one line naming the flag (before anything loads), the Python
+client raises the library's typed errors, --help shows the defaults,
 and ``expertmesh status`` keeps a down server's error out of the table."""
 
 from __future__ import annotations
@@ -61,6 +62,23 @@ def test_a_busy_data_port_is_one_line_naming_it_and_its_flag(model):
     assert "Traceback" not in r.stderr, r.stderr
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert f"127.0.0.1:{port}" in line and "--data-port" in line, line
+
+
+@pytest.mark.parametrize(
+    "command, flag, value",
+    [
+        ("cpu-server", "--placement-spare-mb", "-5"),
+        ("gpu-server", "--combine-wait-us", "-1"),
+        ("coordinator", "--micro-batches", "0"),
+    ],
+)
+def test_a_bad_flag_value_is_one_line_naming_the_flag(model, command, flag, value):
+    extra = ["--device", "cpu"] if command == "gpu-server" else []
+    r = cli(command, "--model", str(model), "--port", "0", flag, value, *extra, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert flag in line and value in line, line
 
 
 def test_a_plaintext_client_at_a_tls_server_is_told_to_pass_the_ca(tmp_path):
