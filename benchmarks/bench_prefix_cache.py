@@ -230,7 +230,10 @@ def start_server(kind: str, args, model: Path, log: Path) -> tuple[subprocess.Po
         cmd += ["--device", args.device]
     if kind == "cpu" and args.cpu_threads:
         cmd += ["--threads", str(args.cpu_threads)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    # NOTE: ROOT first, the caller's path kept: a host whose wheels live on PYTHONPATH (the
+    # device machines') must give the server the same packages as this process
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
     )
@@ -250,7 +253,9 @@ def warm_up(args, s: Scheduler, vocab: int) -> None:
     """Untimed: a short request, then one as long as the shared part's and an extension of it
     (prefill, cached-prefix extend and decode kernels compiled and allocations made)."""
     one(s, [5, 6, 7], 2)
-    g = random.Random(-1)
+    # NOTE: a string seed: random.Random(-n) is Random(n), and the shared part's prefix is
+    # drawn from Random(seed + 1); a warm-up with its tokens would make its first request a hit
+    g = random.Random("warm-up")
     n = min(args.prefix + args.suffix, s.limits.max_context - 2) if "shared" in args.parts else 64
     long = [g.randrange(2, vocab) for _ in range(n)]
     one(s, long[: n - n // 8], 2)
@@ -356,9 +361,17 @@ def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict:
         "shared": {k: min(v, key=lambda r: r["repeat_ttft_s"]) for k, v in runs.get("shared", {}).items()},
     }
     if "chat" in runs:
-        res["chat_same_replies"] = all(
-            a["replies"] == b["replies"] for a, b in zip(runs["chat"]["no_cache"], runs["chat"]["cache"])
-        )
+        pairs = list(zip(runs["chat"]["no_cache"], runs["chat"]["cache"]))
+        res["chat_same_replies"] = all(a["replies"] == b["replies"] for a, b in pairs)
+        # NOTE: a reply is part of its conversation's next prompts, so after the first reply that
+        # differs the rest of that conversation is a different workload: count the conversations
+        # that agree to the end and, for the others, the turn of the first difference
+        firsts = []
+        for a, b in pairs:
+            for ra, rb in zip(a["replies"], b["replies"]):
+                firsts.append(next((t for t, (x, y) in enumerate(zip(ra, rb)) if x != y), None))
+        res["chat_conversations_equal"] = f"{firsts.count(None)} of {len(firsts)}"
+        res["chat_first_difference_turns"] = sorted(t + 1 for t in firsts if t is not None)
     return res
 
 
@@ -471,7 +484,9 @@ def report_setup(res: dict, args) -> list[str]:
         res["chat_speedup"] = a["seconds"] / b["seconds"]
         print(
             f"speed-up (total time off / on): {res['chat_speedup']:.2f}x; "
-            f"replies identical in every run: {res['chat_same_replies']}"
+            f"replies identical in every run: {res['chat_same_replies']} (conversations equal to the "
+            f"end: {res['chat_conversations_equal']}; first differing turn of the others: "
+            f"{res['chat_first_difference_turns'] or '-'})"
         )
         cells[:3] = [
             f"{a['requests_per_s']:.2f}",
