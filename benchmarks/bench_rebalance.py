@@ -87,9 +87,10 @@ def start_servers(args: argparse.Namespace, model: Path, cfg: ModelConfig, out: 
     else:  # two GPU servers split the experts in halves (the coordinator's static split)
         second = [*CLI, "gpu-server", *common, "--device", args.second_device]
         second += ["--experts", f"{e // 2}-{e - 1}"]
+    extra = args.server_flags.split()
     procs: list[Proc] = []
     try:
-        for name, cmd in (("gpu0", gpu), ("second", second)):
+        for name, cmd in (("gpu0", [*gpu, *extra]), ("second", [*second, *extra])):
             procs.append(spawn(name, cmd, _LISTEN, args.startup_timeout, out / f"{name}.log"))
         for p in procs:
             wait_serving(f"127.0.0.1:{p.port}", args.startup_timeout, procs)
@@ -371,6 +372,12 @@ def main() -> None:
     p.add_argument("--window", type=int, default=16, help="run B: the load window, steps")
     p.add_argument("--redundant", type=int, default=2, help="run B: replica slots per server")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--server-flags",
+        default="",
+        help="extra flags for both expert servers, one string (e.g. a --placement-staging-mb "
+        "large enough to read every moved expert ahead of the commit)",
+    )
     p.add_argument("--out", default=None, help="logs and the table (default: a temporary directory)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -404,7 +411,9 @@ def main() -> None:
             "experts on the first GPU server at first); "
             f"{args.passes} passes x {args.rounds} rounds x {args.concurrency} concurrent streams x "
             f"{args.new_tokens} tokens; run B: EPLB every {args.interval} steps, window {args.window}, "
-            f"{args.redundant} redundant slots per server\n"
+            f"{args.redundant} redundant slots per server"
+            + (f"; expert servers with `{args.server_flags}`" if args.server_flags else "")
+            + "\n"
         )
         text = head + "\n" + report(args, a, b, requests)
         text += f"\n\nservers up in {started:.0f} s; run A {a.wall_s:.1f} s, run B {b.wall_s:.1f} s (measured passes)"
