@@ -212,6 +212,18 @@ class Engine:
             logits = self.graphs.run(
                 [(toks[0], self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in items]
             )
+        elif (
+            not all_logits
+            and not uses_lora
+            and self.graphs is not None
+            and self.graphs.extends
+            and self.graphs.bucket(sum(len(toks) for _, toks in items)) is not None
+        ):
+            # a short prefill or a cached prefix's extend: one replay, not an eager step
+            self.dispatcher.begin_step(sum(len(toks) for _, toks in items))
+            logits = self.graphs.run_tokens(
+                [(toks, self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in items]
+            )
         else:
             batch = ForwardBatch.build(
                 [(toks, self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in items],

@@ -110,6 +110,10 @@ class RemoteDecodeGraphs(DecodeGraphs):
     """Decode graphs (coordinator/model/cuda_graphs.py) cut at each MoE dispatch; ``dispatcher`` is
     the remote one the model is attached to."""
 
+    # NOTE: decodes only: a linked step's per-layer areas and the servers' step graphs are sized
+    # and tested for one token per sequence; an extend here runs eagerly, as before
+    extends = False
+
     def __init__(
         self,
         model: CausalLM,
