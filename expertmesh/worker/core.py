@@ -601,16 +601,36 @@ class ExpertWorker:
                 raise InvalidRequest(f"layer {layer}: experts {bad} outside [0, {self.cfg.num_experts})")
         return self.slots.prepare(generation, table)
 
-    def commit(self, generation: int) -> None:
+    def commit(self, generation: int, release: bool = True) -> None:
+        """Makes ``generation`` live. ``release``: hand the freed memory back before returning;
+        the gRPC server passes False and releases after its reply (:meth:`release`), so that
+        the coordinator's between-steps window does not wait for the allocator."""
+        t0 = time.perf_counter()
         with self._serial:
             # NOTE: a host link's C thread reads the live weights with no lock: its step in
             # flight ends first (bounded: its waits time out); new steps wait for this lock
+            t_lock = time.perf_counter()
             for hl in list(self._host_links):
                 report = hl.collect()
                 if report is not None:
                     self._link_report(hl, report)
+            t_link = time.perf_counter()
             self.slots.commit(generation)
-        self.slots.release()  # NOTE: outside the lock: requests compute meanwhile
+        t1 = time.perf_counter()
+        log.info(
+            "placement generation %d committed in %.1f ms (waiting for the compute lock %.1f, "
+            "host links %.1f, slots %.1f)",
+            generation, (t1 - t0) * 1e3, (t_lock - t0) * 1e3, (t_link - t_lock) * 1e3, (t1 - t_link) * 1e3,
+        )  # fmt: skip
+        if release:
+            self.release()
+
+    def release(self) -> None:
+        """Hands what the last commit freed back to the device or the OS (outside the compute
+        lock: requests compute meanwhile)."""
+        t0 = time.perf_counter()
+        self.slots.release()
+        log.info("freed placement memory released in %.1f ms", (time.perf_counter() - t0) * 1e3)
 
     def abort(self, generation: int) -> None:
         self.slots.abort(generation)

@@ -178,7 +178,11 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
                 read = await loop.run_in_executor(self._loader, self.worker.prepare, gen, table)
                 return pb.ApplyPlacementResponse(generation=self.worker.generation, experts_loaded=read)
             if phase == pb.ApplyPlacementRequest.COMMIT:
-                await loop.run_in_executor(self._compute, self.worker.commit, gen)
+                await loop.run_in_executor(self._compute, self.worker.commit, gen, False)
+                # NOTE: after the reply, on the loader thread: the coordinator commits between two
+                # of its steps and waits for every server's reply, and handing GBs back to the
+                # CUDA driver or the OS (empty_cache, malloc_trim) need not sit in that window
+                self._loader.submit(self.worker.release)
             elif phase == pb.ApplyPlacementRequest.ABORT:
                 self.worker.abort(gen)
             else:
