@@ -18,7 +18,10 @@ KINDS = ("gpu", "cpu")
 LINK_ENV = "EXPERTMESH_LINK"  # the device link: unset/1 auto, 0 off, force (one GPU too)
 LINK_MODES = {"": "auto", "1": "auto", "auto": "auto", "0": "off", "off": "off", "force": "force"}
 DTYPES = ("float32", "bfloat16", "float16")
-COMBINE_WAIT_US = 1000.0  # --combine-wait-us default (benchmarks/RESULTS.md, bench_two_coordinators)
+# --combine-wait-us default: no holds. Measured (benchmarks/RESULTS.md, bench_two_coordinators),
+# a 1000 us hold doubled the rows per layer call but cut tokens/s: 608 -> 528 on the 2-core VM,
+# 126 -> 78 at full size on an H200 (a hold is paid 48 times a token, a merged call saves less)
+COMBINE_WAIT_US = 0.0
 
 
 @dataclass(frozen=True)
