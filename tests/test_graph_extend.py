@@ -28,6 +28,7 @@ def graphs_on_cpu(bm: int, width: int) -> DecodeGraphs:
     g.meta[3] = torch.arange(bm)
     g.table = torch.zeros(bm, width, dtype=torch.int32)
     g.token_seq = torch.arange(bm, dtype=torch.int32)
+    g._identity, g._seq_identity = torch.arange(bm, dtype=torch.int32), True
     g._pad(0, bm)
     return g
 
@@ -61,6 +62,17 @@ def test_graph_buffers_hold_the_eager_batch(seqs):
     assert torch.equal(g.table[:b, :w], ref.page_table)
     # padding rows see no keys and write to the scratch row
     assert g.meta[1, t:bucket].eq(-1).all() and g.meta[2, t:bucket].eq(SCRATCH).all()
+
+
+def test_a_decode_after_an_extend_gets_the_identity_sequence_map_back():
+    g = graphs_on_cpu(16, 8)
+    g._fill_tokens([([1, 2, 3], 4, [0, 1]), ([7], 2, [2])], 4)  # token rows 0-2: seq 0, row 3: seq 1
+    assert g.token_seq[:4].tolist() == [0, 0, 0, 1]
+    decodes = [([5], 7, [3, 9]), ([6], 0, [4]), ([8], 3, [1])]
+    g._fill_tokens(decodes, 4)
+    ref = ForwardBatch.build(decodes, PAGE, torch.device("cpu"))
+    assert g.token_seq[:3].tolist() == ref.token_seq.tolist() == [0, 1, 2]
+    assert g.meta[3, :3].tolist() == ref.logits_index.tolist()
 
 
 def test_a_step_past_the_largest_bucket_is_refused():

@@ -53,6 +53,8 @@ class DecodeGraphs:
         self.meta[3] = torch.arange(bm)
         self.table = torch.zeros(bm, self.width, dtype=torch.int32, device=dev)  # [Bm, W]
         self.token_seq = torch.arange(bm, dtype=torch.int32, device=dev)  # [Bm] page-table row of each token
+        self._identity = torch.arange(bm, dtype=torch.int32, device=dev)  # a decode's token_seq
+        self._seq_identity = True  # whether token_seq holds it
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, V] static output
         self.routed: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> layer -> [bucket, K] ids
@@ -130,23 +132,27 @@ class DecodeGraphs:
         self._fill_tokens([([tok], past, pages) for tok, past, pages in seqs], bucket)
 
     def _fill_tokens(self, seqs: list[tuple[list[int], int, list[int]]], bucket: int) -> None:
-        """The step's metadata into the static buffers: one host-to-device copy per buffer.
-        Padding rows: token 0 at position -1 of sequence row 0, K/V to the scratch row."""
+        """The step's metadata into the static buffers: one host-to-device copy per buffer
+        (a decode's token-to-sequence map is the identity, kept on the device: no copy).
+        Padding rows: token 0 at position -1, K/V to the scratch row."""
         p = self.cache.page_size
         need = [-(-(past + len(toks)) // p) for toks, past, _ in seqs]
         w = max(need)
         assert w <= self.width, f"a sequence needs {w} pages, the graphs hold {self.width}"
-        ids: list[int] = []
-        pos: list[int] = []
-        rows: list[int] = []
-        seq: list[int] = []
-        last: list[int] = []
-        for i, (toks, past, pages) in enumerate(seqs):
-            ids += toks
-            pos += range(past, past + len(toks))
-            rows += [pages[q // p] * p + q % p for q in range(past, past + len(toks))]
-            seq += [i] * len(toks)
-            last.append(len(ids) - 1)
+        decode = len(seqs) == sum(len(toks) for toks, _, _ in seqs)
+        if decode:  # the hot path: one token per sequence
+            ids = [toks[0] for toks, _, _ in seqs]
+            pos = [past for _, past, _ in seqs]
+            rows = [pages[past // p] * p + past % p for _, past, pages in seqs]
+            last = list(range(len(seqs)))
+        else:
+            ids, pos, rows, last, seq = [], [], [], [], []
+            for i, (toks, past, pages) in enumerate(seqs):
+                ids += toks
+                pos += range(past, past + len(toks))
+                rows += [pages[q // p] * p + q % p for q in range(past, past + len(toks))]
+                seq += [i] * len(toks)
+                last.append(len(ids) - 1)
         pad = bucket - len(ids)
         host = torch.tensor(
             [
@@ -157,12 +163,16 @@ class DecodeGraphs:
             ],
             dtype=torch.long,
         )
-        token_seq = torch.tensor(seq + [0] * pad, dtype=torch.int32)
         table = torch.zeros(len(seqs), w, dtype=torch.int32)
         for i, (_, _, pages) in enumerate(seqs):
             table[i, : need[i]] = torch.tensor(pages[: need[i]], dtype=torch.int32)
         self.meta[:, :bucket].copy_(host)
-        self.token_seq[:bucket].copy_(token_seq)
+        if not decode:
+            self.token_seq[:bucket].copy_(torch.tensor(seq + [0] * pad, dtype=torch.int32))
+            self._seq_identity = False
+        elif not self._seq_identity:  # back to the identity after an extend: a device copy
+            self.token_seq.copy_(self._identity)
+            self._seq_identity = True
         self.table[: len(seqs), :w].copy_(table)
 
     def _replay(self, bucket: int, b: int) -> None:
