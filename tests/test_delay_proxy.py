@@ -37,7 +37,10 @@ class Echo:
                 c, _ = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._echo, args=(c,), daemon=True).start()
+            self._accepted(c)
+
+    def _accepted(self, c: socket.socket) -> None:
+        threading.Thread(target=self._echo, args=(c,), daemon=True).start()
 
     @staticmethod
     def _echo(c: socket.socket) -> None:
@@ -163,30 +166,23 @@ def test_jitter_never_reorders_bytes(impl):
         echo.close()
 
 
-class Peer:
+class Peer(Echo):
     """A server that, per connection, sends its own random stream while it reads the client's
     (both ways at once), then closes its side once the client's has ended."""
 
     def __init__(self, size: int) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
         self.sent: list[bytes] = []
         self.got: list[bytes] = []
         self.threads: list[threading.Thread] = []
         self.size = size
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()  # NOTE: last: its accept thread reads the fields above
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            data = os.urandom(self.size)
-            self.sent.append(data)
-            t = threading.Thread(target=self._talk, args=(c, data), daemon=True)
-            self.threads.append(t)
-            t.start()
+    def _accepted(self, c: socket.socket) -> None:
+        data = os.urandom(self.size)
+        self.sent.append(data)
+        t = threading.Thread(target=self._talk, args=(c, data), daemon=True)
+        self.threads.append(t)
+        t.start()
 
     def _talk(self, c: socket.socket, data: bytes) -> None:
         with c:
@@ -194,9 +190,6 @@ class Peer:
             sender.start()
             self.got.append(recv_all(c))
             sender.join()
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
