@@ -164,6 +164,33 @@ class FailingReader(FakeReader):
         return super().expert_weights(layer, e)
 
 
+class MeetingReader(FakeReader):
+    """Reads of ``meet`` experts wait for each other: they complete only when run at once."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self.meet: set[tuple[int, int]] = set()
+        self.barrier = threading.Barrier(parties, timeout=10)
+        self.threads: set[str] = set()
+
+    def expert_weights(self, layer: int, e: int):
+        if (layer, e) in self.meet:
+            self.threads.add(threading.current_thread().name)
+            self.barrier.wait()  # BrokenBarrierError (a RuntimeError): the reads ran one by one
+        return super().expert_weights(layer, e)
+
+
+def test_a_host_commit_rewrites_its_layers_at_once():
+    r = MeetingReader(2)
+    t = SlotTable(r, torch.float32, torch.device("cpu"), 4, staging_bytes=0)  # type: ignore[arg-type]
+    t.preload([0, 1])
+    t.prepare(1, {0: [0, 3], 2: [2, 1]})  # no staging: both reads happen in the commit
+    r.meet = {(0, 3), (2, 2)}
+    t.commit(1)
+    assert len(r.threads) == 2 and threading.current_thread().name not in r.threads
+    assert values(t, 0) == [0.0, 3.0] and values(t, 2) == [202.0, 201.0]
+
+
 def test_a_commit_failing_half_way_refuses_requests_until_a_new_placement():
     r = FailingReader()
     t = SlotTable(r, torch.float32, torch.device("cpu"), 4, staging_bytes=0)  # type: ignore[arg-type]

@@ -10,9 +10,9 @@ slots), writes the new slots that land in spare slots (nothing computes them), a
 the other new experts, within a staging budget (default: one layer of this server's slots).
 :meth:`commit` (which the worker core runs under the lock every compute takes, so no forward
 sees a half-moved layer) swaps in the layers built by prepare and rewrites the live slots of
-the others in place, layer by layer: moves inside a layer through one spare slot, staged
-experts copied in, the others read from the checkpoint straight into their slot, then the live
-count set. Its pause follows the live slots that change, not the layers' sizes (only a layer
+the others in place (a host table's layers on parallel threads): moves inside a layer through
+one spare slot, staged experts copied in, the others read from the checkpoint straight into
+their slot, then the live count set. Its pause follows the live slots that change, not the layers' sizes (only a layer
 that outgrows its allocation when the budget cannot hold its new one is rebuilt in the
 commit). A placement equal to the live one touches no weight. :meth:`abort` drops what was
 staged; the live slots were never touched. Memory freed by either goes back to the device or
@@ -69,6 +69,10 @@ MAX_PRELOAD_THREADS = 64
 # hold the GIL between them, and 32 such threads loaded a full-size int4 CPU server at 0.59
 # GB/s where 8 had loaded it at 1.3-1.5 GB/s (2x H200 host, 32 cores)
 MAX_QUANTISE_THREADS = 8
+# a host table's commit rewrites its layers on this many threads at most (each copy on one
+# core): nothing computes during a commit, and one thread copying staged experts in at ~10
+# GB/s made the commit the slowest step of a rebalance (a copy is memory-bound well before 16)
+MAX_COMMIT_THREADS = 16
 # a new slot's weights: an expert to read, or rows to copy (a live slot, a staged read)
 Source = int | Rows
 
@@ -147,6 +151,7 @@ class SlotTable:
         # load, prepare and commit, so no thread keeps them between placement changes
         self._scratch = threading.local()
         self._pool: ThreadPoolExecutor | None = None
+        self._commit_pool: ThreadPoolExecutor | None = None
         self.moe_layers = reader.config.moe_layer_ids
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
         self.previous: PreviousSlots | None = None  # the generation the last commit replaced
@@ -255,10 +260,13 @@ class SlotTable:
         """Runs checkpoint reads on ``pool``, by default the table's reader threads; raises the
         first failure."""
         if pool is None and len(jobs) > 1:
-            if self._pool is None:
-                self._pool = reader_pool(min(MAX_READ_THREADS, len(os.sched_getaffinity(0))))
-            pool = self._pool
+            pool = self._read_pool()
         return run_on(pool, jobs)
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = reader_pool(min(MAX_READ_THREADS, len(os.sched_getaffinity(0))))
+        return self._pool
 
     def _load_pool(self) -> ThreadPoolExecutor:
         """Reader threads for a load (nothing computes yet): every CPU of the process, fewer
@@ -472,8 +480,7 @@ class SlotTable:
             self._commits += 1
             try:
                 with self._on_device():
-                    for layer in self.moe_layers:
-                        self._apply(layer, staged, layers)
+                    self._apply_all(staged, layers)
             except (OSError, ValueError, RuntimeError) as e:
                 why = f"the commit of placement generation {generation} failed half-way ({e}); push a new placement"
                 self.live = SlotSet(old_generation, layers, why)
@@ -484,6 +491,29 @@ class SlotTable:
             self._staged = None
             self._drop_scratch()
             del staged
+
+    def _apply_all(self, staged: _Staged, layers: dict[int, LayerSlots]) -> None:
+        """Rewrites every layer as planned. A host table's layers are independent allocations,
+        so they are rewritten on parallel threads (one core's copies each; a layer's own moves
+        keep their order); a GPU table's copies are device work queued from this thread."""
+        changed = [layer for layer in self.moe_layers if not staged.plans[layer].unchanged]
+        # NOTE: a layer rebuilt by the commit allocates a whole new layer: after the in-place
+        # layers have used up (so freed) the staged rows, and one at a time, so the extra
+        # memory stays one layer
+        rebuilt = [n for n in changed if staged.plans[n].rebuild is not None and n not in staged.built]
+        in_place = [layer for layer in changed if layer not in rebuilt]
+        if self.device.type != "cpu" or len(in_place) <= 1:
+            for layer in in_place:
+                self._apply(layer, staged, layers)
+        else:
+            self._read_pool()  # NOTE: created here, not raced for by the layers' threads
+            if self._commit_pool is None:
+                self._commit_pool = reader_pool(read_threads(MAX_COMMIT_THREADS))
+            # NOTE: a layer's checkpoint reads run on the read pool, never on these threads (no
+            # job waits on a pool that its own thread belongs to)
+            run_on(self._commit_pool, [_bind(self._apply, layer, staged, layers) for layer in in_place])
+        for layer in rebuilt:
+            self._apply(layer, staged, layers)
 
     def _apply(self, layer: int, staged: _Staged, layers: dict[int, LayerSlots]) -> None:
         """Rewrites one layer of ``layers`` as planned (dropping what it used from ``staged``)."""
