@@ -289,3 +289,19 @@ def test_a_request_checked_during_a_commit_is_stale():
         r.go.set()
         commit.join(10)
     assert t.live.generation == 1 and not t.live.committing and values(t, 2) == [202.0, 203.0]
+
+
+def test_what_a_commit_replaces_is_freed_by_release_not_inside_the_commit():
+    import weakref
+
+    r = FakeReader()
+    # no spare slots: the preload allocates one slot a layer, so growing builds new allocations
+    t = SlotTable(r, torch.float32, torch.device("cpu"), 4, staging_bytes=1 << 20, spare_bytes=0)  # type: ignore[arg-type]
+    t.preload([0])
+    gone = weakref.ref(t.live.layers[0].rows[0])
+    t.prepare(1, {0: [0, 1, 2, 3], 2: [3, 2, 1, 0]})
+    t.commit(1)
+    assert t.live.layers[0].rows[0] is not gone() is not None  # replaced, and held past the commit
+    t.release()
+    assert gone() is None
+    assert values(t, 0) == [0.0, 1.0, 2.0, 3.0] and values(t, 2) == [203.0, 202.0, 201.0, 200.0]

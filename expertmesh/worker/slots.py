@@ -156,6 +156,9 @@ class SlotTable:
         self.live = SlotSet(0, {layer: self._empty() for layer in self.moe_layers})
         self.previous: PreviousSlots | None = None  # the generation the last commit replaced
         self._staged: _Staged | None = None
+        # what the last commit replaced (old allocations, used staged rows), freed by release():
+        # unmapping gigabytes of pages inside the commit made it the slowest part of a move
+        self._freed: list[object] = []
         self._commits = 0
         self._slot_bytes = 0  # one slot's w13 + w2 bytes, known once a slot was read
         self.peak_bytes = 0  # the most expert bytes (live + staged + transient) held at once
@@ -403,7 +406,7 @@ class SlotTable:
                 )
             self._staged = None  # NOTE: a newer prepare replaces it: never two stagings at once
             live, base = self.live, self._commits
-        memory.release(self.device)
+        self.release()
         budget, spare = self._budget_slots()
         lay = plan_change(
             {layer: live.layers[layer].experts for layer in self.moe_layers},
@@ -490,7 +493,7 @@ class SlotTable:
             self.previous = PreviousSlots.between(old_generation, before, layers)
             self._staged = None
             self._drop_scratch()
-            del staged
+            self._freed.append(staged)
 
     def _apply_all(self, staged: _Staged, layers: dict[int, LayerSlots]) -> None:
         """Rewrites every layer as planned. A host table's layers are independent allocations,
@@ -512,6 +515,8 @@ class SlotTable:
             # NOTE: a layer's checkpoint reads run on the read pool, never on these threads (no
             # job waits on a pool that its own thread belongs to)
             run_on(self._commit_pool, [_bind(self._apply, layer, staged, layers) for layer in in_place])
+        if rebuilt:
+            self._freed.clear()  # NOTE: freed now, so the rebuilds below add one layer at most
         for layer in rebuilt:
             self._apply(layer, staged, layers)
 
@@ -522,7 +527,8 @@ class SlotTable:
             return
         built = staged.built.pop(layer, None)
         if built is not None:
-            layers[layer] = built  # the old allocation goes with its last reference
+            self._freed.append(cur)  # the old allocation, freed by release()
+            layers[layer] = built
             return
         if plan.rebuild is not None:  # outgrew its allocation beyond what prepare could stage
             sources = _sources(layer, plan, cur, staged.rows)
@@ -574,6 +580,7 @@ class SlotTable:
                     continue
                 w13[dst].copy_(rows[0])
                 w2[dst].copy_(rows[1])
+                self._freed.append(rows)
                 content[dst] = e
             self._parallel([_bind(self._read_into, layer, e, w13[dst], w2[dst]) for dst, e in unread])
             for dst, e in unread:
@@ -585,8 +592,12 @@ class SlotTable:
         layers[layer] = LayerSlots.of(plan.experts, w13, w2)
 
     def release(self) -> None:
-        """Hands what a commit freed back to the device or the OS (memory.py); the worker calls
-        it once requests flow again (it is not free: the allocator walks its free lists)."""
+        """Frees what the last commit replaced and hands it back to the device or the OS
+        (memory.py); the worker calls it once requests flow again (unmapping pages and walking
+        the allocator's free lists take time)."""
+        with self._lock:
+            freed, self._freed = self._freed, []
+        del freed
         memory.release(self.device)
 
     def abort(self, generation: int) -> None:
