@@ -18,7 +18,9 @@ cache, so every pass computes the same thing:
   its ``_max`` gauge: the median step (interpolated in its bucket, which spans 19%), the
   steady steps' worst (the upper bound of their last non-empty bucket), the steps that overlap
   a placement push (``placement="moving"``: prepare through commit; the commit runs between two
-  steps and counts in the next step) and their exact worst;
+  steps and counts in the next step) and their exact worst; the same for decode steps alone
+  (``kind="decode"``: a prefill of the concurrent prompts is many times a decode step, moves
+  or not);
 - every rebalance of run B (``Admin/GetEplbStatus``: the last 16): weights moved, the
   (layer, server) slot tables whose slot count changes and the slots that change (by the
   worker's own move planner: what the commits write where the tables' allocations hold their
@@ -175,15 +177,21 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     }
 
 
-def buckets(m0: dict, m1: dict, phase: str) -> list[tuple[float, float]]:
-    """[(upper bound, steps in this bucket)] of ``expertmesh_step_seconds`` between two scrapes."""
-    cum = []
+def buckets(m0: dict, m1: dict, phase: str, kind: str | None = None) -> list[tuple[float, float]]:
+    """[(upper bound, steps in this bucket)] of ``expertmesh_step_seconds`` between two scrapes,
+    of one step kind (decode, prefill) or of both."""
+    cum: dict[float, float] = {}
     for (name, labels), v in m1.items():
         d = dict(labels)
-        if name == "expertmesh_step_seconds_bucket" and d.get("placement") == phase:
-            cum.append((float(d["le"]), v - m0.get((name, labels), 0.0)))
-    cum.sort()
-    return [(le, c - (cum[i - 1][1] if i else 0.0)) for i, (le, c) in enumerate(cum)]
+        if (
+            name == "expertmesh_step_seconds_bucket"
+            and d.get("placement") == phase
+            and kind in (None, d.get("kind"))
+        ):
+            le = float(d["le"])
+            cum[le] = cum.get(le, 0.0) + v - m0.get((name, labels), 0.0)
+    at = sorted(cum.items())
+    return [(le, c - (at[i - 1][1] if i else 0.0)) for i, (le, c) in enumerate(at)]
 
 
 def median(hist: list[tuple[float, float]]) -> float:
@@ -201,8 +209,17 @@ def last_bucket(hist: list[tuple[float, float]]) -> float:
     return max((le for le, c in hist if c), default=0.0)
 
 
+def matching(m: dict, name: str, labels: dict[str, str]) -> list[float]:
+    """The samples of ``name`` whose labels include ``labels``."""
+    return [v for (n, ls), v in m.items() if n == name and labels.items() <= dict(ls).items()]
+
+
 def value(m: dict, name: str, **labels: str) -> float:
-    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+    return sum(matching(m, name, labels))
+
+
+def top(m: dict, name: str, **labels: str) -> float:
+    return max(matching(m, name, labels), default=0.0)
 
 
 @dataclass
@@ -211,7 +228,9 @@ class Run:
     passes: list[Outputs]
     errors: list[str]
     hist: dict[str, list[tuple[float, float]]]  # phase -> buckets (measured passes)
+    decode_hist: dict[str, list[tuple[float, float]]]  # the same, decode steps only
     moving_max: float  # exact, from the gauge
+    moving_decode_max: float
     rebalances: dict[str, float]  # result -> count
     history: list[admin_pb2.RebalanceOutcome]
     wall_s: float
@@ -252,7 +271,9 @@ def run(args: argparse.Namespace, name: str, cmd: list[str], load: list[list[lis
             passes,
             errs,
             {p: buckets(m0, m1, p) for p in ("steady", "moving")},
-            value(m1, "expertmesh_step_seconds_max", placement="moving"),
+            {p: buckets(m0, m1, p, "decode") for p in ("steady", "moving")},
+            top(m1, "expertmesh_step_seconds_max", placement="moving"),
+            top(m1, "expertmesh_step_seconds_max", placement="moving", kind="decode"),
             results,
             [o for o in st.history if o.outcome == "rebalanced"],
             wall,
@@ -307,8 +328,9 @@ def report(args: argparse.Namespace, a: Run, b: Run, requests: int) -> str:
     lines = [
         "| run | requests ok / failed | greedy equal to A pass 1 | steps (during a move) | median step ms | "
         "median during a move ms | worst steady ms (bucket bound) | worst during a move ms | "
-        "worst during a move / median | rebalances that moved weights (skipped, failed) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "worst during a move / median | decode steps: median ms, worst during a move ms, ratio | "
+        "rebalances that moved weights (skipped, failed) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in (a, b):
         both = [(le, c + m) for (le, c), (_, m) in zip(r.hist["steady"], r.hist["moving"])]
@@ -321,6 +343,12 @@ def report(args: argparse.Namespace, a: Run, b: Run, requests: int) -> str:
         worst = f"{r.moving_max * ms:.1f}" if n_moving else "-"
         med_moving = f"{median(r.hist['moving']) * ms:.1f}" if n_moving else "-"
         ratio = f"{r.moving_max / med:.2f}x" if n_moving else "-"
+        dec = [(le, c + m) for (le, c), (_, m) in zip(r.decode_hist["steady"], r.decode_hist["moving"])]
+        med_dec = median(dec)
+        dec_moving = sum(c for _, c in r.decode_hist["moving"])
+        decode = f"{med_dec * ms:.1f}, " + (
+            f"{r.moving_decode_max * ms:.1f}, {r.moving_decode_max / med_dec:.2f}x" if dec_moving else "-, -"
+        )
         moved = (
             f"{int(r.rebalances.get('rebalanced', 0))} ({int(r.rebalances.get('skipped', 0))}, "
             f"{int(r.rebalances.get('failed', 0))})"
@@ -328,7 +356,7 @@ def report(args: argparse.Namespace, a: Run, b: Run, requests: int) -> str:
         lines.append(
             f"| {r.name} | {ok} / {requests - ok} | {equal or '-'} | {int(sum(c for _, c in both))} "
             f"({int(n_moving)}) | {med * ms:.1f} | {med_moving} | {last_bucket(r.hist['steady']) * ms:.1f} | "
-            f"{worst} | {ratio} | {moved} |"
+            f"{worst} | {ratio} | {decode} | {moved} |"
         )
     gen, live = b.before
     lines += [

@@ -2,7 +2,8 @@
 scraped with prometheus_client's text parser from a live coordinator in front of one CPU
 expert server: one observation per step, bounded by the requests' wall time, and steps that
 overlap a placement push labelled ``moving``, the one that carried the commit at least as long
-as the commit the EPLB manager timed."""
+as the commit the EPLB manager timed; steps that compute prompt tokens labelled ``prefill``, the
+others ``decode``."""
 
 from __future__ import annotations
 
@@ -25,8 +26,17 @@ from tests.test_serving_cluster import wait_health
 pytestmark = pytest.mark.slow
 
 
+def matching(m: dict, name: str, labels: dict[str, str]) -> list[float]:
+    """The samples of ``name`` whose labels include ``labels`` (the others summed over)."""
+    return [v for (n, ls), v in m.items() if n == name and labels.items() <= dict(ls).items()]
+
+
 def value(m: dict, name: str, **labels: str) -> float:
-    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+    return sum(matching(m, name, labels))
+
+
+def top(m: dict, name: str, **labels: str) -> float:
+    return max(matching(m, name, labels), default=0.0)
 
 
 def settled(url: str) -> dict[tuple[str, tuple], float]:
@@ -80,8 +90,11 @@ def test_one_observation_per_step_within_the_wall_time(coordinator):
     assert d("expertmesh_step_seconds_bucket", placement="steady", le="+Inf") == steps
     spent = d("expertmesh_step_seconds_sum", placement="steady")
     assert 0 < spent <= wall, (spent, wall)
-    longest = value(m1, "expertmesh_step_seconds_max", placement="steady")
+    longest = top(m1, "expertmesh_step_seconds_max", placement="steady")
     assert spent / steps <= longest <= wall
+    # each request's prompt is one step (a short prompt is one chunk), the rest decode
+    assert d("expertmesh_step_seconds_count", kind="prefill") == 2
+    assert d("expertmesh_step_seconds_count", kind="decode") == steps - 2
 
 
 def test_steps_overlapping_a_push_are_moving(coordinator):
@@ -123,4 +136,4 @@ def test_steps_overlapping_a_push_are_moving(coordinator):
     )
     steps = value(m1, "expertmesh_steps_total") - value(m0, "expertmesh_steps_total")
     assert moving >= 1 and moving + steady == steps, (moving, steady, steps)
-    assert value(m1, "expertmesh_step_seconds_max", placement="moving") >= out.commit_ms / 1e3 > 0
+    assert top(m1, "expertmesh_step_seconds_max", placement="moving") >= out.commit_ms / 1e3 > 0

@@ -41,6 +41,9 @@ _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 
 _STEP_SECONDS_BUCKETS = tuple(round(2 ** (i / 4) / 1000, 6) for i in range(61))
 # steps overlapping a placement push (prepare through commit) and the others
 PLACEMENT_PHASES = ("steady", "moving")
+# a step whose sequences each computed one token, or one that carried prompt tokens (a prefill
+# or an extend, beside decodes or not): their times differ by orders of magnitude
+STEP_KINDS = ("decode", "prefill")
 
 # request outcomes counted by expertmesh_requests_total{status}
 # ("deadline": its deadline passed; "rejected": refused by a full queue, never started)
@@ -100,20 +103,22 @@ class CoordinatorMetrics:
             "expertmesh_step_seconds",
             "Wall time of each forward step: the calls run between steps just before it "
             "(placement commits, reconnections), scheduling, the forward and sampling; "
-            'placement="moving" when a placement push (prepare through commit) overlapped it',
-            ["placement"],
+            'placement="moving" when a placement push (prepare through commit) overlapped it; '
+            'kind="decode" when every sequence computed one token, else "prefill"',
+            ["placement", "kind"],
             buckets=_STEP_SECONDS_BUCKETS,
             registry=r,
         )
         self.step_seconds_max = Gauge(
             "expertmesh_step_seconds_max",
             "The longest step since the coordinator started (as expertmesh_step_seconds)",
-            ["placement"],
+            ["placement", "kind"],
             registry=r,
         )
-        self._step_children = {p: self.step_seconds.labels(p) for p in PLACEMENT_PHASES}
-        self._step_max_children = {p: self.step_seconds_max.labels(p) for p in PLACEMENT_PHASES}
-        self._step_max = dict.fromkeys(PLACEMENT_PHASES, 0.0)
+        keys = [(p, k) for p in PLACEMENT_PHASES for k in STEP_KINDS]
+        self._step_children = {key: self.step_seconds.labels(*key) for key in keys}
+        self._step_max_children = {key: self.step_seconds_max.labels(*key) for key in keys}
+        self._step_max = dict.fromkeys(keys, 0.0)
         self.layer_round_trip = Histogram(
             "expertmesh_expert_layer_round_trip_seconds",
             "Per expert server: from sending one MoE layer's tokens to holding its answer "
@@ -195,14 +200,16 @@ class CoordinatorMetrics:
     def step(self, num_tokens: int) -> None:
         self.step_tokens.observe(num_tokens)
 
-    def step_time(self, t0: float) -> None:
-        """A step that began at ``t0`` (``time.perf_counter()``) just ended (scheduler thread)."""
+    def step_time(self, t0: float, decode: bool) -> None:
+        """A step that began at ``t0`` (``time.perf_counter()``) just ended (scheduler thread);
+        ``decode``: every sequence in it computed one token."""
         seconds = time.perf_counter() - t0
         phase = "moving" if self._eplb is not None and self._eplb.pushed_since(t0) else "steady"
-        self._step_children[phase].observe(seconds)
-        if seconds > self._step_max[phase]:
-            self._step_max[phase] = seconds
-            self._step_max_children[phase].set(seconds)
+        key = (phase, "decode" if decode else "prefill")
+        self._step_children[key].observe(seconds)
+        if seconds > self._step_max[key]:
+            self._step_max[key] = seconds
+            self._step_max_children[key].set(seconds)
 
     def round_trip(self, server: str, seconds: float) -> None:
         child = self._round_trip_children.get(server)

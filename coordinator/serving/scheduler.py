@@ -285,7 +285,7 @@ class Scheduler:
                     steps = self.num_steps
                     self._run_step(plan)
                     if self.metrics is not None and self.num_steps > steps:
-                        self.metrics.step_time(t0)
+                        self.metrics.step_time(t0, decode=all(n == 1 for _, n in plan))
         except BaseException:
             log.exception("the scheduler loop died")
             raise
