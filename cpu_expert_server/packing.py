@@ -1,8 +1,9 @@
 """Weight layouts of the CPU expert backend: gate/up interleaving and group-wise quantisation.
 
 Shapes: S slots, I intermediate, H hidden, C a row's input features, G quantisation group,
-RB interleave block. All functions are pure torch; the C kernel (kernels/moe_gemv.c) reads the
-same layouts.
+RB interleave block. The functions are torch, except that :func:`quantize_rows` hands its work to
+the C quantiser (kernels/quantise.c) where that builds; the C kernel (kernels/moe_gemv.c) reads
+the same layouts.
 
 Row formats (one row = one output feature):
   unquantised  C values in the server's dtype
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from cpu_expert_server.kernels import quantise as quantise_c
 
 # (name, shape, dtype) -> a buffer the caller may reuse on the next call of the same name (a
 # reader thread's own, so a load's expert after expert touch the same pages)
@@ -106,12 +109,34 @@ def split_gate_up(gu: torch.Tensor, rb: int) -> tuple[torch.Tensor, torch.Tensor
     return v[:, :, 0].reshape(n, -1), v[:, :, 1].reshape(n, -1)
 
 
+def row_bytes(wdtype: str, c: int, g: int) -> int:
+    """Bytes of one quantised row of ``c`` features: the body, then C/G float32 scales."""
+    return (c if wdtype == "int8" else c // 2) + 4 * (c // g)
+
+
 def quantize_rows(
     w: torch.Tensor, wdtype: str, g: int, out: torch.Tensor | None = None, scratch: Scratch | None = None
 ) -> torch.Tensor:
     """[..., R, C] float -> [..., R, row bytes] uint8, tiled when :func:`tiled` says so, else in
     the row format above; written into ``out`` when given (a contiguous slot: a load then
-    allocates no packed copy per expert); the tiled path's temporaries from ``scratch``."""
+    allocates no packed copy per expert).
+
+    The C quantiser (kernels/quantise.py) writes the bytes where it builds and takes the
+    tensors, without the GIL, so a load's reader threads quantise side by side; else
+    :func:`quantize_rows_torch`, the same bytes (its temporaries from ``scratch``)."""
+    *lead, c = w.shape
+    if out is None:
+        out = torch.empty(*lead, row_bytes(wdtype, c, g), dtype=torch.uint8, device=w.device)
+    is_tiled = len(lead) >= 1 and tiled(wdtype, lead[-1], g)
+    if quantise_c.quantise(w, wdtype, g, is_tiled, out):
+        return out
+    return quantize_rows_torch(w, wdtype, g, out, scratch)
+
+
+def quantize_rows_torch(
+    w: torch.Tensor, wdtype: str, g: int, out: torch.Tensor | None = None, scratch: Scratch | None = None
+) -> torch.Tensor:
+    """:func:`quantize_rows` in torch: the definition of the bytes, and the fallback."""
     *lead, c = w.shape
     if len(lead) >= 1 and tiled(wdtype, lead[-1], g):
         return _quantize_tiled(w, wdtype, g, out, scratch)

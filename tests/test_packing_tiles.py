@@ -53,9 +53,10 @@ def test_group_maxima_from_the_bits(dtype):
 
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 def test_into_a_slot_with_reused_scratch_equals_fresh(monkeypatch, wdtype):
-    """A load quantises each expert straight into its slot with one thread's buffers reused
-    expert after expert (two widths alternating, a last block shorter than the others): the
-    same bytes as the two-step definition, and the scratch asked for only once per buffer."""
+    """Without the C quantiser a load quantises each expert straight into its slot with one
+    thread's buffers reused expert after expert (two widths alternating, a last block shorter
+    than the others): the same bytes as the two-step definition, and the scratch asked for
+    only once per buffer."""
     torch.manual_seed(2)
     monkeypatch.setattr(packing, "_BLOCK_BYTES", 32 * 4 * 256)  # 48 rows: blocks of 32 and 16
     bufs: dict[tuple, torch.Tensor] = {}
@@ -71,7 +72,7 @@ def test_into_a_slot_with_reused_scratch_equals_fresh(monkeypatch, wdtype):
     for s in range(3):
         for c in (256, 128):
             w = (torch.randn(48, c) * (s + 1)).bfloat16()
-            got = packing.quantize_rows(w, wdtype, 64, slots[c][s], scratch)
+            got = packing.quantize_rows_torch(w, wdtype, 64, slots[c][s], scratch)
             assert got.data_ptr() == slots[c][s].data_ptr()
             want = packing._to_tiles(packing._quantize(w, wdtype, 64), wdtype, c, 64)
             assert torch.equal(slots[c][s], want)
