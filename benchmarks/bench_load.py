@@ -70,7 +70,8 @@ def _load(path: str, model: Path, device: str, dtype: torch.dtype) -> dict:
 
     reader = CheckpointReader(model)
     cfg = reader.config
-    dev = torch.device(device)
+    # NOTE: a CPU server's slots are host memory whatever --device says (the GPU paths' device)
+    dev = torch.device("cpu" if path.startswith("cpu_") else device)
     if dev.type == "cuda":
         torch.empty(1, device=dev)  # the CUDA context exists before the clock starts, as in a server
     nbytes = reader.expert_nbytes() * cfg.num_experts * len(cfg.moe_layer_ids)

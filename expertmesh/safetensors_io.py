@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import logging
 import math
 import os
 import struct
@@ -36,6 +37,7 @@ from typing import TypeVar, cast
 import torch
 
 T = TypeVar("T")
+log = logging.getLogger("expertmesh.checkpoint")
 
 # safetensors' dtype names -> torch
 ST_DTYPES = {
@@ -188,11 +190,31 @@ def read_threads(limit: int = MAX_READ_THREADS) -> int:
     return max(1, min(limit, len(os.sched_getaffinity(0))))
 
 
-def reader_pool(threads: int) -> ThreadPoolExecutor:
-    """Threads for checkpoint reads."""
+# how much nicer than the process background readers are (a placement change read beside
+# requests): the scheduler gives a busy compute thread about ten times their share of a core,
+# idle cores are theirs
+BACKGROUND_NICE = 10
+
+
+def reader_pool(threads: int, background: bool = False) -> ThreadPoolExecutor:
+    """Threads for checkpoint reads; ``background``: at a lower CPU priority, for reads beside
+    requests (a compute thread preempted by a reader stalls its whole OpenMP team at the next
+    barrier, so on a server's own cores the reads would cost steps many times their CPU)."""
     # NOTE: a reader's dtype conversions and packing run on its own thread only: torch's
     # OpenMP team per calling thread would put n x cores threads on the cores
-    return ThreadPoolExecutor(threads, "checkpoint-read", initializer=_one_thread_here)
+    init = background_thread if background else _one_thread_here
+    return ThreadPoolExecutor(threads, "checkpoint-read", initializer=init)
+
+
+def background_thread() -> None:
+    """This thread (a pool's initializer) at the background priority, its torch ops on one
+    thread: work beside requests that must not take their cores."""
+    _one_thread_here()
+    try:  # NOTE: on Linux a thread is a task: its own nice value, no privilege needed to raise it
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except (OSError, AttributeError) as e:
+        log.info("background checkpoint reads at normal priority: %s", e)
 
 
 def _one_thread_here() -> None:

@@ -232,3 +232,21 @@ def test_a_quantising_load_keeps_to_a_few_reader_threads(tmp_path, monkeypatch):
     with plain._load_pool() as a, packed._load_pool() as b:
         assert a._max_workers == sl.MAX_PRELOAD_THREADS
         assert b._max_workers == sl.MAX_QUANTISE_THREADS
+
+
+def test_background_readers_yield_to_compute_threads():
+    """Reads beside requests run at a lower CPU priority than the process's other threads."""
+    import os
+    import threading
+
+    from expertmesh.safetensors_io import BACKGROUND_NICE, reader_pool
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = nice()
+    with reader_pool(1, background=True) as pool:
+        assert pool.submit(nice).result() == min(19, mine + BACKGROUND_NICE)
+    with reader_pool(1) as pool:
+        assert pool.submit(nice).result() == mine
+    assert nice() == mine  # the caller's own thread is untouched

@@ -26,6 +26,7 @@ from expertmesh import auth, status, tolerant, wire
 from expertmesh.errors import ExpertMeshError, InvalidRequest, StaleGeneration
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora.wire import decode_adapter
+from expertmesh.safetensors_io import background_thread
 from expertmesh.transport.handshake import Ack, HandshakeError, Hello
 from expertmesh.transport.server import ShmServer
 from expertmesh.transport.tcp_server import DataListener, TcpServer
@@ -64,9 +65,10 @@ class ExpertWorkerServicer(pb_grpc.ExpertWorkerServicer):
         self.shm_spin_us = shm_spin_us
         self.cluster_token = cluster_token  # None: control RPCs are open (a warning at start)
         # NOTE: one compute thread for gRPC requests and commits (the core's lock orders them
-        # with the fast-path channel threads); one loader thread for placement prepares.
+        # with the fast-path channel threads); one loader thread for placement prepares and
+        # releases, at background priority beside the requests (safetensors_io.background_thread)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="expert-load")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="expert-load", initializer=background_thread)
 
     @property
     def stats(self) -> WorkerStats:

@@ -268,7 +268,7 @@ class SlotTable:
 
     def _read_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = reader_pool(min(MAX_READ_THREADS, len(os.sched_getaffinity(0))))
+            self._pool = reader_pool(min(MAX_READ_THREADS, len(os.sched_getaffinity(0))), background=True)
         return self._pool
 
     def _load_pool(self) -> ThreadPoolExecutor:
