@@ -9,8 +9,11 @@ One graph per (layer's weight tensors, token bucket), captured on first use: a s
 ``x [Tb, H]`` each request copies into, ``slot_ids [Tb, K]`` / ``weights [Tb, K]`` that the
 graph's first node fills from a pinned host block (padding rows get slot -1, which computes
 nothing), a static output read back as its first T rows.
-A placement commit gives a layer new weight tensors, hence new keys; the oldest graphs are
-dropped past ``max_graphs``. Requests with LoRA adapters, more tokens than the largest bucket,
+Graphs are keyed by and computed over a layer's whole allocation (the slot table's live slots
+are its first S, spare slots past them; a slot id never reaches past S), so a commit that
+rewrites or resizes a layer inside its allocation keeps its graphs: only a new allocation
+means new keys (and captures on the next requests; the oldest graphs are dropped past
+``max_graphs``). Requests with LoRA adapters, more tokens than the largest bucket,
 or off CUDA go to the inner backend unchanged.
 
 The fast paths call :meth:`GraphedBackend.forward_into`: the routing comes as host memory and
@@ -103,6 +106,7 @@ class GraphedBackend(ExpertBackend):
         bucket = next((b for b in self.buckets if b >= t), None)
         if bucket is None or t == 0 or not w13.is_cuda:
             return None
+        w13, w2 = allocation(w13), allocation(w2)
         key = (w13.data_ptr(), w2.data_ptr(), tuple(w13.shape), tuple(w2.shape), x.dtype, top_k, bucket)
         g = self._graphs.get(key)
         if g is None:
@@ -197,3 +201,15 @@ class GraphedBackend(ExpertBackend):
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return g
+
+
+def allocation(t: torch.Tensor) -> torch.Tensor:
+    """The whole allocation ``[A, ...]`` that the slots ``t [S, ...]`` are the first S rows of
+    (slot_state.LayerSlots: a table's live slots are a view of its allocation), or ``t`` itself.
+    Graphs capture this, not the view: a resize inside the allocation changes S, not A."""
+    if t.dim() == 0 or t.shape[0] == 0 or t.storage_offset() != 0 or not t.is_contiguous():
+        return t
+    rows = t.untyped_storage().nbytes() // t[0].nbytes
+    if rows <= t.shape[0]:
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), 0, (rows, *t.shape[1:]), (t.stride(0), *t.stride()[1:]))

@@ -325,8 +325,8 @@ def test_no_spare_slots_every_resize_is_a_new_allocation_built_in_prepare():
 
 @pytest.mark.gpu
 def test_gpu_server_tables_resize_as_a_fresh_load_under_cuda_graphs():
-    """On the GPU the graphs are keyed by the weights' address and shape: a table resized
-    inside its allocation keeps the address and changes the shape, and computes as a fresh load."""
+    """On the GPU the graphs are keyed by the layer's allocation: a table resized inside it
+    keeps its graphs (no capture on the next request) and computes as a fresh load."""
     from gpu_server.backend import TritonExpertBackend
     from gpu_server.graphs import GraphedBackend
 
@@ -339,8 +339,10 @@ def test_gpu_server_tables_resize_as_a_fresh_load_under_cuda_graphs():
     t = gpu_table()
     t.preload([0, 1, 2, 3])
     rng, g = random.Random(1), torch.Generator().manual_seed(1)
+    kept = 0  # requests on a layer whose allocation the push kept, served by an existing graph
     for gen in range(1, 8):
         placement = {layer: [rng.randrange(EXPERTS) for _ in range(rng.randint(1, 8))] for layer in LAYERS}
+        allocs = {layer: t.live.layers[layer].rows[0].data_ptr() for layer in LAYERS}
         push(t, gen, placement)
         fresh = gpu_table()
         push(fresh, 1, placement)
@@ -350,10 +352,15 @@ def test_gpu_server_tables_resize_as_a_fresh_load_under_cuda_graphs():
             x = torch.randn(3, h, generator=g).to(dev, torch.bfloat16)  # decode-sized: graphed
             slot_ids = torch.randint(0, len(ls.experts), (3, 2), generator=g, dtype=torch.int32)
             weights = torch.rand(3, 2, generator=g)
+            graphs = len(backend._graphs)
             out = backend.forward(x, ls.w13, ls.w2, slot_ids, weights)
+            if gen > 1 and ls.rows[0].data_ptr() == allocs[layer]:
+                assert len(backend._graphs) == graphs, (gen, layer)
+                kept += 1
             assert torch.equal(out, backend.forward(x, fs.w13, fs.w2, slot_ids, weights))
             w = [ref_weights(layer, e, h, inter) for e in ls.experts]
             w13 = torch.stack([a["w13"] for a in w]).bfloat16().float()
             w2 = torch.stack([a["w2"] for a in w]).bfloat16().float()
             ref = torch_moe(x.float().cpu(), w13, w2, slot_ids, weights)
             torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+    assert kept > 0
