@@ -65,9 +65,10 @@ MAX_READ_THREADS = 8
 # start-up reads (nothing computes yet) use every CPU of the process up to this many (page-cache
 # copies release the GIL)
 MAX_PRELOAD_THREADS = 64
-# ... but at most this many for a backend that quantises as it reads: its torch calls per block
-# hold the GIL between them, and 32 such threads loaded a full-size int4 CPU server at 0.59
-# GB/s where 8 had loaded it at 1.3-1.5 GB/s (2x H200 host, 32 cores)
+# ... but at most this many for a backend that quantises as it reads (torch's quantiser held the
+# GIL between its calls: 32 threads were slower than 8); with the C quantiser, which releases
+# it, 8 / 16 / 32 threads loaded 29 GB of bf16 experts as int4 at 8.8 / 9.7 / 9.3 GB/s on a
+# 16-core H200 host: no gain past 8
 MAX_QUANTISE_THREADS = 8
 # a host table's commit rewrites its layers on this many threads at most (each copy on one
 # core): nothing computes during a commit, and one thread copying staged experts in at ~10
