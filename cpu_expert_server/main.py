@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 
 from cpu_expert_server import numa
 from cpu_expert_server.backend import make_backend
+from cpu_expert_server.kernels import quantise
 from cpu_expert_server.numa_backend import make_numa_backend
-from cpu_expert_server.packing import WEIGHT_DTYPES
+from cpu_expert_server.packing import QUANT_DTYPES, WEIGHT_DTYPES
 from expertmesh import cores
 from expertmesh.experts import ExpertBackend
 from expertmesh.worker.server import WorkerConfig, serve
@@ -61,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # a bad flag (or EXPERTMESH_LINK): say which, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.weight_dtype in QUANT_DTYPES:
+        # NOTE: where the cache holds no build, the quantiser compiles beside the decode
+        # kernels (make_backend) instead of stalling the load's first reads behind its lock
+        threading.Thread(target=quantise.load, name="quantiser-build", daemon=True).start()
     # --- one server over every node (cpu_expert_server/numa_backend.py) ---
     if args.numa_node == "all":
         try:
