@@ -189,6 +189,7 @@ def test_a_host_commit_rewrites_its_layers_at_once():
     t.commit(1)
     assert len(r.threads) == 2 and threading.current_thread().name not in r.threads
     assert values(t, 0) == [0.0, 3.0] and values(t, 2) == [202.0, 201.0]
+    assert (t.last_commit.read, t.last_commit.copied, t.last_commit.moved) == (2, 0, 0)
 
 
 def test_a_commit_failing_half_way_refuses_requests_until_a_new_placement():
@@ -302,6 +303,7 @@ def test_what_a_commit_replaces_is_freed_by_release_not_inside_the_commit():
     t.prepare(1, {0: [0, 1, 2, 3], 2: [3, 2, 1, 0]})
     t.commit(1)
     assert t.live.layers[0].rows[0] is not gone() is not None  # replaced, and held past the commit
+    assert t.last_commit.swapped == 2 and t.last_commit.read == 0  # both layers built by prepare
     t.release()
     assert gone() is None
     assert values(t, 0) == [0.0, 1.0, 2.0, 3.0] and values(t, 2) == [203.0, 202.0, 201.0, 200.0]

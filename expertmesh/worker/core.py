@@ -619,8 +619,9 @@ class ExpertWorker:
         t1 = time.perf_counter()
         log.info(
             "placement generation %d committed in %.1f ms (waiting for the compute lock %.1f, "
-            "host links %.1f, slots %.1f)",
+            "host links %.1f, slots %.1f: %s)",
             generation, (t1 - t0) * 1e3, (t_lock - t0) * 1e3, (t_link - t_lock) * 1e3, (t1 - t_link) * 1e3,
+            self.slots.last_commit.line(),
         )  # fmt: skip
         if release:
             self.release()

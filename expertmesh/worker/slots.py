@@ -113,6 +113,32 @@ def parse_expert_spec(spec: str, num_experts: int) -> list[int]:
     return sorted(ids)
 
 
+@dataclass
+class CommitWork:
+    """What one commit did, for its log line: a commit's pause should follow these counts."""
+
+    swapped: int = 0  # layers given the allocation prepare built
+    rebuilt: int = 0  # layers built inside the commit (the staging budget could not hold them)
+    moved: int = 0  # slots copied from another slot of their layer (spare-slot saves included)
+    copied: int = 0  # slots copied in from staged rows
+    read: int = 0  # slots read from the checkpoint inside the commit
+
+    def __add__(self, o: CommitWork) -> CommitWork:
+        return CommitWork(
+            self.swapped + o.swapped,
+            self.rebuilt + o.rebuilt,
+            self.moved + o.moved,
+            self.copied + o.copied,
+            self.read + o.read,
+        )
+
+    def line(self) -> str:
+        return (
+            f"{self.swapped} layers swapped, {self.rebuilt} rebuilt, slots: {self.moved} moved, "
+            f"{self.copied} copied from staging, {self.read} read"
+        )
+
+
 class SlotTable:
     def __init__(
         self,
@@ -161,6 +187,7 @@ class SlotTable:
         # unmapping gigabytes of pages inside the commit made it the slowest part of a move
         self._freed: list[object] = []
         self._commits = 0
+        self.last_commit = CommitWork()  # what the last commit did
         self._slot_bytes = 0  # one slot's w13 + w2 bytes, known once a slot was read
         self.peak_bytes = 0  # the most expert bytes (live + staged + transient) held at once
         self._lock = threading.Lock()  # guards _staged and orders prepare's plan with commit
@@ -484,19 +511,20 @@ class SlotTable:
             self._commits += 1
             try:
                 with self._on_device():
-                    self._apply_all(staged, layers)
+                    work = self._apply_all(staged, layers)
             except (OSError, ValueError, RuntimeError) as e:
                 why = f"the commit of placement generation {generation} failed half-way ({e}); push a new placement"
                 self.live = SlotSet(old_generation, layers, why)
                 self._staged = None
                 raise Unavailable(why) from e
             self.live = SlotSet(generation, layers)
+            self.last_commit = work
             self.previous = PreviousSlots.between(old_generation, before, layers)
             self._staged = None
             self._drop_scratch()
             self._freed.append(staged)
 
-    def _apply_all(self, staged: _Staged, layers: dict[int, LayerSlots]) -> None:
+    def _apply_all(self, staged: _Staged, layers: dict[int, LayerSlots]) -> CommitWork:
         """Rewrites every layer as planned. A host table's layers are independent allocations,
         so they are rewritten on parallel threads (one core's copies each; a layer's own moves
         keep their order); a GPU table's copies are device work queued from this thread."""
@@ -507,42 +535,43 @@ class SlotTable:
         rebuilt = [n for n in changed if staged.plans[n].rebuild is not None and n not in staged.built]
         in_place = [layer for layer in changed if layer not in rebuilt]
         if self.device.type != "cpu" or len(in_place) <= 1:
-            for layer in in_place:
-                self._apply(layer, staged, layers)
+            done = [self._apply(layer, staged, layers) for layer in in_place]
         else:
             self._read_pool()  # NOTE: created here, not raced for by the layers' threads
             if self._commit_pool is None:
                 self._commit_pool = reader_pool(read_threads(MAX_COMMIT_THREADS))
             # NOTE: a layer's checkpoint reads run on the read pool, never on these threads (no
             # job waits on a pool that its own thread belongs to)
-            run_on(self._commit_pool, [_bind(self._apply, layer, staged, layers) for layer in in_place])
+            jobs = [_bind(self._apply, layer, staged, layers) for layer in in_place]
+            done = [w for w in run_on(self._commit_pool, jobs) if isinstance(w, CommitWork)]
         if rebuilt:
             self._freed.clear()  # NOTE: freed now, so the rebuilds below add one layer at most
-        for layer in rebuilt:
-            self._apply(layer, staged, layers)
+        done += [self._apply(layer, staged, layers) for layer in rebuilt]
+        return sum(done, CommitWork())
 
-    def _apply(self, layer: int, staged: _Staged, layers: dict[int, LayerSlots]) -> None:
+    def _apply(self, layer: int, staged: _Staged, layers: dict[int, LayerSlots]) -> CommitWork:
         """Rewrites one layer of ``layers`` as planned (dropping what it used from ``staged``)."""
         plan, cur = staged.plans[layer], layers[layer]
         if plan.unchanged:
-            return
+            return CommitWork()
         built = staged.built.pop(layer, None)
         if built is not None:
             self._freed.append(cur)  # the old allocation, freed by release()
             layers[layer] = built
-            return
+            return CommitWork(swapped=1)
         if plan.rebuild is not None:  # outgrew its allocation beyond what prepare could stage
             sources = _sources(layer, plan, cur, staged.rows)
             self._note(plan.rebuild * self.slot_bytes())
             new = LayerSlots.of(plan.experts, *self._build(layer, sources, slots=plan.rebuild))
+            read = sum(isinstance(src, int) for src in sources)
             del sources, cur
             layers[layer] = new
-            return
-        self._rewrite(layer, plan, cur, staged, layers)
+            return CommitWork(rebuilt=1, read=read)
+        return self._rewrite(layer, plan, cur, staged, layers)
 
     def _rewrite(
         self, layer: int, plan: LayerPlan, cur: LayerSlots, staged: _Staged, layers: dict[int, LayerSlots]
-    ) -> None:
+    ) -> CommitWork:
         """The in-place path: the changed slots of the allocation are written, the live count
         becomes S' (slots past it stay allocated as spare)."""
         n = max(len(cur.experts), len(plan.experts))
@@ -555,8 +584,10 @@ class SlotTable:
         moves = tuple((d, s) for d, s in plan.moves if (layer, d) not in staged.direct)
         spare: Rows | None = None
         spare_expert = -1
+        work = CommitWork()
         try:
             for op, dst, src in move_order(moves):
+                work.moved += 1
                 if op == "save":
                     if spare is None:
                         spare = (torch.empty_like(w13[dst]), torch.empty_like(w2[dst]))
@@ -582,15 +613,18 @@ class SlotTable:
                 w13[dst].copy_(rows[0])
                 w2[dst].copy_(rows[1])
                 self._freed.append(rows)
+                work.copied += 1
                 content[dst] = e
             self._parallel([_bind(self._read_into, layer, e, w13[dst], w2[dst]) for dst, e in unread])
             for dst, e in unread:
                 content[dst] = e
+            work.read += len(unread)
         finally:
             # NOTE: on a failure the slots being written stay listed as -1 (never computed)
             layers[layer] = LayerSlots.of(tuple(content), w13, w2)
         assert tuple(content[: len(plan.experts)]) == plan.experts, f"{layer=} {content=} {plan.experts=}"
         layers[layer] = LayerSlots.of(plan.experts, w13, w2)
+        return work
 
     def release(self) -> None:
         """Frees what the last commit replaced and hands it back to the device or the OS
