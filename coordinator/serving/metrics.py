@@ -21,7 +21,10 @@ counters end in ``_total``.
 
 from __future__ import annotations
 
+import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +47,16 @@ PLACEMENT_PHASES = ("steady", "moving")
 # a step whose sequences each computed one token, or one that carried prompt tokens (a prefill
 # or an extend, beside decodes or not): their times differ by orders of magnitude
 STEP_KINDS = ("decode", "prefill")
+
+# a decode step this many times the recent median (and at least SLOW_STEP_MIN_S) is logged with
+# where it waited, at most once per SLOW_STEP_LOG_S: a metric says that steps were slow, the log
+# line says which expert server they waited on
+SLOW_STEP_FACTOR = 4.0
+SLOW_STEP_MIN_S = 0.05
+SLOW_STEP_LOG_S = 1.0
+_RECENT_DECODES = 256  # decode steps the median is taken over (at least 32 before any log)
+
+log = logging.getLogger("expertmesh.coordinator")
 
 # request outcomes counted by expertmesh_requests_total{status}
 # ("deadline": its deadline passed; "rejected": refused by a full queue, never started)
@@ -146,6 +159,12 @@ class CoordinatorMetrics:
         self.started = time.monotonic()
         self.finished = self.prompt_total = self.generated_total = self.prompt_cached_total = 0
         self.round_trips: dict[str, list[float]] = {}  # server -> [count, seconds]
+        # this step's layer round trips per server: [layers, seconds, longest] (scheduler thread)
+        self._step_trips: dict[str, list[float]] = {}
+        self._recent: deque[float] = deque(maxlen=_RECENT_DECODES)  # recent decode steps, seconds
+        self._median = 0.0  # of _recent, recomputed every 32 decode steps
+        self._decodes = 0
+        self._slow_logged = 0.0
         # the two hooks that observe the hot path
         coord.scheduler.metrics = self
         self._eplb = coord.eplb
@@ -210,6 +229,32 @@ class CoordinatorMetrics:
         if seconds > self._step_max[key]:
             self._step_max[key] = seconds
             self._step_max_children[key].set(seconds)
+        if decode:
+            self._slow_step(seconds, phase)
+        self._step_trips.clear()
+
+    def _slow_step(self, seconds: float, phase: str) -> None:
+        """Logs a decode step far above the recent median, with its expert round trips."""
+        recent = self._recent
+        recent.append(seconds)
+        self._decodes += 1
+        if self._decodes % 32 == 0 or not self._median:
+            self._median = statistics.median(recent)
+        slow = len(recent) >= 32 and seconds > max(SLOW_STEP_FACTOR * self._median, SLOW_STEP_MIN_S)
+        now = time.monotonic()
+        if not slow or now - self._slow_logged < SLOW_STEP_LOG_S:
+            return
+        self._slow_logged = now
+        trips = "; ".join(
+            f"{name} {t * 1e3:.1f} ms over {int(n)} layers (longest {top * 1e3:.1f})"
+            for name, (n, t, top) in sorted(self._step_trips.items(), key=lambda kv: -kv[1][1])
+        )
+        log.warning(
+            "slow decode step: %.1f ms, %.1fx the median of the last %d (%s); expert round trips: %s",
+            seconds * 1e3, seconds / self._median, len(recent),
+            "during a placement move" if phase == "moving" else "no placement move",
+            trips or "none (a linked step, or no expert server)",
+        )  # fmt: skip
 
     def round_trip(self, server: str, seconds: float) -> None:
         child = self._round_trip_children.get(server)
@@ -219,6 +264,10 @@ class CoordinatorMetrics:
         acc = self.round_trips.setdefault(server, [0, 0.0])
         acc[0] += 1
         acc[1] += seconds
+        step = self._step_trips.setdefault(server, [0, 0.0, 0.0])
+        step[0] += 1
+        step[1] += seconds
+        step[2] = max(step[2], seconds)
 
     def rebalance(self, result: str) -> None:
         """For the EPLB manager: an outcome's kind (``rebalanced``, ``skipped``, ``failed``, ...)."""
