@@ -12,9 +12,10 @@ the other new experts, within a staging budget (default: one layer of this serve
 sees a half-moved layer) swaps in the layers built by prepare and rewrites the live slots of
 the others in place (a host table's layers on parallel threads): moves inside a layer through
 one spare slot, staged experts copied in, the others read from the checkpoint straight into
-their slot, then the live count set. Its pause follows the live slots that change, not the layers' sizes (only a layer
-that outgrows its allocation when the budget cannot hold its new one is rebuilt in the
-commit). A placement equal to the live one touches no weight. :meth:`abort` drops what was
+their slot, then the live count set. Its pause follows the live slots that change, not the
+layers' sizes (only a layer that outgrows its allocation when the budget cannot hold its new
+one is rebuilt in the commit), and what it replaces is freed by :meth:`release`, after it.
+A placement equal to the live one touches no weight. :meth:`abort` drops what was
 staged; the live slots were never touched. Memory freed by either goes back to the device or
 the OS (memory.py): abort does it, and the worker calls :meth:`release` after a commit, once
 requests flow again.
