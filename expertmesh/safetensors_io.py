@@ -212,7 +212,11 @@ def background_thread() -> None:
     _one_thread_here()
     try:  # NOTE: on Linux a thread is a task: its own nice value, no privilege needed to raise it
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+        # relative to the process (its main thread), not to the thread that started this one:
+        # a pool started from a background thread would otherwise add the offset twice
+        want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICE)
+        if os.getpriority(os.PRIO_PROCESS, tid) < want:
+            os.setpriority(os.PRIO_PROCESS, tid, want)
     except (OSError, AttributeError) as e:
         log.info("background checkpoint reads at normal priority: %s", e)
 

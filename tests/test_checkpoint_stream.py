@@ -244,9 +244,15 @@ def test_background_readers_yield_to_compute_threads():
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
+    def nested() -> int:
+        with reader_pool(1, background=True) as inner:
+            return inner.submit(nice).result()
+
     mine = nice()
     with reader_pool(1, background=True) as pool:
         assert pool.submit(nice).result() == min(19, mine + BACKGROUND_NICE)
+        # a background pool whose threads a background thread starts: the offset counts once
+        assert pool.submit(nested).result() == min(19, mine + BACKGROUND_NICE)
     with reader_pool(1) as pool:
         assert pool.submit(nice).result() == mine
     assert nice() == mine  # the caller's own thread is untouched
