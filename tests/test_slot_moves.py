@@ -185,6 +185,9 @@ def test_a_host_commit_rewrites_its_layers_at_once():
     t = SlotTable(r, torch.float32, torch.device("cpu"), 4, staging_bytes=0)  # type: ignore[arg-type]
     t.preload([0, 1])
     t.prepare(1, {0: [0, 3], 2: [2, 1]})  # no staging: both reads happen in the commit
+    assert t.last_prepare.startswith(
+        "2 experts to read: 0 staged, 0 written into spare slots; 0 layers built"
+    )
     r.meet = {(0, 3), (2, 2)}
     t.commit(1)
     assert len(r.threads) == 2 and threading.current_thread().name not in r.threads
@@ -301,6 +304,7 @@ def test_what_a_commit_replaces_is_freed_by_release_not_inside_the_commit():
     t.preload([0])
     gone = weakref.ref(t.live.layers[0].rows[0])
     t.prepare(1, {0: [0, 1, 2, 3], 2: [3, 2, 1, 0]})
+    assert "; 2 layers built" in t.last_prepare
     t.commit(1)
     assert t.live.layers[0].rows[0] is not gone() is not None  # replaced, and held past the commit
     assert t.last_commit.swapped == 2 and t.last_commit.read == 0  # both layers built by prepare

@@ -599,7 +599,13 @@ class ExpertWorker:
             bad = [e for e in experts if not 0 <= e < self.cfg.num_experts]
             if bad:
                 raise InvalidRequest(f"layer {layer}: experts {bad} outside [0, {self.cfg.num_experts})")
-        return self.slots.prepare(generation, table)
+        t0 = time.perf_counter()
+        read = self.slots.prepare(generation, table)
+        log.info(
+            "placement generation %d prepared in %.0f ms: %s",
+            generation, (time.perf_counter() - t0) * 1e3, self.slots.last_prepare,
+        )  # fmt: skip
+        return read
 
     def commit(self, generation: int, release: bool = True) -> None:
         """Makes ``generation`` live. ``release``: hand the freed memory back before returning;

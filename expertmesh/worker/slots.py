@@ -96,6 +96,14 @@ class _Staged:
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.rows.values()) + live_bytes(self.built)
 
+    def line(self) -> str:
+        """What this prepare did, for its log line (the commit does the rest)."""
+        reads = sum(len(p.reads) for p in self.plans.values())
+        return (
+            f"{reads} experts to read: {len(self.rows)} staged, {len(self.direct)} written into spare "
+            f"slots; {len(self.built)} layers built, {self.nbytes() / 2**20:.0f} MiB held until the commit"
+        )
+
 
 def parse_expert_spec(spec: str, num_experts: int) -> list[int]:
     """``all`` | ``none`` | ``0-15,32,40-47`` -> sorted logical expert ids."""
@@ -189,6 +197,7 @@ class SlotTable:
         self._freed: list[object] = []
         self._commits = 0
         self.last_commit = CommitWork()  # what the last commit did
+        self.last_prepare = ""  # what the last prepare did (_Staged.line)
         self._slot_bytes = 0  # one slot's w13 + w2 bytes, known once a slot was read
         self.peak_bytes = 0  # the most expert bytes (live + staged + transient) held at once
         self._lock = threading.Lock()  # guards _staged and orders prepare's plan with commit
@@ -468,6 +477,7 @@ class SlotTable:
             if self._commits != base:  # NOTE: planned against a placement that is gone
                 raise StaleGeneration(f"generation {generation}: the live placement changed during prepare")
             self._staged = staged
+            self.last_prepare = staged.line()
         return sum(len(p.reads) for p in lay.plans.values())
 
     def _write_spare(
