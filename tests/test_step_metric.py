@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 
+from benchmarks.bench_rebalance import top, value
 from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 from coordinator.serving.server import CoordinatorConfig
 from expertmesh.client import Client
@@ -24,19 +25,6 @@ from tests.test_metrics import scrape
 from tests.test_serving_cluster import wait_health
 
 pytestmark = pytest.mark.slow
-
-
-def matching(m: dict, name: str, labels: dict[str, str]) -> list[float]:
-    """The samples of ``name`` whose labels include ``labels`` (the others summed over)."""
-    return [v for (n, ls), v in m.items() if n == name and labels.items() <= dict(ls).items()]
-
-
-def value(m: dict, name: str, **labels: str) -> float:
-    return sum(matching(m, name, labels))
-
-
-def top(m: dict, name: str, **labels: str) -> float:
-    return max(matching(m, name, labels), default=0.0)
 
 
 def settled(url: str) -> dict[tuple[str, tuple], float]:
