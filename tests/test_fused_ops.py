@@ -192,3 +192,35 @@ def test_align_one_program_matches_three_launches(t, k, s, bm):
         assert sorted(one.sorted_pairs[lo : lo + n].tolist()) == sorted(
             three.sorted_pairs[lo : lo + n].tolist()
         )
+
+
+def _compiled_variants(kernel) -> int:
+    """How many variants of a Triton kernel this process has compiled (every device)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_align_compiles_no_variant_per_slot_count_gpu():
+    """A placement change gives layers new slot counts (an EPLB move: 96 -> 66, 67, ...): the
+    alignment must not compile a new kernel variant for each, since that happens inside a step."""
+    from gpu_server.kernels import align
+
+    def run(s: int, t: int) -> None:
+        ids = torch.randint(-1, s, (t, 8), dtype=torch.int32, device="cuda")
+        al = align.align_pairs(ids, s, 16)
+        ref = torch.bincount(ids[ids >= 0].long(), minlength=s)
+        assert torch.equal(al.slot_count.long().cpu(), ref.cpu())
+
+    counts = (96, 66, 67, 101, 80, 112, 65)
+    for t in (16, 256):  # one program at decode sizes, three launches past them
+        run(counts[0], t)
+        kernels = (
+            align._align_one_program_kernel,
+            align._count_kernel,
+            align._map_kernel,
+            align._scatter_kernel,
+        )
+        before = [_compiled_variants(k) for k in kernels]
+        for s in counts[1:]:
+            run(s, t)
+        assert [_compiled_variants(k) for k in kernels] == before, t

@@ -27,6 +27,10 @@ import triton.language as tl
 _PAIR_BLOCK = 1024  # pairs per program in the count and scatter kernels
 _MAP_BLOCKS = 64  # blocks per program in the map kernel
 
+# NOTE: Triton compiles a variant per integer argument that is 1 or a multiple of 16 unless told
+# not to; the slot and block counts follow each layer's placement (an EPLB move changes some),
+# and specialising on them compiled new variants inside decode steps after a move (0.1-0.3 s each)
+
 
 @dataclass(frozen=True)
 class Alignment:
@@ -46,7 +50,7 @@ def max_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + min(num_slots, num_pairs) * (block_m - 1), block_m) * block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_slots"])
 def _count_kernel(slot_ptr, count_ptr, num_pairs, num_slots, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.load(slot_ptr + offs, mask=offs < num_pairs, other=-1)
@@ -54,7 +58,7 @@ def _count_kernel(slot_ptr, count_ptr, num_pairs, num_slots, BLOCK: tl.constexpr
     tl.atomic_add(count_ptr + s, 1, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def _map_kernel(
     count_ptr,
     start_ptr,
@@ -81,7 +85,7 @@ def _map_kernel(
     tl.store(block_slot_ptr + b, slot, mask=b < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_slots"])
 def _scatter_kernel(slot_ptr, start_ptr, cursor_ptr, sorted_ptr, num_pairs, num_slots, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.load(slot_ptr + offs, mask=offs < num_pairs, other=-1)
@@ -91,7 +95,7 @@ def _scatter_kernel(slot_ptr, start_ptr, cursor_ptr, sorted_ptr, num_pairs, num_
     tl.store(sorted_ptr + start + rank, offs, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_slots", "num_blocks"])
 def _align_one_program_kernel(
     slot_ptr,
     count_ptr,
@@ -152,8 +156,11 @@ def align_pairs(
     p_pad = max(16, triton.next_power_of_2(num_pairs))
     if one_program is None:
         one_program = b_pad * s_pad <= _ONE_PROGRAM_MAX and p_pad <= 1024
-    counters = (torch.empty if one_program else torch.zeros)(2 * num_slots, dtype=torch.int32, device=dev)
-    count, cursor = counters[:num_slots], counters[num_slots:]  # counts, then cursors
+    # counts, then cursors from a 16-byte boundary: Triton specialises on a pointer's alignment,
+    # and a cursor right after S counts would compile a variant per S mod 4
+    off = -(-num_slots // 4) * 4
+    counters = (torch.empty if one_program else torch.zeros)(off + num_slots, dtype=torch.int32, device=dev)
+    count, cursor = counters[:num_slots], counters[off:]
     start = torch.empty(num_slots, dtype=torch.int32, device=dev)
     block_slot = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty(rows, dtype=torch.int32, device=dev)
