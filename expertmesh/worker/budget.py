@@ -13,15 +13,19 @@ a resize within A rewrites only the slots that change and moves the live count. 
   allocation, and when the spare slots would pass ``spare`` the layers that free the most spare
   slots per slot copied are trimmed to their size plus headroom.
 - ``budget`` B (one layer of the server's slots, or ``--placement-staging-mb``), less the spare
-  slots held: the room a change may use beyond the live allocations while it runs. In order,
-  layers that outgrow their allocation and trims are built during prepare where they fit (the
-  commit swaps them in), then experts are read ahead; what does not fit is done by the commit
-  (a layer rebuilt there, an expert read there). New slots that land in spare slots cost no
-  room: nothing computes them, so the prepare writes them in place.
+  slots held: the room a change may use beyond the live allocations while it runs. In order:
+  layers that outgrow their allocation are built during prepare where they fit (the commit
+  swaps them in), else rebuilt by the commit; experts are read ahead (what does not fit is
+  read by the commit); then trims are built where the room left fits them. A trim that does
+  not fit waits for a later change while the spare slots stay within ``WAITING_SPARE`` x B
+  (past that the commit rebuilds it): it only gives memory back, and copying a whole layer
+  inside the commit stalls decoding. New slots that land in spare slots cost no room: nothing
+  computes them, so the prepare writes them in place.
 
-So between changes a server holds its experts plus at most ``spare`` slots; during a change at
-most B beyond the experts it held before, except for a layer the commit rebuilds (its new
-allocation, at most the server's slot capacity, is the transient). On a GPU the commit's copies
+So between changes a server holds its experts plus at most ``spare`` slots (``WAITING_SPARE``
+x B while trims wait); during a change at most B beyond the experts it held before, except for
+a layer the commit rebuilds (its new allocation, at most the server's slot capacity, is the
+transient). On a GPU the commit's copies
 are device copies; on the CPU the room is what keeps the commit's work near the slots that
 change (benchmarks/sim_slot_layout.py counts both at any model size).
 """
@@ -32,6 +36,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from expertmesh.worker.moves import LayerPlan, plan_layer
+
+# the spare slots a server may hold while trims wait for room, as a share of the budget (the
+# spare target is half of it)
+WAITING_SPARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -101,26 +109,7 @@ def plan_change(
         if not fits():  # NOTE: rebuilt in the commit, with headroom so it grows in place next time
             plans[layer] = with_headroom
             built.discard(layer)
-    # then trims, while the spare slots would pass ``spare``: built during prepare where they fit,
-    # else in the commit; the layers that free the most spare slots per slot copied first
-    left = sum(_alloc_after(plans[layer], allocated[layer]) - size[layer] for layer in order)
-    if all(p.unchanged for p in plans.values()):
-        left = 0  # NOTE: a push equal to the live placement touches no weight, not even to trim
-    trims = sorted(
-        (-(allocated[layer] - headroom(spare, len(order), capacity, size[layer], exact)) / size[layer], layer)
-        for layer in order
-        if plans[layer].rebuild is None and size[layer] > 0
-    )
-    for _, layer in trims:
-        alloc = headroom(spare, len(order), capacity, size[layer], exact)
-        if left <= spare or allocated[layer] <= alloc:
-            break
-        plans[layer] = plan_layer(live[layer], tuple(table.get(layer, ())), alloc)
-        left -= allocated[layer] - alloc
-        built.add(layer)
-        if not fits():
-            built.discard(layer)
-    for layer in order:  # last: experts read ahead, in layer order (the commit reads the rest)
+    for layer in order:  # then experts read ahead, in layer order (the commit reads the rest)
         if layer in built:
             continue
         full = False
@@ -134,6 +123,36 @@ def plan_change(
                 break
         if full:
             break
+    # last: trims, while the spare slots would pass ``spare``, the layers that free the most
+    # spare slots per slot copied first; built during prepare where the room left fits them.
+    # NOTE: a trim only gives memory back, so one that does not fit waits for a later change
+    # (the commit would copy its whole layer inside the between-steps window) while the spare
+    # slots stay within ``WAITING_SPARE`` of the budget: the room of the next change is what is
+    # left, and it stages that change's reads
+    left = sum(_alloc_after(plans[layer], allocated[layer]) - size[layer] for layer in order)
+    if all(p.unchanged for p in plans.values()):
+        left = 0  # NOTE: a push equal to the live placement touches no weight, not even to trim
+    trims = sorted(
+        (-(allocated[layer] - headroom(spare, len(order), capacity, size[layer], exact)) / size[layer], layer)
+        for layer in order
+        if plans[layer].rebuild is None and size[layer] > 0
+    )
+    for _, layer in trims:
+        alloc = headroom(spare, len(order), capacity, size[layer], exact)
+        if left <= spare or allocated[layer] <= alloc:
+            break
+        in_place = plans[layer]
+        plans[layer] = plan_layer(live[layer], tuple(table.get(layer, ())), alloc)
+        own = {k for k in staged if k[0] == layer}  # a built layer reads its new experts itself
+        staged -= own
+        built.add(layer)
+        if not fits():
+            built.discard(layer)
+            staged |= own
+            if left <= budget * WAITING_SPARE:
+                plans[layer] = in_place
+                continue
+        left -= allocated[layer] - alloc
     direct = frozenset(
         (layer, dst)
         for layer in order
