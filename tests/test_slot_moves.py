@@ -311,3 +311,27 @@ def test_what_a_commit_replaces_is_freed_by_release_not_inside_the_commit():
     t.release()
     assert gone() is None
     assert values(t, 0) == [0.0, 1.0, 2.0, 3.0] and values(t, 2) == [203.0, 202.0, 201.0, 200.0]
+
+
+def test_a_host_commit_copies_staged_experts_one_slot_per_job(monkeypatch):
+    """A CPU server's commit copies each staged expert as its own job (a rebalance that changes
+    many slots of one layer spreads over the commit threads), and the layer computes its new
+    experts afterwards."""
+    from expertmesh.worker import slots as slots_mod
+
+    r = FakeReader()
+    t = SlotTable(r, torch.float32, torch.device("cpu"), 6, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    t.preload([0, 1, 2, 3])
+    jobs: list[tuple[int, str]] = []
+    run = slots_mod._Copy.run
+
+    def recorded(c: slots_mod._Copy) -> None:
+        jobs.append((c.layer, threading.current_thread().name))
+        run(c)
+
+    monkeypatch.setattr(slots_mod._Copy, "run", recorded)
+    t.prepare(1, {0: [4, 5, 6, 3], 2: [0, 1, 2, 3]})
+    t.commit(1)
+    assert t.last_commit.copied == 3 and [layer for layer, _ in jobs] == [0, 0, 0]
+    assert values(t, 0) == [4.0, 5.0, 6.0, 3.0] and values(t, 2) == [200.0, 201.0, 202.0, 203.0]
+    assert t.live.layers[0].experts == (4, 5, 6, 3)

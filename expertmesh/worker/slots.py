@@ -79,6 +79,20 @@ MAX_COMMIT_THREADS = 16
 Source = int | Rows
 
 
+@dataclass
+class _Copy:
+    """A staged expert a host commit copies into its slot (one job of the commit's threads)."""
+
+    layer: int
+    w13: torch.Tensor  # the slot's rows
+    w2: torch.Tensor
+    rows: Rows  # the staged rows
+
+    def run(self) -> None:
+        self.w13.copy_(self.rows[0])
+        self.w2.copy_(self.rows[1])
+
+
 class SlotError(InvalidRequest, ValueError):
     """A slot table that cannot be built: unknown layers or experts, more slots than capacity."""
 
@@ -538,14 +552,17 @@ class SlotTable:
     def _apply_all(self, staged: _Staged, layers: dict[int, LayerSlots]) -> CommitWork:
         """Rewrites every layer as planned. A host table's layers are independent allocations,
         so they are rewritten on parallel threads (one core's copies each; a layer's own moves
-        keep their order); a GPU table's copies are device work queued from this thread."""
+        keep their order), then the staged experts are copied in, one slot per job over the
+        same threads: a capped rebalance changes many slots of few layers, and one thread per
+        layer copied them one after another; a GPU table's copies are device work queued from
+        this thread."""
         changed = [layer for layer in self.moe_layers if not staged.plans[layer].unchanged]
         # NOTE: a layer rebuilt by the commit allocates a whole new layer: after the in-place
         # layers have used up (so freed) the staged rows, and one at a time, so the extra
         # memory stays one layer
         rebuilt = [n for n in changed if staged.plans[n].rebuild is not None and n not in staged.built]
         in_place = [layer for layer in changed if layer not in rebuilt]
-        if self.device.type != "cpu" or len(in_place) <= 1:
+        if self.device.type != "cpu" or len(in_place) < 1:
             done = [self._apply(layer, staged, layers) for layer in in_place]
         else:
             self._read_pool()  # NOTE: created here, not raced for by the layers' threads
@@ -553,15 +570,23 @@ class SlotTable:
                 self._commit_pool = reader_pool(read_threads(MAX_COMMIT_THREADS))
             # NOTE: a layer's checkpoint reads run on the read pool, never on these threads (no
             # job waits on a pool that its own thread belongs to)
-            jobs = [_bind(self._apply, layer, staged, layers) for layer in in_place]
+            copies: list[_Copy] = []
+            jobs = [_bind(self._apply, layer, staged, layers, copies) for layer in in_place]
             done = [w for w in run_on(self._commit_pool, jobs) if isinstance(w, CommitWork)]
+            run_on(self._commit_pool, [_bind(_Copy.run, c) for c in copies])
+            for layer in {c.layer for c in copies}:  # every slot written: the layer is whole
+                layers[layer] = LayerSlots.of(staged.plans[layer].experts, *layers[layer].rows)
+            self._freed += [c.rows for c in copies]
         if rebuilt:
             self._freed.clear()  # NOTE: freed now, so the rebuilds below add one layer at most
         done += [self._apply(layer, staged, layers) for layer in rebuilt]
         return sum(done, CommitWork())
 
-    def _apply(self, layer: int, staged: _Staged, layers: dict[int, LayerSlots]) -> CommitWork:
-        """Rewrites one layer of ``layers`` as planned (dropping what it used from ``staged``)."""
+    def _apply(
+        self, layer: int, staged: _Staged, layers: dict[int, LayerSlots], copies: list[_Copy] | None = None
+    ) -> CommitWork:
+        """Rewrites one layer of ``layers`` as planned (dropping what it used from ``staged``);
+        with ``copies``, its staged experts are left to the caller (see :meth:`_rewrite`)."""
         plan, cur = staged.plans[layer], layers[layer]
         if plan.unchanged:
             return CommitWork()
@@ -578,13 +603,21 @@ class SlotTable:
             del sources, cur
             layers[layer] = new
             return CommitWork(rebuilt=1, read=read)
-        return self._rewrite(layer, plan, cur, staged, layers)
+        return self._rewrite(layer, plan, cur, staged, layers, copies)
 
     def _rewrite(
-        self, layer: int, plan: LayerPlan, cur: LayerSlots, staged: _Staged, layers: dict[int, LayerSlots]
+        self,
+        layer: int,
+        plan: LayerPlan,
+        cur: LayerSlots,
+        staged: _Staged,
+        layers: dict[int, LayerSlots],
+        copies: list[_Copy] | None = None,
     ) -> CommitWork:
         """The in-place path: the changed slots of the allocation are written, the live count
-        becomes S' (slots past it stay allocated as spare)."""
+        becomes S' (slots past it stay allocated as spare). With ``copies``, the staged experts
+        are appended there instead of copied, and the layer is left listing their slots as -1
+        (never computed) until the caller has copied them and set its live slots."""
         n = max(len(cur.experts), len(plan.experts))
         # what each slot holds at this point (-1: being written); spare slots it grows into too
         content = list(cur.experts) + [-1] * (n - len(cur.experts))
@@ -596,6 +629,7 @@ class SlotTable:
         spare: Rows | None = None
         spare_expert = -1
         work = CommitWork()
+        deferred = False
         try:
             for op, dst, src in move_order(moves):
                 work.moved += 1
@@ -621,10 +655,14 @@ class SlotTable:
                 if rows is None:
                     unread.append((dst, e))
                     continue
+                work.copied += 1
+                if copies is not None:
+                    copies.append(_Copy(layer, w13[dst], w2[dst], rows))
+                    deferred = True
+                    continue
                 w13[dst].copy_(rows[0])
                 w2[dst].copy_(rows[1])
                 self._freed.append(rows)
-                work.copied += 1
                 content[dst] = e
             self._parallel([_bind(self._read_into, layer, e, w13[dst], w2[dst]) for dst, e in unread])
             for dst, e in unread:
@@ -633,6 +671,8 @@ class SlotTable:
         finally:
             # NOTE: on a failure the slots being written stay listed as -1 (never computed)
             layers[layer] = LayerSlots.of(tuple(content), w13, w2)
+        if deferred:
+            return work  # NOTE: listed -1 where the caller copies (list appends are thread-safe)
         assert tuple(content[: len(plan.experts)]) == plan.experts, f"{layer=} {content=} {plan.experts=}"
         layers[layer] = LayerSlots.of(plan.experts, w13, w2)
         return work
