@@ -118,7 +118,7 @@ def coordinator_cmd(args: argparse.Namespace, model: Path, servers: list[Proc]) 
 def eplb_flags(args: argparse.Namespace) -> list[str]:
     return ["--eplb-interval-steps", str(args.interval), "--eplb-window-steps", str(args.window),
             "--eplb-redundant-slots", str(args.redundant), "--eplb-skip-threshold", "0",
-            "--eplb-move-threshold", "0"]  # fmt: skip
+            "--eplb-move-threshold", "0", "--eplb-max-moves", str(args.max_moves)]  # fmt: skip
 
 
 # ---------------------------------------------------------------------- load
@@ -399,6 +399,12 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=8, help="run B: EPLB every N steps")
     p.add_argument("--window", type=int, default=16, help="run B: the load window, steps")
     p.add_argument("--redundant", type=int, default=2, help="run B: replica slots per server")
+    p.add_argument(
+        "--max-moves",
+        type=int,
+        default=0,
+        help="run B: --eplb-max-moves (expert weights per rebalance, 0 = no cap)",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument(
         "--server-flags",
@@ -440,6 +446,7 @@ def main() -> None:
             f"{args.passes} passes x {args.rounds} rounds x {args.concurrency} concurrent streams x "
             f"{args.new_tokens} tokens; run B: EPLB every {args.interval} steps, window {args.window}, "
             f"{args.redundant} redundant slots per server"
+            + (f", at most {args.max_moves} weights moved per rebalance" if args.max_moves else "")
             + (f"; expert servers with `{args.server_flags}`" if args.server_flags else "")
             + "\n"
         )

@@ -281,6 +281,35 @@ def test_few_moves_large_change_moves_and_rebalances():
     assert bool((plan.time_new < plan.time_live).all())
 
 
+def test_few_moves_capped_moves_the_best_layers_and_keeps_the_rest():
+    """--eplb-max-moves: at most that many weights load; the layers moved are those that gain
+    most per weight moved among the uncapped plan's (as planned there), every other layer is
+    left exactly as it is live."""
+    weight = zipf(8, 64, seed=6)
+    capacity, speed = torch.full((8,), 10), torch.ones(8)
+    phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, 80)
+    shuffled = zipf(8, 64, seed=7)
+    free = rebalance_few_moves(shuffled, phy2log, owner, capacity, speed, threshold=0.05)
+    cap = int(free.moved.sum()) // 3
+    plan = rebalance_few_moves(shuffled, phy2log, owner, capacity, speed, threshold=0.05, max_moves=cap)
+    assert 0 < int(plan.moved.sum()) <= cap
+    gain = (free.time_live - free.time_new) / free.moved.clamp(min=1)
+    moving = [row for row in range(8) if int(plan.moved[row]) > 0]
+    for row in range(8):
+        if row in moving:
+            assert torch.equal(plan.owner[row], free.owner[row])
+            assert torch.equal(plan.phy2log[row], free.phy2log[row])
+        else:
+            assert torch.equal(plan.owner[row], owner[row]) and torch.equal(plan.phy2log[row], phy2log[row])
+            assert float(plan.time_new[row]) == float(plan.time_live[row])
+    # a layer left out gains less per weight than every layer moved, or did not fit the moves
+    # left at its turn (more than are left at the end)
+    left = cap - int(plan.moved.sum())
+    for r in range(8):
+        if r not in moving and float(gain[r]) >= min(float(gain[m]) for m in moving):
+            assert int(free.moved[r]) > left, r
+
+
 # ------------------------------------------------------------ load-aware replica choice
 
 

@@ -96,6 +96,7 @@ def rebalance_few_moves(
     speed: torch.Tensor,  # [S]
     threshold: float = 0.05,
     refine_rounds: int = 32,
+    max_moves: int = 0,  # expert weights the plan may load in all (0: no cap)
 ) -> MovePlan:
     layers, e = weight.shape
     p = old_phy2log.shape[1]
@@ -125,4 +126,29 @@ def rebalance_few_moves(
     how = torch.where(keep, 0, torch.where(use_search, 1, 2)).to(torch.int8)
     moved = weights_moved(old_phy2log, old_owner, out_phy2log, out_owner, capacity.numel(), e)
     t_new = server_times(weight, out_phy2log, out_owner, speed).max(1).values
+    if max_moves and int(moved.sum()) > max_moves:
+        kept = within_moves(t_live - t_new, moved, max_moves)
+        out_phy2log = torch.where(kept[:, None], old_phy2log, out_phy2log)
+        out_owner = torch.where(kept[:, None], old_owner, out_owner)
+        how = torch.where(kept, 0, how).to(torch.int8)
+        moved = torch.where(kept, 0, moved)
+        t_new = torch.where(kept, t_live, t_new)
     return MovePlan(out_phy2log, out_owner, how, moved, t_live, t_scratch, t_new)
+
+
+def within_moves(gain: torch.Tensor, moved: torch.Tensor, max_moves: int) -> torch.Tensor:
+    """``[L]`` bool: the layers left as they are so that at most ``max_moves`` weights move, the
+    layers that gain most per weight moved taken first (a layer that does not fit the moves
+    left is passed over for smaller ones)."""
+    kept = torch.ones_like(moved, dtype=torch.bool)
+    order = sorted(
+        (row for row in range(moved.numel()) if int(moved[row]) > 0),
+        key=lambda row: (-float(gain[row]) / int(moved[row]), row),
+    )
+    left = max_moves
+    for row in order:
+        if int(moved[row]) <= left:
+            kept[row] = False
+            left -= int(moved[row])
+    kept[moved == 0] = False  # NOTE: nothing moves there, whatever it changes (a replica's slot)
+    return kept

@@ -28,6 +28,9 @@ class EplbConfig:
     redundant_slots: int = 0  # extra slots per server for replicas
     skip_threshold: float = 0.05  # skip unless the slowest server gets this much faster
     move_threshold: float = 0.05  # keep an expert in place unless that costs more than this
+    # expert weights one rebalance may load (0: no cap): the layers that gain most per weight
+    # moved go first, the rest wait for the next rebalance, so each commit's pause stays short
+    max_moves: int = 0
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:
@@ -36,6 +39,8 @@ class EplbConfig:
             raise ValueError(f"--eplb-window-steps must be >= 1, got {self.window_steps}")
         if self.redundant_slots < 0:
             raise ValueError(f"--eplb-redundant-slots must be >= 0, got {self.redundant_slots}")
+        if self.max_moves < 0:
+            raise ValueError(f"--eplb-max-moves must be >= 0, got {self.max_moves}")
         for name in ("skip_threshold", "move_threshold"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -62,6 +67,14 @@ class EplbConfig:
             default=0.05,
             help="keep a layer's experts in place unless moving them gains more than this (fraction)",
         )
+        g.add_argument(
+            "--eplb-max-moves",
+            type=int,
+            default=0,
+            help="load at most N expert weights per rebalance, the layers that gain most per weight "
+            "first (0 = no cap; a plan that changes the slot count, such as the first with "
+            "--eplb-redundant-slots, is not capped)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EplbConfig:
@@ -71,6 +84,7 @@ class EplbConfig:
             redundant_slots=args.eplb_redundant_slots,
             skip_threshold=args.eplb_skip_threshold,
             move_threshold=args.eplb_move_threshold,
+            max_moves=args.eplb_max_moves,
         )
 
 
@@ -188,7 +202,9 @@ def plan_rebalance(
     weight = weight.double().cpu()
     tensors = placement_tensors(live, moe_layers)
     if tensors is not None and tensors[0].shape[1] == num_replicas:
-        mp = rebalance_few_moves(weight, *tensors, capacity, speed, threshold=cfg.move_threshold)
+        mp = rebalance_few_moves(
+            weight, *tensors, capacity, speed, threshold=cfg.move_threshold, max_moves=cfg.max_moves
+        )
         phy2log, owner, how = mp.phy2log, mp.owner, mp.how
     else:  # the slot count changes (e.g. the first plan adds replicas): from scratch, aligned
         phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, num_replicas)
