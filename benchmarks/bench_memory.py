@@ -322,6 +322,11 @@ def run_server(kind: str, model: Path, args: argparse.Namespace, expert_gb: floa
         rows.append(snapshot(srv, "prepare + abort", gpu))
     finally:
         srv.stop()
+        if args.log:
+            # the server's own timestamps say where its start went before the loader
+            args.log.mkdir(parents=True, exist_ok=True)
+            name = f"{kind}-server" + (f"-{args.weight_dtype}" if kind == "cpu" else "") + ".log"
+            (args.log / name).write_text("".join(srv.lines))
     return rows
 
 
@@ -342,6 +347,7 @@ def main() -> None:
     p.add_argument("--weight-dtype", default="bfloat16", help="the CPU server's --weight-dtype")
     p.add_argument("--move-frac", type=float, default=0.25)
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
+    p.add_argument("--log", type=Path, default=None, help="keep each server's log in this directory")
     args = p.parse_args()
     model = args.model or write_checkpoint(
         args.dir, args.hidden, args.inter, args.experts, args.layers, fused=args.fused
