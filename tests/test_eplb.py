@@ -423,3 +423,42 @@ def test_plan_from_static_placement_then_skip():
     # a forced plan is still produced (Admin/Rebalance on a balanced cluster)
     forced = plan_rebalance(load, new, layers, cap, speed, cfg, expert_bytes=1000, force=True)
     assert not forced.skipped and forced.placement is not None
+
+
+def test_first_plan_with_replicas_adds_them_beside_the_live_slots():
+    """Adding replica slots (the first plan with --eplb-redundant-slots) keeps the live slots
+    and loads the replicas, then plans from there like any change: on a balanced live placement,
+    far fewer weights than the from-scratch plan of the new slot count, each layer within the
+    move threshold of it; with --eplb-max-moves the moves beyond the replicas are capped."""
+    from coordinator.eplb.hetero import rebalance_heterogeneous, server_times
+    from coordinator.eplb.moves import align_servers, weights_moved, with_replica_slots
+    from coordinator.eplb.plan import EplbConfig, placement_tensors, plan_rebalance, to_placement
+
+    layers = list(range(12))
+    load = zipf(12, 64, seed=3).double()
+    cap, speed = torch.tensor([40, 40]), torch.tensor([1.0, 1.0])
+    phy2log, owner, _ = rebalance_heterogeneous(load, cap, speed, 64)  # a balanced live placement
+    live = to_placement(1, ("gpu0", "cpu0"), 64, layers, phy2log, owner)
+    phy2log, owner = placement_tensors(live, layers)  # type: ignore[misc]
+    grown = with_replica_slots(load, phy2log, owner, cap, speed, 68)
+    assert grown is not None and grown[0].shape == (12, 68)
+    assert torch.equal(grown[0][:, :64], phy2log) and torch.equal(grown[1][:, :64], owner)
+    for row in range(12):  # within each server's room, no replica of an expert it holds
+        extra = list(zip(grown[0][row, 64:].tolist(), grown[1][row, 64:].tolist()))
+        assert bool((torch.bincount(grown[1][row], minlength=2) <= cap).all())
+        assert all(e not in phy2log[row][owner[row] == o].tolist() for e, o in extra)
+
+    cfg = EplbConfig(redundant_slots=2, skip_threshold=0.0, move_threshold=0.05)
+    plan = plan_rebalance(load, live, layers, cap, speed, cfg, expert_bytes=1, force=True)
+    assert plan.placement is not None and len(plan.placement.layers[0].phy2log) == 68
+    s_phy, s_own, _ = rebalance_heterogeneous(load, cap, speed, 68)
+    scratch = server_times(load, s_phy, s_own, speed).max(1).values
+    new_phy, new_own = placement_tensors(plan.placement, layers)  # type: ignore[misc]
+    assert bool((server_times(load, new_phy, new_own, speed).max(1).values <= 1.05 * scratch + 1e-9).all())
+    classes = torch.tensor([0, 1])
+    s_own = align_servers(phy2log, owner, s_phy, s_own, classes, 64)
+    from_scratch = int(weights_moved(phy2log, owner, s_phy, s_own, 2, 64).sum())
+    assert plan.weights_moved < from_scratch / 2, (plan.weights_moved, from_scratch)
+
+    capped = plan_rebalance(load, live, layers, cap, speed, EplbConfig(redundant_slots=2, max_moves=10), 1, True)
+    assert capped.placement is not None and capped.weights_moved <= 12 * 4 + 10

@@ -88,6 +88,55 @@ def align_servers(
     return torch.from_numpy(np.take_along_axis(rename, owner.numpy(), axis=1))
 
 
+def with_replica_slots(
+    weight: torch.Tensor,  # [L, E] load
+    phy2log: torch.Tensor,  # [L, P] live placement
+    owner: torch.Tensor,  # [L, P]
+    capacity: torch.Tensor,  # [S]
+    speed: torch.Tensor,  # [S]
+    num_replicas: int,  # P' > P slots per layer
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # [L, P'] each
+    """The live layers grown to ``num_replicas`` slots by adding replicas only, one slot at a
+    time: the (server with room, expert it does not hold) whose replica leaves the slowest
+    server fastest. Every live slot stays, so the servers load just the new replicas (a
+    from-scratch plan of the new slot count re-placed nearly every expert). None where no
+    server with room lacks an expert."""
+    layers, p = phy2log.shape
+    e, s = weight.shape[1], capacity.numel()
+    rate = speed.double().clamp(min=1e-12)[:, None]  # [S, 1]
+    out_phy, out_own = [], []
+    for row in range(layers):
+        phys, owns = phy2log[row].tolist(), owner[row].tolist()
+        w = weight[row].double()
+        held = torch.zeros(s, e, dtype=torch.float64)  # [S, E] copies of each expert per server
+        held.index_put_((owner[row], phy2log[row]), torch.ones(p, dtype=torch.float64), accumulate=True)
+        for _ in range(num_replicas - p):
+            count = held.sum(0).clamp(min=1)  # [E]
+            load = (held * (w / count)).sum(1, keepdim=True) / rate  # [S, 1] time per server
+            gone = w / count - w / (count + 1)  # [E] each holder's share that moves to the replica
+            after = load - held * gone / rate  # [S, E]: every server's time, per expert replicated
+            best: tuple[float, int, int] | None = None
+            for k in range(s):
+                if int(capacity[k]) - int(held[k].sum()) <= 0:
+                    continue
+                cost = after.clone()
+                cost[k] += w / (count + 1) / rate[k]
+                worst = cost.max(0).values  # [E]
+                worst[held[k] > 0] = float("inf")
+                ex = int(worst.argmin())
+                if float(worst[ex]) != float("inf") and (best is None or float(worst[ex]) < best[0]):
+                    best = (float(worst[ex]), k, ex)
+            if best is None:
+                return None
+            _, k, ex = best
+            phys.append(ex)
+            owns.append(k)
+            held[k, ex] += 1
+        out_phy.append(phys)
+        out_own.append(owns)
+    return torch.tensor(out_phy, dtype=torch.long), torch.tensor(out_own, dtype=torch.long)
+
+
 def rebalance_few_moves(
     weight: torch.Tensor,  # [L, E] new load
     old_phy2log: torch.Tensor,  # [L, P] live placement

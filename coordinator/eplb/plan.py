@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.eplb.hetero import rebalance_heterogeneous, server_times, slot_shares
-from coordinator.eplb.moves import align_servers, rebalance_few_moves, weights_moved
+from coordinator.eplb.moves import align_servers, rebalance_few_moves, weights_moved, with_replica_slots
 from expertmesh import placement as pl
 
 
@@ -72,8 +72,7 @@ class EplbConfig:
             type=int,
             default=0,
             help="load at most N expert weights per rebalance, the layers that gain most per weight "
-            "first (0 = no cap; a plan that changes the slot count, such as the first with "
-            "--eplb-redundant-slots, is not capped)",
+            "first (0 = no cap; a plan that adds replica slots loads the replicas beside that)",
         )
 
     @classmethod
@@ -201,12 +200,17 @@ def plan_rebalance(
         )
     weight = weight.double().cpu()
     tensors = placement_tensors(live, moe_layers)
-    if tensors is not None and tensors[0].shape[1] == num_replicas:
+    base = tensors
+    if tensors is not None and tensors[0].shape[1] < num_replicas:
+        # NOTE: more slots (the first plan with replicas): the replicas are added beside the
+        # live slots, then planned from there like any change
+        base = with_replica_slots(weight, *tensors, capacity, speed, num_replicas)
+    if base is not None and base[0].shape[1] == num_replicas:
         mp = rebalance_few_moves(
-            weight, *tensors, capacity, speed, threshold=cfg.move_threshold, max_moves=cfg.max_moves
+            weight, *base, capacity, speed, threshold=cfg.move_threshold, max_moves=cfg.max_moves
         )
         phy2log, owner, how = mp.phy2log, mp.owner, mp.how
-    else:  # the slot count changes (e.g. the first plan adds replicas): from scratch, aligned
+    else:  # fewer slots, or no room for replicas beside the live ones: from scratch, aligned
         phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, num_replicas)
         how = torch.full((len(moe_layers),), 2, dtype=torch.int8)
         if tensors is not None:
