@@ -460,5 +460,7 @@ def test_first_plan_with_replicas_adds_them_beside_the_live_slots():
     from_scratch = int(weights_moved(phy2log, owner, s_phy, s_own, 2, 64).sum())
     assert plan.weights_moved < from_scratch / 2, (plan.weights_moved, from_scratch)
 
-    capped = plan_rebalance(load, live, layers, cap, speed, EplbConfig(redundant_slots=2, max_moves=10), 1, True)
+    capped = plan_rebalance(
+        load, live, layers, cap, speed, EplbConfig(redundant_slots=2, max_moves=10), 1, True
+    )
     assert capped.placement is not None and capped.weights_moved <= 12 * 4 + 10
