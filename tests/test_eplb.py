@@ -464,3 +464,17 @@ def test_first_plan_with_replicas_adds_them_beside_the_live_slots():
         load, live, layers, cap, speed, EplbConfig(redundant_slots=2, max_moves=10), 1, True
     )
     assert capped.placement is not None and capped.weights_moved <= 12 * 4 + 10
+
+
+def test_eplb_flags_reach_the_config_and_bad_values_are_refused():
+    import argparse
+
+    from coordinator.eplb.plan import EplbConfig
+
+    p = argparse.ArgumentParser()
+    EplbConfig.add_arguments(p)
+    cfg = EplbConfig.from_args(p.parse_args(["--eplb-interval-steps", "8", "--eplb-max-moves", "128"]))
+    assert cfg.interval_steps == 8 and cfg.max_moves == 128
+    assert EplbConfig.from_args(p.parse_args([])).max_moves == 0  # no cap by default
+    with pytest.raises(ValueError, match="--eplb-max-moves must be >= 0"):
+        EplbConfig.from_args(p.parse_args(["--eplb-max-moves", "-1"]))
