@@ -562,7 +562,7 @@ class SlotTable:
         # memory stays one layer
         rebuilt = [n for n in changed if staged.plans[n].rebuild is not None and n not in staged.built]
         in_place = [layer for layer in changed if layer not in rebuilt]
-        if self.device.type != "cpu" or len(in_place) < 1:
+        if self.device.type != "cpu" or not in_place:
             done = [self._apply(layer, staged, layers) for layer in in_place]
         else:
             self._read_pool()  # NOTE: created here, not raced for by the layers' threads
