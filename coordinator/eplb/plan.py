@@ -29,7 +29,8 @@ class EplbConfig:
     skip_threshold: float = 0.05  # skip unless the slowest server gets this much faster
     move_threshold: float = 0.05  # keep an expert in place unless that costs more than this
     # expert weights one rebalance may load (0: no cap): the layers that gain most per weight
-    # moved go first, the rest wait for the next rebalance, so each commit's pause stays short
+    # moved go first, the rest wait for the next rebalance, so each commit's pause stays short;
+    # a plan that adds replica slots adds them beside the live ones, plus the capped moves
     max_moves: int = 0
 
     def __post_init__(self) -> None:
@@ -72,7 +73,8 @@ class EplbConfig:
             type=int,
             default=0,
             help="load at most N expert weights per rebalance, the layers that gain most per weight "
-            "first (0 = no cap; a plan that adds replica slots loads the replicas beside that)",
+            "first (0 = no cap; a plan that adds replica slots adds them beside the live ones "
+            "and loads them beside the cap)",
         )
 
     @classmethod
@@ -201,9 +203,12 @@ def plan_rebalance(
     weight = weight.double().cpu()
     tensors = placement_tensors(live, moe_layers)
     base = tensors
-    if tensors is not None and tensors[0].shape[1] < num_replicas:
-        # NOTE: more slots (the first plan with replicas): the replicas are added beside the
-        # live slots, then planned from there like any change
+    if tensors is not None and tensors[0].shape[1] < num_replicas and cfg.max_moves:
+        # NOTE: more slots (the first plan with replicas) under a move cap: the replicas are
+        # added beside the live slots, then the capped moves planned from there. Uncapped, the
+        # plan starts from scratch: on the 2-core VM at real widths the replicas-first plan
+        # left the balancing to the next plans, which moved as much in all and, with the
+        # default one-layer staging, rebuilt growing layers inside their commits
         base = with_replica_slots(weight, *tensors, capacity, speed, num_replicas)
     if base is not None and base[0].shape[1] == num_replicas:
         mp = rebalance_few_moves(
