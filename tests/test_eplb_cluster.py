@@ -122,6 +122,10 @@ def test_eplb_cluster(servers):
         before = [b if len(b) == len(a) else [0] * len(a) for a, b in zip(after, before)]
         got = [after[i][slot[i]] - before[i][slot[i]] for i in range(2)]
         assert got[0] > 0 and got[1] > 0, f"expert {hot}'s tokens per replica: {got}"
+        # the fast path (this transport's default on loopback) carries each server's own
+        # compute time too: EPLB's speeds, without which it took every server as equally fast
+        speeds = admin(s.addr).GetExpertLoad(admin_pb2.GetExpertLoadRequest()).servers
+        assert all(x.compute_ms > 0 and x.computed_tokens > 0 for x in speeds), speeds
 
     # 2. rebalancing every 3 steps under concurrent load (over gRPC, whose answers carry the
     # servers' compute times: the recorder's speeds)

@@ -119,6 +119,12 @@ class FastReply:
             self.conn.end_stream(self.st, err)
             raise err from None
 
+    @property
+    def compute_ms(self) -> float:
+        """The server's own time for this request (from the ring's or the frame's answer, once
+        result() returned): EPLB's server speeds, as on the gRPC path."""
+        return self.reply.server_ms
+
     def release(self) -> None:
         self.reply.release()
 
