@@ -48,6 +48,19 @@ def test_server_time_window_and_speed():
     assert speed is not None and torch.allclose(speed, torch.tensor([40 / 10, 40 / 16], dtype=torch.float64))
 
 
+def test_a_server_without_answers_in_the_window_keeps_its_speed_since_start():
+    """EPLB may leave a server without load: its speed is then its speed since start, not
+    unknown (an unknown speed used to make every server count as equally fast)."""
+    rec = LoadRecorder([0], 4, window_steps=2, num_servers=3)
+    for step in range(4):
+        rec.record(0, torch.tensor([[0, 1]]))
+        rec.record_server_time(0, 0, compute_ms=1.0, tokens=8)
+        if step == 0:  # then no more answers from server 1: its step leaves the window
+            rec.record_server_time(1, 0, compute_ms=4.0, tokens=8)
+    speed = rec.snapshot().server_speed()
+    assert speed is not None and speed[:2].tolist() == [8.0, 2.0] and bool(speed[2].isnan())
+
+
 def test_ids_on_another_dtype_are_counted():
     rec = LoadRecorder([0], 3, window_steps=1)
     rec.record(0, torch.tensor([[2, 2], [1, 0]], dtype=torch.int32))

@@ -50,11 +50,15 @@ def test_with_servers_extends_an_older_placement_and_refuses_another_list():
         with_servers(p, ("b", "a"))
 
 
-def test_fit_speed_gives_servers_joined_since_the_mean_measured_speed():
+def test_fit_speed_gives_servers_joined_since_or_never_measured_the_mean_measured_speed():
     default = torch.ones(3, dtype=torch.float64)
     assert torch.equal(fit_speed(None, default), default)
     assert fit_speed(torch.tensor([2.0, 4.0], dtype=torch.float64), default).tolist() == [2.0, 4.0, 3.0]
     assert fit_speed(torch.tensor([2.0, 4.0, 5.0], dtype=torch.float64), default).tolist() == [2.0, 4.0, 5.0]
+    # a server never measured (NaN) counts as the mean of the measured ones, too
+    nan = float("nan")
+    assert fit_speed(torch.tensor([2.0, nan, 4.0], dtype=torch.float64), default).tolist() == [2.0, 3.0, 4.0]
+    assert torch.equal(fit_speed(torch.tensor([nan, nan], dtype=torch.float64), default), default)
 
 
 def drain(c, server, i: int) -> None:

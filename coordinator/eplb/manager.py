@@ -301,13 +301,15 @@ class EplbManager:
 
 
 def fit_speed(measured: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:  # [S]
-    """The measured speeds ``[S0]`` (tokens per ms, all positive; None before every server
-    answered) over the ``S`` servers of ``default`` (``S >= S0``: servers that joined since the
-    recorder was sized count as fast as the mean measured one); without them, ``default``."""
-    if measured is None:
+    """The measured speeds ``[S0]`` (tokens per ms, positive, NaN for a server never measured;
+    None before any server answered) over the ``S`` servers of ``default`` (``S >= S0``): a
+    server never measured, or joined since the recorder was sized, counts as fast as the mean
+    measured one; with none measured, ``default``."""
+    if measured is None or bool(measured.isnan().all()):
         return default
     s = default.numel()
-    if measured.numel() >= s:
-        return measured[:s]
-    fill = torch.full((s - measured.numel(),), float(measured.mean()), dtype=measured.dtype)
-    return torch.cat([measured, fill])
+    mean = float(measured[~measured.isnan()].mean())
+    out = torch.full((s,), mean, dtype=measured.dtype)
+    n = min(s, measured.numel())
+    out[:n] = torch.where(measured[:n].isnan(), mean, measured[:n])
+    return out

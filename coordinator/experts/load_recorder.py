@@ -26,12 +26,25 @@ class LoadSnapshot:
     totals: torch.Tensor  # [L, E] int64 tokens since start
     server_ms: torch.Tensor  # [S, L] float64 compute ms per layer over the window
     server_tokens: torch.Tensor  # [S, L] float64 tokens they computed over the window
+    # [S] float64 each server's compute ms and tokens since start (its speed when the window
+    # has none of its answers: a server that EPLB left without load stays as fast as it was)
+    server_ms_total: torch.Tensor | None = None
+    server_tokens_total: torch.Tensor | None = None
 
-    def server_speed(self) -> torch.Tensor | None:  # [S] tokens per ms, None without data
+    def server_speed(self) -> torch.Tensor | None:  # [S] tokens per ms, NaN unknown; None: none known
+        """Each server's tokens per ms of its own compute time over the window, else since
+        start; NaN for a server never measured, None when no server was."""
         ms, tok = self.server_ms.sum(1), self.server_tokens.sum(1)
-        if bool((ms <= 0).any()) or bool((tok <= 0).any()):
+        speed = torch.where((ms > 0) & (tok > 0), tok / ms.clamp(min=1e-12), float("nan"))
+        if self.server_ms_total is not None and self.server_tokens_total is not None:
+            n = min(speed.numel(), self.server_ms_total.numel())
+            ms_all, tok_all = self.server_ms_total[:n], self.server_tokens_total[:n]
+            known = (ms_all > 0) & (tok_all > 0)
+            fallback = torch.where(known, tok_all / ms_all.clamp(min=1e-12), float("nan"))
+            speed[:n] = torch.where(speed[:n].isnan(), fallback, speed[:n])
+        if bool(speed.isnan().all()):
             return None
-        return tok / ms
+        return speed
 
 
 class LoadRecorder:
@@ -54,6 +67,8 @@ class LoadRecorder:
         self._ones = torch.ones(1, dtype=torch.long, device=self.device)
         self.server_ms = torch.zeros(window_steps, num_servers, len(moe_layers), dtype=torch.float64)
         self.server_tokens = torch.zeros_like(self.server_ms)  # [W, S, L]
+        self.server_ms_total = torch.zeros(num_servers, dtype=torch.float64)  # [S] since start
+        self.server_tokens_total = torch.zeros_like(self.server_ms_total)
         self.steps = 0
         self.cursor = 0
         # NOTE: record() runs on the serving thread only; the lock orders a step change
@@ -93,8 +108,13 @@ class LoadRecorder:
                 pad = torch.zeros(self.window_steps, grow, len(self.moe_layers), dtype=torch.float64)
                 self.server_ms = torch.cat([self.server_ms, pad], 1)
                 self.server_tokens = torch.cat([self.server_tokens, pad], 1)
+                more = torch.zeros(grow, dtype=torch.float64)
+                self.server_ms_total = torch.cat([self.server_ms_total, more])
+                self.server_tokens_total = torch.cat([self.server_tokens_total, more])
             self.server_ms[self.cursor, server, row] += compute_ms
             self.server_tokens[self.cursor, server, row] += tokens
+            self.server_ms_total[server] += compute_ms
+            self.server_tokens_total[server] += tokens
 
     def snapshot(self) -> LoadSnapshot:
         """Copies the counts to the host (the one sync point)."""
@@ -109,4 +129,6 @@ class LoadRecorder:
                 totals,
                 self.server_ms.sum(0),
                 self.server_tokens.sum(0),
+                self.server_ms_total.clone(),
+                self.server_tokens_total.clone(),
             )
