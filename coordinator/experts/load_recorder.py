@@ -28,23 +28,22 @@ class LoadSnapshot:
     server_tokens: torch.Tensor  # [S, L] float64 tokens they computed over the window
     # [S] float64 each server's compute ms and tokens since start (its speed when the window
     # has none of its answers: a server that EPLB left without load stays as fast as it was)
-    server_ms_total: torch.Tensor | None = None
-    server_tokens_total: torch.Tensor | None = None
+    server_ms_total: torch.Tensor
+    server_tokens_total: torch.Tensor
 
     def server_speed(self) -> torch.Tensor | None:  # [S] tokens per ms, NaN unknown; None: none known
         """Each server's tokens per ms of its own compute time over the window, else since
         start; NaN for a server never measured, None when no server was."""
         ms, tok = self.server_ms.sum(1), self.server_tokens.sum(1)
-        speed = torch.where((ms > 0) & (tok > 0), tok / ms.clamp(min=1e-12), float("nan"))
-        if self.server_ms_total is not None and self.server_tokens_total is not None:
-            n = min(speed.numel(), self.server_ms_total.numel())
-            ms_all, tok_all = self.server_ms_total[:n], self.server_tokens_total[:n]
-            known = (ms_all > 0) & (tok_all > 0)
-            fallback = torch.where(known, tok_all / ms_all.clamp(min=1e-12), float("nan"))
-            speed[:n] = torch.where(speed[:n].isnan(), fallback, speed[:n])
+        speed, since_start = _speed(ms, tok), _speed(self.server_ms_total, self.server_tokens_total)
+        speed = torch.where(speed.isnan(), since_start, speed)  # NOTE: both grow with the servers
         if bool(speed.isnan().all()):
             return None
         return speed
+
+
+def _speed(ms: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [S] tokens per ms, NaN: none
+    return torch.where((ms > 0) & (tokens > 0), tokens / ms.clamp(min=1e-12), float("nan"))
 
 
 class LoadRecorder:
