@@ -335,3 +335,59 @@ def test_a_host_commit_copies_staged_experts_one_slot_per_job(monkeypatch):
     assert t.last_commit.copied == 3 and [layer for layer, _ in jobs] == [0, 0, 0]
     assert values(t, 0) == [4.0, 5.0, 6.0, 3.0] and values(t, 2) == [200.0, 201.0, 202.0, 203.0]
     assert t.live.layers[0].experts == (4, 5, 6, 3)
+
+
+def test_drop_pages_returns_only_storages_nothing_else_holds():
+    """Freed weights go back page by page before the free, but a storage that anything else
+    still holds (a view, the storage itself) keeps its contents."""
+    from expertmesh.worker import memory
+
+    page_multiple = 3 * memory.RELEASE_CHUNK // 4 + 4096  # spans chunks unevenly
+    alone = torch.full((page_multiple * 2 // 4,), 7.0)  # 2x: more than one chunk
+    viewed = torch.full((page_multiple // 4,), 5.0)
+    kept_view = viewed[10:20]  # held elsewhere: must survive
+    stored = torch.full((page_multiple // 4,), 3.0)
+    kept_storage = stored.untyped_storage()
+    a_view_of_alone = alone[:100]  # a second tensor in the list on the same storage
+    dropped = memory.drop_pages([alone, a_view_of_alone, viewed, stored])
+    if not memory.sole_storages([torch.ones(4096)]):
+        pytest.skip("torch without a storage use count: nothing is dropped early")
+    # whole pages inside the storage only; glibc/torch may put its start anywhere in a page
+    assert alone.nbytes - 8192 <= dropped <= alone.nbytes
+    assert alone[alone.numel() // 2].item() == 0.0 and alone.sum().item() < 7.0 * 2048
+    assert torch.all(viewed == 5.0) and torch.all(kept_view == 5.0)
+    assert torch.all(stored == 3.0) and kept_storage.nbytes() == stored.nbytes
+
+
+def test_release_returns_what_a_commit_replaced_and_the_live_layers_stay():
+    """A host table's release hands back the staged rows and the replaced allocations (their
+    pages before the free), and the live layers compute as before."""
+    from types import SimpleNamespace
+
+    h, inter = 512, 256  # 1 MB a slot: whole pages to return
+
+    class Reader(FakeReader):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config.hidden_size, self.config.moe_intermediate_size = h, inter
+
+        def expert_weights(self, layer: int, e: int) -> SimpleNamespace:
+            v = float(100 * layer + e)
+            return SimpleNamespace(w13=torch.full((2 * inter, h), v), w2=torch.full((h, inter), v))
+
+    t = SlotTable(Reader(), torch.float32, torch.device("cpu"), 4, staging_bytes=16 << 20, spare_bytes=0)  # type: ignore[arg-type]
+    t.preload([0, 1])
+    t.prepare(1, {0: [0, 1, 2, 3], 2: [3, 2, 1, 0]})
+    t.commit(1)
+    replaced = t._freed  # what the commit let go (held only there)
+    before = sum(x.nbytes for x in slots_mod_host_tensors(replaced))
+    assert before > 0
+    dropped = t.release()
+    assert 0 < dropped <= before
+    assert values(t, 0) == [0.0, 1.0, 2.0, 3.0] and values(t, 2) == [203.0, 202.0, 201.0, 200.0]
+
+
+def slots_mod_host_tensors(freed: list[object]) -> list[torch.Tensor]:
+    from expertmesh.worker.slots import _host_tensors
+
+    return list({id(x): x for x in _host_tensors(freed)}.values())

@@ -636,8 +636,11 @@ class ExpertWorker:
         """Hands what the last commit freed back to the device or the OS (outside the compute
         lock: requests compute meanwhile)."""
         t0 = time.perf_counter()
-        self.slots.release()
-        log.info("freed placement memory released in %.1f ms", (time.perf_counter() - t0) * 1e3)
+        dropped = self.slots.release()
+        log.info(
+            "freed placement memory released in %.1f ms (%.0f MiB of host pages returned a chunk at a time)",
+            (time.perf_counter() - t0) * 1e3, dropped / 2**20,
+        )  # fmt: skip
 
     def abort(self, generation: int) -> None:
         self.slots.abort(generation)

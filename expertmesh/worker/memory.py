@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import sys
 
 import torch
 
@@ -42,9 +43,78 @@ def release(device: torch.device) -> None:
         libc.malloc_trim(0)
 
 
-# Linux madvise advice (5.14 and later): fault the range in now, writable
+# Linux madvise advice: drop the pages (anonymous memory reads as zeros after), and (5.14 and
+# later) fault the range in now, writable
+_MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23
 _PAGE = 4096
+# NOTE: returning a mapping's pages holds the process's memory-map lock for the whole call, and a
+# thread that maps memory meanwhile (a serving thread's new buffer, Python's own arenas) waits for
+# it: unmapping a freed layer in one piece (hundreds of MB) stalled an expert server's layers by
+# tens of milliseconds after each commit, so freed weights go back this much at a time
+RELEASE_CHUNK = 32 << 20
+
+
+def _madvise(start: int, length: int, advice: int) -> bool:
+    libc = _libc()
+    if libc is None:
+        return False
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn(start, length, advice) == 0
+
+
+def _whole_pages(ptr: int, nbytes: int) -> tuple[int, int]:
+    """The page-aligned range inside [ptr, ptr + nbytes) (a neighbour may share the edge pages)."""
+    return -(-ptr // _PAGE) * _PAGE, (ptr + nbytes) // _PAGE * _PAGE
+
+
+def sole_storages(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """(address, bytes) of each host storage that nothing outside ``tensors`` holds: no tensor or
+    view elsewhere (each holds its storage once in the storage's use count), no storage object
+    held elsewhere (one Python object per storage: its references beyond ours)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return []
+    seen: set[int] = set()
+    holders: dict[int, list] = {}  # storage address -> [storage object, tensors here holding it]
+    probe = torch.empty(1)  # a storage nothing else holds, counted the same way
+    for t in [probe, *tensors]:
+        if id(t) in seen or t.device.type != "cpu":
+            continue
+        seen.add(id(t))
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            continue
+        holders.setdefault(st.data_ptr(), [st, 0])[1] += 1
+    del st
+    own = _refs(holders[probe.untyped_storage().data_ptr()])
+    del holders[probe.untyped_storage().data_ptr()]
+    return [
+        (ptr, entry[0].nbytes())
+        for ptr, entry in holders.items()
+        if use_count(entry[0]._cdata) == entry[1] + 1 and _refs(entry) == own
+    ]
+
+
+def _refs(entry: list) -> int:
+    """References to a holders entry's storage object (the same code path for every entry)."""
+    return sys.getrefcount(entry[0])
+
+
+def drop_pages(tensors: list[torch.Tensor]) -> int:
+    """Returns to the OS the pages of the host storages that ``tensors`` alone hold (about to be
+    freed), :data:`RELEASE_CHUNK` at a time, so that freeing them after costs nothing; bytes
+    returned. What else holds, or where madvise is unavailable, is left to the free."""
+    done = 0
+    for ptr, nbytes in sole_storages(tensors):
+        start, end = _whole_pages(ptr, nbytes)
+        while start < end:
+            n = min(RELEASE_CHUNK, end - start)
+            if not _madvise(start, n, _MADV_DONTNEED):
+                return done
+            start, done = start + n, done + n
+    return done
 
 
 def populate(t: torch.Tensor) -> bool:
@@ -53,16 +123,10 @@ def populate(t: torch.Tensor) -> bool:
     fault per 4 KB page taken in the middle of the copy. Measured on a 2-core VM with a bf16
     load: about a quarter less kernel time outside the pages' zeroing (the zeroing stays).
     False where it does not apply (not glibc, before Linux 5.14): the writes fault as before."""
-    libc = _libc()
-    if libc is None or t.device.type != "cpu" or not t.is_contiguous():
+    if t.device.type != "cpu" or not t.is_contiguous():
         return False
-    start = -(-t.data_ptr() // _PAGE) * _PAGE  # whole pages only: a neighbour may be in use
-    end = (t.data_ptr() + t.nbytes) // _PAGE * _PAGE
-    if end <= start:
-        return False
-    fn = libc.madvise
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn(start, end - start, _MADV_POPULATE_WRITE) == 0
+    start, end = _whole_pages(t.data_ptr(), t.nbytes)
+    return end > start and _madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
 def _status_kib(field: str) -> int:

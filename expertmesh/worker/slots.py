@@ -677,14 +677,17 @@ class SlotTable:
         layers[layer] = LayerSlots.of(plan.experts, w13, w2)
         return work
 
-    def release(self) -> None:
+    def release(self) -> int:
         """Frees what the last commit replaced and hands it back to the device or the OS
         (memory.py); the worker calls it once requests flow again (unmapping pages and walking
-        the allocator's free lists take time)."""
+        the allocator's free lists take time). Host pages go back a chunk at a time before the
+        free (:func:`memory.drop_pages`); returns their bytes."""
         with self._lock:
             freed, self._freed = self._freed, []
+        dropped = memory.drop_pages(_host_tensors(freed)) if self.device.type == "cpu" else 0
         del freed
         memory.release(self.device)
+        return dropped
 
     def abort(self, generation: int) -> None:
         with self._lock:
@@ -692,6 +695,23 @@ class SlotTable:
                 return
             self._staged = None
         memory.release(self.device)
+
+
+def _host_tensors(freed: list[object]) -> list[torch.Tensor]:
+    """Every tensor held by what commits freed (layers, staged rows, a prepare's leftovers)."""
+    out: list[torch.Tensor] = []
+    stack = list(freed)
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (tuple, list)):
+            stack.extend(o)
+        elif isinstance(o, LayerSlots):
+            stack += [o.w13, o.w2, *(o.alloc or ())]
+        elif isinstance(o, _Staged):
+            stack += [*o.rows.values(), *o.built.values()]
+    return out
 
 
 def _sources(layer: int, plan: LayerPlan, cur: LayerSlots, rows: dict[tuple[int, int], Rows]) -> list[Source]:
