@@ -48,10 +48,10 @@ def release(device: torch.device) -> None:
 _MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23
 _PAGE = 4096
-# NOTE: returning a mapping's pages holds the process's memory-map lock for the whole call, and a
-# thread that maps memory meanwhile (a serving thread's new buffer, Python's own arenas) waits for
-# it: unmapping a freed layer in one piece (hundreds of MB) stalled an expert server's layers by
-# tens of milliseconds after each commit, so freed weights go back this much at a time
+# NOTE: unmapping a freed layer in one piece (hundreds of MB) slowed an expert server's steps by
+# tens of milliseconds after each commit (measured); returning the pages this much at a time
+# before the free did not. Our reading: one call holds the process's memory-map lock throughout,
+# and a serving thread that maps memory meanwhile (a new buffer, Python's own arenas) waits
 RELEASE_CHUNK = 32 << 20
 
 
