@@ -118,7 +118,8 @@ def coordinator_cmd(args: argparse.Namespace, model: Path, servers: list[Proc]) 
 def eplb_flags(args: argparse.Namespace) -> list[str]:
     return ["--eplb-interval-steps", str(args.interval), "--eplb-window-steps", str(args.window),
             "--eplb-redundant-slots", str(args.redundant), "--eplb-skip-threshold", "0",
-            "--eplb-move-threshold", "0", "--eplb-max-moves", str(args.max_moves)]  # fmt: skip
+            "--eplb-move-threshold", "0", "--eplb-max-moves", str(args.max_moves),
+            "--eplb-max-move-mb", str(args.max_move_mb)]  # fmt: skip
 
 
 # ---------------------------------------------------------------------- load
@@ -405,6 +406,12 @@ def main() -> None:
         default=0,
         help="run B: --eplb-max-moves (expert weights per rebalance, 0 = no cap)",
     )
+    p.add_argument(
+        "--max-move-mb",
+        type=int,
+        default=1024,
+        help="run B: --eplb-max-move-mb (MiB of expert weights per rebalance, 0 = no cap; the coordinator's default)",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument(
         "--server-flags",
@@ -447,6 +454,11 @@ def main() -> None:
             f"{args.new_tokens} tokens; run B: EPLB every {args.interval} steps, window {args.window}, "
             f"{args.redundant} redundant slots per server"
             + (f", at most {args.max_moves} weights moved per rebalance" if args.max_moves else "")
+            + (
+                f", at most {args.max_move_mb} MiB moved per rebalance"
+                if args.max_move_mb
+                else ", no MiB cap"
+            )
             + (f"; expert servers with `{args.server_flags}`" if args.server_flags else "")
             + "\n"
         )

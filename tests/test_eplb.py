@@ -448,24 +448,49 @@ def test_first_plan_with_replicas_adds_them_beside_the_live_slots():
         assert bool((torch.bincount(grown[1][row], minlength=2) <= cap).all())
         assert all(e not in phy2log[row][owner[row] == o].tolist() for e, o in extra)
 
-    # a cap too large to bind: the replicas, then each layer within the move threshold of the
-    # from-scratch plan of the new slot count, with fewer than half its moves
-    cfg = EplbConfig(redundant_slots=2, skip_threshold=0.0, move_threshold=0.05, max_moves=10**6)
-    plan = plan_rebalance(load, live, layers, cap, speed, cfg, expert_bytes=1, force=True)
+    # no cap: the from-scratch plan of the new slot count, as before the cap existed
+    free = plan_rebalance(
+        load, live, layers, cap, speed, EplbConfig(redundant_slots=2, max_move_mb=0), 1, True
+    )
+    assert free.layers_scratch == 12 and free.placement is not None
+    # a cap the from-scratch plan fits changes nothing
+    loose = EplbConfig(redundant_slots=2, skip_threshold=0.0, max_moves=free.weights_moved)
+    same = plan_rebalance(load, live, layers, cap, speed, loose, 1, True)
+    assert same.layers_scratch == 12 and same.weights_moved == free.weights_moved
+    # a cap it does not fit: the replicas beside the live slots, then the capped moves; each layer
+    # within the move threshold of the from-scratch plan, with fewer than half its moves
+    half = EplbConfig(
+        redundant_slots=2, skip_threshold=0.0, move_threshold=0.05, max_moves=free.weights_moved // 2
+    )
+    plan = plan_rebalance(load, live, layers, cap, speed, half, expert_bytes=1, force=True)
     assert plan.placement is not None and len(plan.placement.layers[0].phy2log) == 68
     s_phy, s_own, _ = rebalance_heterogeneous(load, cap, speed, 68)
     scratch = server_times(load, s_phy, s_own, speed).max(1).values
     new_phy, new_own = placement_tensors(plan.placement, layers)  # type: ignore[misc]
     assert bool((server_times(load, new_phy, new_own, speed).max(1).values <= 1.05 * scratch + 1e-9).all())
-    # no cap: the from-scratch plan of the new slot count, as before the cap existed
-    free = plan_rebalance(load, live, layers, cap, speed, EplbConfig(redundant_slots=2), 1, True)
-    assert free.layers_scratch == 12
     assert plan.weights_moved < free.weights_moved / 2, (plan.weights_moved, free.weights_moved)
 
     capped = plan_rebalance(
         load, live, layers, cap, speed, EplbConfig(redundant_slots=2, max_moves=10), 1, True
     )
     assert capped.placement is not None and capped.weights_moved <= 12 * 4 + 10
+    # the same cap in MiB: 10 weights of 100 KiB fit 1 MiB
+    by_mb = plan_rebalance(
+        load, live, layers, cap, speed, EplbConfig(redundant_slots=2, max_move_mb=1), 100 << 10, True
+    )
+    assert by_mb.placement is not None and by_mb.weights_moved == capped.weights_moved
+
+
+def test_move_cap_is_the_lower_of_the_weights_and_bytes_caps():
+    from coordinator.eplb.plan import EplbConfig
+
+    qwen3_expert = 3 * 2048 * 768 * 2  # bf16 gate, up and down of Qwen3-30B-A3B
+    assert EplbConfig(max_move_mb=0).move_cap(qwen3_expert) == 0  # no cap
+    assert EplbConfig().move_cap(qwen3_expert) == (1024 << 20) // qwen3_expert == 113
+    assert EplbConfig(max_moves=50).move_cap(qwen3_expert) == 50
+    assert EplbConfig(max_moves=500).move_cap(qwen3_expert) == 113
+    assert EplbConfig(max_moves=500, max_move_mb=0).move_cap(qwen3_expert) == 500
+    assert EplbConfig(max_move_mb=1).move_cap(44 << 20) == 1  # one weight larger than the cap
 
 
 def test_eplb_flags_reach_the_config_and_bad_values_are_refused():
@@ -477,6 +502,10 @@ def test_eplb_flags_reach_the_config_and_bad_values_are_refused():
     EplbConfig.add_arguments(p)
     cfg = EplbConfig.from_args(p.parse_args(["--eplb-interval-steps", "8", "--eplb-max-moves", "128"]))
     assert cfg.interval_steps == 8 and cfg.max_moves == 128
-    assert EplbConfig.from_args(p.parse_args([])).max_moves == 0  # no cap by default
+    default = EplbConfig.from_args(p.parse_args([]))
+    assert default.max_moves == 0 and default.max_move_mb == 1024  # capped in bytes by default
+    assert EplbConfig.from_args(p.parse_args(["--eplb-max-move-mb", "0"])).max_move_mb == 0
+    with pytest.raises(ValueError, match="--eplb-max-move-mb must be >= 0"):
+        EplbConfig.from_args(p.parse_args(["--eplb-max-move-mb", "-1"]))
     with pytest.raises(ValueError, match="--eplb-max-moves must be >= 0"):
         EplbConfig.from_args(p.parse_args(["--eplb-max-moves", "-1"]))

@@ -32,6 +32,11 @@ class EplbConfig:
     # moved go first, the rest wait for the next rebalance, so each commit's pause stays short;
     # a plan that adds replica slots adds them beside the live ones, plus the capped moves
     max_moves: int = 0
+    # the same cap in MiB of expert weights (0: none), on by default: uncapped, the first plan
+    # with replica slots re-placed most experts of every layer (13 GB at 24 layers of
+    # Qwen3-30B-A3B) and rebalances stalled decode steps 3.1-4.7x their median against 2.0-2.2x
+    # under a ~1 GiB cap (2x H200, benchmarks/RESULTS.md); the lower of the two caps holds
+    max_move_mb: int = 1024
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:
@@ -42,6 +47,8 @@ class EplbConfig:
             raise ValueError(f"--eplb-redundant-slots must be >= 0, got {self.redundant_slots}")
         if self.max_moves < 0:
             raise ValueError(f"--eplb-max-moves must be >= 0, got {self.max_moves}")
+        if self.max_move_mb < 0:
+            raise ValueError(f"--eplb-max-move-mb must be >= 0, got {self.max_move_mb}")
         for name in ("skip_threshold", "move_threshold"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -76,6 +83,12 @@ class EplbConfig:
             "first (0 = no cap; a plan that adds replica slots adds them beside the live ones "
             "and loads them beside the cap)",
         )
+        g.add_argument(
+            "--eplb-max-move-mb",
+            type=int,
+            default=1024,
+            help="the same cap in MiB of expert weights (default 1024; 0 = none; with both, the lower holds)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EplbConfig:
@@ -86,7 +99,15 @@ class EplbConfig:
             skip_threshold=args.eplb_skip_threshold,
             move_threshold=args.eplb_move_threshold,
             max_moves=args.eplb_max_moves,
+            max_move_mb=args.eplb_max_move_mb,
         )
+
+    def move_cap(self, expert_bytes: int) -> int:
+        """Expert weights one rebalance may load, from both caps (0: no cap; at least one)."""
+        caps = [self.max_moves] if self.max_moves else []
+        if self.max_move_mb:
+            caps.append(max(1, (self.max_move_mb << 20) // max(expert_bytes, 1)))
+        return min(caps, default=0)
 
 
 @dataclass(frozen=True)
@@ -182,6 +203,26 @@ def layer_metrics(
     return torch.tensor(bal), torch.tensor(slow)
 
 
+def _from_scratch(
+    weight: torch.Tensor,
+    tensors: tuple[torch.Tensor, torch.Tensor] | None,
+    capacity: torch.Tensor,
+    speed: torch.Tensor,
+    num_replicas: int,
+    e: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A new placement of ``num_replicas`` slots per layer, its servers' slots aligned with the
+    live ones where servers are alike (so fewer experts change server); ``how`` all 2."""
+    phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, num_replicas)
+    how = torch.full((weight.shape[0],), 2, dtype=torch.int8)
+    if tensors is not None:
+        classes = torch.unique(
+            torch.stack([capacity.double(), speed.double()], 1), dim=0, return_inverse=True
+        )[1]
+        owner = align_servers(tensors[0], tensors[1], phy2log, owner, classes, e)
+    return phy2log, owner, how
+
+
 def plan_rebalance(
     weight: torch.Tensor,  # [L, E] tokens per logical expert in the window
     live: pl.Placement,
@@ -202,27 +243,31 @@ def plan_rebalance(
         )
     weight = weight.double().cpu()
     tensors = placement_tensors(live, moe_layers)
-    base = tensors
-    if tensors is not None and tensors[0].shape[1] < num_replicas and cfg.max_moves:
-        # NOTE: more slots (the first plan with replicas) under a move cap: the replicas are
-        # added beside the live slots, then the capped moves planned from there. Uncapped, the
-        # plan starts from scratch: on the 2-core VM at real widths the replicas-first plan
-        # left the balancing to the next plans, which moved as much in all and, with the
-        # default one-layer staging, rebuilt growing layers inside their commits
-        base = with_replica_slots(weight, *tensors, capacity, speed, num_replicas)
-    if base is not None and base[0].shape[1] == num_replicas:
+    cap = cfg.move_cap(expert_bytes)
+    if tensors is not None and tensors[0].shape[1] == num_replicas:
         mp = rebalance_few_moves(
-            weight, *base, capacity, speed, threshold=cfg.move_threshold, max_moves=cfg.max_moves
+            weight, *tensors, capacity, speed, threshold=cfg.move_threshold, max_moves=cap
         )
         phy2log, owner, how = mp.phy2log, mp.owner, mp.how
-    else:  # fewer slots, or no room for replicas beside the live ones: from scratch, aligned
-        phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, num_replicas)
-        how = torch.full((len(moe_layers),), 2, dtype=torch.int8)
-        if tensors is not None:
-            classes = torch.unique(
-                torch.stack([capacity.double(), speed.double()], 1), dim=0, return_inverse=True
-            )[1]
-            owner = align_servers(tensors[0], tensors[1], phy2log, owner, classes, e)
+    else:  # more or fewer slots (the first plan with replicas), or layers of mixed sizes
+        phy2log, owner, how = _from_scratch(weight, tensors, capacity, speed, num_replicas, e)
+        if (
+            tensors is not None
+            and tensors[0].shape[1] < num_replicas
+            and cap
+            and int(weights_moved(*tensors, phy2log, owner, s, e).sum()) > cap
+        ):
+            # NOTE: a from-scratch plan past the cap: the replicas go beside the live slots,
+            # then the capped moves are planned from there. One within the cap stays: on the
+            # 2-core VM at real widths the replicas-first plan, uncapped, left the balancing
+            # to the next plans, which moved as much in all and, with the default one-layer
+            # staging, rebuilt growing layers inside their commits
+            base = with_replica_slots(weight, *tensors, capacity, speed, num_replicas)
+            if base is not None and base[0].shape[1] == num_replicas:
+                mp = rebalance_few_moves(
+                    weight, *base, capacity, speed, threshold=cfg.move_threshold, max_moves=cap
+                )
+                phy2log, owner, how = mp.phy2log, mp.owner, mp.how
     moved_layers = (
         weights_moved(tensors[0], tensors[1], phy2log, owner, s, e)
         if tensors is not None
