@@ -264,6 +264,11 @@ def run(args: argparse.Namespace, name: str, cmd: list[str], load: list[list[lis
             st = admin_pb2_grpc.AdminStub(ch).GetEplbStatus(admin_pb2.GetEplbStatusRequest(), timeout=30)
         if value(m0, "expertmesh_step_seconds_count", placement="moving"):
             errs.append("a push overlapped the warm-up: the moving steps' worst includes it")
+        # NOTE: a failed rebalance, and one whose commit failed on a server (still "rebalanced"),
+        # say why here; the table only counts them
+        errs += [
+            f"rebalance to generation {o.generation}: {o.outcome}: {o.error}" for o in st.history if o.error
+        ]
         results = {
             dict(labels)["result"]: v for (n, labels), v in m1.items() if n == "expertmesh_rebalances_total"
         }

@@ -17,6 +17,7 @@ Shapes: L MoE layers, E logical experts, S servers.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -26,6 +27,8 @@ from coordinator.experts.cluster import ExpertCluster
 from coordinator.experts.expert_conn import ExpertServerError
 from expertmesh import errors
 from expertmesh import placement as pl
+
+STUCK_WAIT_S = 5.0  # a push waits this long for servers that hold experts to be usable
 
 
 class ClusterTarget:
@@ -121,14 +124,24 @@ class ClusterTarget:
         # new generation only when it returns, so the old placement stays until every server
         # that holds experts (now or in ``new``) is up
         live = self.cluster.placement
-        stuck = [
-            i
-            for i in self.cluster.down()
-            if any(live.server_slots(i).values()) or any(new.server_slots(i).values())
-        ]
-        if stuck:
-            raise ExpertServerError.of(
-                errors.Unavailable(f"not every expert server is ready: {self.cluster.describe_state()}")
-            )
+
+        def stuck() -> list[int]:
+            return [
+                i
+                for i in self.cluster.down()
+                if any(live.server_slots(i).values()) or any(new.server_slots(i).values())
+            ]
+
+        # NOTE: a server can be out for a moment (a refused layer ends its stream; the maintenance
+        # thread reopens it within a second or so): wait that long before refusing the push
+        deadline = time.monotonic() + min(STUCK_WAIT_S, self.timeout_s)
+        if stuck():
+            self.cluster.kick()
+        while stuck():
+            if time.monotonic() >= deadline:
+                raise ExpertServerError.of(
+                    errors.Unavailable(f"not every expert server is ready: {self.cluster.describe_state()}")
+                )
+            time.sleep(0.05)
         failed = self.cluster.update_placement(new, self.timeout_s, between_steps)
         return [self.cluster.conns[i].spec.name for i in failed]

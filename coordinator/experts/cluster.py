@@ -22,6 +22,7 @@ connections (tests/test_cluster_state.py). No gRPC here: connections raise
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -40,7 +41,7 @@ from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 from coordinator.experts.expert_conn import ExpertServerError, ServerConnection
 from coordinator.experts.membership import DnsMembership
 from coordinator.experts.pool import PoolRole, placement_of_servers
-from expertmesh import errors
+from expertmesh import errors, status
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
 from expertmesh.net import device_uuid, host_id
@@ -51,6 +52,16 @@ log = logging.getLogger("expertmesh.cluster")
 
 RECONNECT_WAIT_S = 5.0  # at most this long (or the expert timeout) a step waits for a reconnect
 BETWEEN_STEPS_WAIT_S = 60.0  # a commit phase waits this long for the scheduler to reach a gap
+
+
+class NotRun(ExpertServerError):
+    """The switch between two steps never ran (the steps left no gap in time): nothing moved."""
+
+    def __init__(self, message: str) -> None:
+        err = errors.Unavailable(message)
+        super().__init__(status.grpc_code(err), message, err)
+
+
 POLL_S = 0.5  # the maintenance thread looks at every server this often
 
 
@@ -285,7 +296,9 @@ class ExpertCluster:
 
     def describe_state(self) -> str:
         return ", ".join(
-            f"{m.conn.spec.name} {m.state.value}" + (f" ({m.last_error})" if m.last_error else "")
+            f"{m.conn.spec.name} {m.state.value}"
+            + (" (stream closed)" if m.state is ServerState.READY and not m.conn.stream_alive() else "")
+            + (f" ({m.last_error})" if m.last_error else "")
             for m in self.members
         )
 
@@ -760,22 +773,29 @@ class ExpertCluster:
         returned; the others are committed."""
         idx = list(range(len(self.members)) if members is None else members)
         prepared: list[int] = []
-        try:
-            for i in idx:
-                prepare(i)
-                prepared.append(i)
-        except ExpertServerError:
-            for i in prepared:
-                with contextlib.suppress(ExpertServerError):
+
+        def abort_prepared(also: int | None = None) -> None:
+            # NOTE: any failure, not only a server's answer (a closed channel raises ValueError);
+            # the member whose prepare failed too: one that timed out may still be loading
+            for i in [*prepared, *([] if also is None else [also])]:
+                with contextlib.suppress(Exception):
                     abort(i)
-            raise
+
+        for i in idx:
+            try:
+                prepare(i)
+            except Exception:
+                abort_prepared(i)
+                raise
+            prepared.append(i)
         failed: list[int] = []
 
         def commit_one(i: int) -> None:
             try:
                 commit(i)
-            except ExpertServerError as e:
-                self.mark_down(i, e)
+            except Exception as e:  # noqa: BLE001 - not only a server's answer: none may go unreported
+                err = e if isinstance(e, ExpertServerError) else f"commit: {type(e).__name__}: {e}"
+                self.mark_down(i, err)
                 failed.append(i)
 
         def commit_all() -> None:
@@ -795,7 +815,11 @@ class ExpertCluster:
             for t in threads:
                 t.join()
 
-        self._run_between_steps(commit_all, between_steps)
+        try:
+            self._run_between_steps(commit_all, between_steps)
+        except NotRun:
+            abort_prepared()
+            raise
         return failed
 
     def _run_between_steps(
@@ -808,7 +832,15 @@ class ExpertCluster:
         if hook is None:
             fn()
             return
-        hook(fn).result(timeout=BETWEEN_STEPS_WAIT_S)
+        fut = hook(fn)
+        try:
+            fut.result(timeout=BETWEEN_STEPS_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            if fut.cancel():  # NOTE: not started: it never runs (no late switch behind our back)
+                raise NotRun(
+                    f"the steps left no gap for the switch within {BETWEEN_STEPS_WAIT_S:g}s; nothing was switched"
+                ) from None
+            fut.result()  # started meanwhile: its commits end within their own deadlines
 
     def update_placement(
         self,
