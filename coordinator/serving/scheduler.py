@@ -62,6 +62,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A step an expert server refused for an older placement generation (a follower before it adopts
+# the holder's push, a server re-pushed after a restart) runs again, after this pause, until the
+# coordinator steps with the servers' generation, for up to STALE_RETRY_S; then its requests fail
+STALE_RETRY_S = 2.0
+STALE_PAUSE_S = 0.02
+
 __all__ = ["DeadlineExceeded", "Output", "QueueFull", "Scheduler", "SchedulerStopped", "Sink"]
 
 
@@ -155,6 +161,7 @@ class Scheduler:
         self.engine, self.limits, self.tokenizer = engine, limits, tokenizer
         self.eos_ids = frozenset(eos_ids)
         self.num_preemptions = 0
+        self._stale_since: float | None = None  # the first of the steps refused as stale in a row
         self.num_steps = 0
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._next_rid = 0
@@ -412,6 +419,20 @@ class Scheduler:
         log.debug("preempted request %d (%d tokens, %d pages)", req.rid, len(req.tokens), freed)
         return freed
 
+    def _again_when_adopted(self, exc: BaseException) -> bool:
+        """True: leave the refused step's requests as they are, to run again once the placement
+        the servers committed is adopted (between steps; KV positions are rewritten, not
+        added); False once steps have been refused as stale for STALE_RETRY_S."""
+        now = time.monotonic()
+        if self._stale_since is None:
+            self._stale_since = now
+            log.warning("a step was refused for its placement generation, running it again: %s", exc)
+        if now - self._stale_since >= STALE_RETRY_S:
+            self._stale_since = None
+            return False
+        time.sleep(STALE_PAUSE_S)  # NOTE: not a loop of refused steps while the adoption comes
+        return True
+
     def _run_step(self, plan: list[tuple[Request, int]]) -> None:
         items = []
         for req, n in plan:
@@ -428,6 +449,8 @@ class Scheduler:
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
         except Exception as exc:  # noqa: BLE001 - the thread boundary (above)
+            if _stale(exc) and self._again_when_adopted(exc):
+                return  # NOTE: nothing of the step is kept; its requests are planned again
             hit = _requests_of_rows(plan, getattr(exc, "rows", None))
             if hit and len(hit) < len(plan):
                 # only some requests need an expert that no live server holds: fail those and
@@ -451,6 +474,7 @@ class Scheduler:
             for req, _ in plan:
                 self._finish(req, "error", error=exc)
             return
+        self._stale_since = None
         self.num_steps += 1
         if self.metrics is not None:
             self.metrics.step(sum(n for _, n in plan))
@@ -561,6 +585,11 @@ def _top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:  # l
     the sampled token's logprob)."""
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(n, logits.shape[-1]))
     return list(zip(ids.tolist(), values.tolist()))
+
+
+def _stale(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal of the step's placement generation (FAILED_PRECONDITION)."""
+    return isinstance(getattr(exc, "error", exc), errors.StaleGeneration)
 
 
 def _refused_input(exc: BaseException) -> bool:
