@@ -10,6 +10,8 @@ server (on the CPU) on 127.0.0.4 and a CPU expert server on 127.0.0.5.
 - an adapter loaded through one coordinator is usable through the other;
 - an expert server restarted on its port gets the placement and the adapter from the holder,
   and both coordinators serve through it again;
+- three rebalances by the holder while the follower streams cost the follower no request
+  (its steps refused for the generation it has not adopted yet run again once it has);
 - kill -9 of the holder: the other takes the role within the lease and keeps serving.
 """
 
@@ -211,6 +213,24 @@ def test_two_coordinators_share_one_expert_pool(model):
         wait_for("both coordinators ready", lambda: all(c.states() == ["ready", "ready"] for c in coords))
         assert both(coords, jobs) == [[[w] for w in want]] * 2
         assert both(coords, ad) == [via_follower] * 2
+
+        # the holder rebalances while the follower streams: a follower step refused for the
+        # generation it has not adopted yet runs again once it has, and no follower request fails
+        longer = [[Job(p, 48), Job(p, 48)] for p in PROMPTS]
+        ref = both([follower], longer)[0]
+        pushes: list = []
+
+        def push() -> None:
+            for _ in range(3):
+                pushes.append(holder.rebalance())
+
+        pusher = threading.Thread(target=push)
+        res = run_load(follower.addr, longer, at_chunks=len(PROMPTS), action=pusher.start)
+        pusher.join(120)
+        assert [o.outcome for o in pushes] == ["rebalanced"] * 3, pushes
+        assert [[o.tokens for o in outs] for outs in res] == ref, [o.error for outs in res for o in outs]
+        retried = sum("refused for its placement generation" in line for line in follower.lines)
+        print(f"follower steps run again after a stale refusal: {retried}")
 
         # kill -9 of the holder while the follower streams: the follower's requests all finish
         # (a coordinator that dies loses only its own), it takes the role and keeps serving

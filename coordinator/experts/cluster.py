@@ -54,6 +54,16 @@ RECONNECT_WAIT_S = 5.0  # at most this long (or the expert timeout) a step waits
 BETWEEN_STEPS_WAIT_S = 60.0  # a commit phase waits this long for the scheduler to reach a gap
 
 
+class Adopting(ExpertServerError):
+    """A follower found a server on a newer placement generation than its own and is adopting
+    it (between two steps): a step that needs that server's experts is refused as stale at
+    once, not held for it, since the adoption waits for the steps to leave a gap."""
+
+    def __init__(self, message: str) -> None:
+        err = errors.StaleGeneration(message)
+        super().__init__(status.grpc_code(err), message, err)
+
+
 class NotRun(ExpertServerError):
     """The switch between two steps never ran (the steps left no gap in time): nothing moved."""
 
@@ -402,6 +412,12 @@ class ExpertCluster:
                 lost = pl.uncovered(self.tables.placement.tables, down) if down else {}
                 if not lost or (not wait_lost and not self._incompatible(down)):
                     return down
+                adopting = [self.members[i].error for i in sorted(down)]
+                for err in adopting:
+                    if isinstance(err, Adopting) and self._serving:
+                        # NOTE: the adoption swaps tables between two steps, so a step held for
+                        # it would hold the adoption too: refused now, the step runs again after
+                        raise err
                 left = deadline - time.monotonic()
                 if left <= 0 or not wait_lost:
                     break
@@ -697,10 +713,8 @@ class ExpertCluster:
         assert self.pool is not None
         if theirs > ours:
             self._kick()
-            raise ExpertServerError.of(
-                errors.StaleGeneration(
-                    f"{conn.spec.name} holds placement generation {theirs}, newer than ours ({ours}): adopting it"
-                )
+            raise Adopting(
+                f"{conn.spec.name} holds placement generation {theirs}, newer than ours ({ours}): adopting it"
             )
         raise ExpertServerError.of(
             errors.Unavailable(
