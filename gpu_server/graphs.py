@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from expertmesh.experts import ExpertBackend
+from expertmesh.worker import memory
 from gpu_server.link_graphs import LinkGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -193,7 +194,10 @@ class GraphedBackend(ExpertBackend):
             self.inner.forward(xs, w13, w2, ids, ws)  # warm-up: Triton compiles for this shape
         graph = torch.cuda.CUDAGraph()
         # NOTE: thread_local: the server's other threads may use CUDA meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+        with (
+            memory.capturing(),
+            torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"),
+        ):
             route.copy_(staging.host, non_blocking=True)  # a copy node: host routing -> device
             out = self.inner.forward(xs, w13, w2, ids, ws)
         torch.cuda.current_stream(dev).wait_stream(stream)

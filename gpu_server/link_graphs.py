@@ -45,6 +45,7 @@ from expertmesh.errors import InvalidRequest, Unavailable
 from expertmesh.experts import ExpertBackend
 from expertmesh.transport import link
 from expertmesh.transport.link_layout import StepReport as StepReport
+from expertmesh.worker import memory
 from gpu_server.backend import TritonExpertBackend
 from gpu_server.kernels import fused_moe
 
@@ -409,7 +410,10 @@ class LinkGraphs:
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             # NOTE: thread_local: the server's other threads may use CUDA meanwhile
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            with (
+                memory.capturing(),
+                torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"),
+            ):
                 self.step.copy_in()
                 self._body(self.req, self.ans, self.words, st, self._counts, timeout_s)
                 self._counts_host.copy_(self._counts, non_blocking=True)

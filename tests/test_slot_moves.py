@@ -391,3 +391,31 @@ def slots_mod_host_tensors(freed: list[object]) -> list[torch.Tensor]:
     from expertmesh.worker.slots import _host_tensors
 
     return list({id(x): x for x in _host_tensors(freed)}.values())
+
+
+def test_release_of_the_cuda_reserve_waits_for_a_graph_capture(monkeypatch):
+    """An expert server captures CUDA graphs on its compute thread and hands freed memory back
+    on its loader thread; the allocator's reserve is never freed inside a capture."""
+    import contextlib
+    import time
+
+    from expertmesh.worker import memory
+
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    captured = threading.Event()
+
+    def capture() -> None:
+        with memory.capturing():
+            captured.set()
+            time.sleep(0.2)
+            events.append("capture done")
+
+    t = threading.Thread(target=capture)
+    t.start()
+    captured.wait(5)
+    memory.release(torch.device("cuda", 0))
+    t.join(5)
+    assert events == ["capture done", "empty_cache"]

@@ -8,11 +8,14 @@ still show them. :func:`release` gives both back.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import logging
 import sys
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -31,12 +34,25 @@ def _libc() -> ctypes.CDLL | None:
     return lib if hasattr(lib, "malloc_trim") else None  # glibc only (not musl)
 
 
+# NOTE: the CUDA caching allocator must not free its reserve while a graph is being captured in
+# the process, whichever thread frees (PyTorch raises, or the capture breaks); an expert server
+# captures on its compute thread and releases on its loader thread, so the two take turns
+_CAPTURE = threading.Lock()
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Held around a CUDA graph capture: :func:`release` waits for it."""
+    with _CAPTURE:
+        yield
+
+
 def release(device: torch.device) -> None:
     """Returns freed memory: the CUDA allocator's unused reserve on ``device``, and the host
     heap's free pages (glibc ``malloc_trim``; big tensors are their own mappings and go back
     when freed, smaller ones sit in the heap)."""
     if device.type == "cuda" and torch.cuda.is_initialized():
-        with torch.cuda.device(device):
+        with _CAPTURE, torch.cuda.device(device):
             torch.cuda.empty_cache()
     libc = _libc()
     if libc is not None:
