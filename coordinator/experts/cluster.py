@@ -41,7 +41,7 @@ from coordinator.experts.cluster_config import ClusterConfig, ServerSpec
 from coordinator.experts.expert_conn import ExpertServerError, ServerConnection
 from coordinator.experts.membership import DnsMembership
 from coordinator.experts.pool import PoolRole, placement_of_servers
-from expertmesh import errors, status
+from expertmesh import errors
 from expertmesh import placement as pl
 from expertmesh.config import ModelConfig
 from expertmesh.net import device_uuid, host_id
@@ -59,17 +59,9 @@ class Adopting(ExpertServerError):
     it (between two steps): a step that needs that server's experts is refused as stale at
     once, not held for it, since the adoption waits for the steps to leave a gap."""
 
-    def __init__(self, message: str) -> None:
-        err = errors.StaleGeneration(message)
-        super().__init__(status.grpc_code(err), message, err)
-
 
 class NotRun(ExpertServerError):
     """The switch between two steps never ran (the steps left no gap in time): nothing moved."""
-
-    def __init__(self, message: str) -> None:
-        err = errors.Unavailable(message)
-        super().__init__(status.grpc_code(err), message, err)
 
 
 POLL_S = 0.5  # the maintenance thread looks at every server this often
@@ -412,12 +404,11 @@ class ExpertCluster:
                 lost = pl.uncovered(self.tables.placement.tables, down) if down else {}
                 if not lost or (not wait_lost and not self._incompatible(down)):
                     return down
-                adopting = [self.members[i].error for i in sorted(down)]
-                for err in adopting:
-                    if isinstance(err, Adopting) and self._serving:
-                        # NOTE: the adoption swaps tables between two steps, so a step held for
-                        # it would hold the adoption too: refused now, the step runs again after
-                        raise err
+                adopting = [e for i in sorted(down) if isinstance(e := self.members[i].error, Adopting)]
+                if self._serving and len(adopting) == len(down):
+                    # NOTE: the adoption swaps tables between two steps, so a step held for it
+                    # would hold the adoption too: refused now, the step runs again after
+                    raise adopting[0]
                 left = deadline - time.monotonic()
                 if left <= 0 or not wait_lost:
                     break
@@ -713,8 +704,10 @@ class ExpertCluster:
         assert self.pool is not None
         if theirs > ours:
             self._kick()
-            raise Adopting(
-                f"{conn.spec.name} holds placement generation {theirs}, newer than ours ({ours}): adopting it"
+            raise Adopting.of(
+                errors.StaleGeneration(
+                    f"{conn.spec.name} holds placement generation {theirs}, newer than ours ({ours}): adopting it"
+                )
             )
         raise ExpertServerError.of(
             errors.Unavailable(
@@ -851,8 +844,10 @@ class ExpertCluster:
             fut.result(timeout=BETWEEN_STEPS_WAIT_S)
         except concurrent.futures.TimeoutError:
             if fut.cancel():  # NOTE: not started: it never runs (no late switch behind our back)
-                raise NotRun(
-                    f"the steps left no gap for the switch within {BETWEEN_STEPS_WAIT_S:g}s; nothing was switched"
+                raise NotRun.of(
+                    errors.Unavailable(
+                        f"the steps left no gap for the switch within {BETWEEN_STEPS_WAIT_S:g}s; nothing was switched"
+                    )
                 ) from None
             fut.result()  # started meanwhile: its commits end within their own deadlines
 

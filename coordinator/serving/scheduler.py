@@ -449,7 +449,9 @@ class Scheduler:
         # NOTE: the thread boundary: whatever failed (an expert server, a bug) is reported to
         # the requests of this step, which are failed and freed; other requests keep going
         except Exception as exc:  # noqa: BLE001 - the thread boundary (above)
-            if _stale(exc) and self._again_when_adopted(exc):
+            if not _stale(exc):
+                self._stale_since = None
+            elif self._again_when_adopted(exc):
                 return  # NOTE: nothing of the step is kept; its requests are planned again
             hit = _requests_of_rows(plan, getattr(exc, "rows", None))
             if hit and len(hit) < len(plan):
