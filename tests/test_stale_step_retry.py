@@ -10,11 +10,9 @@ import grpc
 from coordinator.experts.remote import ExpertServerError
 from coordinator.model.dispatch import Dispatcher
 from coordinator.serving import scheduler as sched
-from coordinator.serving.sampler import SamplingParams
 from expertmesh import errors
-from tests.test_serving_scheduler import Collect, ckpt, make_scheduler  # noqa: F401 (fixture)
-
-PROMPTS = [[1, 2, 3], [7, 8], [11, 4, 9, 2], [5]]
+from tests.test_partial_step_failure import run_all
+from tests.test_serving_scheduler import ckpt, make_scheduler  # noqa: F401 (fixture)
 
 
 class Stale(Dispatcher):
@@ -31,13 +29,6 @@ class Stale(Dispatcher):
             err = errors.StaleGeneration("placement generation 3 is not the live generation 4")
             raise ExpertServerError(grpc.StatusCode.FAILED_PRECONDITION, err.message, err)
         return self.inner.submit(layer, x, topk_ids, topk_weights)
-
-
-def run_all(s, n=6):
-    outs = [Collect() for _ in PROMPTS]
-    for p, c in zip(PROMPTS, outs):
-        s.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True), c)
-    return [c.run() for c in outs]
 
 
 def test_a_stale_step_runs_again_and_no_request_is_lost(ckpt):  # noqa: F811
