@@ -45,6 +45,27 @@ def test_micro_batched_decode_equals_one_batch(arch, tmp_path):
         torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-4)
 
 
+def test_the_load_hook_sees_a_micro_batched_step_once(tmp_path):
+    """EPLB's recorder counts a step at each layer-0 record: a micro-batched step is one step,
+    its routed tokens all counted."""
+    from coordinator.experts.load_recorder import LoadRecorder
+
+    make_checkpoint("qwen3_moe", tmp_path)
+    eng = Engine.from_checkpoint(str(tmp_path), page_size=4)
+    cfg = eng.model.config
+    rec = LoadRecorder(list(cfg.moe_layer_ids), cfg.num_experts, window_steps=8)
+    for blk in eng.model.moe_blocks():
+        blk.load_hook = rec.record
+    eng.micro_batches = 2
+    seqs = [eng.new_seq() for _ in PROMPTS]
+    eng.step([(s, p) for s, p in zip(seqs, PROMPTS)])  # a prefill: one step, not split
+    before = rec.steps
+    eng.step([(s, [1]) for s in seqs])  # a decode of 5 sequences in 2 micro-batches
+    assert rec.steps == before + 1
+    counted = rec.ring[rec.cursor].sum(-1)  # [L] routed pairs of the step per MoE layer
+    assert counted.tolist() == [len(PROMPTS) * cfg.top_k] * len(cfg.moe_layer_ids)
+
+
 @pytest.mark.slow
 def test_micro_batched_decode_over_tcp_equals_one_batch(tmp_path):
     make_checkpoint("qwen2_moe", tmp_path)  # a shared expert too (it runs before the wait)

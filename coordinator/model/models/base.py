@@ -126,16 +126,29 @@ class CausalLM(nn.Module):
         flight: list[tuple[torch.Tensor, Callable[[], torch.Tensor]] | None] = [None] * len(batches)
         for i, layer in enumerate(self.decoder_layers()):
             kv = (cache.k[i], cache.v[i])
-            for m, b in enumerate(batches):
-                prev = flight[m]
-                if prev is not None:
-                    xs[m] = prev[0] + prev[1]()
-                h = xs[m] + layer.self_attn(layer.input_layernorm(xs[m]), b, kv)
-                y = layer.post_attention_layernorm(h)
-                if isinstance(layer.mlp, MoEBlock):
-                    flight[m] = (h, layer.mlp.start(y))
-                else:
-                    flight[m] = (h, _done(layer.mlp(y)))
+            moe = layer.mlp if isinstance(layer.mlp, MoEBlock) else None
+            # NOTE: the load hook sees the layer's routing once for the whole step, as in
+            # forward (the EPLB recorder counts a step at each first MoE layer it is shown)
+            hook = moe.load_hook if moe is not None else None
+            seen: list[torch.Tensor] = []  # [T_m, K] routing ids per micro-batch
+            if hook is not None:
+                moe.load_hook = lambda _layer, ids, seen=seen: seen.append(ids)
+            try:
+                for m, b in enumerate(batches):
+                    prev = flight[m]
+                    if prev is not None:
+                        xs[m] = prev[0] + prev[1]()
+                    h = xs[m] + layer.self_attn(layer.input_layernorm(xs[m]), b, kv)
+                    y = layer.post_attention_layernorm(h)
+                    if moe is not None:
+                        flight[m] = (h, moe.start(y))
+                    else:
+                        flight[m] = (h, _done(layer.mlp(y)))
+            finally:
+                if hook is not None:
+                    moe.load_hook = hook
+            if hook is not None and seen:
+                hook(moe.layer, torch.cat(seen))
         outs = []
         for m, b in enumerate(batches):
             prev = flight[m]
