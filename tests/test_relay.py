@@ -19,7 +19,7 @@ import torch
 
 from expertmesh.transport import link
 from expertmesh.transport import relay as rl
-from tests.relay_utils import DT, Compute, Graph, H, K, R, areas, connect, pair
+from tests.relay_utils import DT, Compute, Graph, H, K, R, areas, connect, expected, pair
 
 
 def test_the_relay_builds_here():
@@ -242,3 +242,114 @@ def test_without_a_compiler_the_reason_is_given(monkeypatch, tmp_path):
     monkeypatch.setattr(rl._LIB, "_why", "")
     assert rl.load() is None
     assert "cannot be built" in rl.unavailable() and "no-such-cc" in rl.unavailable()
+
+
+# ---------------------------------------------------------------------- micro-batched steps
+
+
+class MicroGraph:
+    """The coordinator's graph of a micro-batched step (CausalLM.forward_micro's order): per
+    layer, each micro-batch waits for its answer to the layer before, then writes its request
+    in its own rows and publishes the flag; the waits take a flag at or past their own, as the
+    graph's do (link.wait ``at_least``)."""
+
+    def __init__(self, relay: rl.Relay, micro: int, rows: int, seed: int = 0) -> None:
+        self.req, self.ans, self.micro, self.rows = relay.req, relay.ans, micro, rows
+        self.flag, self.ans_flag = self.req.flag.numpy(), self.ans.flag.numpy()
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def _answer(self, want: int, m: int, expect: torch.Tensor) -> int:
+        end = time.monotonic() + 10
+        while self.ans_flag[0] < want:
+            assert time.monotonic() < end, f"no answer {want} (flag {self.ans_flag[0]})"
+            time.sleep(0)
+        rows = slice(m * self.rows, (m + 1) * self.rows)
+        torch.testing.assert_close(self.ans.out[rows], expect, rtol=0, atol=0)
+        return int(self.ans.status[0])
+
+    def step(self, step: int, layers: int, dense: bool = False) -> list[int]:
+        """``dense``: a dense layer between every two MoE layers, so every micro-batch's answer
+        to a layer is waited for before the next layer's first request."""
+        expect: list[torch.Tensor | None] = [None] * self.micro
+        statuses = []
+        for k in range(layers * self.micro):
+            m, want = k % self.micro, step * link.STEP_SPAN + k + 1
+            if dense and m == 0 and k:
+                for j in range(self.micro):  # the dense layer needs all of them
+                    statuses.append(self._answer(want - self.micro + j, j, expect[j]))
+            elif not dense and expect[m] is not None:  # this micro-batch's answer to the layer before
+                statuses.append(self._answer(want - self.micro, m, expect[m]))
+            rows = slice(m * self.rows, (m + 1) * self.rows)
+            x = torch.randn(self.rows, H, generator=self.gen).to(DT)
+            ids = torch.randint(0, 16, (self.rows, K), generator=self.gen, dtype=torch.int32)
+            w = torch.rand(self.rows, K, generator=self.gen)
+            self.req.x[rows], self.req.ids[rows], self.req.w[rows] = x, ids, w
+            expect[m] = expected(x, ids, w)
+            self.flag[0] = want
+        n = layers * self.micro
+        for k in range(n - self.micro, n):
+            m = k % self.micro
+            statuses.append(self._answer(step * link.STEP_SPAN + k + 1, m, expect[m]))
+        return statuses
+
+
+@pytest.mark.parametrize(
+    "micro,rows,dense", [(2, 4, False), (3, 2, False), (2, 1, False), (2, 2, True), (3, 1, True)]
+)
+def test_a_micro_batched_step_answers_each_micro_batch_in_its_rows(micro, rows, dense):
+    with pair() as (co, srv, _):
+        compute, graph = Compute(srv), MicroGraph(co, micro, rows, seed=micro)
+        for step in (1, 2, 3):
+            worker = compute.run_step(step, rows, 4 * micro)  # the server sees 4 x micro frames
+            assert co.step(step, rows, 4, micro) == ""
+            assert graph.step(step, 4, dense) == [0] * 4 * micro
+            worker.join(10)
+            assert not compute.errors, compute.errors
+        assert co.wait_idle(5) and co.stats().layers == 3 * 4 * micro
+        # a plain step after micro-batched ones, on the same link
+        run_steps(co, srv, range(4, 5), layers=4, rows=R, real=R)
+
+
+def test_a_micro_batched_step_has_micro_frames_in_flight():
+    """The peer reads both micro-batches' first frames before it answers either: a relay that
+    waited for each answer before the next frame would leave it waiting (then the step fails)."""
+    micro, rows, layers = 2, 2, 3
+    cfg = rl.RelayConfig(timeout_s=2.0)
+    with contextlib.ExitStack() as stack:
+        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
+        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        c, s = connect(listener.getsockname()[1], listener)
+        stack.callback(s.close)
+        assert co.attach(c)
+        s.settimeout(5)
+        frame = REQ.size + rows * H * DT.itemsize + 2 * rows * K * 4
+
+        def peer() -> None:  # answers in pairs: both frames of a layer first, then both answers
+            for _ in range(layers):
+                got = [REQ.unpack(recv_exact(s, frame)[: REQ.size]) for _ in range(micro)]
+                for _, n, flag in got:
+                    x = torch.zeros(n, H, dtype=DT)
+                    s.sendall(ANS.pack(ANS_MAGIC, n, flag, 0) + x.view(torch.uint8).numpy().tobytes())
+
+        t = threading.Thread(target=peer, daemon=True)
+        t.start()
+        assert co.step(1, rows, layers, micro) == ""
+        flag, ans_flag = co.req.flag.numpy(), co.ans.flag.numpy()
+        for k in range(layers * micro):
+            if k >= micro:
+                end = time.monotonic() + 5
+                while ans_flag[0] < link.STEP_SPAN + k - micro + 1:
+                    assert time.monotonic() < end, f"no answer before frame {k}"
+                    time.sleep(0)
+            flag[0] = link.STEP_SPAN + k + 1
+        assert co.wait_idle(5)
+        t.join(5)
+        st = co.stats()
+        assert st.last_bits == 0 and st.layers == layers * micro and co.connected, st
+
+
+def test_a_micro_batched_step_refuses_rows_past_the_areas():
+    with pair() as (co, _, _):
+        assert "refused" in co.step(1, R // 2 + 1, 2, 2)  # two micro-batches of R/2 + 1 rows
+        assert "refused" in co.step(1, 1, 2, 0)
+        assert co.step(1, R // 2, 2, 2) == ""

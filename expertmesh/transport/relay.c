@@ -4,7 +4,8 @@
  * Coordinator end: per launched step, per MoE layer i, it spins until the local request area's
  * flag shows step*STEP_SPAN+i+1, sends one request frame straight from the area, reads the
  * answer frame straight into the local answer area's out rows, writes the status word, then
- * publishes the answer flag (release).
+ * publishes the answer flag (release). A micro-batched step (run_step) sends each frame as its
+ * flag comes and takes the answers as they arrive, each micro-batch in its own rows of the areas.
  * Server end: the mirror, driven by the frames: it reads a request frame into the local
  * request area (payload first, flag last), spins until the local answer area's flag shows the
  * same value, and sends the answer frame straight from the area.
@@ -84,7 +85,7 @@ typedef struct relay {
     pthread_cond_t cv;
     int fd; /* -1: none; the thread's once attached */
     int pending, busy;
-    int64_t p_step, p_rows, p_layers, last_launched;
+    int64_t p_step, p_rows, p_layers, p_micro, last_launched;
     int64_t stats[ST_N];
     pthread_t th;
 } relay;
@@ -201,44 +202,113 @@ static int io_bits(relay *r, int rc) {
 
 /* ------------------------------------------------------------------ coordinator end */
 
-static int64_t run_step(relay *r, int64_t step, int64_t rows, int64_t layers) {
-    int64_t bits = 0, served = 0;
-    int fd = __atomic_load_n(&r->fd, __ATOMIC_ACQUIRE);
-    size_t nx = (size_t)(rows * r->H * r->isz), nk = (size_t)(rows * r->K * 4);
-    for (int64_t i = 0; i < layers; i++) {
-        int64_t want = step * STEP_SPAN + i + 1;
-        int rc = wait_flag(r, r->req_flag, want, step);
-        if (rc != IO_OK) { /* the graph is gone or the step was cancelled: nobody waits for us */
-            bits |= io_bits(r, rc);
-            break;
-        }
-        if (bits || fd < 0) { /* an earlier layer failed: keep the graph running, with the bits */
-            bits |= fd < 0 ? ERR_WIRE : 0;
-            publish(r, want, bits);
-            continue;
-        }
-        req_hdr q = {REQ_MAGIC, (uint32_t)rows, want};
-        struct iovec out[4] = {{&q, sizeof q}, {r->req_x, nx}, {r->req_ids, nk}, {r->req_w, nk}};
-        rc = xfer(r, fd, out, 4, 1, 0, step);
-        ans_hdr a;
-        if (rc == IO_OK) {
-            struct iovec in[2] = {{&a, sizeof a}, {r->ans_out, nx}};
-            rc = xfer(r, fd, in, 2, 0, 0, step);
-            if (rc == IO_OK && (a.magic != ANS_MAGIC || a.rows != (uint32_t)rows || a.flag != want))
-                rc = IO_WIRE;
-        }
-        if (rc != IO_OK) { /* mid-exchange: the byte stream is out of step, close it */
-            bits |= io_bits(r, rc);
-            drop(r, &fd);
-            if (rc == IO_ABORT) break;
-            publish(r, want, bits);
-            continue;
-        }
-        served |= a.status;
-        count(r, ST_LAYERS);
-        publish(r, want, a.status);
+/* One step's exchange state at the coordinator end (run_step). */
+typedef struct {
+    int64_t step, rows, micro;
+    int64_t sent, got; /* frames sent; answers published */
+    int64_t bits, served;
+    int fd;
+} exch;
+
+/* Reads the answer to frame ``got`` into its micro-batch's rows and publishes it (a micro-batched
+ * step's status word carries the step's bits so far: a later publish never hides an error). A
+ * failure mid-exchange closes the connection and answers every frame out with the bits. */
+static int take_answer(relay *r, exch *e) {
+    int64_t want = e->step * STEP_SPAN + e->got + 1;
+    size_t nx = (size_t)(e->rows * r->H * r->isz), at = (size_t)(e->got % e->micro) * (size_t)e->rows;
+    ans_hdr a;
+    struct iovec in[2] = {{&a, sizeof a}, {r->ans_out + at * r->H * r->isz, nx}};
+    int rc = xfer(r, e->fd, in, 2, 0, 0, e->step);
+    if (rc == IO_OK && (a.magic != ANS_MAGIC || a.rows != (uint32_t)e->rows || a.flag != want)) rc = IO_WIRE;
+    if (rc != IO_OK) { /* mid-exchange: the byte stream is out of step, close it */
+        e->bits |= io_bits(r, rc);
+        drop(r, &e->fd);
+        publish(r, e->step * STEP_SPAN + e->sent, e->bits | e->served);
+        e->got = e->sent;
+        return rc;
     }
-    return bits | served;
+    e->served |= a.status;
+    count(r, ST_LAYERS);
+    publish(r, want, e->micro > 1 ? e->served : a.status);
+    e->got++;
+    return IO_OK;
+}
+
+/* Whether the connection has bytes to read (or has ended: the read then says so). */
+static int readable(int fd) {
+    char c;
+    ssize_t k = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return k >= 0;
+}
+
+/* A micro-batched step's wait for the request flag to show ``want`` or a later value of the
+ * step (the next request may be published before this thread looked: its rows are elsewhere),
+ * taking the answers to the frames out as they arrive meanwhile: the graph may need any of them
+ * before it publishes this request (a dense layer between two MoE layers waits for every
+ * micro-batch's answer before the next MoE layer's first request). */
+static int wait_req_serving(relay *r, exch *e, int64_t want) {
+    int64_t t0 = now_ns(), t = t0;
+    for (uint32_t k = 0;; k++) {
+        if (__atomic_load_n(r->req_flag, __ATOMIC_ACQUIRE) >= want) return IO_OK;
+        if (aborted(r, e->step) || stopped(r)) return IO_ABORT;
+        if (e->got < e->sent && e->fd >= 0 && readable(e->fd)) {
+            int rc = take_answer(r, e);
+            if (rc == IO_ABORT) return rc;
+            t0 = t = now_ns(); /* an answer came: the step is alive */
+            continue;
+        }
+        if ((k & 63) == 0 || t - t0 >= r->spin_ns) t = now_ns(); /* a yield may take a time slice */
+        if (t - t0 > r->timeout_ns) return IO_TIMEOUT;
+        if (t - t0 < r->spin_ns)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+/* A step of ``layers`` frames at ``rows`` rows. micro = 1: one frame at a time (wait for the
+ * request flag, send, read the answer, publish). micro > 1: frame k is micro-batch k % micro's
+ * request, in rows (k % micro) * rows of the areas; frames go out as their flags come and the
+ * answers are taken as they arrive (wait_req_serving), so that one micro-batch's answer is on the
+ * wire while the graph computes another's attention; the graph's waits then take a flag at or
+ * past their own (two answers may be published before a wait looks). */
+static int64_t run_step(relay *r, int64_t step, int64_t rows, int64_t layers, int64_t micro) {
+    exch e = {step, rows, micro, 0, 0, 0, 0, __atomic_load_n(&r->fd, __ATOMIC_ACQUIRE)};
+    size_t nx = (size_t)(rows * r->H * r->isz), nk = (size_t)(rows * r->K * 4);
+    for (int64_t k = 0; k < layers; k++) {
+        int64_t want = step * STEP_SPAN + k + 1;
+        int rc = micro > 1 ? wait_req_serving(r, &e, want) : wait_flag(r, r->req_flag, want, step);
+        if (rc != IO_OK) { /* the graph is gone or the step was cancelled: nobody waits for us */
+            e.bits |= io_bits(r, rc);
+            return e.bits | e.served;
+        }
+        if (e.bits || e.fd < 0) { /* an earlier layer failed: keep the graph running, with the bits */
+            e.bits |= e.fd < 0 ? ERR_WIRE : 0;
+            publish(r, want, e.bits | e.served);
+            e.sent = e.got = k + 1;
+            continue;
+        }
+        size_t at = (size_t)(k % micro) * (size_t)rows;
+        req_hdr q = {REQ_MAGIC, (uint32_t)rows, want};
+        struct iovec out[4] = {{&q, sizeof q},
+                               {r->req_x + at * r->H * r->isz, nx},
+                               {r->req_ids + at * r->K * 4, nk},
+                               {r->req_w + at * r->K * 4, nk}};
+        rc = xfer(r, e.fd, out, 4, 1, 0, step);
+        if (rc != IO_OK) {
+            e.bits |= io_bits(r, rc);
+            drop(r, &e.fd);
+            if (rc == IO_ABORT) return e.bits | e.served;
+            publish(r, want, e.bits | e.served);
+            e.sent = e.got = k + 1;
+            continue;
+        }
+        e.sent = k + 1;
+        if (micro == 1 && take_answer(r, &e) == IO_ABORT) return e.bits | e.served;
+    }
+    while (e.got < e.sent) /* the answers still out */
+        if (take_answer(r, &e) == IO_ABORT) break;
+    return e.bits | e.served;
 }
 
 static void coordinator_loop(relay *r) {
@@ -246,11 +316,11 @@ static void coordinator_loop(relay *r) {
     for (;;) {
         while (!r->pending && !r->stop) pthread_cond_wait(&r->cv, &r->mu);
         if (r->stop) break;
-        int64_t step = r->p_step, rows = r->p_rows, layers = r->p_layers;
+        int64_t step = r->p_step, rows = r->p_rows, layers = r->p_layers, micro = r->p_micro;
         r->pending = 0;
         r->busy = 1;
         pthread_mutex_unlock(&r->mu);
-        int64_t bits = run_step(r, step, rows, layers);
+        int64_t bits = run_step(r, step, rows, layers, micro);
         pthread_mutex_lock(&r->mu);
         r->busy = 0;
         r->stats[ST_LAST_STEP] = step;
@@ -400,13 +470,14 @@ static int still_open(relay *r) {
     return 0;
 }
 
-/* Coordinator end: launches ``layers`` MoE layers of ``step`` at ``rows`` rows. 0, or -ENOTCONN
- * (no connection), -EBUSY (a step still queued), -EINVAL (a bad argument or a step number not
- * after the last one: flags never repeat). One step may be queued behind the running one: the
- * graph's last wait passes a moment before the thread sees its step end. */
-int relay_step(relay *r, int64_t step, int64_t rows, int64_t layers) {
-    if (r->role != ROLE_COORDINATOR || rows < 1 || rows > r->R || layers < 1 || layers >= STEP_SPAN ||
-        step < 0 || step >= MAX_STEP)
+/* Coordinator end: launches ``layers`` frames of ``step`` at ``rows`` rows, ``micro`` micro-batches
+ * of ``rows`` each (run_step; layers a multiple of micro). 0, or -ENOTCONN (no connection), -EBUSY
+ * (a step still queued), -EINVAL (a bad argument or a step number not after the last one: flags
+ * never repeat). One step may be queued behind the running one: the graph's last wait passes a
+ * moment before the thread sees its step end. */
+int relay_step(relay *r, int64_t step, int64_t rows, int64_t layers, int64_t micro) {
+    if (r->role != ROLE_COORDINATOR || rows < 1 || micro < 1 || rows * micro > r->R || layers < 1 ||
+        layers >= STEP_SPAN || layers % micro != 0 || step < 0 || step >= MAX_STEP)
         return -EINVAL;
     pthread_mutex_lock(&r->mu);
     int rc = 0;
@@ -419,7 +490,7 @@ int relay_step(relay *r, int64_t step, int64_t rows, int64_t layers) {
     else if (r->pending)
         rc = -EBUSY;
     else {
-        r->p_step = step, r->p_rows = rows, r->p_layers = layers, r->pending = 1;
+        r->p_step = step, r->p_rows = rows, r->p_layers = layers, r->p_micro = micro, r->pending = 1;
         r->last_launched = step;
         pthread_cond_broadcast(&r->cv);
     }

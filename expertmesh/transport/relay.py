@@ -68,7 +68,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.relay_new.restype = p
     lib.relay_attach.argtypes = [p, i]
     lib.relay_connected.argtypes = [p]
-    lib.relay_step.argtypes = [p, i64, i64, i64]
+    lib.relay_step.argtypes = [p, i64, i64, i64, i64]
     lib.relay_wait_idle.argtypes = [p, i64]
     lib.relay_abort.argtypes = [p, i64]
     lib.relay_abort.restype = None
@@ -211,18 +211,23 @@ class Relay:
     def connected(self) -> bool:
         return bool(self._lib.relay_connected(self._handle()))
 
-    def step(self, step: int, rows: int, layers: int) -> str:
+    def step(self, step: int, rows: int, layers: int, micro: int = 1) -> str:
         """Coordinator end: launches ``layers`` MoE layers of ``step`` at ``rows`` rows (the
         bucket: padding rows travel too). "" when launched, else why not (run the step without
-        the link)."""
-        rc = self._lib.relay_step(self._handle(), step, rows, layers)
+        the link). ``micro`` > 1: a micro-batched step of ``layers * micro`` frames, frame
+        ``i * micro + m`` micro-batch ``m``'s request of MoE layer ``i`` in rows ``[m * rows,
+        (m + 1) * rows)`` of the areas, up to ``micro`` of them in flight (relay.c run_step)."""
+        rc = self._lib.relay_step(self._handle(), step, rows, layers * micro, micro)
         if rc == 0:
             return ""
         if rc == -errno.ENOTCONN:
             return "the relay has no connection"
         if rc == -errno.EBUSY:
             return "the relay's previous step has not ended"
-        return f"the relay refused step {step} ({rows} rows, {layers} layers): not after the last or out of range"
+        return (
+            f"the relay refused step {step} ({rows} rows, {layers} layers, {micro} micro-batches): "
+            "not after the last or out of range"
+        )
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Coordinator end: True once no step is running or queued (False: timed out)."""
