@@ -130,8 +130,12 @@ class HostLink:
         self.fold_every = 16  # steps between token-count reports (as the device link)
         self.kernel_ns = self.wait_ns = 0  # of the last collected step (metrics, benchmarks)
         self.layers_answered = 0
+        # a relayed link's areas (set by the worker's open_link) take micro-batched steps: the
+        # relay hands their requests over one at a time into the first rows (relay.c); over
+        # shared memory the coordinator's area holds them in other rows, which this does not read
+        self.relayed = False
         self._launched = False
-        self._plans: dict[int, _Plan] = {}
+        self._plans: dict[tuple[int, int], _Plan] = {}  # (bucket, micro) ->
         self._keep: tuple = ()  # the generation's weights: the plans point into them
         self._slots: list[int] = []
         self._counts = np.zeros((0, 1), dtype=np.int64)  # [L, S' + 1], the thread adds
@@ -141,10 +145,12 @@ class HostLink:
 
     # ------------------------------------------------------------ per step
 
-    def check(self, bucket: int, step: int, timeout_ms: int) -> None:
+    def check(self, bucket: int, step: int, timeout_ms: int, micro: int = 1) -> None:
         """The refusals that depend on this link (typed errors; the worker checks the rest)."""
         if self.broken:
             raise Unavailable(self.broken)
+        if micro > 1 and not self.relayed:
+            raise InvalidRequest("micro-batched link steps run over a relayed link only")
         if self._h is None:
             raise Unavailable("the host link is closed")
         if not 0 < bucket <= self.rows:
@@ -157,13 +163,22 @@ class HostLink:
             raise InvalidRequest(f"link step timeout {timeout_ms} ms outside (0, {MAX_TIMEOUT_MS}]")
 
     def launch(
-        self, generation: int, weights: Weights, bucket: int, step: int, rows: int, timeout_ms: int
+        self,
+        generation: int,
+        weights: Weights,
+        bucket: int,
+        step: int,
+        rows: int,
+        timeout_ms: int,
+        micro: int = 1,
     ) -> ll.StepReport | None:
         """Hands step ``step`` of ``bucket`` rows (``rows`` of them real; the rest carry ids -1)
         for placement ``generation`` to the thread and returns the report of the step before
-        (None: nothing new). The caller checked the generation against the live one."""
+        (None: nothing new). The caller checked the generation against the live one.
+        ``micro`` > 1 (a relayed link): ``micro`` requests of ``bucket`` rows per MoE layer,
+        request ``i * micro + m`` computed as layer ``i`` (its plan row, repeated)."""
         with self._lock:
-            self.check(bucket, step, timeout_ms)
+            self.check(bucket, step, timeout_ms, micro)
             assert 0 < rows <= bucket, f"{rows=} {bucket=}"
             report = self.collect()
             if generation != self.generation:
@@ -172,12 +187,15 @@ class HostLink:
                         self.last_step, 0 if report is None else report.errors, self._fold()
                     )
                 self._retire(generation, weights)
-            plan = self._plans.get(bucket)
+            plan = self._plans.get((bucket, micro))
             if plan is None:
-                plan = self._plans[bucket] = self._plan(bucket)
+                plan = self._plan(bucket)
+                if micro > 1:  # NOTE: a copy, contiguous: the thread walks the rows in order
+                    plan = _Plan(np.ascontiguousarray(np.repeat(plan.rows, micro, axis=0)), plan.scratch)
+                self._plans[(bucket, micro)] = plan
             assert self._h is not None
             rc = self.lib.hl_start(
-                self._h, plan.rows.ctypes.data, len(self._keep), bucket, step, timeout_ms * 1_000_000
+                self._h, plan.rows.ctypes.data, len(plan.rows), bucket, step, timeout_ms * 1_000_000
             )
             assert rc == 0, "the host link's thread still runs a step after collect()"
             self._launched, self.last_step = True, step

@@ -253,6 +253,10 @@ class LinkGraphs:
                 f"the answer area holds {answer.numel()} bytes on {answer.device}, need {need} on {self.device}"
             )
         self.answer = link.new_area(need, self.device) if answer is None else answer
+        # a relayed link's areas (set by the worker's open_link) take micro-batched steps: the
+        # relay hands their requests over one at a time into the first rows (relay.c); over the
+        # device link the coordinator's area holds them in other rows, which this does not read
+        self.relayed = False
         self.ans = link.AnswerViews.of(self.answer, rows, hidden, dtype)
         if self.device.type == "cuda":
             link.warm_up(self.device)  # NOTE: the link's own kernels loaded before anything spins
@@ -268,7 +272,7 @@ class LinkGraphs:
         self.broken = ""  # why a capture failed: every later step is refused
         self.last_step = -1
         self.logged: set[str] = set()  # what the worker has logged of this link (once each)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (Tb, timeout ms) ->
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (Tb, timeout ms, micro) ->
         self._keep: tuple = ()  # the generation's weights: the graphs read their addresses
         self._pool: Any = None
         self._done = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -286,13 +290,22 @@ class LinkGraphs:
     # ------------------------------------------------------------ per step
 
     def launch(
-        self, generation: int, weights: Weights, bucket: int, step: int, rows: int, timeout_ms: int
+        self,
+        generation: int,
+        weights: Weights,
+        bucket: int,
+        step: int,
+        rows: int,
+        timeout_ms: int,
+        micro: int = 1,
     ) -> StepReport | None:
         """Replays the step graph of (``bucket``, ``generation``) for step ``step`` with
         ``rows`` real rows (captured first if new) and returns the report of the replays
         finished since the last one (None: nothing new). The caller checked ``bucket`` against
-        :attr:`buckets`, ``rows <= bucket`` and the generation against the live one."""
-        self.check(bucket, step, timeout_ms)
+        :attr:`buckets`, ``rows <= bucket`` and the generation against the live one.
+        ``micro`` > 1 (a relayed link): ``micro`` requests of ``bucket`` rows per MoE layer,
+        request ``i * micro + m`` computed with layer ``i``'s weights."""
+        self.check(bucket, step, timeout_ms, micro)
         assert bucket in self.buckets and 0 < rows <= bucket and step > self.last_step, (
             f"{bucket=} {self.buckets=} {rows=} {step=} {self.last_step=}"
         )
@@ -303,7 +316,7 @@ class LinkGraphs:
             if self._unfolded:  # the old generation's last counts, before its arrays go
                 report = StepReport(self.last_step, 0 if report is None else report.errors, self._fold())
             self._retire(generation, weights)
-        key = (bucket, timeout_ms)
+        key = (bucket, timeout_ms, micro)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(key, bucket, timeout_ms / 1e3)
@@ -320,11 +333,13 @@ class LinkGraphs:
         if self._cancel is not None and self.last_step >= 0:
             self._cancel(self.last_step)
 
-    def check(self, bucket: int, step: int, timeout_ms: int) -> None:
+    def check(self, bucket: int, step: int, timeout_ms: int, micro: int = 1) -> None:
         """The refusals of a link step that depend on this link (typed errors; the worker
         checks drain and generation)."""
         if self.broken:
             raise LinkBroken(self.broken)
+        if micro > 1 and not self.relayed:
+            raise InvalidRequest("micro-batched link steps run over a relayed link only")
         if bucket not in self.buckets:
             raise InvalidRequest(f"bucket {bucket} is not one of this link's buckets {self.buckets}")
         if step <= self.last_step:
@@ -383,12 +398,15 @@ class LinkGraphs:
         self._counts_host = torch.zeros(shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._folded = np.zeros(shape, dtype=np.int64)
 
-    def _body(self, req, ans, words: Words, st: StepInputs, counts: torch.Tensor, timeout_s: float) -> None:
+    def _body(
+        self, req, ans, words: Words, st: StepInputs, counts: torch.Tensor, timeout_s: float, micro: int
+    ) -> None:
         words.errors.zero_()
-        for i, (w13, w2) in enumerate(self._keep):
-            run_layer(self.inner, req, ans, words, i, w13, w2, st, counts[i], timeout_s)
+        for k in range(len(self._keep) * micro):
+            w13, w2 = self._keep[k // micro]
+            run_layer(self.inner, req, ans, words, k, w13, w2, st, counts[k // micro], timeout_s)
 
-    def _capture(self, key: tuple[int, int], bucket: int, timeout_s: float) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[int, int, int], bucket: int, timeout_s: float) -> torch.cuda.CUDAGraph:
         dev = self.device
         try:
             st = StepInputs.new(bucket, self.hidden, self.top_k, self.dtype, dev)
@@ -406,7 +424,9 @@ class LinkGraphs:
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 self.step.copy_in()
-                self._body(s_req, s_ans, scratch, st, s_counts, timeout_s)  # (the copies out need no module)
+                self._body(
+                    s_req, s_ans, scratch, st, s_counts, timeout_s, key[2]
+                )  # (the copies out need no module)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             # NOTE: thread_local: the server's other threads may use CUDA meanwhile
@@ -415,7 +435,7 @@ class LinkGraphs:
                 torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"),
             ):
                 self.step.copy_in()
-                self._body(self.req, self.ans, self.words, st, self._counts, timeout_s)
+                self._body(self.req, self.ans, self.words, st, self._counts, timeout_s, key[2])
                 self._counts_host.copy_(self._counts, non_blocking=True)
                 self._report[0:1].copy_(self.words.step, non_blocking=True)
                 self._report[1:2].copy_(self.words.errors, non_blocking=True)

@@ -52,6 +52,23 @@ def test_wait_returns_on_its_value_and_times_out_otherwise():
     assert int(errors) == link.ERR_TIMEOUT and int(abort) == 5
 
 
+def test_an_at_least_wait_takes_a_later_layer_of_its_step_only():
+    step, abort, errors = _words()
+    flag = torch.zeros(1, dtype=torch.int64)
+    link.signal(flag, step, 3)  # a micro-batched step published layer 3 before layer 2's wait looked
+    link.wait(flag, step, 2, abort, errors, 1.0, max_polls=4, at_least=True)
+    assert int(errors) == 0 and int(abort) == 0
+    link.wait(flag, step, 2, abort, errors, 1.0, max_polls=4)  # the plain wait wants its own value
+    assert int(errors) == link.ERR_TIMEOUT
+    step2, abort2, errors2 = _words()
+    link.wait(flag, step2, 4, abort2, errors2, 1.0, max_polls=4, at_least=True)  # not there yet
+    assert int(errors2) == link.ERR_TIMEOUT
+    step3, abort3, errors3 = _words()
+    step3.fill_(4)  # an earlier step: the flag (step 5's) is past the whole step, no answer for it
+    link.wait(flag, step3, 1, abort3, errors3, 1.0, max_polls=4, at_least=True)
+    assert int(errors3) == link.ERR_TIMEOUT
+
+
 def test_after_a_timeout_the_rest_of_the_step_runs_through():
     step, abort, errors = _words()
     flag = torch.zeros(1, dtype=torch.int64)
@@ -93,12 +110,27 @@ def test_link_step_round_trip():
     raw = s.pack()
     assert len(raw) == dsc.SIZE and dsc.is_link_step(raw) and not dsc.is_kick(raw)
     assert dsc.LinkStep.parse(raw) == s
+    m = dsc.LinkStep(seq=4, step=13, rows=7, bucket=8, generation=2, timeout_ms=30000, micro=2)
+    assert dsc.LinkStep.parse(m.pack()) == m
+
+
+def test_a_link_step_without_micro_batches_reads_as_one():
+    """A sender that predates micro-batches leaves the field in the sealed body's zero padding."""
+    import struct
+    import zlib
+
+    old = struct.Struct("<4sH2xQQIIQI").pack(dsc.LINK_STEP_MAGIC, dsc.VERSION, 1, 2, 3, 4, 0, 100)
+    body = old.ljust(dsc.SIZE - 4, b"\0")
+    raw = body + struct.pack("<I", zlib.crc32(body))
+    assert dsc.LinkStep.parse(raw) == dsc.LinkStep(1, 2, 3, 4, 0, 100, micro=1)
 
 
 @pytest.mark.parametrize(
     "mutate, words",
     [
         (lambda s: dsc.LinkStep(1, 1, 9, 8, 0, 1).pack(), "9 rows in a bucket of 8"),
+        (lambda s: dsc.LinkStep(1, 1, 5, 8, 0, 1, micro=3).pack(), "3 micro-batches in a bucket of 8"),
+        (lambda s: dsc.LinkStep(1, 1, 5, 16, 0, 1, micro=16).pack(), "16 micro-batches"),
         (lambda s: dsc.LinkStep(1, 1, 0, 8, 0, 1).pack(), "0 rows"),
         (lambda s: dsc.LinkStep(1, 2**53, 1, 1, 0, 1).pack(), "out of range"),
         (lambda s: s[:100], "truncated"),

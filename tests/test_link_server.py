@@ -193,9 +193,10 @@ class CpuLink(LinkGraphs):
         self.launched: list[tuple] = []
         self.reports: list[StepReport] = []
 
-    def launch(self, generation, weights, bucket, step, rows, timeout_ms):
-        self.check(bucket, step, timeout_ms)
-        self.launched.append((generation, [tuple(w13.shape) for w13, _ in weights], bucket, step, rows))
+    def launch(self, generation, weights, bucket, step, rows, timeout_ms, micro=1):
+        self.check(bucket, step, timeout_ms, micro)
+        shapes = [tuple(w13.shape) for w13, _ in weights]
+        self.launched.append((generation, shapes, bucket, step, rows) + ((micro,) if micro > 1 else ()))
         self.last_step = step
         return None  # the last step's report was collected before (collect())
 
@@ -233,6 +234,19 @@ def test_link_step_launches_every_moe_layer_and_counts(worker, caplog):
     graphs.reports = [StepReport(3, link.ERR_BAD_SLOT, [c0, c2])]
     worker.close_link(graphs)
     assert worker.stats.errors == 3 and worker.tokens_per_slot[0].tolist() == [3, 0, 6, 0]
+
+
+def test_a_micro_batched_step_runs_on_a_relayed_link_only(worker):
+    graphs = CpuLink()
+    with pytest.raises(errors.InvalidRequest, match="relayed link only"):
+        worker.link_step(graphs, _step(micro=2))
+    graphs.relayed = True  # as the worker's open_link sets it for a relay's areas
+    worker.link_step(graphs, _step(micro=2))
+    # two micro-batches of 2 rows: the graphs' bucket of one; 2 real rows in the first
+    assert graphs.launched == [(0, [(4, 4, H), (4, 4, H)], 2, 1, 2, 2)]
+    assert worker.stats.tokens == 6  # the step's 3 real rows x 2 MoE layers
+    with pytest.raises(errors.InvalidRequest, match="not one of this link's buckets"):
+        worker.link_step(graphs, _step(step=2, bucket=16, rows=9, micro=1))  # 16 > the areas' 8 rows
 
 
 @pytest.mark.parametrize(

@@ -152,7 +152,7 @@ def test_answers_equal_the_backend_through_the_relay():
     listener, c, server, ack = in_process(worker, tally=tally)
     co = Coordinator(c)
     try:
-        assert ack.relay == {"accepted": True}, ack
+        assert ack.relay == {"accepted": True, "micro_batches": 8}, ack
         c.accept(ack)
         assert c.link is not None and c.link_reason == ""
         step = 0
@@ -185,6 +185,76 @@ def test_answers_equal_the_backend_through_the_relay():
     assert metric(worker, "expertmesh_worker_relay_events_total", kind="layers") == 4 * LAYERS
     seen = tally.totals()
     assert seen["steps"] == 4 and seen["layers"] == 4 * LAYERS and seen["connects"] == 1, seen
+
+
+def test_a_micro_batched_step_through_the_relay_answers_each_micro_batch():
+    """Two micro-batches of 2 rows in a bucket of 4: the graph's order (both micro-batches'
+    requests of a layer out before the first answer is read), each answer equal to the
+    backend's for that micro-batch's rows; then a plain step on the same link."""
+    worker = make_worker("int4")
+    listener, c, server, ack = in_process(worker)
+    co = Coordinator(c)
+    try:
+        c.accept(ack)
+        assert c.link is not None and c.link.micro == 8
+        micro, rows, layers = 2, 2, worker.slots.moe_layers
+        desc = dsc.LinkStep(next(co.seq), 1, 2 * rows - 1, micro * rows, 0, 600_000, micro=micro)
+        assert c.link_step(desc, time.monotonic() + 10).code == 0
+        lnk = co.lnk
+        flag, ans_flag = lnk.req.flag.numpy(), lnk.ans.flag.numpy()
+        sent: list[tuple] = []
+
+        def answer(k: int) -> None:
+            want, deadline = ll.STEP_SPAN + k + 1, time.monotonic() + 10
+            while ans_flag[0] < want:
+                assert time.monotonic() < deadline, f"no answer {k} (flag {ans_flag[0]})"
+                time.sleep(0)
+            layer, at, x, ids, w = sent[k]
+            ls = worker.slots.live.layers[layer]
+            got = lnk.ans.out[at : at + rows]
+            assert int(lnk.ans.status[0]) == 0
+            assert torch.equal(got, worker.backend.forward(x, ls.w13, ls.w2, ids, w)), (k, layer)
+
+        for k in range(len(layers) * micro):
+            if k >= micro:
+                answer(k - micro)  # this micro-batch's answer to the layer before
+            at = (k % micro) * rows
+            x, ids, w = inputs(rows, rows if k % micro == 0 else rows - 1, seed=k)  # the last row pads
+            lnk.req.x[at : at + rows], lnk.req.ids[at : at + rows], lnk.req.w[at : at + rows] = x, ids, w
+            sent.append((layers[k // micro], at, x, ids, w))
+            flag[0] = ll.STEP_SPAN + k + 1
+        for k in range(len(layers) * micro - micro, len(layers) * micro):
+            answer(k)
+        assert c._relay is not None and c._relay.relay.wait_idle(5)
+        assert c._relay.relay.stats().last_bits == 0
+        assert c._relay.relay.stats().layers == len(layers) * micro
+        # a plain step after it
+        assert co.launch(2, 1, 1).code == 0
+        for i, layer in enumerate(layers):
+            x, ids, w = inputs(1, 1, seed=50 + i)
+            out, status = co.layer(2, i, x, ids, w)
+            ls = worker.slots.live.layers[layer]
+            assert status == 0 and torch.equal(out, worker.backend.forward(x, ls.w13, ls.w2, ids, w))
+    finally:
+        close_all(listener, c, server)
+
+
+def test_a_link_that_is_not_relayed_refuses_micro_batched_steps():
+    """Over shared memory the coordinator's area holds a micro-batch in rows the server's
+    compute does not read: the step is refused (the coordinator runs it without the link)."""
+    from cpu_expert_server.hostlink import HostLink
+
+    worker = make_worker("int4")
+    span, req, ans = tcp_relay.rl.host_areas(R, H, K, DT)
+    link = worker.open_link(req, R, K, answer=ans, hidden=H, dtype=DT)
+    try:
+        assert isinstance(link, HostLink) and not link.relayed
+        with pytest.raises(errors.InvalidRequest, match="relayed link only"):
+            worker.link_step(link, dsc.LinkStep(1, 1, 2, 4, worker.slots.live.generation, 1000, micro=2))
+        worker.link_step(link, dsc.LinkStep(2, 1, 2, 4, worker.slots.live.generation, 1000))  # plain: taken
+    finally:
+        worker.cancel_link(link)
+        worker.close_link(link)
 
 
 @pytest.mark.parametrize(
@@ -235,7 +305,7 @@ def test_a_malformed_relay_frame_drops_that_connection_counted():
     c._relay = None
     raw = None
     try:
-        assert ack.relay == {"accepted": True}
+        assert ack.relay["accepted"] is True
         c.accept(ack)  # the data connection only
         raw = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
         raw.sendall(tcp.PREAMBLE.pack(tcp.PREAMBLE_MAGIC, token))

@@ -133,6 +133,9 @@ class LinkAreas:
     host: bool = False
     # a host link's answer area (whole pages, like ``area``), once the server took the link
     answer: torch.Tensor | None = None
+    # the most micro-batches a linked step may carry (a relayed link whose server takes them:
+    # each micro-batch in its own rows of the areas, expertmesh/transport/relay.c); 1: none
+    micro: int = 1
 
 
 class ShmClient:

@@ -33,7 +33,10 @@ DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 _REQ = struct.Struct("<4sHHQQiIIIBB2xQQQ")
 _RESP = struct.Struct("<4sHHQfH")
-_LINK = struct.Struct("<4sH2xQQIIQI")  # magic, version, seq, step, rows, bucket, generation, timeout_ms
+# magic, version, seq, step, rows, bucket, generation, timeout_ms, micro-batches (0 from a sender
+# that predates them: the sealed body's padding; read as 1)
+_LINK = struct.Struct("<4sH2xQQIIQII")
+MAX_MICRO = 8  # micro-batches of one linked step (the coordinator's --micro-batches range)
 _CRC = struct.Struct("<I")
 _BODY = SIZE - _CRC.size
 MAX_MESSAGE = _BODY - _RESP.size
@@ -194,6 +197,10 @@ class LinkStep:
     bucket: int  # Tb: the graphs' padded batch
     generation: int
     timeout_ms: int
+    # > 1: a micro-batched step over a relayed link (expertmesh/transport/relay.c): ``bucket /
+    # micro`` rows a micro-batch, each MoE layer ``micro`` requests in a row (layer ``i`` of
+    # micro-batch ``m`` is request ``i * micro + m``)
+    micro: int = 1
 
     def pack(self) -> bytes:
         return _seal(
@@ -206,20 +213,26 @@ class LinkStep:
                 self.bucket,
                 self.generation,
                 self.timeout_ms,
+                self.micro,
             )
         )
 
     @classmethod
     def parse(cls, raw: bytes | bytearray) -> LinkStep:
         body = _open(raw, LINK_STEP_MAGIC)
-        _, version, seq, step, rows, bucket, gen, timeout_ms = _LINK.unpack_from(body)
+        _, version, seq, step, rows, bucket, gen, timeout_ms, micro = _LINK.unpack_from(body)
         if version != VERSION:
             raise DescriptorError(f"descriptor version {version}, this server speaks {VERSION}")
         if not 0 < rows <= bucket:
             raise DescriptorError(f"link step with {rows} rows in a bucket of {bucket}")
         if step >= 2**52:  # NOTE: step * STEP_SPAN + index must stay an int64
             raise DescriptorError(f"link step number {step} out of range")
-        return cls(seq, step, rows, bucket, gen, timeout_ms)
+        micro = micro or 1
+        if micro > MAX_MICRO or bucket % micro:
+            raise DescriptorError(
+                f"link step of {micro} micro-batches in a bucket of {bucket} (1..{MAX_MICRO}, dividing it)"
+            )
+        return cls(seq, step, rows, bucket, gen, timeout_ms, micro)
 
 
 def is_link_step(raw: bytes | bytearray) -> bool:

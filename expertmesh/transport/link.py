@@ -142,7 +142,15 @@ def _signal_kernel(flag_ptr, step_ptr, index, SPAN: tl.constexpr, ON_GPU: tl.con
 
 @triton.jit(do_not_specialize=["index", "limit"])
 def _wait_kernel(
-    flag_ptr, step_ptr, abort_ptr, err_ptr, index, limit, SPAN: tl.constexpr, ON_GPU: tl.constexpr
+    flag_ptr,
+    step_ptr,
+    abort_ptr,
+    err_ptr,
+    index,
+    limit,
+    SPAN: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    AT_LEAST: tl.constexpr,
 ):
     # ON_GPU: ``limit`` is nanoseconds of the GPU's global timer; under the interpreter (no
     # inline assembly) it counts polls
@@ -154,16 +162,24 @@ def _wait_kernel(
     waited = step * 0
     if ON_GPU:
         start = _now()
-    go = live & (seen != want)
+    if AT_LEAST:  # a later value of the step passes too (a micro-batched step's waits)
+        ok = (seen >= want) & (seen < want - index + SPAN)
+    else:
+        ok = seen == want
+    go = live & (ok == 0)
     while go:
         seen = tl.load(flag_ptr, volatile=True)
         if ON_GPU:
             waited = _now() - start
         else:
             waited += 1
+        if AT_LEAST:
+            ok = (seen >= want) & (seen < want - index + SPAN)
+        else:
+            ok = seen == want
         # NOTE: the abort word is re-read: the host cancels a step whose peer is gone (Canceller)
-        go = (seen != want) & (waited < limit) & (tl.load(abort_ptr, volatile=True) != step)
-    if seen != want:  # timed out, cancelled, or an earlier wait of the step did: no answer here
+        go = (ok == 0) & (waited < limit) & (tl.load(abort_ptr, volatile=True) != step)
+    if ok == 0:  # timed out, cancelled, or an earlier wait of the step did: no answer here
         tl.store(abort_ptr, step)
         tl.atomic_or(err_ptr, 1)  # ERR_TIMEOUT
     if ON_GPU:
@@ -188,9 +204,11 @@ def wait(
     errors: torch.Tensor,
     timeout_s: float,
     max_polls: int | None = None,
+    at_least: bool = False,
 ) -> None:
     """Holds this stream until ``flag [1] int64`` (the peer's area, mapped on our device) shows
-    MoE layer ``index`` of step ``step[0]``; on timeout ``abort[0] = step[0]`` and
+    MoE layer ``index`` of step ``step[0]`` (``at_least``: or a later index of that step: a
+    micro-batched step's answers may be published two at once, each in its own rows); on timeout ``abort[0] = step[0]`` and
     ``errors[0] |= ERR_TIMEOUT``; returns at once if ``abort[0] == step[0]`` (cancelled, or an
     earlier wait of the step gave up), with ``ERR_TIMEOUT`` too unless the flag is there. ``abort`` and
     ``errors`` are int64 ``[1]`` in our own memory. Capturable. ``max_polls``: the limit off
@@ -198,16 +216,27 @@ def wait(
     gpu = _on_gpu(flag)
     limit = int(timeout_s * 1e9) if gpu else (max_polls if max_polls is not None else 1_000_000)
     _wait_kernel[(1,)](
-        flag, step, abort, errors, index, limit + _BIAS, SPAN=STEP_SPAN, ON_GPU=gpu, num_warps=1
+        flag,
+        step,
+        abort,
+        errors,
+        index,
+        limit + _BIAS,
+        SPAN=STEP_SPAN,
+        ON_GPU=gpu,
+        AT_LEAST=at_least,
+        num_warps=1,
     )
 
 
 def warm_up(device: torch.device) -> None:
-    """Compiles and loads both kernels on ``device`` (see the module's NOTE), synchronously."""
+    """Compiles and loads the kernels (both waits) on ``device`` (see the module's NOTE),
+    synchronously."""
     with torch.cuda.device(device):
         step = torch.ones(1, dtype=torch.int64, device=device)
         flag, abort, errors = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(3))
         signal(flag, step, 0)
         wait(flag, step, 0, abort, errors, 1.0)
+        wait(flag, step, 0, abort, errors, 1.0, at_least=True)
         torch.cuda.synchronize(device)
         assert int(errors) == 0, "the link's own flag was not seen"

@@ -78,6 +78,7 @@ class LinkHost(Protocol):
         answer: torch.Tensor | None = None,
         hidden: int | None = None,
         dtype: torch.dtype | None = None,
+        relayed: bool = False,
     ) -> Any: ...
 
     def link_step(self, graphs: Any, step: dsc.LinkStep) -> None: ...

@@ -211,6 +211,8 @@ class TcpClient:
                 relay.connect(host, port)
             except tcp.TcpError as e:
                 why = str(e)
+            micro = ack.relay.get("micro_batches", 1)  # a server that predates them: none
+            relay.link.micro = micro if isinstance(micro, int) and 1 <= micro <= dsc.MAX_MICRO else 1
         self.link_reason = why
         if why:
             self._relay = None
@@ -389,7 +391,7 @@ class TcpClient:
         finally:
             self._link_seqs.discard(step.seq)
         if resp.code == 0:
-            why = relay.step(step.step, step.bucket)
+            why = relay.step(step.step, step.bucket, step.micro)
             if why:
                 self.kill(self._lost(f"the relay could not take step {step.step}: {why}"))
                 assert self._dead is not None

@@ -157,7 +157,9 @@ class ServerRelay:
         self._closed = False
 
     def open(self) -> dict:
-        """The Ack's ``relay``: ``{"accepted": True}`` or ``{"reason": why}``."""
+        """The Ack's ``relay``: ``{"accepted": True, "micro_batches": N}`` (the most
+        micro-batches a step may carry here; a server that predates them says nothing: 1) or
+        ``{"reason": why}``."""
         try:
             why = self._open()
         except Exception as e:  # noqa: BLE001  # NOTE: a refused link must never fail the stream
@@ -170,7 +172,9 @@ class ServerRelay:
             return {"reason": self.reason}
         o = self.offer
         log.info("tcp data path: relayed link accepted (%d rows, top-k %d)", o["rows"], o["top_k"])
-        return {"accepted": True}
+        # the most micro-batches a step of the offered layers may carry (flag values per step)
+        micro = min(dsc.MAX_MICRO, RELAY_MAX_LAYERS // o["layers"])
+        return {"accepted": True, "micro_batches": micro}
 
     def _open(self) -> str:
         if self.listener.tls is not None:
@@ -200,7 +204,7 @@ class ServerRelay:
             mine_req, mine_ans = self._mapped.request, self._mapped.answer
         try:
             self.graphs = self.link_host.open_link(
-                mine_req, rows, top_k, answer=mine_ans, hidden=hidden, dtype=dtype
+                mine_req, rows, top_k, answer=mine_ans, hidden=hidden, dtype=dtype, relayed=True
             )
         # NOTE: RuntimeError: torch's (CUDA, an allocation): the link only is refused
         except (errors.ExpertMeshError, RuntimeError) as e:
@@ -368,12 +372,13 @@ class ClientRelay:
         with self._alive:
             return self.link.ans is not None and not self.link.closed and self.relay.connected
 
-    def step(self, step: int, bucket: int) -> str:
-        """Launches the relay's end of a step the server launched; "" or why not."""
+    def step(self, step: int, bucket: int, micro: int = 1) -> str:
+        """Launches the relay's end of a step the server launched (``micro`` micro-batches of
+        ``bucket / micro`` rows); "" or why not."""
         with self._alive:
             if self.link.closed:
                 return "the relay is closed"
-            return self.relay.step(step, bucket, self.layers)
+            return self.relay.step(step, bucket // micro, self.layers, micro)
 
     def abort(self, step: int) -> None:
         with self._alive:

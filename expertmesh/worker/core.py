@@ -433,6 +433,7 @@ class ExpertWorker:
         answer: torch.Tensor | None = None,
         hidden: int | None = None,
         dtype: torch.dtype | None = None,
+        relayed: bool = False,
     ) -> Any:
         """The server's side of a link over the coordinator's ``request`` area for ``rows``
         rows and top-k ``top_k``: with no ``answer``, the device link's step graphs (``request``
@@ -440,7 +441,9 @@ class ExpertWorker:
         (both areas in the coordinator's shared-memory segment, of the offer's ``hidden`` and
         ``dtype``), the host link's C thread (cpu_expert_server/hostlink.py); with an ``answer``
         on our GPU (a relay's host areas, mapped), the step graphs answering there. Raises
-        Incompatible when this server cannot serve it (the fast path then goes on without)."""
+        Incompatible when this server cannot serve it (the fast path then goes on without).
+        ``relayed``: the areas are a relay's own (expertmesh/transport/tcp_relay.py), which
+        hands a micro-batched step's requests over one at a time: such a link takes them."""
         opener = getattr(self.backend, "open_link", None)
         # NOTE: an ``answer`` on our GPU: a relayed link's host areas mapped for the device
         # link's graphs (expertmesh/transport/tcp_relay.py), which answer there, not in an area
@@ -465,15 +468,16 @@ class ExpertWorker:
                 f"in {wire.dtype_name(self.slots.dtype)}"
             )
         try:
-            if host:
-                opened = opener(request, rows, h, top_k, self.slots.dtype, answer=answer)
-                self._host_links.add(opened)
-                return opened
             if answer is not None:
-                return opener(request, rows, h, top_k, self.slots.dtype, answer=answer)
-            return opener(request, rows, h, top_k, self.slots.dtype)
+                opened = opener(request, rows, h, top_k, self.slots.dtype, answer=answer)
+            else:
+                opened = opener(request, rows, h, top_k, self.slots.dtype)
         except ValueError as e:  # an area too small for what it claims to hold
             raise Incompatible(str(e)) from None
+        if host:
+            self._host_links.add(opened)
+        opened.relayed = relayed
+        return opened
 
     def link_step(self, graphs: Any, step: LinkStep) -> None:
         """Launches a linked decode step's graph (queued on this device's stream, not waited
@@ -497,13 +501,21 @@ class ExpertWorker:
                 # NOTE: no refusal for loaded LoRA adapters: a linked step is a base-model step
                 # by construction (the coordinator's decode graphs hold the base model; a step
                 # with an adapter runs eagerly), so the host link's C kernels need no LoRA
-                graphs.check(step.bucket, step.step, step.timeout_ms)
+                # a micro-batched step: ``micro`` requests of bucket / micro rows per MoE layer
+                bucket, micro = step.bucket // step.micro, step.micro
+                graphs.check(bucket, step.step, step.timeout_ms, micro)
                 t0 = time.perf_counter()
                 dev = self.slots.device
                 weights = [(live.layers[i].w13, live.layers[i].w2) for i in self.slots.moe_layers]
                 with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
                     report = graphs.launch(
-                        live.generation, weights, step.bucket, step.step, step.rows, step.timeout_ms
+                        live.generation,
+                        weights,
+                        bucket,
+                        step.step,
+                        min(step.rows, bucket),
+                        step.timeout_ms,
+                        micro,
                     )
                 self.stats.compute_seconds += time.perf_counter() - t0
                 self.stats.requests += len(weights)  # a linked step computes every MoE layer
