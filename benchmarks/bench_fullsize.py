@@ -397,6 +397,7 @@ class Bench:
             for b in a.batches:
                 m0 = scrape(co.http), scrape(srv_http)
                 linked0 = counter(co.http, "expertmesh_linked_decode_steps_total")
+                split0 = counter(co.http, "expertmesh_linked_micro_batched_steps_total")
                 link0 = {k: counter(srv_http, f"expertmesh_worker_link_{k}_total") for k in _LINK}
                 c0, w0 = cpu_seconds([*procs, *extra]), time.monotonic()
                 t = asyncio.run(tpot(addr, b, a.prompt, a.new_tokens, self.cfg["vocab"]))
@@ -405,6 +406,9 @@ class Bench:
                 # cores each process kept busy while measured (a busy neighbour shows here)
                 res[f"cores_b{b}"] = {k: round((c1[k] - c0.get(k, 0.0)) / (w1 - w0), 1) for k in c1}
                 res[f"linked_steps_b{b}"] = counter(co.http, "expertmesh_linked_decode_steps_total") - linked0
+                res[f"split_steps_b{b}"] = (
+                    counter(co.http, "expertmesh_linked_micro_batched_steps_total") - split0
+                )
                 link = {k: counter(srv_http, f"expertmesh_worker_link_{k}_total") - link0[k] for k in _LINK}
                 if link["layers"]:  # the CPU server's C thread per linked layer: kernel, spin
                     res[f"link_kernel_ms_b{b}"] = round(link["kernel_seconds"] / link["layers"] * 1e3, 3)
@@ -444,7 +448,9 @@ def table(results: list[dict], batches: list[int]) -> str:
         load = f"{r['load_s']}" + (f" (+{r['server_load_s']} server)" if r.get("server_load_s") else "")
         cells = [r["row"], load, *(str(r.get(f"tok_s_b{b}")) for b in batches),
                  *(str(r.get(f"tpot_ms_b{b}")) for b in batches),
-                 " / ".join(str(int(r.get(f"linked_steps_b{b}", 0))) for b in batches),
+                 " / ".join(str(int(r.get(f"linked_steps_b{b}", 0))) for b in batches)
+                 + (" (split " + " / ".join(str(int(r.get(f"split_steps_b{b}", 0))) for b in batches) + ")"
+                    if any(r.get(f"split_steps_b{b}") for b in batches) else ""),
                  ", ".join(f"{k} {v}" for k, v in r["gpu_mib"].items()) or "n/a",
                  ", ".join(f"{k} {v}" for k, v in r["rss_gib"].items()),
                  ", ".join(f"{k} {v}" for k, v in r.get(f"round_trip_ms_b{batches[0]}", {}).items()) or "-",

@@ -97,7 +97,8 @@ class CoordinatorConfig:
     lora_dirs: tuple[str, ...] = ()  # MoE LoRA: adapter paths must lie under one of these
     max_loras: int = 4  # MoE LoRA adapters loaded at once
     # a decode step of 2+ sequences runs as up to N micro-batches whose attention overlaps the
-    # other micro-batches' remote experts (eager, not the decode graphs: CausalLM.forward_micro); 1 = off
+    # other micro-batches' remote experts (CausalLM.forward_micro: inside the linked decode graph
+    # over a relayed TCP link that takes them, eagerly when the step cannot link); 1 = off
     micro_batches: int = 1
     # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
     admin_token: str | None = field(default=None, repr=False)

@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=C.micro_batches,
         metavar="N",
         help="split a decode step of 2+ sequences into up to N micro-batches, one's attention overlapping "
-        "another's remote experts (such steps run eagerly, without the decode graphs; 1 = off)",
+        "another's remote experts: inside the linked decode graph over a TCP relay that takes them, "
+        "else eagerly when the step cannot link (1 = off)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--max-message-mb", type=int, default=C.max_message_mb)

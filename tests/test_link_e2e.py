@@ -213,7 +213,8 @@ def _check_linked_decode(tmp_path, eng, d) -> None:
     for batch in (1, 3):  # 3 pads the bucket of 4 (slot id -1 rows)
         before = d.linked_steps
         got = _decode(eng, batch, 6)
-        assert d.linked_steps - before == 5, (batch, d.linked_steps - before)  # every decode step
+        why = [getattr(c, "link_pause", "") for c in d.conns]  # why a step ran without the link
+        assert d.linked_steps - before == 5, (batch, d.linked_steps - before, why)  # every decode step
         want = _decode(ref, batch, 6)
         assert torch.equal(got.argmax(-1), want.argmax(-1)), batch
         assert rel_err(got, want) < 1e-4, batch

@@ -119,6 +119,7 @@ def test_counters_move_with_requests(cluster):
     # a CPU coordinator never links a decode step (the link is a CUDA graph's)
     assert total(c1, "expertmesh_linked_decode_steps_total") == 0
     assert ("expertmesh_link_reruns_total", ()) in c1
+    assert total(c1, "expertmesh_linked_micro_batched_steps_total") == 0
 
 
 def test_rejected_requests_counted_by_code(cluster):

@@ -8,6 +8,9 @@ over host areas that the relay carries to the server; expertmesh/transport/tcp_r
   graphs over the relay's areas mapped into its GPU): decode equal to in process, linked.
 * ``gpu2``: the GPU server on cuda:1, the coordinator on cuda:0 (the second GPU stands in for
   another machine; the link crosses by TCP, not NVLink): the same.
+* micro-batches (``gpu``: a CPU server, with and without a shared expert; ``gpu2``: the GPU
+  server on cuda:1): the linked step split in 2 or 3 micro-batches inside its graph gives the
+  un-split linked step's greedy tokens and logits, every decode step linked and split.
 
 Runs on the device machine (``python -m pytest -m "gpu or gpu2" tests/test_tcp_relay_gpu.py``).
 """
@@ -23,7 +26,8 @@ from tests.cluster_utils import start_server
 from tests.hf_models import make_checkpoint
 from tests.test_link_e2e import _check_linked_decode
 from tests.test_local_member import local_engine
-from tests.test_parity import DECODE_STEPS, assert_greedy_matches_hf
+from tests.test_parity import DECODE_STEPS, assert_greedy_matches_hf, rel_err
+from tests.test_remote_graphs import decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -77,3 +81,64 @@ def test_gpu_server_on_this_gpu_over_tcp_decodes_linked(tmp_path, monkeypatch):
 @pytest.mark.gpu2
 def test_gpu_server_on_the_second_gpu_over_tcp_decodes_linked(tmp_path, monkeypatch):
     _gpu_server_over_tcp(tmp_path, monkeypatch, "cuda:1", "auto")
+
+
+def _micro_equals_whole(eng, d, micros=(2, 3)) -> None:
+    """Decodes batches 4 and 3 (a padded bucket) whole, then in micro-batches; both linked."""
+    from coordinator.model.remote_graphs import RemoteDecodeGraphs
+
+    graphs = eng.graphs
+    assert isinstance(graphs, RemoteDecodeGraphs)
+    for batch in (4, 3):
+        eng.micro_batches = 1
+        before = d.linked_steps
+        want = decode(eng, batch, 6)
+        why = [getattr(c, "link_pause", "") for c in d.conns]
+        assert d.linked_steps - before == 5, (batch, d.linked_steps - before, why)
+        for micro in micros:
+            if 4 % micro:
+                continue  # a bucket of 4 splits in 2 or 4 (else the step runs whole, linked)
+            eng.micro_batches = micro
+            before, split = d.linked_steps, d.linked_micro_steps
+            got = decode(eng, batch, 6)
+            why = [getattr(c, "link_pause", "") for c in d.conns]
+            assert d.linked_steps - before == 5 and d.linked_micro_steps - split == 5, (batch, micro, why)
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), (batch, micro)
+            assert rel_err(got, want) < 1e-4, (batch, micro)
+    eng.micro_batches = 1
+    assert d.link_reruns == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert
+def test_micro_batched_linked_steps_over_tcp_equal_whole_ones(arch, tmp_path):
+    from tests.test_cluster import engine_for
+
+    make_checkpoint(arch, tmp_path)
+    cpu = start_server("cpu", tmp_path)
+    cluster = ClusterConfig((ServerSpec("cpu0", cpu.address, "cpu"),), transport="tcp", timeout_s=30)
+    eng, d = engine_for(tmp_path, cluster, "cuda:0")
+    try:
+        conn = d.conns[0]
+        lnk = conn.link()
+        assert conn.transport == "tcp" and lnk is not None and lnk.micro >= 2, conn.link_note
+        _micro_equals_whole(eng, d, (2, 4))
+    finally:
+        d.close()
+        cpu.stop()
+
+
+@pytest.mark.gpu2
+def test_micro_batched_linked_steps_to_the_second_gpu_equal_whole_ones(tmp_path, monkeypatch):
+    from tests.test_cluster import engine_for
+
+    make_checkpoint("qwen3_moe", tmp_path)
+    monkeypatch.delenv("EXPERTMESH_LINK", raising=False)
+    srv = start_server("gpu", tmp_path, 0, "--device", "cuda:1", timeout=300)
+    cluster = ClusterConfig((ServerSpec("gpu0", srv.address, "gpu"),), transport="tcp", timeout_s=60)
+    eng, d = engine_for(tmp_path, cluster, "cuda:0")
+    try:
+        assert d.conns[0].link() is not None, d.conns[0].link_note
+        _micro_equals_whole(eng, d, (2, 4))
+    finally:
+        d.close()
+        srv.stop()

@@ -473,7 +473,9 @@ class ServerConnection:
             return None
         return st.fast.link
 
-    def link_step(self, step: int, rows: int, bucket: int, generation: int, timeout_s: float) -> str:
+    def link_step(
+        self, step: int, rows: int, bucket: int, generation: int, timeout_s: float, micro: int = 1
+    ) -> str:
         """Asks the server to launch its step graph for a linked decode step; "" when
         it did, else why not (a refusal, or the channel is gone: the step runs without the link,
         and the piecewise path meets a dead server as usual). No answer within ``timeout_s``:
@@ -483,7 +485,7 @@ class ServerConnection:
             return "no fast stream"
         # NOTE: servers take waits of at most 10 minutes (gpu_server/link_graphs.py MAX_TIMEOUT_MS)
         timeout_ms = min(max(1, int(timeout_s * 1e3)), 600_000)
-        desc = dsc.LinkStep(self.next_seq(), step, rows, bucket, generation, timeout_ms)
+        desc = dsc.LinkStep(self.next_seq(), step, rows, bucket, generation, timeout_ms, micro)
         try:
             resp = st.fast.link_step(desc, time.monotonic() + timeout_s)
         except Rejected as e:

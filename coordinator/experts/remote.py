@@ -105,6 +105,7 @@ class RemoteDispatcher(Dispatcher):
         self.link_local_table: torch.Tensor
         self._link_local: int | None = None
         self.linked_steps = 0  # decode steps run over the link
+        self.linked_micro_steps = 0  # of those, the ones run as micro-batches (--micro-batches)
         self.link_reruns = 0  # linked steps that failed (error bits) and ran again without it
         # NOTE: made on any device (tested on the CPU); only a CUDA coordinator offers a link
         self.link_table = torch.full(
@@ -426,12 +427,15 @@ class RemoteDispatcher(Dispatcher):
         hybrid linked step, or None (the linked server holds every expert)."""
         return None if self._link_local is None else self.conns[self._link_local]
 
-    def launch_link_step(self, server: int, conn: ServerConnection, step: int, rows: int, bucket: int) -> str:
-        """Sends the step's LinkStep; "" when the server launched its step graph, else why not
-        (the step then runs the piecewise path). A hung server is marked down here."""
+    def launch_link_step(
+        self, server: int, conn: ServerConnection, step: int, rows: int, bucket: int, micro: int = 1
+    ) -> str:
+        """Sends the step's LinkStep (``micro`` micro-batches); "" when the server launched its
+        step graph, else why not (the step then runs the piecewise path). A hung server is
+        marked down here."""
         assert self._step is not None
         try:
-            return conn.link_step(step, rows, bucket, self._step.generation, self.cluster.timeout_s)
+            return conn.link_step(step, rows, bucket, self._step.generation, self.cluster.timeout_s, micro)
         except ExpertServerError as e:
             self.expert_cluster.mark_down(server, e)
             return str(e)

@@ -83,15 +83,26 @@ class Engine:
 
             self.graphs = RemoteDecodeGraphs(model, self.cache, spec.num_pages, load_hook, dispatcher)  # type: ignore[arg-type]
 
-        # a decode step of 2+ sequences runs as up to this many micro-batches (whole sequences
-        # each, eagerly: CausalLM.forward_micro); 1 = off
-        self.micro_batches = 1
+        self._micro_batches = 1
 
         # called after every forward step on the step's thread (the EPLB manager's counter)
         self.after_step: Callable[[], None] | None = None
 
         # MoE LoRA (coordinator/lora): set by enable_lora; None = adapters refused
         self.lora: LoRAManager | None = None
+
+    @property
+    def micro_batches(self) -> int:
+        """A decode step of 2+ sequences runs as up to this many micro-batches of whole
+        sequences (CausalLM.forward_micro: eagerly, or inside the linked decode graph where the
+        link takes them, coordinator/model/remote_graphs.py); 1 = off."""
+        return self._micro_batches
+
+    @micro_batches.setter
+    def micro_batches(self, n: int) -> None:
+        self._micro_batches = n
+        if self.graphs is not None and hasattr(self.graphs, "micro"):
+            self.graphs.micro = n
 
     @classmethod
     def from_checkpoint(
@@ -195,7 +206,16 @@ class Engine:
         if self.lora is not None:
             self.lora.begin_step(token_adapter if uses_lora else None)
         n = min(self.micro_batches, len(items))
-        if decode and n >= 2 and not uses_lora and not _defers(self.dispatcher):
+        split = decode and n >= 2 and not uses_lora and not _defers(self.dispatcher)
+        begun = False  # begin_step once a step (it may wait for servers and switch tables)
+        if split and self.graphs is not None and hasattr(self.graphs, "links"):
+            # NOTE: a step that can go over the link replays the linked graph, which splits it
+            # into micro-batches itself where the link takes them: eager micro-batches cost
+            # Python per layer that the graph does not
+            self.dispatcher.begin_step(len(items))
+            begun = True
+            split = not self.graphs.links(len(items))
+        if split:
             groups = [items[j * len(items) // n : (j + 1) * len(items) // n] for j in range(n)]
             batches = [
                 ForwardBatch.build(
@@ -205,10 +225,12 @@ class Engine:
                 )
                 for g in groups
             ]
-            self.dispatcher.begin_step(len(items))
+            if not begun:
+                self.dispatcher.begin_step(len(items))
             logits = self.model.forward_micro(batches, self.cache)  # [B, V]
         elif decode and self.graphs is not None and self.graphs.bucket(len(items)) is not None:
-            self.dispatcher.begin_step(len(items))
+            if not begun:
+                self.dispatcher.begin_step(len(items))
             logits = self.graphs.run(
                 [(toks[0], self.seqs[sid].cached, self.seqs[sid].pages) for sid, toks in items]
             )

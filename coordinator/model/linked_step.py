@@ -30,7 +30,9 @@ class LinkedStep:
 
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [bucket, V] static output
-    ids: list[tuple[int, torch.Tensor]]  # (layer, [bucket, K] routing ids) for the load hook
+    # (layer, [rows, K] routing ids, first row) for the load hook: a micro-batched step has one
+    # per layer and micro-batch
+    ids: list[tuple[int, torch.Tensor, int]]
 
 
 @dataclass
@@ -61,7 +63,7 @@ class LinkState:
     rowid: torch.Tensor  # [Bm, 1] int64
     pad: torch.Tensor  # [Bm, 1] bool: rows >= b of the step (computed by the graph)
     pool: Any = None  # the graphs' own memory pool (torch.cuda.graph_pool_handle)
-    steps: dict[int, LinkedStep] = field(default_factory=dict)
+    steps: dict[tuple[int, int], LinkedStep] = field(default_factory=dict)  # (bucket, micro) ->
     mapped: Any = None  # host link: the HostMapped areas (unregistered when the link goes)
     local_key: tuple | None = None  # the LocalShare.key the graphs in ``steps`` were captured with
 
@@ -127,7 +129,12 @@ def map_host_areas(lnk: LinkAreas, device: torch.device) -> tuple[Any, Any, Any]
 
 class Linker(Dispatcher):
     """Stands in for the remote dispatcher while a bucket's linked step is captured: submit
-    fills the request area and signals, the Pending's wait waits for the answer and copies it."""
+    fills the request area and signals, the Pending's wait waits for the answer and copies it.
+
+    ``micro`` > 1 (a relayed link that takes them): the step is captured as micro-batches of
+    ``bucket / micro`` rows (CausalLM.forward_micro), each in its own rows of the areas; the
+    k-th submit of the step is request ``k`` (layer ``k // micro`` of micro-batch ``k % micro``),
+    and its wait takes a flag at or past its own (relay.c publishes answers as they come)."""
 
     def __init__(
         self,
@@ -137,11 +144,15 @@ class Linker(Dispatcher):
         bucket: int,
         timeout_s: float,
         local: LocalShare | None = None,
+        micro: int = 1,
     ):
+        assert micro == 1 or (local is None and bucket % micro == 0), f"{micro=} {bucket=}"
         self.st, self.table, self.moe_index = st, table, moe_index  # table: [L_moe, E] int32
         self.bucket, self.timeout_s, self.local = bucket, timeout_s, local
+        self.micro, self.rows = micro, bucket // micro  # rows: of one micro-batch
         self.capturing = False  # False: the warm-up run (every op once, no flag kernel)
-        self.ids: list[tuple[int, torch.Tensor]] = []
+        self.ids: list[tuple[int, torch.Tensor, int]] = []  # (layer, [rows, K] ids, first row)
+        self._k = 0  # the step's submits so far
 
     def prologue(self) -> None:
         """The step's first nodes: its (step, rows) word, zero errors, the padding mask."""
@@ -149,28 +160,33 @@ class Linker(Dispatcher):
         st.step.copy_in()
         st.errors.zero_()
         torch.ge(st.rowid, st.step.rows, out=st.pad)
+        self._k = 0
 
     def submit(self, layer, x, topk_ids, topk_weights):
         from expertmesh.transport import link
 
-        st, tb, i = self.st, self.bucket, self.moe_index[layer]
+        st, i, k = self.st, self.moe_index[layer], self._k
+        self._k += 1
+        index, at = (i, 0) if self.micro == 1 else (k, (k % self.micro) * self.rows)
+        assert self.micro == 1 or k // self.micro == i, f"request {k} of layer {i}: out of order"
+        rows = slice(at, at + self.rows)  # this micro-batch's (the whole bucket's if not split)
         req, ans = st.req, st.ans
         step = st.step.step
-        req.x[:tb].copy_(x)
-        ids = req.ids[:tb]  # [tb, K] int32: the server's slot of each (token, k); -1: padding, local
+        req.x[rows].copy_(x)
+        ids = req.ids[rows]  # [rows, K] int32: the server's slot of each (token, k); -1: padding, local
         torch.index_select(self.table[i], 0, topk_ids.reshape(-1), out=ids.view(-1))
-        ids.masked_fill_(st.pad[:tb], -1)
-        req.w[:tb].copy_(topk_weights)
+        ids.masked_fill_(st.pad[rows], -1)
+        req.w[rows].copy_(topk_weights)
         if self.capturing:
-            link.signal(req.flag, step, i)
-            self.ids.append((layer, topk_ids))
+            link.signal(req.flag, step, index)
+            self.ids.append((layer, topk_ids, at))
         mine = self._local_share(i, x, topk_ids, topk_weights)  # runs while the server computes
 
-        def wait() -> torch.Tensor:  # [tb, H]
+        def wait() -> torch.Tensor:  # [rows, H]
             if self.capturing:
-                link.wait(ans.flag, step, i, st.abort, st.errors, self.timeout_s)
+                link.wait(ans.flag, step, index, st.abort, st.errors, self.timeout_s, at_least=self.micro > 1)
             # NOTE: a copy into our memory now: the server reuses its area for the next layer
-            routed = ans.out[:tb].to(dtype=x.dtype, copy=True)
+            routed = ans.out[rows].to(dtype=x.dtype, copy=True)
             st.errors.bitwise_or_(ans.status)
             if mine is not None:
                 routed.add_(mine)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from coordinator.model.batch import ForwardBatch
 from coordinator.model.cuda_graphs import BUCKETS, DecodeGraphs
 from coordinator.model.dispatch import Dispatcher, Pending
 from coordinator.model.kv_cache import KVCache
@@ -148,6 +149,10 @@ class RemoteDecodeGraphs(DecodeGraphs):
         )
         ids = model.config.moe_layer_ids
         self._moe_index = {layer: i for i, layer in enumerate(ids)}
+        # micro-batches of a linked step over a relayed link that takes them (the engine's
+        # --micro-batches); 1: none
+        self.micro = 1
+        self._local_rows = torch.arange(buckets[-1], device=dev)  # a micro-batch's logits rows
         super().__init__(model, cache, max_pages_per_seq, load_hook, buckets)
 
     # ------------------------------------------------------------ the device link
@@ -168,6 +173,24 @@ class RemoteDecodeGraphs(DecodeGraphs):
                 self._replay(bucket, b)
             logits = self.logits[bucket]
         return logits[:b].clone()
+
+    def links(self, b: int) -> bool:
+        """Whether a decode step of ``b`` sequences would try the link now (the engine then
+        hands it to :meth:`run` instead of its eager micro-batches: the linked graph splits
+        it itself where the link takes micro-batches). Call after the dispatcher's begin_step."""
+        bucket = self.bucket(b)
+        if bucket is None:
+            return False
+        plan = self.dispatcher.link_plan(bucket)
+        return plan is not None and plan[2] is not self._broken
+
+    def _micro_for(self, lnk: LinkAreas, bucket: int, share: LocalShare | None) -> int:
+        """The micro-batches of this step: the engine's count where the link takes that many,
+        the bucket splits evenly and no in-process share computes beside the server; else 1."""
+        m = self.micro
+        if m <= 1 or lnk.micro < m or share is not None or bucket % m:
+            return 1
+        return m
 
     def _replay_linked(self, bucket: int, b: int) -> torch.Tensor | None:
         """The step over the device link; None when it did not run there (or failed: then
@@ -204,13 +227,14 @@ class RemoteDecodeGraphs(DecodeGraphs):
             if st.local_key != key:  # the in-process member's weights moved: capture again
                 st.steps.clear()
                 st.local_key = key
-            linked = st.steps.get(bucket)
+            micro = self._micro_for(lnk, bucket, share)
+            linked = st.steps.get((bucket, micro))
             if linked is None:
                 dev = self.cache.k.device
                 torch.cuda.empty_cache()  # NOTE: the capture empties it too: measure from the same state
                 reserved = torch.cuda.memory_reserved(dev)
                 try:
-                    linked = st.steps[bucket] = self._capture_linked(st, bucket, share)
+                    linked = st.steps[(bucket, micro)] = self._capture_linked(st, bucket, share, micro)
                 except RuntimeError as e:  # NOTE: torch's CUDA errors (capture, out of memory)
                     log.error("%s: cannot capture the linked decode step (bucket %d): %s; this "
                               "link is not used", conn.spec.name, bucket, e)  # fmt: skip
@@ -219,7 +243,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
                 self.link_pool_bytes += torch.cuda.memory_reserved(dev) - reserved
             step = lnk.next_step
             lnk.next_step += 1
-            why = d.launch_link_step(server, conn, step, b, bucket)
+            why = d.launch_link_step(server, conn, step, b, bucket, micro)
             if why:
                 self._note(conn, why)
                 return None
@@ -237,10 +261,17 @@ class RemoteDecodeGraphs(DecodeGraphs):
             d.begin_step(b)
             return None
         d.linked_steps += 1
+        d.linked_micro_steps += micro > 1
         self._link_note = conn.link_pause = ""
         if self.load_hook is not None:
-            for layer, ids in linked.ids:
-                self.load_hook(layer, ids[:b])
+            if micro == 1:
+                for layer, ids, _ in linked.ids:
+                    self.load_hook(layer, ids[:b])
+            else:  # NOTE: one call per layer (the EPLB recorder counts a step at each layer 0)
+                for j in range(0, len(linked.ids), micro):
+                    parts = linked.ids[j : j + micro]
+                    real = [ids[: max(0, min(ids.shape[0], b - at))] for _, ids, at in parts]
+                    self.load_hook(parts[0][0], torch.cat(real))
         return linked.logits
 
     def _note(self, conn: ServerConnection, why: str) -> None:
@@ -266,15 +297,41 @@ class RemoteDecodeGraphs(DecodeGraphs):
         key = (live.generation, tuple((a.data_ptr(), b.data_ptr()) for a, b in weights))
         return LocalShare(inner, d.link_local_table, weights, key), ""
 
-    def _capture_linked(self, st: LinkState, bucket: int, share: LocalShare | None = None) -> LinkedStep:
-        """Captures ``bucket``'s whole step over ``st``'s link: a warm-up run first (every op
-        once, outside any capture, with no flag kernel: link.py's NOTE on lazy loading), on
-        padding metadata (K/V writes go to the scratch row); the step's metadata is restored."""
+    def _micro_batches(self, bucket: int, micro: int) -> list[ForwardBatch]:
+        """``bucket``'s static step metadata as ``micro`` micro-batches of whole rows (views)."""
+        rows, p = bucket // micro, self.cache.page_size
+        return [
+            ForwardBatch(
+                input_ids=self.meta[0, m * rows : (m + 1) * rows],
+                positions=self.meta[1, m * rows : (m + 1) * rows],
+                write_index=self.meta[2, m * rows : (m + 1) * rows],
+                chunks=(),
+                logits_index=self._local_rows[:rows],
+                page_table=self.table[m * rows : (m + 1) * rows],
+                token_seq=self._identity[:rows],  # NOTE: a decode's: these graphs never extend
+                page_size=p,
+            )
+            for m in range(micro)
+        ]
+
+    def _capture_linked(
+        self, st: LinkState, bucket: int, share: LocalShare | None = None, micro: int = 1
+    ) -> LinkedStep:
+        """Captures ``bucket``'s whole step over ``st``'s link (as ``micro`` micro-batches,
+        CausalLM.forward_micro, when > 1): a warm-up run first (every op once, outside any
+        capture, with no flag kernel: link.py's NOTE on lazy loading), on padding metadata (K/V
+        writes go to the scratch row); the step's metadata is restored."""
         blocks = self.model.moe_blocks()
         saved = [(blk.dispatcher, blk.load_hook) for blk in blocks]
         meta = self.meta.clone()
         linker = Linker(
-            st, self.dispatcher.link_table, self._moe_index, bucket, self.dispatcher.cluster.timeout_s, share
+            st,
+            self.dispatcher.link_table,
+            self._moe_index,
+            bucket,
+            self.dispatcher.cluster.timeout_s,
+            share,
+            micro,
         )
         graph = torch.cuda.CUDAGraph()
         try:
@@ -282,17 +339,24 @@ class RemoteDecodeGraphs(DecodeGraphs):
                 blk.dispatcher, blk.load_hook = linker, None
             self._pad(0, self.buckets[-1])
             batch = self._batch(bucket)
+            parts = self._micro_batches(bucket, micro) if micro > 1 else []
+
+            def forward() -> torch.Tensor:
+                if parts:
+                    return self.model.forward_micro(parts, self.cache)
+                return self.model(batch, self.cache)
+
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 linker.prologue()
-                self.model(batch, self.cache)
+                forward()
             stream.synchronize()
             linker.capturing = True
             # NOTE: thread_local: the cluster's threads may touch CUDA while this captures
             with torch.cuda.graph(graph, pool=st.pool, stream=stream, capture_error_mode="thread_local"):
                 linker.prologue()
-                logits = self.model(batch, self.cache)
+                logits = forward()
             torch.cuda.current_stream().wait_stream(stream)
         finally:
             for blk, (disp, hook) in zip(blocks, saved, strict=True):

@@ -363,6 +363,11 @@ class _StateCollector(Collector):
                 d.linked_steps,
             )
             yield _counter(
+                "expertmesh_linked_micro_batched_steps",
+                "Linked decode steps split into micro-batches inside their graph (--micro-batches)",
+                getattr(d, "linked_micro_steps", 0),
+            )
+            yield _counter(
                 "expertmesh_link_reruns",
                 "Linked decode steps that failed on the link and ran again without it",
                 d.link_reruns,
