@@ -84,3 +84,49 @@ def test_micro_batched_decode_over_tcp_equals_one_batch(tmp_path):
         torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-4)
     finally:
         srv.stop()
+
+
+class _LinkableGraphs:
+    """Stands in for the remote decode graphs (coordinator/model/remote_graphs.py): says whether
+    a step would link and records the steps handed to it, answering with the eager step's logits."""
+
+    extends = False
+
+    def __init__(self, eng: Engine, links: bool) -> None:
+        self.eng, self._links, self.micro, self.ran = eng, links, 1, []
+
+    def bucket(self, b: int) -> int | None:
+        return b
+
+    def links(self, b: int) -> bool:
+        return self._links
+
+    def run(self, seqs):
+        self.ran.append((len(seqs), self.micro))
+        from coordinator.model.batch import ForwardBatch
+
+        items = [([tok], past, pages) for tok, past, pages in seqs]
+        batch = ForwardBatch.build(items, self.eng.page_size, self.eng.device)
+        return self.eng.model(batch, self.eng.cache)
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_a_step_that_links_goes_to_the_linked_graph_not_to_eager_micro_batches(links, tmp_path, monkeypatch):
+    """The linked graph splits a step itself where its link takes micro-batches: a step that can
+    link is handed to it (with the engine's count), begin_step once; one that cannot runs the
+    eager micro-batches as before."""
+    make_checkpoint("qwen3_moe", tmp_path)
+    eng = Engine.from_checkpoint(str(tmp_path), page_size=4)
+    graphs = eng.graphs = _LinkableGraphs(eng, links)
+    eng.micro_batches = 2
+    assert graphs.micro == 2, "the engine's count reaches the graphs"
+    begun, eager = [], []
+    monkeypatch.setattr(eng.dispatcher, "begin_step", lambda n: begun.append(n))
+    forward_micro = eng.model.forward_micro
+    monkeypatch.setattr(eng.model, "forward_micro", lambda b, c: eager.append(len(b)) or forward_micro(b, c))
+    seqs = [eng.new_seq() for _ in PROMPTS]
+    eng.step([(s, p) for s, p in zip(seqs, PROMPTS)])  # a prefill: eager, whole
+    begun.clear()
+    eng.step([(s, [1]) for s in seqs])
+    assert begun == [len(PROMPTS)], "begin_step once a step"
+    assert (graphs.ran, eager) == (([(len(PROMPTS), 2)], []) if links else ([], [2]))
