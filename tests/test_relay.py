@@ -353,3 +353,45 @@ def test_a_micro_batched_step_refuses_rows_past_the_areas():
         assert "refused" in co.step(1, R // 2 + 1, 2, 2)  # two micro-batches of R/2 + 1 rows
         assert "refused" in co.step(1, 1, 2, 0)
         assert co.step(1, R // 2, 2, 2) == ""
+
+
+@pytest.mark.parametrize("how,bit", [("garbage", rl.ERR_WIRE), ("silent", 1)])
+def test_a_bad_answer_in_a_micro_batched_step_answers_every_frame_with_the_bit(how, bit):
+    """The peer answers the first frame badly (or not at all) while the other micro-batch's frame
+    is out: every request of the step is answered with the bit (the graph runs through), the
+    connection is dropped, and a plain step runs on the next connection."""
+    micro, rows, layers = 2, 2, 3
+    cfg = rl.RelayConfig(timeout_s=0.3)
+    with contextlib.ExitStack() as stack:
+        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
+        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        c, s = connect(listener.getsockname()[1], listener)
+        stack.callback(s.close)
+        assert co.attach(c)
+        peer = threading.Thread(target=answer_badly, args=(how, s, rows), daemon=True)
+        peer.start()
+        assert co.step(1, rows, layers, micro) == ""
+        flag, ans_flag = co.req.flag.numpy(), co.ans.flag.numpy()
+        statuses = []
+        for k in range(layers * micro):
+            if k >= micro:  # this micro-batch's answer to the layer before
+                end = time.monotonic() + 10
+                while ans_flag[0] < link.STEP_SPAN + k - micro + 1:
+                    assert time.monotonic() < end, f"no answer before frame {k}"
+                    time.sleep(0)
+                statuses.append(int(co.ans.status[0]))
+            flag[0] = link.STEP_SPAN + k + 1
+        end = time.monotonic() + 10
+        while ans_flag[0] < link.STEP_SPAN + layers * micro:
+            assert time.monotonic() < end, "the step's last answers never came"
+            time.sleep(0)
+        statuses.append(int(co.ans.status[0]))
+        assert all(st & bit for st in statuses), statuses
+        assert co.wait_idle(5) and not co.connected
+        st = co.stats()
+        assert st.dropped == 1 and st.last_bits & bit, st
+        peer.join(5)
+        srv = stack.enter_context(rl.Relay.server(*areas(), R, H, K, DT, cfg))
+        c, s = connect(listener.getsockname()[1], listener)
+        assert srv.attach(s) and co.attach(c)
+        run_steps(co, srv, range(2, 4), layers=3, rows=2, real=2)

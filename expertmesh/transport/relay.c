@@ -258,7 +258,18 @@ static int wait_req_serving(relay *r, exch *e, int64_t want) {
             continue;
         }
         if ((k & 63) == 0 || t - t0 >= r->spin_ns) t = now_ns(); /* a yield may take a time slice */
-        if (t - t0 > r->timeout_ns) return IO_TIMEOUT;
+        if (t - t0 > r->timeout_ns) {
+            if (e->got == e->sent || e->fd < 0) return IO_TIMEOUT; /* no flag: the graph is gone */
+            /* frames out and no answer in time: the peer is silent, and the graph may be waiting
+             * for one of them: they are answered with the bits, the connection closed (as a
+             * silent answer of a plain step is) and the graph's requests still to come too */
+            e->bits |= io_bits(r, IO_TIMEOUT);
+            drop(r, &e->fd);
+            publish(r, e->step * STEP_SPAN + e->sent, e->bits | e->served);
+            e->got = e->sent;
+            t0 = t = now_ns();
+            continue;
+        }
         if (t - t0 < r->spin_ns)
             cpu_relax();
         else
