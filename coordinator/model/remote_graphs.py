@@ -28,6 +28,11 @@ answer and ORs its status into the step's error word. The host reads that word o
 replay: any bit -> nothing of the step is used, the server is marked down, and the same step
 runs again on the piecewise chain (its K/V writes go to the same slots).
 
+With ``micro`` > 1 (the engine's --micro-batches) and a relayed TCP link that takes them, a
+bucket's linked step is captured as that many micro-batches of whole rows
+(CausalLM.forward_micro: one micro-batch's attention is queued while another's request is on
+the wire; linked_step.Linker says how they share the areas).
+
 Shapes: Bm largest bucket, H hidden, K top-k, V vocab.
 """
 
