@@ -12,7 +12,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -159,6 +159,42 @@ def answer_badly(how: str, sock: socket.socket, rows: int) -> None:
         pass  # the socket stays open, nothing comes: the relay's timeout
 
 
+@contextlib.contextmanager
+def co_with_raw_peer(cfg: rl.RelayConfig) -> Iterator[tuple[rl.Relay, socket.socket, socket.socket]]:
+    """A coordinator relay connected to a socket this test plays the server with:
+    ``(relay, peer socket, listener)``."""
+    with contextlib.ExitStack() as stack:
+        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
+        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        c, s = connect(listener.getsockname()[1], listener)
+        stack.callback(s.close)
+        assert co.attach(c)
+        yield co, s, listener
+
+
+def publish_in_micro_order(co: rl.Relay, step: int, layers: int, micro: int) -> list[int]:
+    """Plays the graph of a micro-batched step that writes no payload: each request flag once
+    that micro-batch's answer to the layer before is there; the status of every answer."""
+    flag, ans_flag = co.req.flag.numpy(), co.ans.flag.numpy()
+    base, statuses = step * link.STEP_SPAN, []
+
+    def answered(k: int) -> None:
+        end = time.monotonic() + 10
+        while ans_flag[0] < base + k + 1:
+            assert time.monotonic() < end, f"no answer to frame {k} (flag {ans_flag[0]})"
+            time.sleep(0)
+        statuses.append(int(co.ans.status[0]))
+
+    n = layers * micro
+    for k in range(n):
+        if k >= micro:
+            answered(k - micro)
+        flag[0] = base + k + 1
+    for k in range(n - micro, n):
+        answered(k)
+    return statuses
+
+
 @pytest.mark.parametrize(
     "how,bit",
     [("garbage", rl.ERR_WIRE), ("wrong-flag", rl.ERR_WIRE), ("truncated-close", rl.ERR_WIRE), ("silent", 1)],
@@ -166,11 +202,7 @@ def answer_badly(how: str, sock: socket.socket, rows: int) -> None:
 def test_a_bad_answer_ends_the_step_with_an_error_and_the_relay_takes_the_next_connection(how, bit):
     cfg = rl.RelayConfig(timeout_s=0.3)
     with contextlib.ExitStack() as stack:
-        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
-        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
-        c, s = connect(listener.getsockname()[1], listener)
-        stack.callback(s.close)
-        assert co.attach(c)
+        co, s, listener = stack.enter_context(co_with_raw_peer(cfg))
         peer = threading.Thread(target=answer_badly, args=(how, s, 2), daemon=True)
         peer.start()
         assert co.step(1, 2, 3) == ""
@@ -314,13 +346,7 @@ def test_a_micro_batched_step_has_micro_frames_in_flight():
     """The peer reads both micro-batches' first frames before it answers either: a relay that
     waited for each answer before the next frame would leave it waiting (then the step fails)."""
     micro, rows, layers = 2, 2, 3
-    cfg = rl.RelayConfig(timeout_s=2.0)
-    with contextlib.ExitStack() as stack:
-        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
-        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
-        c, s = connect(listener.getsockname()[1], listener)
-        stack.callback(s.close)
-        assert co.attach(c)
+    with co_with_raw_peer(rl.RelayConfig(timeout_s=2.0)) as (co, s, _):
         s.settimeout(5)
         frame = REQ.size + rows * H * DT.itemsize + 2 * rows * K * 4
 
@@ -334,14 +360,7 @@ def test_a_micro_batched_step_has_micro_frames_in_flight():
         t = threading.Thread(target=peer, daemon=True)
         t.start()
         assert co.step(1, rows, layers, micro) == ""
-        flag, ans_flag = co.req.flag.numpy(), co.ans.flag.numpy()
-        for k in range(layers * micro):
-            if k >= micro:
-                end = time.monotonic() + 5
-                while ans_flag[0] < link.STEP_SPAN + k - micro + 1:
-                    assert time.monotonic() < end, f"no answer before frame {k}"
-                    time.sleep(0)
-            flag[0] = link.STEP_SPAN + k + 1
+        assert publish_in_micro_order(co, 1, layers, micro) == [0] * layers * micro
         assert co.wait_idle(5)
         t.join(5)
         st = co.stats()
@@ -362,36 +381,17 @@ def test_a_bad_answer_in_a_micro_batched_step_answers_every_frame_with_the_bit(h
     connection is dropped, and a plain step runs on the next connection."""
     micro, rows, layers = 2, 2, 3
     cfg = rl.RelayConfig(timeout_s=0.3)
-    with contextlib.ExitStack() as stack:
-        co = stack.enter_context(rl.Relay.coordinator(*areas(), R, H, K, DT, cfg))
-        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
-        c, s = connect(listener.getsockname()[1], listener)
-        stack.callback(s.close)
-        assert co.attach(c)
+    with co_with_raw_peer(cfg) as (co, s, listener):
         peer = threading.Thread(target=answer_badly, args=(how, s, rows), daemon=True)
         peer.start()
         assert co.step(1, rows, layers, micro) == ""
-        flag, ans_flag = co.req.flag.numpy(), co.ans.flag.numpy()
-        statuses = []
-        for k in range(layers * micro):
-            if k >= micro:  # this micro-batch's answer to the layer before
-                end = time.monotonic() + 10
-                while ans_flag[0] < link.STEP_SPAN + k - micro + 1:
-                    assert time.monotonic() < end, f"no answer before frame {k}"
-                    time.sleep(0)
-                statuses.append(int(co.ans.status[0]))
-            flag[0] = link.STEP_SPAN + k + 1
-        end = time.monotonic() + 10
-        while ans_flag[0] < link.STEP_SPAN + layers * micro:
-            assert time.monotonic() < end, "the step's last answers never came"
-            time.sleep(0)
-        statuses.append(int(co.ans.status[0]))
-        assert all(st & bit for st in statuses), statuses
+        statuses = publish_in_micro_order(co, 1, layers, micro)
+        assert len(statuses) == layers * micro and all(st & bit for st in statuses), statuses
         assert co.wait_idle(5) and not co.connected
         st = co.stats()
         assert st.dropped == 1 and st.last_bits & bit, st
         peer.join(5)
-        srv = stack.enter_context(rl.Relay.server(*areas(), R, H, K, DT, cfg))
-        c, s = connect(listener.getsockname()[1], listener)
-        assert srv.attach(s) and co.attach(c)
-        run_steps(co, srv, range(2, 4), layers=3, rows=2, real=2)
+        with rl.Relay.server(*areas(), R, H, K, DT, cfg) as srv:
+            c, s2 = connect(listener.getsockname()[1], listener)
+            assert srv.attach(s2) and co.attach(c)
+            run_steps(co, srv, range(2, 4), layers=3, rows=2, real=2)
