@@ -32,7 +32,8 @@ dtype is reused, and each row's CPU share is a subset of the row before, so noth
   standing in for another machine) over ``--transport T`` (grpc, tcp, shm, auto); ``_dUS``: the
   TCP data path through the loopback delay proxy adding US microseconds each way
   (``--server-data-address``; ``_d0``: the proxy's own cost; ``--proxy-impl``: its C or Python
-  data path); ``_mbN``: ``--micro-batches N``;
+  data path); ``_mbN``: ``--micro-batches N`` (``_mb1``: whole steps; no suffix: the
+  coordinator's default, ``auto``);
 - ``up``: ``expertmesh up --model DIR`` with its defaults.
 
 Tiny run anywhere (CPU; proves the script)::

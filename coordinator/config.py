@@ -98,8 +98,9 @@ class CoordinatorConfig:
     max_loras: int = 4  # MoE LoRA adapters loaded at once
     # a decode step of 2+ sequences runs as up to N micro-batches whose attention overlaps the
     # other micro-batches' remote experts (CausalLM.forward_micro: inside the linked decode graph
-    # over a relayed TCP link that takes them, eagerly when the step cannot link); 1 = off
-    micro_batches: int = 1
+    # over a relayed TCP link that takes them, eagerly when the step cannot link); 1 = off;
+    # None (auto) = two inside linked steps of 4-16 rows, where they paid (remote_graphs.auto_micro)
+    micro_batches: int | None = None
     # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
     admin_token: str | None = field(default=None, repr=False)
     tls: TLSConfig | None = None  # the public port serves TLS only with a certificate
@@ -127,8 +128,8 @@ class CoordinatorConfig:
             raise ValueError(f"max_context {self.max_context} leaves no room for a prompt and a token")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
-        if not 1 <= self.micro_batches <= 8:
-            raise ValueError(f"--micro-batches must be in [1, 8], got {self.micro_batches}")
+        if self.micro_batches is not None and not 1 <= self.micro_batches <= 8:
+            raise ValueError(f"--micro-batches must be auto or in [1, 8], got {self.micro_batches}")
         if self.max_loras <= 0:
             raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.default_max_new_tokens <= 0:

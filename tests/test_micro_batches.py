@@ -130,3 +130,55 @@ def test_a_step_that_links_goes_to_the_linked_graph_not_to_eager_micro_batches(l
     eng.step([(s, [1]) for s in seqs])
     assert begun == [len(PROMPTS)], "begin_step once a step"
     assert (graphs.ran, eager) == (([(len(PROMPTS), 2)], []) if links else ([], [2]))
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_the_default_splits_only_inside_linked_steps(links, tmp_path, monkeypatch):
+    """``None`` (the coordinator's ``--micro-batches auto``) reaches the graphs, which choose per
+    bucket; a step that cannot link is never split eagerly."""
+    make_checkpoint("qwen3_moe", tmp_path)
+    eng = Engine.from_checkpoint(str(tmp_path), page_size=4)
+    graphs = eng.graphs = _LinkableGraphs(eng, links)
+    eng.micro_batches = None
+    assert graphs.micro is None
+    eager = []
+    forward_micro = eng.model.forward_micro
+    monkeypatch.setattr(eng.model, "forward_micro", lambda b, c: eager.append(len(b)) or forward_micro(b, c))
+    seqs = [eng.new_seq() for _ in PROMPTS]
+    eng.step([(s, p) for s, p in zip(seqs, PROMPTS)])
+    eng.step([(s, [1]) for s in seqs])
+    assert eager == []
+    assert graphs.ran == [(len(PROMPTS), None)]
+
+
+def test_the_default_count_per_bucket():
+    """Two micro-batches where they paid (4-16 rows), whole steps elsewhere; a link that takes
+    fewer, a bucket they do not divide or a local share beside the server keeps the step whole."""
+    from types import SimpleNamespace
+
+    from coordinator.model.remote_graphs import RemoteDecodeGraphs, auto_micro
+
+    assert [auto_micro(b) for b in (1, 2, 4, 8, 16, 32, 64)] == [1, 1, 2, 2, 2, 1, 1]
+    g = SimpleNamespace(micro=None)
+    pick = RemoteDecodeGraphs._micro_for.__get__(g)
+    relayed, direct = SimpleNamespace(micro=8), SimpleNamespace(micro=1)
+    assert [pick(relayed, b, None) for b in (2, 4, 8, 16, 64)] == [1, 2, 2, 2, 1]
+    assert pick(direct, 8, None) == 1
+    assert pick(relayed, 8, object()) == 1
+    g.micro = 3
+    assert [pick(relayed, b, None) for b in (3, 6, 8)] == [3, 3, 1]
+    g.micro = 1
+    assert pick(relayed, 8, None) == 1
+
+
+def test_the_flag_defaults_to_auto():
+    import argparse
+
+    from coordinator.main import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    parse = lambda *a: config_from_args(p.parse_args(["--model", "m", *a])).micro_batches  # noqa: E731
+    assert (parse(), parse("--micro-batches", "auto"), parse("--micro-batches", "2")) == (None, None, 2)
+    with pytest.raises(ValueError, match="--micro-batches must be auto or in"):
+        parse("--micro-batches", "9")

@@ -83,7 +83,7 @@ class Engine:
 
             self.graphs = RemoteDecodeGraphs(model, self.cache, spec.num_pages, load_hook, dispatcher)  # type: ignore[arg-type]
 
-        self._micro_batches = 1
+        self._micro_batches: int | None = 1
 
         # called after every forward step on the step's thread (the EPLB manager's counter)
         self.after_step: Callable[[], None] | None = None
@@ -92,14 +92,15 @@ class Engine:
         self.lora: LoRAManager | None = None
 
     @property
-    def micro_batches(self) -> int:
+    def micro_batches(self) -> int | None:
         """A decode step of 2+ sequences runs as up to this many micro-batches of whole
         sequences (CausalLM.forward_micro: eagerly, or inside the linked decode graph where the
-        link takes them, coordinator/model/remote_graphs.py); 1 = off."""
+        link takes them, coordinator/model/remote_graphs.py); 1 = off; None = the measured
+        default (remote_graphs.auto_micro: inside linked steps only, never eagerly)."""
         return self._micro_batches
 
     @micro_batches.setter
-    def micro_batches(self, n: int) -> None:
+    def micro_batches(self, n: int | None) -> None:
         self._micro_batches = n
         if self.graphs is not None and hasattr(self.graphs, "micro"):
             self.graphs.micro = n
@@ -205,7 +206,9 @@ class Engine:
         decode = not all_logits and not uses_lora and all(len(toks) == 1 for _, toks in items)
         if self.lora is not None:
             self.lora.begin_step(token_adapter if uses_lora else None)
-        n = min(self.micro_batches, len(items))
+        # NOTE: the default (None) never splits eagerly: eager micro-batches double the Python
+        # per layer and paid in no measured run
+        n = min(self.micro_batches or 1, len(items))
         split = decode and n >= 2 and not uses_lora and not _defers(self.dispatcher)
         begun = False  # begin_step once a step (it may wait for servers and switch tables)
         if split and self.graphs is not None and hasattr(self.graphs, "links"):

@@ -28,8 +28,10 @@ answer and ORs its status into the step's error word. The host reads that word o
 replay: any bit -> nothing of the step is used, the server is marked down, and the same step
 runs again on the piecewise chain (its K/V writes go to the same slots).
 
-With ``micro`` > 1 (the engine's --micro-batches) and a relayed TCP link that takes them, a
-bucket's linked step is captured as that many micro-batches of whole rows
+With ``micro`` > 1 (the engine's --micro-batches; ``None``, the coordinator's default: 2 for
+buckets of 4-16 rows, where two paid on a measured TCP hop with and without 100 us of added
+delay each way) and a relayed TCP link that takes them, a bucket's linked step is captured as
+that many micro-batches of whole rows
 (CausalLM.forward_micro: one micro-batch's attention is queued while another's request is on
 the wire; linked_step.Linker says how they share the areas).
 
@@ -61,6 +63,18 @@ if TYPE_CHECKING:
     from expertmesh.transport.client import LinkAreas
 
 log = logging.getLogger("expertmesh.remote")
+
+# The coordinator's default (--micro-batches auto): two micro-batches for linked steps of these
+# bucket sizes. Measured at full size (Qwen3-30B-A3B, every expert on a GPU server on a second
+# GPU over the TCP relay, benchmarks/RESULTS.md): two paid at 4-16 rows with and without 100 us
+# of added delay each way, were even at 2 (single rows: the server answers twice a layer) and
+# lost 11-13% at 64 rows without delay (the GPU work no longer hides behind the wire).
+AUTO_MICRO = 2
+AUTO_MICRO_BUCKETS = range(4, 17)
+
+
+def auto_micro(bucket: int) -> int:
+    return AUTO_MICRO if bucket in AUTO_MICRO_BUCKETS else 1
 
 
 @dataclass
@@ -155,8 +169,8 @@ class RemoteDecodeGraphs(DecodeGraphs):
         ids = model.config.moe_layer_ids
         self._moe_index = {layer: i for i, layer in enumerate(ids)}
         # micro-batches of a linked step over a relayed link that takes them (the engine's
-        # --micro-batches); 1: none
-        self.micro = 1
+        # --micro-batches); 1: none, None: AUTO_MICRO's choice
+        self.micro: int | None = 1
         self._local_rows = torch.arange(buckets[-1], device=dev)  # a micro-batch's logits rows
         super().__init__(model, cache, max_pages_per_seq, load_hook, buckets)
 
@@ -190,9 +204,12 @@ class RemoteDecodeGraphs(DecodeGraphs):
         return plan is not None and plan[2] is not self._broken
 
     def _micro_for(self, lnk: LinkAreas, bucket: int, share: LocalShare | None) -> int:
-        """The micro-batches of this step: the engine's count where the link takes that many,
-        the bucket splits evenly and no in-process share computes beside the server; else 1."""
+        """The micro-batches of this step: the engine's count (or AUTO_MICRO's) where the link
+        takes that many, the bucket splits evenly and no in-process share computes beside the
+        server; else 1."""
         m = self.micro
+        if m is None:
+            m = auto_micro(bucket)
         if m <= 1 or lnk.micro < m or share is not None or bucket % m:
             return 1
         return m
