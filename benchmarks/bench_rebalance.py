@@ -115,11 +115,11 @@ def coordinator_cmd(args: argparse.Namespace, model: Path, servers: list[Proc]) 
     return [*cmd, "--gpu-server", second]
 
 
-def eplb_flags(args: argparse.Namespace) -> list[str]:
+def eplb_flags(args: argparse.Namespace, time_model: str) -> list[str]:
     return ["--eplb-interval-steps", str(args.interval), "--eplb-window-steps", str(args.window),
             "--eplb-redundant-slots", str(args.redundant), "--eplb-skip-threshold", "0",
             "--eplb-move-threshold", "0", "--eplb-max-moves", str(args.max_moves),
-            "--eplb-max-move-mb", str(args.max_move_mb)]  # fmt: skip
+            "--eplb-max-move-mb", str(args.max_move_mb), "--eplb-time-model", time_model]  # fmt: skip
 
 
 # ---------------------------------------------------------------------- load
@@ -417,6 +417,11 @@ def main() -> None:
         default=1024,
         help="run B: --eplb-max-move-mb (MiB of expert weights per rebalance, 0 = no cap; the coordinator's default)",
     )
+    p.add_argument(
+        "--time-model",
+        default="affine",
+        help="run B: --eplb-time-model; a comma list runs B once per model against the same run A",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument(
         "--server-flags",
@@ -445,7 +450,10 @@ def main() -> None:
         try:
             cmd = coordinator_cmd(args, model, servers)
             a = run(args, "A", cmd, load, True, servers, out)
-            b = run(args, "B", [*cmd, *eplb_flags(args)], load, False, servers, out)
+            bs = []
+            for tm in args.time_model.split(","):
+                name = "B" if "," not in args.time_model else f"B-{tm}"
+                bs.append(run(args, name, [*cmd, *eplb_flags(args, tm)], load, False, servers, out))
         finally:
             for s in servers:
                 s.stop()
@@ -457,7 +465,7 @@ def main() -> None:
             "experts on the first GPU server at first); "
             f"{args.passes} passes x {args.rounds} rounds x {args.concurrency} concurrent streams x "
             f"{args.new_tokens} tokens; run B: EPLB every {args.interval} steps, window {args.window}, "
-            f"{args.redundant} redundant slots per server"
+            f"{args.redundant} redundant slots per server, time model {args.time_model}"
             + (f", at most {args.max_moves} weights moved per rebalance" if args.max_moves else "")
             + (
                 f", at most {args.max_move_mb} MiB moved per rebalance"
@@ -467,9 +475,13 @@ def main() -> None:
             + (f"; expert servers with `{args.server_flags}`" if args.server_flags else "")
             + "\n"
         )
-        text = head + "\n" + report(args, a, b, requests)
-        text += f"\n\nservers up in {started:.0f} s; run A {a.wall_s:.1f} s, run B {b.wall_s:.1f} s (measured passes)"
-        for r in (a, b):
+        text = head + "\n" + "\n\n".join(report(args, a, b, requests) for b in bs)
+        text += (
+            f"\n\nservers up in {started:.0f} s; "
+            + ", ".join(f"run {r.name} {r.wall_s:.1f} s" for r in (a, *bs))
+            + " (measured passes)"
+        )
+        for r in (a, *bs):
             text += "".join(f"\n- run {r.name}: {e}" for e in r.errors[:10])
         print(text)
         (out / "bench_rebalance.md").write_text(text + "\n")

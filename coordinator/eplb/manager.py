@@ -38,7 +38,8 @@ import torch
 
 from coordinator.eplb.grow import plan_grow
 from coordinator.eplb.plan import EplbConfig, RebalancePlan, plan_rebalance
-from coordinator.experts.load_recorder import LoadRecorder
+from coordinator.eplb.time_model import fit_server_times
+from coordinator.experts.load_recorder import LoadRecorder, LoadSnapshot
 from expertmesh import placement as pl
 
 log = logging.getLogger("expertmesh.eplb")
@@ -123,6 +124,9 @@ class EplbManager:
         self._busy = threading.Lock()  # one rebalance at a time
         self._thread: threading.Thread | None = None
         self._last_window: tuple[int, str] = (0, "")  # what the last plan() used
+        # [S] each server's last fitted time per layer (speed, base); NaN where never fitted: a
+        # server left without load this window keeps the times it had
+        self._fitted: tuple[torch.Tensor, torch.Tensor] | None = None
         # perf_counter() start and end of the last push (end 0.0 while it runs), one tuple so
         # that the serving thread reads a consistent pair
         self._push_span = (0.0, 0.0)
@@ -173,7 +177,7 @@ class EplbManager:
         snap = self.recorder.snapshot()
         live = self.target.live_placement()
         capacity = self.target.slot_capacity()  # [S]
-        speed = fit_speed(snap.server_speed(), self.target.default_speed())
+        speed, base = self.server_times(snap)
         pool_window = getattr(self.target, "pool_window", None)  # NOTE: test targets lack it
         shared = pool_window(list(snap.moe_layers)) if pool_window is not None else None
         window = shared if shared is not None else snap.window  # [L, E]
@@ -190,7 +194,35 @@ class EplbManager:
             self.cfg,
             self.expert_bytes,
             force=force,
+            # NOTE: the window sums its steps' tokens, so a layer's fixed time counts once a step
+            base=None if base is None else base * max(snap.window_steps, 1),
         )
+
+    def server_times(self, snap: LoadSnapshot) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[S]`` tokens per ms and ``[S]`` fixed ms per layer (None: the proportional model)
+        that the plan prices each server's layer with (coordinator/eplb/time_model.py)."""
+        default = self.target.default_speed()
+        if self.cfg.time_model == "proportional" or snap.server_ms_steps is None:
+            return fit_speed(snap.server_speed(), default), None
+        fit = fit_server_times(snap.server_ms_steps, snap.server_tokens_steps)
+        speed, base = fit.speed, fit.base
+        if self._fitted is not None:
+            old_speed, old_base = self._fitted
+            n = min(old_speed.numel(), speed.numel())
+            speed[:n] = torch.where(speed[:n].isnan(), old_speed[:n], speed[:n])
+            base[:n] = torch.where(base[:n].isnan(), old_base[:n], base[:n])
+        self._fitted = (speed.clone(), base.clone())
+        if bool(speed.isnan().all()):
+            return fit_speed(snap.server_speed(), default), None
+        # a server never fitted counts as the mean fitted one, as fit_speed does
+        s = default.numel()
+        known = ~speed.isnan()
+        out_speed = torch.full((s,), float(speed[known].mean()), dtype=torch.float64)
+        out_base = torch.full((s,), float(base[known].mean()), dtype=torch.float64)
+        n = min(s, speed.numel())
+        out_speed[:n] = torch.where(known[:n], speed[:n], out_speed[:n])
+        out_base[:n] = torch.where(known[:n], base[:n], out_base[:n])
+        return out_speed, out_base
 
     def _follower(self) -> str:
         """Why this coordinator may not push ("" when it may): another holds the placement role."""

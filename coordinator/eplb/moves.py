@@ -95,6 +95,7 @@ def with_replica_slots(
     capacity: torch.Tensor,  # [S]
     speed: torch.Tensor,  # [S]
     num_replicas: int,  # P' > P slots per layer
+    base: torch.Tensor | None = None,  # [S] fixed time per layer
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # [L, P'] each
     """The live layers grown to ``num_replicas`` slots by adding replicas only, one slot at a
     time: the (server with room, expert it does not hold) whose replica leaves the slowest
@@ -104,6 +105,7 @@ def with_replica_slots(
     layers, p = phy2log.shape
     e, s = weight.shape[1], capacity.numel()
     rate = speed.double().clamp(min=1e-12)[:, None]  # [S, 1]
+    fixed = torch.zeros(s, 1, dtype=torch.float64) if base is None else base.double()[:, None]  # [S, 1]
     out_phy, out_own = [], []
     for row in range(layers):
         phys, owns = phy2log[row].tolist(), owner[row].tolist()
@@ -112,7 +114,7 @@ def with_replica_slots(
         held.index_put_((owner[row], phy2log[row]), torch.ones(p, dtype=torch.float64), accumulate=True)
         for _ in range(num_replicas - p):
             count = held.sum(0).clamp(min=1)  # [E]
-            load = (held * (w / count)).sum(1, keepdim=True) / rate  # [S, 1] time per server
+            load = (held * (w / count)).sum(1, keepdim=True) / rate + fixed  # [S, 1] time per server
             gone = w / count - w / (count + 1)  # [E] each holder's share that moves to the replica
             after = load - held * gone / rate  # [S, E]: every server's time, per expert replicated
             best: tuple[float, int, int] | None = None
@@ -146,13 +148,14 @@ def rebalance_few_moves(
     threshold: float = 0.05,
     refine_rounds: int = 32,
     max_moves: int = 0,  # expert weights the plan may load in all (0: no cap)
+    base: torch.Tensor | None = None,  # [S] fixed time per layer
 ) -> MovePlan:
     layers, e = weight.shape
     p = old_phy2log.shape[1]
     weight = weight.double().cpu()
-    phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, p, refine_rounds)
-    t_live = server_times(weight, old_phy2log, old_owner, speed).max(1).values
-    t_scratch = server_times(weight, phy2log, owner, speed).max(1).values
+    phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, p, refine_rounds, base)
+    t_live = server_times(weight, old_phy2log, old_owner, speed, base).max(1).values
+    t_scratch = server_times(weight, phy2log, owner, speed, base).max(1).values
     goal = t_scratch * (1.0 + threshold)
     keep = t_live <= goal
     # local search from the live layer, replicas unchanged, until within the goal
@@ -164,17 +167,18 @@ def rebalance_few_moves(
         max_rounds=4 * refine_rounds,
         target=goal,
         group=old_phy2log,
+        base=base,
     )
-    t_search = server_times(weight, old_phy2log, searched, speed).max(1).values
+    t_search = server_times(weight, old_phy2log, searched, speed, base).max(1).values
     use_search = ~keep & (t_search <= goal)
     scratch = ~keep & ~use_search
-    classes = torch.unique(torch.stack([capacity.double(), speed.double()], 1), dim=0, return_inverse=True)[1]
+    classes = server_classes(capacity, speed, base)
     aligned = align_servers(old_phy2log, old_owner, phy2log, owner, classes, e)
     out_phy2log = torch.where(scratch[:, None], phy2log, old_phy2log)
     out_owner = torch.where(scratch[:, None], aligned, torch.where(use_search[:, None], searched, old_owner))
     how = torch.where(keep, 0, torch.where(use_search, 1, 2)).to(torch.int8)
     moved = weights_moved(old_phy2log, old_owner, out_phy2log, out_owner, capacity.numel(), e)
-    t_new = server_times(weight, out_phy2log, out_owner, speed).max(1).values
+    t_new = server_times(weight, out_phy2log, out_owner, speed, base).max(1).values
     if max_moves and int(moved.sum()) > max_moves:
         kept = within_moves(t_live - t_new, moved, max_moves)
         out_phy2log = torch.where(kept[:, None], old_phy2log, out_phy2log)
@@ -183,6 +187,13 @@ def rebalance_few_moves(
         moved = torch.where(kept, 0, moved)
         t_new = torch.where(kept, t_live, t_new)
     return MovePlan(out_phy2log, out_owner, how, moved, t_live, t_scratch, t_new)
+
+
+def server_classes(capacity: torch.Tensor, speed: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    """``[S]`` the class of each server: servers of one class (same slots, speed and fixed time)
+    are interchangeable, so a plan's servers may be renamed within a class."""
+    cols = [capacity.double(), speed.double()] + ([] if base is None else [base.double()])
+    return torch.unique(torch.stack(cols, 1), dim=0, return_inverse=True)[1]
 
 
 def within_moves(gain: torch.Tensor, moved: torch.Tensor, max_moves: int) -> torch.Tensor:

@@ -31,18 +31,23 @@ def greedy_pack(
     weight: torch.Tensor,  # [B, N] item weights (token counts), >= 0
     capacity: torch.Tensor,  # [M] int64 max items per pack
     speed: torch.Tensor | None = None,  # [M] work per unit time; None = all equal
+    base: torch.Tensor | None = None,  # [M] fixed time of each pack, whatever it holds; None = 0
 ) -> torch.Tensor:  # [B, N] int64 pack of each item
-    """Longest-processing-time greedy with per-pack item limits (see module docstring)."""
+    """Longest-processing-time greedy with per-pack item limits (see module docstring); a pack's
+    time is ``base + load / speed``."""
     b, n = weight.shape
     m = capacity.numel()
     cap = capacity.cpu().numpy().astype(np.int64)
     assert int(cap.sum()) >= n, f"{n} items do not fit packs of capacity {cap.tolist()}"
-    if m == n and (cap == 1).all() and speed is None:
+    if m == n and (cap == 1).all() and speed is None and base is None:
         return torch.arange(n).expand(b, n).clone()  # one item per pack: any order is optimal
     w = _np(weight)
     order = np.argsort(-w, axis=1, kind="stable")  # [B, N]
     w_sorted = np.take_along_axis(w, order, axis=1)
-    inv = None if speed is None else 1.0 / _np(speed)  # [M]
+    fixed = np.zeros(m) if base is None else _np(base)  # [M]
+    inv = None  # [M]; None: equal speeds and no fixed times, the score kept incrementally
+    if speed is not None or base is not None:
+        inv = np.ones(m) if speed is None else 1.0 / _np(speed)
     load = np.zeros((b, m))  # [B, M]
     left = np.tile(cap, (b, 1))  # [B, M] free places
     score = np.zeros((b, m))  # [B, M] equal speeds: load, inf where full
@@ -54,7 +59,7 @@ def greedy_pack(
         if inv is None:
             p = score.argmin(axis=1)
         else:
-            p = np.where(left > 0, (load + wi[:, None]) * inv, _INF).argmin(axis=1)
+            p = np.where(left > 0, (load + wi[:, None]) * inv + fixed, _INF).argmin(axis=1)
         pack_sorted[:, i] = p
         k = base + p
         flat_load[k] += wi
@@ -116,6 +121,7 @@ def refine(
     min_gain: float = 1e-9,  # relative: a change must cut the slowest pack's time by this much
     target: torch.Tensor | None = None,  # [B] a row stops once its slowest time is <= this
     group: torch.Tensor | None = None,  # [B, N] no change may put two items of a group in a pack
+    base: torch.Tensor | None = None,  # [M] fixed time of each pack (its time: base + load / speed)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # pack [B, N], items re-placed per row [B]
     """Local search on the slowest pack ``a`` of each row: the best of moving one of its items
     to a pack with room, or swapping one with an item of the fastest-finishing pack ``z``,
@@ -126,6 +132,7 @@ def refine(
     w, pk = _np(weight), pack.cpu().numpy().copy()
     cap = capacity.cpu().numpy()
     inv = 1.0 / _np(speed) if speed is not None else np.ones(m)
+    fixed = np.zeros(m) if base is None else _np(base)  # [M]
     changes = np.zeros(b, dtype=np.int64)
     rows = np.arange(b)
     c = min(int(cap.max()), n)
@@ -149,7 +156,7 @@ def refine(
     for _ in range(max_rounds):
         n_act = act.size
         loc = np.arange(n_act)
-        t = load[act] * inv  # [A, M]
+        t = load[act] * inv + fixed  # [A, M]
         a, z = t.argmax(axis=1), t.argmin(axis=1)  # [A]
         t_a = t[loc, a]
         w_act = w_pad[act]
@@ -158,9 +165,10 @@ def refine(
         va, vz = ia >= 0, iz >= 0
         la, lz = load[act, a][:, None, None], load[act, z][:, None, None]  # [A, 1, 1]
         inv_a, inv_z = inv[a][:, None, None], inv[z][:, None, None]
+        fix_a, fix_z = fixed[a][:, None, None], fixed[z][:, None, None]
         # swap a's item i with z's item j: [A, Ca, Cz]
         d = wa[:, :, None] - wz[:, None, :]
-        swap = np.maximum((la - d) * inv_a, (lz + d) * inv_z)
+        swap = np.maximum((la - d) * inv_a + fix_a, (lz + d) * inv_z + fix_z)
         swap[~(va[:, :, None] & vz[:, None, :]) | (d <= 0)] = _INF
         if held is not None:
             g_act = g_pad[act]
@@ -173,7 +181,8 @@ def refine(
         use_move = np.zeros(n_act, dtype=bool)
         if can_move:  # move a's item i to a pack q with room: [A, Ca, M]
             move = np.maximum(
-                (la[:, :, 0] - wa)[:, :, None] * inv_a, (load[act][:, None, :] + wa[:, :, None]) * inv
+                (la[:, :, 0] - wa)[:, :, None] * inv_a + fix_a,
+                (load[act][:, None, :] + wa[:, :, None]) * inv + fixed,
             )
             room = ((table[act] >= 0).sum(axis=2) < cap) & (np.arange(m) != a[:, None])  # [A, M]
             move[~va[:, :, None] | ~room[:, None, :]] = _INF

@@ -17,8 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.eplb.hetero import rebalance_heterogeneous, server_times, slot_shares
-from coordinator.eplb.moves import align_servers, rebalance_few_moves, weights_moved, with_replica_slots
+from coordinator.eplb.moves import (
+    align_servers,
+    rebalance_few_moves,
+    server_classes,
+    weights_moved,
+    with_replica_slots,
+)
 from expertmesh import placement as pl
+
+TIME_MODELS = ("affine", "proportional")
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,10 @@ class EplbConfig:
     # Qwen3-30B-A3B) and rebalances stalled decode steps 3.1-4.7x their median against 2.0-2.2x
     # under a ~1 GiB cap (2x H200, benchmarks/RESULTS.md); the lower of the two caps holds
     max_move_mb: int = 1024
+    # how a server's layer is priced: "affine", a fixed part plus a time per token, both fitted
+    # from the servers' compute times (coordinator/eplb/time_model.py), or "proportional",
+    # tokens over measured tokens per ms, whose plans swung between two placements at full size
+    time_model: str = "affine"
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:
@@ -49,6 +61,10 @@ class EplbConfig:
             raise ValueError(f"--eplb-max-moves must be >= 0, got {self.max_moves}")
         if self.max_move_mb < 0:
             raise ValueError(f"--eplb-max-move-mb must be >= 0, got {self.max_move_mb}")
+        if self.time_model not in TIME_MODELS:
+            raise ValueError(
+                f"--eplb-time-model must be one of {', '.join(TIME_MODELS)}, got {self.time_model!r}"
+            )
         for name in ("skip_threshold", "move_threshold"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -89,6 +105,14 @@ class EplbConfig:
             default=1024,
             help="the same cap in MiB of expert weights (default 1024; 0 = none; with both, the lower holds)",
         )
+        g.add_argument(
+            "--eplb-time-model",
+            choices=TIME_MODELS,
+            default="affine",
+            help="how a plan prices a server's layer: affine (a fixed part plus a time per token, "
+            "fitted from the servers' compute times; default) or proportional (tokens over "
+            "measured tokens per ms)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EplbConfig:
@@ -100,6 +124,7 @@ class EplbConfig:
             move_threshold=args.eplb_move_threshold,
             max_moves=args.eplb_max_moves,
             max_move_mb=args.eplb_max_move_mb,
+            time_model=args.eplb_time_model,
         )
 
     def move_cap(self, expert_bytes: int) -> int:
@@ -188,7 +213,11 @@ def stable_slots(live: list[int], experts: list[int]) -> list[int]:
 
 
 def layer_metrics(
-    weight: torch.Tensor, p: pl.Placement, moe_layers: list[int], speed: torch.Tensor
+    weight: torch.Tensor,
+    p: pl.Placement,
+    moe_layers: list[int],
+    speed: torch.Tensor,
+    base: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # token max/mean [L], slowest time [L]
     bal, slow = [], []
     for row, layer in enumerate(moe_layers):
@@ -199,7 +228,7 @@ def layer_metrics(
             1, owner, slot_shares(weight[row : row + 1], phy2log)
         )
         bal.append(float(tokens.max() / tokens.mean().clamp(min=1e-12)))
-        slow.append(float(server_times(weight[row : row + 1], phy2log, owner, speed).max()))
+        slow.append(float(server_times(weight[row : row + 1], phy2log, owner, speed, base).max()))
     return torch.tensor(bal), torch.tensor(slow)
 
 
@@ -210,16 +239,16 @@ def _from_scratch(
     speed: torch.Tensor,
     num_replicas: int,
     e: int,
+    base: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A new placement of ``num_replicas`` slots per layer, its servers' slots aligned with the
     live ones where servers are alike (so fewer experts change server); ``how`` all 2."""
-    phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, num_replicas)
+    phy2log, owner, _ = rebalance_heterogeneous(weight, capacity, speed, num_replicas, base=base)
     how = torch.full((weight.shape[0],), 2, dtype=torch.int8)
     if tensors is not None:
-        classes = torch.unique(
-            torch.stack([capacity.double(), speed.double()], 1), dim=0, return_inverse=True
-        )[1]
-        owner = align_servers(tensors[0], tensors[1], phy2log, owner, classes, e)
+        owner = align_servers(
+            tensors[0], tensors[1], phy2log, owner, server_classes(capacity, speed, base), e
+        )
     return phy2log, owner, how
 
 
@@ -232,6 +261,7 @@ def plan_rebalance(
     cfg: EplbConfig,
     expert_bytes: int,
     force: bool = False,  # plan even when the live placement is balanced enough
+    base: torch.Tensor | None = None,  # [S] fixed time per layer (in the units of weight / speed)
 ) -> RebalancePlan:
     t0 = time.perf_counter()
     servers, e = live.servers, live.num_experts
@@ -246,11 +276,11 @@ def plan_rebalance(
     cap = cfg.move_cap(expert_bytes)
     if tensors is not None and tensors[0].shape[1] == num_replicas:
         mp = rebalance_few_moves(
-            weight, *tensors, capacity, speed, threshold=cfg.move_threshold, max_moves=cap
+            weight, *tensors, capacity, speed, threshold=cfg.move_threshold, max_moves=cap, base=base
         )
         phy2log, owner, how = mp.phy2log, mp.owner, mp.how
     else:  # more or fewer slots (the first plan with replicas), or layers of mixed sizes
-        phy2log, owner, how = _from_scratch(weight, tensors, capacity, speed, num_replicas, e)
+        phy2log, owner, how = _from_scratch(weight, tensors, capacity, speed, num_replicas, e, base)
         if (
             tensors is not None
             and tensors[0].shape[1] < num_replicas
@@ -262,10 +292,10 @@ def plan_rebalance(
             # 2-core VM at real widths the replicas-first plan, uncapped, left the balancing
             # to the next plans, which moved as much in all and, with the default one-layer
             # staging, rebuilt growing layers inside their commits
-            base = with_replica_slots(weight, *tensors, capacity, speed, num_replicas)
-            if base is not None and base[0].shape[1] == num_replicas:
+            grown = with_replica_slots(weight, *tensors, capacity, speed, num_replicas, base)
+            if grown is not None and grown[0].shape[1] == num_replicas:
                 mp = rebalance_few_moves(
-                    weight, *base, capacity, speed, threshold=cfg.move_threshold, max_moves=cap
+                    weight, *grown, capacity, speed, threshold=cfg.move_threshold, max_moves=cap, base=base
                 )
                 phy2log, owner, how = mp.phy2log, mp.owner, mp.how
     moved_layers = (
@@ -274,8 +304,8 @@ def plan_rebalance(
         else torch.full((len(moe_layers),), num_replicas)
     )
     new = to_placement(live.generation + 1, servers, e, moe_layers, phy2log, owner, live)
-    bal_before, t_before = layer_metrics(weight, live, moe_layers, speed)
-    bal_after, t_after = layer_metrics(weight, new, moe_layers, speed)
+    bal_before, t_before = layer_metrics(weight, live, moe_layers, speed, base)
+    bal_after, t_after = layer_metrics(weight, new, moe_layers, speed, base)
     gain = 1.0 - float(t_after.sum()) / max(float(t_before.sum()), 1e-12)
     moved = int(moved_layers.sum())
     skipped = not force and (gain < cfg.skip_threshold or moved == 0)

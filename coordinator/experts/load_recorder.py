@@ -30,6 +30,10 @@ class LoadSnapshot:
     # has none of its answers: a server that EPLB left without load stays as fast as it was)
     server_ms_total: torch.Tensor
     server_tokens_total: torch.Tensor
+    # [W, S, L] float64 the same per step of the window (zeros: no answer), what the planner's
+    # time model is fitted on (coordinator/eplb/time_model.py)
+    server_ms_steps: torch.Tensor | None = None
+    server_tokens_steps: torch.Tensor | None = None
 
     def server_speed(self) -> torch.Tensor | None:  # [S] tokens per ms, NaN unknown; None: none known
         """Each server's tokens per ms of its own compute time over the window, else since
@@ -130,4 +134,6 @@ class LoadRecorder:
                 self.server_tokens.sum(0),
                 self.server_ms_total.clone(),
                 self.server_tokens_total.clone(),
+                self.server_ms.clone(),
+                self.server_tokens.clone(),
             )
