@@ -305,7 +305,11 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
 #pragma omp for schedule(static)
             for (int t = 0; t < t_; t++) acts_prep_row(&ax, t);
         }
-#pragma omp for schedule(static)
+        /* NOTE: dynamic: a team's threads may wake late (libgomp spins only briefly once more
+         * threads than CPUs exist: the host link's thread has a team of its own beside the
+         * server's), and a static share waits for its slowest thread; each thread's writes
+         * stay its own, so the result does not depend on the order */
+#pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < items1; it++) {
             const int s = so.active[it / nblk], b = (int)(it % nblk);
             const uint8_t *base = w13 + ((size_t)s * 2 * i_ + (size_t)b * 2 * rb) * row13;
@@ -333,7 +337,7 @@ int moe_decode(const float *x, const int64_t *slot_ids, const float *weights, in
 #pragma omp for schedule(static)
             for (int p = 0; p < n; p++) acts_prep_row(&aa, p);
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 16)
         for (int h = 0; h < h_; h++) {
             for (int ai = 0; ai < so.na; ai++) {
                 const int s = so.active[ai];
