@@ -510,6 +510,8 @@ def test_eplb_flags_reach_the_config_and_bad_values_are_refused():
     with pytest.raises(ValueError, match="--eplb-max-moves must be >= 0"):
         EplbConfig.from_args(p.parse_args(["--eplb-max-moves", "-1"]))
     assert default.time_model == "affine"
-    assert EplbConfig.from_args(p.parse_args(["--eplb-time-model", "proportional"])).time_model == "proportional"
+    assert (
+        EplbConfig.from_args(p.parse_args(["--eplb-time-model", "proportional"])).time_model == "proportional"
+    )
     with pytest.raises(ValueError, match="--eplb-time-model must be one of"):
         EplbConfig(time_model="linear")
