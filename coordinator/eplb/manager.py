@@ -202,9 +202,10 @@ class EplbManager:
         """``[S]`` tokens per ms and ``[S]`` fixed ms per layer (None: the proportional model)
         that the plan prices each server's layer with (coordinator/eplb/time_model.py)."""
         default = self.target.default_speed()
-        if self.cfg.time_model == "proportional" or snap.server_ms_steps is None:
+        ms, tokens = snap.server_ms_steps, snap.server_tokens_steps
+        if self.cfg.time_model == "proportional" or ms is None or tokens is None:
             return fit_speed(snap.server_speed(), default), None
-        fit = fit_server_times(snap.server_ms_steps, snap.server_tokens_steps)
+        fit = fit_server_times(ms, tokens)
         speed, base = fit.speed, fit.base
         if self._fitted is not None:
             old_speed, old_base = self._fitted

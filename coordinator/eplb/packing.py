@@ -52,7 +52,7 @@ def greedy_pack(
     left = np.tile(cap, (b, 1))  # [B, M] free places
     score = np.zeros((b, m))  # [B, M] equal speeds: load, inf where full
     flat_load, flat_left, flat_score = load.reshape(-1), left.reshape(-1), score.reshape(-1)
-    base = np.arange(b) * m
+    row0 = np.arange(b) * m  # flat index of each row's first pack
     pack_sorted = np.empty((b, n), dtype=np.int64)
     for i in range(n):
         wi = w_sorted[:, i]  # [B]
@@ -61,7 +61,7 @@ def greedy_pack(
         else:
             p = np.where(left > 0, (load + wi[:, None]) * inv + fixed, _INF).argmin(axis=1)
         pack_sorted[:, i] = p
-        k = base + p
+        k = row0 + p
         flat_load[k] += wi
         flat_left[k] -= 1
         if inv is None:
