@@ -215,15 +215,8 @@ class EplbManager:
         self._fitted = (speed.clone(), base.clone())
         if bool(speed.isnan().all()):
             return fit_speed(snap.server_speed(), default), None
-        # a server never fitted counts as the mean fitted one, as fit_speed does
-        s = default.numel()
-        known = ~speed.isnan()
-        out_speed = torch.full((s,), float(speed[known].mean()), dtype=torch.float64)
-        out_base = torch.full((s,), float(base[known].mean()), dtype=torch.float64)
-        n = min(s, speed.numel())
-        out_speed[:n] = torch.where(known[:n], speed[:n], out_speed[:n])
-        out_base[:n] = torch.where(known[:n], base[:n], out_base[:n])
-        return out_speed, out_base
+        # a server never fitted counts as the mean fitted one (speed and base are NaN together)
+        return fit_speed(speed, default), fit_speed(base, torch.zeros_like(default, dtype=torch.float64))
 
     def _follower(self) -> str:
         """Why this coordinator may not push ("" when it may): another holds the placement role."""
@@ -337,7 +330,8 @@ def fit_speed(measured: torch.Tensor | None, default: torch.Tensor) -> torch.Ten
     """The measured speeds ``[S0]`` (tokens per ms, positive, NaN for a server never measured;
     None before any server answered) over the ``S`` servers of ``default`` (``S >= S0``): a
     server never measured, or joined since the recorder was sized, counts as fast as the mean
-    measured one; with none measured, ``default``."""
+    measured one; with none measured, ``default``. The fitted fixed times per layer are spread
+    over the servers the same way."""
     if measured is None or bool(measured.isnan().all()):
         return default
     s = default.numel()
