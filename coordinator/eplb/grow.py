@@ -77,14 +77,15 @@ def plan_grow(
     capacity: torch.Tensor,  # [S]
     speed: torch.Tensor,  # [S] tokens per unit time
     expert_bytes: int,
+    base: torch.Tensor | None = None,  # [S] fixed time per layer (the reported times only)
 ) -> RebalancePlan:
     """:func:`grow_placement` as an EPLB plan (never skipped: the joined servers idle otherwise)."""
     t0 = time.perf_counter()
     weight = weight.double().cpu()
     new = grow_placement(live, moe_layers, joining, capacity, weight)
     added = sum(len(new.layers[layer].phy2log) - len(live.layers[layer].phy2log) for layer in moe_layers)
-    bal_before, t_before = layer_metrics(weight, live, moe_layers, speed)
-    bal_after, t_after = layer_metrics(weight, new, moe_layers, speed)
+    bal_before, t_before = layer_metrics(weight, live, moe_layers, speed, base)
+    bal_after, t_after = layer_metrics(weight, new, moe_layers, speed, base)
     names = ", ".join(live.servers[i] for i in joining)
     return RebalancePlan(
         placement=new,

@@ -178,13 +178,17 @@ class EplbManager:
         live = self.target.live_placement()
         capacity = self.target.slot_capacity()  # [S]
         speed, base = self.server_times(snap)
+        if base is not None:  # NOTE: the window sums its steps' tokens: a fixed time counts once a step
+            base = base * max(snap.window_steps, 1)
         pool_window = getattr(self.target, "pool_window", None)  # NOTE: test targets lack it
         shared = pool_window(list(snap.moe_layers)) if pool_window is not None else None
         window = shared if shared is not None else snap.window  # [L, E]
         self._last_window = (int(window.sum()), "servers" if shared is not None else "coordinator")
         joining: list[int] = getattr(self.target, "joining", list)()  # NOTE: test targets lack it
         if joining:
-            return plan_grow(window, live, list(snap.moe_layers), joining, capacity, speed, self.expert_bytes)
+            return plan_grow(
+                window, live, list(snap.moe_layers), joining, capacity, speed, self.expert_bytes, base
+            )
         return plan_rebalance(
             window.double(),
             live,
@@ -194,8 +198,7 @@ class EplbManager:
             self.cfg,
             self.expert_bytes,
             force=force,
-            # NOTE: the window sums its steps' tokens, so a layer's fixed time counts once a step
-            base=None if base is None else base * max(snap.window_steps, 1),
+            base=base,
         )
 
     def server_times(self, snap: LoadSnapshot) -> tuple[torch.Tensor, torch.Tensor | None]:
