@@ -67,7 +67,7 @@ log = logging.getLogger("expertmesh.remote")
 # The coordinator's default (--micro-batches auto): two micro-batches for linked steps of these
 # bucket sizes. Measured at full size (Qwen3-30B-A3B, every expert on a GPU server on a second
 # GPU over the TCP relay, benchmarks/RESULTS.md): two paid at 4-16 rows with and without 100 us
-# of added delay each way, were even at 2 (single rows: the server answers twice a layer) and
+# of added delay each way, were even or lost at 2 (single rows: the server answers twice a layer) and
 # lost 11-13% at 64 rows without delay (the GPU work no longer hides behind the wire).
 AUTO_MICRO = 2
 AUTO_MICRO_BUCKETS = range(4, 17)
