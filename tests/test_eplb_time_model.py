@@ -167,3 +167,15 @@ def test_plans_predict_the_true_time_of_what_they_place_and_settle(model):
     assert max(errors) < 0.05, errors
     assert skipped[-2:] == [True, True], (skipped, before)
     assert before[-1] < before[0], before
+
+
+def test_each_plan_logs_how_it_priced_the_servers():
+    rng = np.random.default_rng(2)
+    target = Target()
+    rec = LoadRecorder(LAYERS, EXPERTS, window_steps=WINDOW, num_servers=2)
+    m = EplbManager(EplbConfig(interval_steps=WINDOW, window_steps=WINDOW), rec, target, 1, now)
+    assert "not measured yet" in m.plan(force=True).summary()
+    run_window(m, rec, target.live, rng)
+    line = m.counters.history[-1].line()
+    # the true times: gpu0 0.2 ms + 1 us a token, cpu0 0.3 ms + 10 us a token
+    assert "gpu0 0.200 ms + 1.00 us/token" in line and "cpu0 0.300 ms + 10.00 us/token" in line, line

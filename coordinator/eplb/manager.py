@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -178,6 +178,10 @@ class EplbManager:
         live = self.target.live_placement()
         capacity = self.target.slot_capacity()  # [S]
         speed, base = self.server_times(snap)
+        measured = snap.server_speed() is not None
+        servers = (
+            priced(live.servers, speed, base) if measured else "server layer times not measured yet (equal)"
+        )
         if base is not None:  # NOTE: the window sums its steps' tokens: a fixed time counts once a step
             base = base * max(snap.window_steps, 1)
         pool_window = getattr(self.target, "pool_window", None)  # NOTE: test targets lack it
@@ -186,20 +190,22 @@ class EplbManager:
         self._last_window = (int(window.sum()), "servers" if shared is not None else "coordinator")
         joining: list[int] = getattr(self.target, "joining", list)()  # NOTE: test targets lack it
         if joining:
-            return plan_grow(
+            plan = plan_grow(
                 window, live, list(snap.moe_layers), joining, capacity, speed, self.expert_bytes, base
             )
-        return plan_rebalance(
-            window.double(),
-            live,
-            list(snap.moe_layers),
-            capacity,
-            speed,
-            self.cfg,
-            self.expert_bytes,
-            force=force,
-            base=base,
-        )
+        else:
+            plan = plan_rebalance(
+                window.double(),
+                live,
+                list(snap.moe_layers),
+                capacity,
+                speed,
+                self.cfg,
+                self.expert_bytes,
+                force=force,
+                base=base,
+            )
+        return replace(plan, servers=servers)
 
     def server_times(self, snap: LoadSnapshot) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[S]`` tokens per ms and ``[S]`` fixed ms per layer (None: the proportional model)
@@ -327,6 +333,16 @@ class EplbManager:
         self.on_outcome(out.kind)
         (log.warning if out.kind == "failed" else log.info)("EPLB %s", out.line())
         return out
+
+
+def priced(names: tuple[str, ...], speed: torch.Tensor, base: torch.Tensor | None) -> str:
+    """Each server's layer as the plan priced it: ``gpu0 0.210 ms + 1.00 us/token, ...``."""
+    parts = []
+    for name, rate, fixed in zip(
+        names, speed.tolist(), base.tolist() if base is not None else [0.0] * len(names)
+    ):
+        parts.append(f"{name} {fixed:.3f} ms + {1e3 / rate:.2f} us/token")
+    return "server layer times " + ", ".join(parts)
 
 
 def fit_speed(measured: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:  # [S]

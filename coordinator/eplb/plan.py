@@ -150,6 +150,7 @@ class RebalancePlan:
     layers_kept: int
     layers_searched: int
     layers_scratch: int
+    servers: str = ""  # how each server's layer was priced (the manager's time model), for the log
 
     def summary(self) -> str:
         head = "skip" if self.skipped else "plan"
@@ -159,6 +160,7 @@ class RebalancePlan:
             f"{self.time_after:.4g}, {self.weights_moved} expert weights ({self.bytes_moved / 2**20:.1f} MiB) "
             f"to load, layers kept/searched/scratch {self.layers_kept}/{self.layers_searched}/"
             f"{self.layers_scratch}, computed in {self.compute_ms:.1f} ms"
+            + (f"; {self.servers}" if self.servers else "")
         )
 
 
