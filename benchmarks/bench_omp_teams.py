@@ -68,7 +68,9 @@ def main() -> None:
         t.join()
         return out[0]
 
-    print(f"{args.weight_dtype} H {h} I {i}, top-{k} of {s} experts, {args.threads} threads, {args.calls} calls")
+    print(
+        f"{args.weight_dtype} H {h} I {i}, top-{k} of {s} experts, {args.threads} threads, {args.calls} calls"
+    )
     print("| round | main thread us | second thread us | main thread again us | second / main |")
     print("|---|---:|---:|---:|---:|")
     for r in range(args.rounds):
