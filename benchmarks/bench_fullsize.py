@@ -8,7 +8,9 @@ processes ``expertmesh`` users start, waits for health SERVING and measures thro
 gRPC client:
 
 - ``load_s``: coordinator start -> SERVING (a CPU server reused from the row before is already
-  up; its own start is its row's ``server_load_s``);
+  up; its own start is its row's ``server_load_s``), and ``start_s``: when each phase of the
+  coordinator's start ended, from its log (its weights read, its own experts read, the KV
+  cache, listening, the expert servers ready);
 - TPOT p50 at batch 1 and batch 8 (``--prompt`` tokens of prompt, ``--new-tokens`` generated,
   ``ignore_eos``; one warm-up request first), and tokens/s = batch / TPOT;
 - GPU memory per process (nvidia-smi) and resident memory of every process;
@@ -75,6 +77,14 @@ _UP = re.compile(r"expertmesh is serving on (\S+):(\d+)")
 _DATA = re.compile(r"TCP data path on (\S+):(\d+)")
 _PROXY = re.compile(r"delay proxy listening on (\S+):(\d+)")
 _HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on https?://\S+:(\d+)")
+# the coordinator's start, phase by phase: the log line that ends each phase (its first one)
+_START = (
+    ("weights", re.compile(r"coordinator weights: .*done in")),
+    ("experts", re.compile(r"(?:coordinator|local) experts: .*done in")),
+    ("kv", re.compile(r"KV cache: ")),
+    ("listening", re.compile(r"coordinator listening on ")),
+    ("ready", re.compile(r"expert servers ready")),
+)
 ROWS = "inproc,cpu_int4,local25_int4,local50_int4,local75_int4,cpu_bf16,local25_bf16,local50_bf16,local75_bf16,up"
 
 
@@ -83,6 +93,7 @@ class Proc:
     name: str
     proc: subprocess.Popen
     lines: list[str] = field(default_factory=list)
+    stamps: list[float] = field(default_factory=list)  # time.monotonic() each line arrived
     port: int = 0
     http: int = 0
 
@@ -149,6 +160,7 @@ def spawn(
         with log.open("a") as f:
             for line in p.proc.stdout:
                 f.write(line)
+                p.stamps.append(time.monotonic())
                 p.lines.append(line)
                 h = _HTTP.search(line)
                 if h and not p.http:
@@ -164,6 +176,17 @@ def spawn(
         p.stop()
         raise RuntimeError(f"{name} did not start within {timeout:g}s:\n{''.join(p.lines[-30:])}")
     return p
+
+
+def start_split(p: Proc, t0: float) -> dict[str, float]:
+    """Seconds from ``t0`` (the spawn) to the end of each phase of a coordinator's start that its
+    log shows (``_START``; a phase the topology lacks is left out)."""
+    out = {}
+    for name, pattern in _START:
+        at = next((t for t, ln in zip(p.stamps, p.lines) if pattern.search(ln)), None)
+        if at is not None:
+            out[name] = round(at - t0, 1)
+    return out
 
 
 def wait_serving(addr: str, timeout: float, procs: list[Proc]) -> float:
@@ -386,6 +409,7 @@ class Bench:
                 procs.append(co)
                 wait_serving(f"127.0.0.1:{co.port}", a.startup_timeout, [co, *extra])
                 res["load_s"] = round(time.monotonic() - t0, 1)
+                res["start_s"] = start_split(co, t0)
             addr = f"127.0.0.1:{co.port}"
             if row.up:
                 wait_serving(addr, a.startup_timeout, procs)
@@ -440,7 +464,8 @@ class Bench:
 def table(results: list[dict], batches: list[int]) -> str:
     head = ["row", "load s", *(f"tok/s b{b}" for b in batches), *(f"TPOT ms b{b}" for b in batches),
             "linked steps", "GPU MiB", "RSS GiB", "per-layer round trip ms (b1)", "server compute ms/layer (b1)",
-            "host link kernel / spin ms per layer (b1)", "busy cores (b1)"]  # fmt: skip
+            "host link kernel / spin ms per layer (b1)", "busy cores (b1)",
+            "coordinator start: s from spawn to each phase's end"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "error" in r:
@@ -458,7 +483,8 @@ def table(results: list[dict], batches: list[int]) -> str:
                  str(r.get(f"server_compute_ms_b{batches[0]}", "-")),
                  f"{r[f'link_kernel_ms_b{batches[0]}']} / {r[f'link_wait_ms_b{batches[0]}']}"
                  if f"link_kernel_ms_b{batches[0]}" in r else "-",
-                 ", ".join(f"{k} {v}" for k, v in r.get(f"cores_b{batches[0]}", {}).items()) or "-"]  # fmt: skip
+                 ", ".join(f"{k} {v}" for k, v in r.get(f"cores_b{batches[0]}", {}).items()) or "-",
+                 ", ".join(f"{k} {v}" for k, v in r.get("start_s", {}).items()) or "-"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
