@@ -257,14 +257,17 @@ _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 _DATA = re.compile(r"TCP data path on (\S+)")
 
 
-def start_gpu_server(ck: Path, key: ServerKey, log: Path) -> tuple[subprocess.Popen, str, str]:
-    """``expertmesh gpu-server`` on ``cuda:gpu`` (``gpu`` -1: ``expertmesh cpu-server``) in its
-    own process (key: GPU, CUDA graphs, fast-path spin in us or None for the default); returns
-    it, its address and its TCP data path's address."""
+def start_gpu_server(
+    ck: Path, key: ServerKey, log: Path, cpu_threads: int = 2
+) -> tuple[subprocess.Popen, str, str]:
+    """``expertmesh gpu-server`` on ``cuda:gpu`` (``gpu`` -1: ``expertmesh cpu-server`` with
+    ``cpu_threads`` kernel threads) in its own process (key: GPU, CUDA graphs, fast-path spin in
+    us or None for the default); returns it, its address and its TCP data path's address."""
     gpu, graphs, spin, pin, link = key
     kind = ["cpu-server"] if gpu < 0 else ["gpu-server", "--device", f"cuda:{gpu}"]
+    threads = cpu_threads if gpu < 0 else 2
     cmd = (["taskset", "-c", _cpus(SERVER_HALF)] if pin else []) + [sys.executable, "-m", "expertmesh.cli", *kind,
-           "--model", str(ck), "--port", "0", "--dtype", "bfloat16", "--threads", "2"]  # fmt: skip
+           "--model", str(ck), "--port", "0", "--dtype", "bfloat16", "--threads", str(threads)]  # fmt: skip
     if not graphs and gpu >= 0:
         cmd.append("--no-cuda-graphs")
     if spin is not None:
@@ -579,6 +582,8 @@ def main() -> None:
                     help="also the last --remote / first --second-gpu transport with both sides spinning U us")  # fmt: skip
     ap.add_argument("--cpu-server-too", nargs="*", default=[], metavar="TRANSPORT",
                     help="also a CPU expert server holding every expert over each transport (e.g. tcp grpc)")  # fmt: skip
+    ap.add_argument("--cpu-threads", type=int, default=max(2, (os.cpu_count() or 2) - 4), metavar="N",
+                    help="the CPU expert server's kernel threads (default: cores - 4)")  # fmt: skip
     ap.add_argument("--delay-us", type=float, default=0.0, metavar="U",
                     help="also each tcp mode through the loopback latency proxy adding U us each way")  # fmt: skip
     ap.add_argument("--no-link-too", action="store_true",
@@ -633,7 +638,9 @@ def main() -> None:
         print(f"checkpoint L={depth}: {time.perf_counter() - t0:.1f}s", flush=True)
         proxies: list[DelayProxy] = []
         servers = {  # they load while the in-process modes are timed
-            key: start_gpu_server(ck, key, out / f"gpu_server{'_'.join(map(str, key))}_L{depth}.log")
+            key: start_gpu_server(
+                ck, key, out / f"gpu_server{'_'.join(map(str, key))}_L{depth}.log", args.cpu_threads
+            )
             for key in sorted({r[1] for r in remotes}, key=str)
         }
         if not args.no_hf:
