@@ -352,7 +352,7 @@ def _cpus(cpus: list[int]) -> str:
     return ",".join(map(str, cpus))
 
 
-def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str, float, int]]:
+def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str, float, int | None]]:
     """(name, (server GPU, server graphs, spin us, ...), transport, coordinator graphs, the
     coordinator's device link mode, added one-way delay in us, micro-batches) of each remote
     mode; spin None =
@@ -420,10 +420,11 @@ def remote_modes(args) -> list[tuple[str, ServerKey, str, bool, str, float, int]
             for t in args.cpu_server_too
             if t in ("shm", "tcp", "auto")
         ]
-    timed = [(*m, 0.0, 1) for m in modes]
+    # micro-batches None: the coordinator's default (auto: split where it paid)
+    timed: list[tuple[str, ServerKey, str, bool, str, float, int | None]] = [(*m, 0.0, None) for m in modes]
     if args.delay_us:  # the tcp modes again, a proxy's delay away
         u = args.delay_us
-        timed += [(f"{m[0]} (+{u:g} us each way)", *m[1:], u, 1) for m in modes if m[2] == "tcp"]
+        timed += [(f"{m[0]} (+{u:g} us each way)", *m[1:], u, None) for m in modes if m[2] == "tcp"]
     if args.micro_batches > 1:  # and again with micro-batched decode (eager: no decode graphs)
         n = args.micro_batches
         timed += [(f"{m[0]} ({n} micro-batches)", *m[1:6], n) for m in list(timed) if m[2] == "tcp"]
@@ -482,9 +483,9 @@ def demo_cpu(args) -> None:
     cfg = reader.config
     vocab = cfg.vocab_size
     pages = max(args.batches) * -(-(args.prompt + args.new + 3 + 1) // 16) + 8
-    modes = [(t, t, 0.0, 1) for t in args.demo_cpu]
+    modes: list[tuple[str, str, float, int | None]] = [(t, t, 0.0, None) for t in args.demo_cpu]
     if args.delay_us and "tcp" in args.demo_cpu:
-        modes.append((f"tcp (+{args.delay_us:g} us each way)", "tcp", args.delay_us, 1))
+        modes.append((f"tcp (+{args.delay_us:g} us each way)", "tcp", args.delay_us, None))
     if args.micro_batches > 1:  # the tcp modes again, decode steps split into micro-batches
         n = args.micro_batches
         modes += [(f"{m[0]}, {n} micro-batches", m[1], m[2], n) for m in list(modes) if m[1] == "tcp"]
@@ -605,7 +606,8 @@ def main() -> None:
         "--rounds", type=int, default=3, help="--demo-cpu: timed rounds per mode and batch (best kept)"
     )
     ap.add_argument("--micro-batches", type=int, default=1, metavar="N",
-                    help="also each tcp mode with decode steps split into N micro-batches")  # fmt: skip
+                    help="also each tcp mode with decode steps split into N micro-batches "
+                         "(the other rows take the coordinator's default, auto)")  # fmt: skip
     args = ap.parse_args()
     if args.demo_cpu is not None:
         return demo_cpu(args)
