@@ -5,12 +5,14 @@ Why: libgomp gives every thread that starts a parallel region a team of its own,
 teams' threads outnumber the CPUs a worker spins only briefly before it sleeps, so each region
 of the second team waits on wake-ups. The CPU expert server has such second threads: each host
 link's pthread, each fast-path channel's thread and the gRPC compute thread start their own
-teams (benchmarks/RESULTS.md, "bf16 CPU rows on the links"). This measures the cost, and is the
-check for any change that puts every kernel call on one thread.
+teams (benchmarks/RESULTS.md, "bf16 CPU rows on the links"). The backend now starts every
+kernel from one kernel thread of its own (cpu_expert_server/kernels KernelThread); the rows
+``direct`` (``kernel_thread=False``: each calling thread starts its own team, as before) are
+the baseline in the same run.
 
 Columns: median microseconds per ``CpuExpertBackend.forward`` call of one token (top-K of S
 experts, random ids, a short sleep between calls as between layers), from the main thread, then
-from a second thread, then from the main thread again; ``--rounds`` repeats the three.
+from a second thread, then from the main thread again; ``--rounds`` repeats the three per mode.
 
     python3 benchmarks/bench_omp_teams.py                                  # small widths: the wake-ups dominate
     python3 benchmarks/bench_omp_teams.py --hidden 2048 --inter 768 --experts 32 --top-k 8 --threads 28
@@ -40,15 +42,33 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--gap-us", type=float, default=300.0, help="sleep between calls")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--modes", nargs="+", default=["direct", "kernel thread"], choices=["direct", "kernel thread"]
+    )
     args = p.parse_args()
     h, i, s, k = args.hidden, args.inter, args.experts, args.top_k
-    backend = CpuExpertBackend(threads=args.threads, weight_dtype=args.weight_dtype)
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(s, 2 * i, h, generator=g) * 0.02).to(torch.bfloat16)
     w2 = (torch.randn(s, h, i, generator=g) * 0.02).to(torch.bfloat16)
-    p13, p2 = backend.pack_weights(w13, w2)
     x = torch.randn(1, h, generator=g).to(torch.bfloat16)
     weights = torch.rand(1, k, generator=g)
+    print(
+        f"{args.weight_dtype} H {h} I {i}, top-{k} of {s} experts, {args.threads} threads, {args.calls} calls"
+    )
+    print("| mode | round | main thread us | second thread us | main thread again us | second / main |")
+    print("|---|---|---:|---:|---:|---:|")
+    # NOTE: the direct rows first: the kernel thread's team must not exist while they run
+    for mode in args.modes:
+        backend = CpuExpertBackend(
+            threads=args.threads, weight_dtype=args.weight_dtype, kernel_thread=mode == "kernel thread"
+        )
+        p13, p2 = backend.pack_weights(w13, w2)
+        rows(args, backend, mode, (x, p13, p2, weights))
+
+
+def rows(args, backend: CpuExpertBackend, mode: str, call: tuple) -> None:
+    x, p13, p2, weights = call
+    s, k = args.experts, args.top_k
 
     def timed(out: list[float]) -> None:
         rng = torch.Generator().manual_seed(1)
@@ -68,18 +88,15 @@ def main() -> None:
         t.join()
         return out[0]
 
-    print(
-        f"{args.weight_dtype} H {h} I {i}, top-{k} of {s} experts, {args.threads} threads, {args.calls} calls"
-    )
-    print("| round | main thread us | second thread us | main thread again us | second / main |")
-    print("|---|---:|---:|---:|---:|")
     for r in range(args.rounds):
         first: list[float] = []
         timed(first)
         second = on_second_thread()
         again: list[float] = []
         timed(again)
-        print(f"| {r + 1} | {first[0]:.0f} | {second:.0f} | {again[0]:.0f} | {second / first[0]:.2f}x |")
+        print(
+            f"| {mode} | {r + 1} | {first[0]:.0f} | {second:.0f} | {again[0]:.0f} | {second / first[0]:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

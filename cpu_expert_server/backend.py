@@ -61,12 +61,22 @@ AMX_INT_MIN_TOKENS = 4
 # at 64 int8 was within noise of them; one OpenMP call per layer instead of several per expert
 # also keeps it steady next to busy neighbours)
 GEMV_INT_MAX_TOKENS = 48
-# moe_decode_qa's argument block: moe_decode_q's 20 arguments as int64, then whether
-# the slot ids are int32
+# the kernels' argument blocks (int64 words; the builders below give their order):
+# moe_decode_qa: moe_decode_q's 20 arguments, then whether the slot ids are int32
 _QARGS = struct.Struct("21q")
 _QIDS = {torch.int64: 0, torch.int32: 1}
-# moe_amx_a's argument block: moe_amx/_q's arguments, dtype flags, which kernel
+# moe_amx_a: moe_amx/_q's arguments, dtype flags, which kernel
 _AARGS = struct.Struct("22q")
+# moe_decode_a: moe_decode[_q]'s arguments, dtype flags, scratch
+_DARGS = struct.Struct("25q")
+# dequant_rows_a: dequant_rows's 9 arguments
+_RARGS = struct.Struct("9q")
+_DIRECT = {  # each block's kernel called in the caller's thread (a backend without a kernel thread)
+    kernels.KT_QA: "moe_decode_qa",
+    kernels.KT_AMX: "moe_amx_a",
+    kernels.KT_DECODE: "moe_decode_a",
+    kernels.KT_DEQUANT: "dequant_rows_a",
+}
 _QX_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -93,8 +103,12 @@ class CpuExpertBackend(ExpertBackend):
         use_kernel: bool = True,
         caps: int | None = None,
         qact: bool = True,
+        kernel_thread: bool = True,
     ) -> None:
         """``caps``: the kernels' CPU capability bits (default: this CPU's, kernels.cpu_caps);
+        ``kernel_thread``: every kernel starts from one thread of this backend's
+        (kernels.KernelThread), whichever thread calls; False: from the caller's (a NUMA group's
+        pinned thread, already the only one that calls its backend);
         ``qact``: int8/int4 decode may quantise activations (integer dot products);
         ``gemv_max_tokens``: mean tokens per expert the decode kernel takes (None: by format and
         CPU, :meth:`gemv_limit`; a number forces it, as benches and tests do)."""
@@ -105,6 +119,7 @@ class CpuExpertBackend(ExpertBackend):
         self.lib = kernels.load() if use_kernel else None
         self.caps = kernels.cpu_caps() if caps is None else caps
         self.qact = qact
+        self.kernel_thread = kernel_thread
         amx_bit = kernels.CAPS["amx"][0]
         if self.lib is not None and self.caps & amx_bit and self.lib.moe_amx_init() != 0:
             log.warning("the CPU has AMX but the kernel refused it (arch_prctl): prefill uses torch GEMMs")
@@ -286,16 +301,15 @@ class CpuExpertBackend(ExpertBackend):
         fmt, lib = self.fmt, self.lib
         assert fmt is not None and lib is not None
         wcode, pairs, per_expert = self._call_shape(w13, slot_ids)
-        if wcode is None or not hasattr(lib, "moe_amx_a") or not self._use_amx(x, wcode, pairs, per_expert):
+        if wcode is None or not self._use_amx(x, wcode, pairs, per_expert):
             return False
         t, k = slot_ids.shape
-        args = _AARGS.pack(
-            x.data_ptr(), int(x.dtype == torch.bfloat16), slot_ids.data_ptr(), _QIDS[slot_ids.dtype],
-            weights.data_ptr(), t, k, w13.shape[0], w13.data_ptr(), w13.stride(1) * w13.element_size(),
-            w2.data_ptr(), w2.stride(1) * w2.element_size(), fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2,
-            out.data_ptr(), int(out.dtype == torch.bfloat16), self.threads, int(self._amx_int()),
+        block = kernels.amx_block(
+            fmt, x.data_ptr(), int(x.dtype == torch.bfloat16), slot_ids.data_ptr(), _QIDS[slot_ids.dtype],
+            weights.data_ptr(), t, k, w13.shape[0], kernels.packed_rows(w13, w2), wcode, out.data_ptr(),
+            int(out.dtype == torch.bfloat16), self.threads, int(self._amx_int()),
         )  # fmt: skip
-        rc = lib.moe_amx_a(args)
+        rc = self._run(kernels.KT_AMX, _AARGS.pack(*block))
         if rc == -1:
             raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
         assert rc == 0, f"moe_amx rejected {fmt}: {rc=}"
@@ -324,13 +338,12 @@ class CpuExpertBackend(ExpertBackend):
         assert fmt is not None and lib is not None
         t, k = slot_ids.shape
         s = w13.shape[0]
-        args = _QARGS.pack(
-            x.data_ptr(), int(x.dtype == torch.bfloat16), slot_ids.data_ptr(), weights.data_ptr(), t, k, s,
-            w13.data_ptr(), w13.stride(1) * w13.element_size(), w2.data_ptr(), w2.stride(1) * w2.element_size(),
-            fmt.hidden, fmt.inter, kernels.WDTYPE_CODE[fmt.wdtype], fmt.g13, fmt.g2,
-            out.data_ptr(), int(out.dtype == torch.bfloat16), self.threads, self.caps, _QIDS[slot_ids.dtype],
+        block = kernels.qa_block(
+            fmt, x.data_ptr(), int(x.dtype == torch.bfloat16), slot_ids.data_ptr(), _QIDS[slot_ids.dtype],
+            weights.data_ptr(), t, k, s, kernels.packed_rows(w13, w2), out.data_ptr(), int(out.dtype == torch.bfloat16),
+            self.threads, self.caps,
         )  # fmt: skip
-        rc = lib.moe_decode_qa(args)
+        rc = self._run(kernels.KT_QA, _QARGS.pack(*block))
         if rc == -1:
             raise ValueError(f"slot ids outside [-1, {s})")
         assert rc == 0, f"moe_decode_qa: {rc=} for {fmt}"  # -2 (no integer dots) is ruled out by _qlim
@@ -399,46 +412,39 @@ class CpuExpertBackend(ExpertBackend):
         k = self.lib.moe_dot_kind(self.caps, code, fmt.hidden, fmt.inter, fmt.g13, fmt.g2, int(self.qact))
         return kernels.DOT_KINDS[k]
 
+    def _run(self, kind: int, block: bytes) -> int:
+        """Kernel ``kind`` (kernels.KT_QA ...) on its argument block: on this backend's kernel
+        thread (one OpenMP team per process, whichever thread calls), else in this thread."""
+        assert self.lib is not None
+        kt = kernels.kernel_thread(self, self.lib, self.threads) if self.kernel_thread else None
+        if kt is not None:
+            return kt.call(kind, block)
+        return getattr(self.lib, _DIRECT[kind])(block)
+
     def _decode(self, x, w13, w2, slot_ids, weights, wcode: int) -> torch.Tensor:
+        """One moe_decode_a call: the integer-dot kernel for int8/int4 with activation
+        quantisation (bf16/fp32 in and out, its own scratch), else the general kernel on fp32
+        activations (bf16 widened and the answer rounded in C, as torch does)."""
         fmt = self.fmt
         assert fmt is not None and self.lib is not None
         t, k = slot_ids.shape
-        if fmt.quantised and self.qact and x.dtype in (torch.bfloat16, torch.float32):
-            # the integer-dot kernel takes bf16/fp32 in and out and its own scratch
-            # (~10 us of torch calls less per layer, a few % of an int4 decode layer)
-            # (.to() costs ~1.5 us even when the dtype is already right)
-            xc = x.contiguous()  # [T, H]
-            sid = slot_ids if slot_ids.dtype == torch.int64 else slot_ids.to(torch.int64)
-            wts = weights if weights.dtype == torch.float32 else weights.to(torch.float32)
-            sid, wts = sid.contiguous(), wts.contiguous()  # [T, K] each
-            out = torch.empty_like(xc)  # [T, H]
-            bf = int(x.dtype == torch.bfloat16)
-            rc = self.lib.moe_decode_q(
-                xc.data_ptr(), bf, sid.data_ptr(), wts.data_ptr(), t, k, w13.shape[0],
-                w13.data_ptr(), w13.stride(1) * w13.element_size(),
-                w2.data_ptr(), w2.stride(1) * w2.element_size(),
-                fmt.hidden, fmt.inter, wcode, fmt.g13, fmt.g2, out.data_ptr(), bf, self.threads, self.caps,
-            )  # fmt: skip
-            if rc == -1:
-                raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
-            if rc == 0:
-                return out
-            # rc == -2: no integer dots for this format on this CPU: the general kernel below
-        x32 = x.to(torch.float32).contiguous()  # [T, H]
-        sid = slot_ids.to(torch.int64).contiguous()  # [T, K]
-        wts = weights.to(torch.float32).contiguous()  # [T, K]
+        # (.to() costs ~1.5 us even when the dtype is already right)
+        xc = x.contiguous() if x.dtype in _QX_DTYPES else x.to(torch.float32).contiguous()  # [T, H]
+        sid = slot_ids if slot_ids.dtype == torch.int64 else slot_ids.to(torch.int64)
+        wts = weights if weights.dtype == torch.float32 else weights.to(torch.float32)
+        sid, wts = sid.contiguous(), wts.contiguous()  # [T, K] each
+        out = torch.empty_like(xc)  # [T, H]
+        bf = int(xc.dtype == torch.bfloat16)
         act = torch.empty(t * k, fmt.inter)  # [T*K, I] scratch
-        out = torch.empty(t, fmt.hidden)  # [T, H] fp32
-        rc = self.lib.moe_decode(
-            x32.data_ptr(), sid.data_ptr(), wts.data_ptr(), t, k, w13.shape[0],
-            w13.data_ptr(), w13.stride(1) * w13.element_size(),
-            w2.data_ptr(), w2.stride(1) * w2.element_size(),
-            fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2,
-            act.data_ptr(), out.data_ptr(), self.threads, self.caps, int(self.qact),
+        o32, x32 = (torch.empty(t, fmt.hidden), torch.empty(t, fmt.hidden)) if bf else (out, xc)  # [T, H]
+        block = kernels.decode_block(
+            fmt, xc.data_ptr(), bf, sid.data_ptr(), wts.data_ptr(), t, k, w13.shape[0], kernels.packed_rows(w13, w2),
+            wcode, (act.data_ptr(), o32.data_ptr(), x32.data_ptr()), out.data_ptr(), bf, self.threads,
+            self.caps, int(self.qact),
         )  # fmt: skip
-        if rc != 0:
+        if self._run(kernels.KT_DECODE, _DARGS.pack(*block)) != 0:
             raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
-        return out.to(x.dtype)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def _amx(self, x, w13, w2, slot_ids, weights, wcode: int) -> torch.Tensor:
         """AMX tiles (bf16, or int8 for quantised weights): every active expert's GEMMs in one C call."""
@@ -449,17 +455,11 @@ class CpuExpertBackend(ExpertBackend):
         sid = slot_ids.to(torch.int64).contiguous()  # [T, K]
         wts = weights.to(torch.float32).contiguous()  # [T, K]
         out = torch.empty(t, fmt.hidden)  # [T, H] fp32
-        args = (
-            x32.data_ptr(), sid.data_ptr(), wts.data_ptr(), t, k, w13.shape[0],
-            w13.data_ptr(), w13.stride(1) * w13.element_size(),
-            w2.data_ptr(), w2.stride(1) * w2.element_size(),
-            fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2,
+        block = kernels.amx_block(
+            fmt, x32.data_ptr(), 0, sid.data_ptr(), 0, wts.data_ptr(), t, k, w13.shape[0], kernels.packed_rows(w13, w2),
+            wcode, out.data_ptr(), 0, self.threads, int(self._amx_int()),
         )  # fmt: skip
-        if self._amx_int():
-            act = torch.empty(t * k, fmt.inter)  # [T*K, I] scratch
-            rc = self.lib.moe_amx_q(*args, act.data_ptr(), out.data_ptr(), self.threads)
-        else:
-            rc = self.lib.moe_amx(*args, out.data_ptr(), self.threads)
+        rc = self._run(kernels.KT_AMX, _AARGS.pack(*block))
         if rc == -1:
             raise ValueError(f"slot ids outside [-1, {w13.shape[0]})")
         assert rc == 0, f"moe_amx rejected {fmt}: {rc=}"
@@ -475,7 +475,7 @@ class CpuExpertBackend(ExpertBackend):
             return dequantize_rows(rows, fmt.wdtype, c, g).to(cd)
         out = torch.empty(rows.shape[0], c)
         code = kernels.WDTYPE_CODE[fmt.wdtype]
-        self.lib.dequant_rows(
+        block = (
             rows.data_ptr(),
             rows.stride(0),
             rows.shape[0],
@@ -486,6 +486,7 @@ class CpuExpertBackend(ExpertBackend):
             self.threads,
             self.caps,
         )
+        self._run(kernels.KT_DEQUANT, _RARGS.pack(*block))
         return out.to(cd)
 
     def _by_expert(self, x, w13, w2, slot_ids, weights) -> torch.Tensor:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from cpu_expert_server import kernels
+from cpu_expert_server.kernels import amx_block, decode_block, packed_rows, qa_block
 from expertmesh.errors import Incompatible, InvalidRequest, Unavailable
 from expertmesh.transport import link_layout as ll
 
@@ -84,7 +86,8 @@ class HostLink:
         dtype: torch.dtype,
     ) -> None:
         lib = backend.lib
-        if lib is None or not hasattr(lib, "hl_open"):
+        kt = kernels.kernel_thread(backend, lib, backend.threads) if lib is not None else None
+        if lib is None or kt is None:
             raise Incompatible("the CPU kernels are not built here: the host link needs their C poller")
         for what, area, need in (
             ("request", request, ll.request_bytes(rows, hidden, top_k, dtype)),
@@ -114,12 +117,14 @@ class HostLink:
                 dtype.itemsize,
                 self._ids.data_ptr(),
                 self._w.data_ptr(),
+                kt.handle,
             ],
             dtype=np.int64,
         )
+        self._kt = kt  # NOTE: the backend's kernel thread runs our steps: it outlives us
         self._h: int | None = lib.hl_open(args.ctypes.data)
         if not self._h:
-            raise Incompatible("the host link's thread could not be started")
+            raise Incompatible("the kernel thread serves as many host links as it can already")
         self._areas = (request, answer)  # NOTE: the thread reads and writes them until close
         self._lock = threading.RLock()  # launch / collect / close
         self._handle = threading.Lock()  # cancel against close (the handle is freed there)
@@ -284,53 +289,14 @@ class HostLink:
             if kind == "zero":
                 continue
             assert fmt is not None and fmt.hidden == h, f"{fmt=} {h=}"
-            r13, r2 = w13.stride(1) * w13.element_size(), w2.stride(1) * w2.element_size()
-            wp = (w13.data_ptr(), r13, w2.data_ptr(), r2)
+            wp = packed_rows(w13, w2)
             if kind == "qa":  # backend._qa's block, ids int64 (our private copy)
-                block = [
-                    x,
-                    bf,
-                    ids,
-                    w,
-                    tb,
-                    k,
-                    s,
-                    *wp,
-                    h,
-                    fmt.inter,
-                    wcode,
-                    fmt.g13,
-                    fmt.g2,
-                    out,
-                    bf,
-                    be.threads,
-                    be.caps,
-                    0,
-                ]
+                block = qa_block(fmt, x, bf, ids, 0, w, tb, k, s, wp, out, bf, be.threads, be.caps)
             elif kind == "amx":  # backend._amx_into's block
-                amx_int = int(be._amx_int())
-                block = [
-                    x,
-                    bf,
-                    ids,
-                    0,
-                    w,
-                    tb,
-                    k,
-                    s,
-                    *wp,
-                    h,
-                    fmt.inter,
-                    fmt.rb,
-                    wcode,
-                    fmt.g13,
-                    fmt.g2,
-                    out,
-                    bf,
-                    be.threads,
-                    amx_int,
-                ]
-            else:  # backend._decode's calls, with their scratch
+                block = amx_block(
+                    fmt, x, bf, ids, 0, w, tb, k, s, wp, wcode, out, bf, be.threads, int(be._amx_int())
+                )
+            else:  # backend._decode's block, with its scratch
                 if not scratch:
                     scratch = (
                         torch.empty(tb * k, fmt.inter),  # act [Tb*K, I]
@@ -338,7 +304,7 @@ class HostLink:
                         torch.empty(tb, h),  # x32 [Tb, H]
                     )
                 act, o32, x32 = (t.data_ptr() for t in scratch)
-                block = [x, bf, ids, w, tb, k, s, *wp, h, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2, act, o32, out, bf, be.threads, be.caps, int(be.qact), x32]  # fmt: skip
+                block = decode_block(fmt, x, bf, ids, w, tb, k, s, wp, wcode, (act, o32, x32), out, bf, be.threads, be.caps, int(be.qact))  # fmt: skip
             assert HEAD + len(block) <= ROW, f"{kind=} {len(block)=}"
             rows[i, HEAD : HEAD + len(block)] = block
         return _Plan(rows, scratch)

@@ -128,7 +128,7 @@ class NumaExpertBackend(ExpertBackend):
         thread count and ``weight_dtype``); ``mbind_min_bytes``: stacked tensors below it are
         placed by first touch only (see MBIND_MIN_BYTES)."""
         assert len(groups) >= 2, f"one group is the plain backend: {groups=}"
-        make = make or (lambda n: CpuExpertBackend(n, weight_dtype))
+        make = make or (lambda n: CpuExpertBackend(n, weight_dtype, kernel_thread=False))
         self.groups = groups
         self.inner = [make(g.threads) for g in groups]
         self.weight_dtype = self.inner[0].weight_dtype

@@ -17,6 +17,8 @@ AVX512_BF16, AMX; the ones it lacks are skipped by name).
 from __future__ import annotations
 
 import logging
+import os
+import threading
 
 import pytest
 import torch
@@ -577,7 +579,7 @@ def test_decode_prefetch_chain_and_claims_agree_bit_for_bit(monkeypatch, caps, w
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 def test_decode_fast_path_matches_the_general_dispatch(monkeypatch, wdtype):
     """Decode-sized int8/int4 calls go straight to moe_decode_qa (the arguments in one
-    int64 block) with the general path's (``_decode`` -> moe_decode_q) result bit for bit; what
+    int64 block) with the general path's (``_decode`` -> moe_decode_a's integer dots) result bit for bit; what
     it does not take (bf16 routing weights, a non-contiguous x, more tokens per expert than the
     limit) goes the general way; int32 ids (the wire's) take it too (the kernel
     widens them); a bad slot id is still a ValueError."""
@@ -589,13 +591,14 @@ def test_decode_fast_path_matches_the_general_dispatch(monkeypatch, wdtype):
     code = kernels.WDTYPE_CODE[wdtype]
     assert b._qdec_limit() == GEMV_MAX_TOKENS
     calls = []
-    real = b.lib.moe_decode_qa
+    real = b._run
 
-    def spy(args):
-        calls.append(len(args))
-        return real(args)
+    def spy(kind, block):  # the calls handed to moe_decode_qa (on the kernel thread)
+        if kind == kernels.KT_QA:
+            calls.append(len(block))
+        return real(kind, block)
 
-    monkeypatch.setattr(b.lib, "moe_decode_qa", spy)
+    monkeypatch.setattr(b, "_run", spy)
     for xx in (x, x.bfloat16()):
         for ids in (slot_ids, slot_ids.int()):
             fast = b.forward(xx, p13, p2, ids, weights)
@@ -798,3 +801,46 @@ def test_worker_fast_path_answers_int4_through_forward_into(monkeypatch):
     assert (
         worker.stats.requests == 2 and worker.tokens_per_slot[0].sum() == int((req.slot_ids >= 0).sum()) * 2
     )
+
+
+def _threads_started_by_kernels(kernel_thread: bool, callers: int = 3) -> int:
+    """Threads this process gained when ``callers`` Python threads each ran one bf16 decode call
+    of a 2-thread backend and stayed alive (libgomp keeps a thread's team as long as the thread
+    lives), not counting the callers themselves."""
+    b = CpuExpertBackend(threads=2, weight_dtype="bfloat16", kernel_thread=kernel_thread)
+    x, w13, w2, slot_ids, weights = inputs(1, torch.float32, seed=990, h=128, i=64)
+    p13, p2 = b.pack_weights(w13, w2)
+    before = set(os.listdir("/proc/self/task"))
+    called, leave = threading.Barrier(callers + 1), threading.Event()
+    ids: list[str] = []
+    outs: list[torch.Tensor] = []
+
+    def call() -> None:
+        ids.append(str(threading.get_native_id()))
+        outs.append(b.forward(x, p13, p2, slot_ids, weights))
+        called.wait(30)
+        leave.wait(30)
+
+    threads = [threading.Thread(target=call) for _ in range(callers)]
+    for t in threads:
+        t.start()
+    try:
+        called.wait(30)
+        started = set(os.listdir("/proc/self/task")) - before - set(ids)
+    finally:
+        leave.set()
+        for t in threads:
+            t.join(30)
+    assert len(outs) == callers and all(torch.equal(o, outs[0]) for o in outs)
+    return len(started)
+
+
+def test_kernels_start_from_one_thread_whichever_thread_calls():
+    """A backend starts every kernel from its one kernel thread: calls from three Python threads
+    add that thread and its OpenMP team's one worker (2 threads), where calling from each thread
+    (``kernel_thread=False``, the control) adds a team per calling thread: libgomp's teams,
+    which throttle each other once they outnumber the CPUs (benchmarks/bench_omp_teams.py)."""
+    if kernels.load() is None:
+        pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
+    assert _threads_started_by_kernels(True) == 2
+    assert _threads_started_by_kernels(False) == 3

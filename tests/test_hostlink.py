@@ -301,15 +301,52 @@ def _new_tasks(before: set[str]) -> set[str]:
 
 def test_closing_the_channel_mid_step_joins_the_thread():
     worker = make_worker("int4")
+    be = worker.backend
+    kt = kernels.kernel_thread(be, be.lib, be.threads)  # the backend's: it outlives every link
+    assert kt is not None
     before = set(os.listdir("/proc/self/task"))
     c = Coordinator(worker)
     assert c.launch(1, 1, 1, timeout_ms=60_000).code == 0
     link = c.server._link
+    assert link._kt is kt
     t0 = time.monotonic()
-    c.close()  # the coordinator's stream ended: the step waiting for layer 0 ends, the thread goes
+    c.close()  # the coordinator's stream ended: the step waiting for layer 0 ends, the link goes
     assert time.monotonic() - t0 < 5 and not c.server._thread.is_alive()
     assert c.server._link is None and link._h is None
     assert not _new_tasks(before), "a thread of the channel outlived it"
+
+
+def test_two_links_and_python_calls_share_one_kernel_thread():
+    """Two coordinators' links on one server run on the backend's one kernel thread: their steps
+    interleave layer by layer, and a call from Python (the gRPC path's) runs between two layers
+    while both steps wait for their next one; every answer equals ``forward``'s."""
+    worker = make_worker("int4")
+    a, b = Coordinator(worker), Coordinator(worker)
+    try:
+        assert a.server._link._kt is b.server._link._kt is worker.backend._kt
+        assert a.launch(1, 2, 2).code == 0 and b.launch(1, 1, 1).code == 0
+        layers = worker.slots.moe_layers
+        order = [(a, 0, 2), (b, 0, 1), (None, 0, 3), (b, 1, 1), (a, 1, 2)]  # (link or Python, layer, rows)
+        for n, (c, i, rows) in enumerate(order):
+            x, ids, w = inputs(rows, rows, seed=70 + n)
+            ls = worker.slots.live.layers[layers[i]]
+            if c is None:
+                got: list[torch.Tensor] = []
+                args = (x, ls.w13, ls.w2, ids, w)
+                t = threading.Thread(target=lambda a=args, g=got: g.append(worker.backend.forward(*a)))
+                t.start()
+                t.join(10)
+                assert got, "a Python call waited for the links' steps to end"
+                out = got[0]
+            else:
+                out, status = c.layer(1, i, x, ids, w)
+                assert status == 0
+            assert torch.equal(out, worker.backend.forward(x, ls.w13, ls.w2, ids, w))
+        assert a.launch(2, 1, 1).code == 0 and b.launch(2, 1, 1).code == 0  # both steps ended
+        assert worker.stats.errors == 0
+    finally:
+        a.close()
+        b.close()
 
 
 # ---------------------------------------------------------------------- refusals

@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import subprocess
+import threading
+import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from expertmesh.cbuild import build_cached
+
+if TYPE_CHECKING:
+    import torch
+
+    from cpu_expert_server.packing import PackedFormat
 
 log = logging.getLogger("expertmesh.cpu_kernels")
 
@@ -32,6 +41,50 @@ CAPS = {
     "amx": (16, ("amx_tile", "amx_bf16", "amx_int8")),
 }
 DOT_KINDS = ("fp32", "int8-dot avx2", "int8-dot avx512-vnni", "bf16-dot avx512")
+# the kernels a KernelThread runs, by their argument blocks (moe_hostlink.c HL_QA ...)
+KT_QA, KT_AMX, KT_DECODE, KT_DEQUANT = 1, 2, 3, 4
+Packed = tuple[int, int, int, int]  # w13's address and row bytes, w2's
+
+
+def packed_rows(w13: torch.Tensor, w2: torch.Tensor) -> Packed:
+    """A layer's packed weights as the kernels take them: (w13, its row bytes, w2, its row bytes)."""
+    return w13.data_ptr(), w13.stride(1) * w13.element_size(), w2.data_ptr(), w2.stride(1) * w2.element_size()
+
+
+def qa_block(
+    fmt: PackedFormat, x: int, xbf: int, ids: int, ids32: int, w: int, t: int, k: int, s: int, wp: Packed,
+    out: int, obf: int, threads: int, caps: int,
+) -> tuple[int, ...]:  # fmt: skip
+    """moe_decode_qa's block: x [t, H] (bf16 when ``xbf``), ids [t, k] (int32 when ``ids32``),
+    weights w [t, k] fp32, ``s`` slots, out [t, H] (bf16 when ``obf``); addresses as ints."""
+    return (x, xbf, ids, w, t, k, s, *wp, fmt.hidden, fmt.inter, WDTYPE_CODE[fmt.wdtype], fmt.g13,
+            fmt.g2, out, obf, threads, caps, ids32)  # fmt: skip
+
+
+def amx_block(
+    fmt: PackedFormat, x: int, xbf: int, ids: int, ids32: int, w: int, t: int, k: int, s: int, wp: Packed,
+    wcode: int, out: int, obf: int, threads: int, amx_int: int,
+) -> tuple[int, ...]:  # fmt: skip
+    """moe_amx_a's block (qa_block's arguments; ``amx_int``: int8 tiles, moe_amx_q)."""
+    return (x, xbf, ids, ids32, w, t, k, s, *wp, fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2, out,
+            obf, threads, amx_int)  # fmt: skip
+
+
+def decode_block(
+    fmt: PackedFormat, x: int, xbf: int, ids: int, w: int, t: int, k: int, s: int, wp: Packed, wcode: int,
+    scratch: tuple[int, int, int], out: int, obf: int, threads: int, caps: int, qact: int,
+) -> tuple[int, ...]:  # fmt: skip
+    """moe_decode_a's block (ids int64; ``scratch``: act [t*K, I], out32 [t, H] and x32 [t, H]
+    fp32, the last two read only for bf16 out and in)."""
+    act, o32, x32 = scratch
+    return (x, xbf, ids, w, t, k, s, *wp, fmt.hidden, fmt.inter, fmt.rb, wcode, fmt.g13, fmt.g2, act, o32, out,
+            obf, threads, caps, qact, x32)  # fmt: skip
+
+
+# how long the kernel thread waits for its next call, and a caller for its answer, spinning before
+# they sleep: a futex wake-up costs tens of microseconds (~100 on the 2-core VM, two per call:
+# a bf16 call of 0.15 ms took 0.39 ms through the thread without spinning, 0.16-0.20 with)
+KT_SPIN_US = 200
 
 
 def cpu_flags() -> set[str]:
@@ -98,6 +151,17 @@ def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | 
     if "AMX_PROFILE" in defines:
         lib.moe_amx_profile.argtypes = [p]
         lib.moe_amx_profile.restype = None
+    if hasattr(lib, "kt_open"):  # the kernel thread and its blocks (moe_hostlink.c); not in older copies
+        q = ctypes.c_int64
+        for name in ("moe_decode_a", "dequant_rows_a"):
+            getattr(lib, name).argtypes = [ctypes.c_char_p]
+            getattr(lib, name).restype = i
+        lib.kt_open.argtypes = [q, i]
+        lib.kt_open.restype = p
+        lib.kt_call.argtypes = [p, i, ctypes.c_char_p]
+        lib.kt_call.restype = i
+        lib.kt_close.argtypes = [p]
+        lib.kt_close.restype = i
     if hasattr(lib, "hl_open"):  # the host link's poller (moe_hostlink.c); not in older copies
         q = ctypes.c_int64
         lib.hl_open.argtypes = [p]
@@ -117,3 +181,45 @@ def load(defines: tuple[str, ...] = (), source: Path = SOURCE) -> ctypes.CDLL | 
     lib.dequant_rows.argtypes = [p, L, i, i, i, i, p, i, i]
     lib.dequant_rows.restype = None
     return lib
+
+
+class KernelThread:
+    """The one thread that starts a backend's kernels (moe_hostlink.c's kernel thread): libgomp
+    gives every thread that starts a parallel region a team of its own, and two teams whose
+    threads outnumber the CPUs throttle each other's waits (a bf16 decode layer ~1.4x slower
+    from a second thread, benchmarks/bench_omp_teams.py). :meth:`call` hands a kernel's argument
+    block to it and waits (from any thread, one call at a time); host links run their steps on
+    it (cpu_expert_server/hostlink.py). Closed when collected, once no link holds it."""
+
+    def __init__(self, lib: ctypes.CDLL, spin_us: float, yield_cpu: bool = False) -> None:
+        handle = lib.kt_open(int(spin_us * 1000), int(yield_cpu))
+        if not handle:
+            raise OSError("the CPU kernels' thread could not be started")
+        self.lib, self.handle, self.pid = lib, handle, os.getpid()
+        weakref.finalize(self, lib.kt_close, handle).atexit = False
+
+    def call(self, kind: int, block: bytes) -> int:
+        """Kernel ``kind`` (KT_QA ...) on the int64 argument ``block``, run on the thread; its code."""
+        return self.lib.kt_call(self.handle, kind, block)
+
+
+_kt_lock = threading.Lock()
+
+
+def kernel_thread(owner: object, lib: ctypes.CDLL | None, threads: int) -> KernelThread | None:
+    """``owner``'s KernelThread for ``lib`` (kept as its ``_kt`` attribute; a new one in a forked
+    child, which has no thread, or for another ``lib``, as tests swap), started on first use;
+    None where ``lib`` has none (an older copy of the kernels, a benchmark's baseline). Where no
+    core is free beside the ``threads`` of the kernels' team, it and its callers yield the CPU
+    as they spin."""
+    kt = getattr(owner, "_kt", None)
+    if kt is not None and kt.pid == os.getpid() and kt.lib is lib:
+        return kt
+    if lib is None or not hasattr(lib, "kt_open"):
+        return None
+    with _kt_lock:
+        kt = getattr(owner, "_kt", None)
+        if kt is None or kt.pid != os.getpid() or kt.lib is not lib:
+            kt = KernelThread(lib, KT_SPIN_US, yield_cpu=(os.cpu_count() or 1) <= threads + 1)
+            owner._kt = kt  # type: ignore[attr-defined]
+        return kt

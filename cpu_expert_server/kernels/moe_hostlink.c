@@ -1,14 +1,24 @@
-/* The host link's server side: one pthread per link that runs a decode step's MoE layers as the
- * coordinator publishes them, with no Python (and no GIL) between them (included by moe_gemv.c;
- * the Python side is cpu_expert_server/hostlink.py, the protocol expertmesh/transport/link.py).
+/* The kernel thread and the host links it serves (included by moe_gemv.c; the Python side is
+ * cpu_expert_server/kernels/__init__.py's KernelThread and cpu_expert_server/hostlink.py, the
+ * protocol expertmesh/transport/link.py).
  *
- * The coordinator's request area and our answer area sit in its shared-memory segment. Per MoE
- * layer i of step s the thread spins until the request flag reads s * STEP_SPAN + i + 1 (or the
- * step is cancelled, or the wait times out: ERR_TIMEOUT into the status, the step ends), copies
- * the routing into private buffers (what is checked is what the kernel reads, whatever the
- * other side writes meanwhile), runs the layer's kernel into the answer's rows (an id outside
- * [-1, S): ERR_BAD_SLOT and zeros), writes the status and then the answer flag with release
- * order. Between steps the thread sleeps on a condition variable: no core spins while idle.
+ * Why one thread: libgomp gives every thread that starts a parallel region a team of its own, and
+ * once the teams' threads together outnumber the CPUs, every worker spins only briefly before it
+ * sleeps, so each region of each call waits on wake-ups (a bf16 decode layer took ~1.4x as long
+ * from a second thread as from the first). A backend therefore starts every kernel from one
+ * thread: Python's calls are handed to it (kt_call) and the host links' layers run on it, so the
+ * process has one team.
+ *
+ * A host link: the coordinator's request area and our answer area sit in its shared-memory
+ * segment. Per MoE layer i of step s the thread waits until the request flag reads
+ * s * STEP_SPAN + i + 1 (or the step is cancelled, or the wait times out: ERR_TIMEOUT into the
+ * status, the step ends), copies the routing into private buffers (what is checked is what the
+ * kernel reads, whatever the other side writes meanwhile), runs the layer's kernel into the
+ * answer's rows (an id outside [-1, S): ERR_BAD_SLOT and zeros), writes the status and then the
+ * answer flag with release order. Several links' steps interleave layer by layer: the thread
+ * polls each running link's next flag in turn, and a call posted from Python runs between two
+ * layers. With nothing to do the thread spins a little (spin_ns) and then sleeps on a condition
+ * variable: no core spins while idle.
  *
  * A plan is HL_ROW int64 words per layer, built in Python once per (bucket, placement
  * generation): [kernel, S, counts [S + 1] int64 or 0, the kernel's argument block ...] with
@@ -17,7 +27,9 @@
  * Shapes: R rows of the areas, Tb bucket, H hidden, K top-k, S slots of a layer.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <time.h>
+#include <unistd.h>
 
 #define HL_STEP_SPAN 1024
 #define HL_ERR_TIMEOUT 1
@@ -25,9 +37,14 @@
 #define HL_ERR_KERNEL 4 /* the kernel refused the call (a plan built for other shapes): zeros */
 #define HL_ROW 32
 #define HL_HEAD 3
-enum { HL_ZERO = 0, HL_QA = 1, HL_AMX = 2, HL_DECODE = 3 };
+#define KT_LINKS 64
+/* kernels by number: a plan row's head and kt_call's kind */
+enum { HL_ZERO = 0, HL_QA = 1, HL_AMX = 2, HL_DECODE = 3, KT_DEQUANT = 4 };
+
+typedef struct KThread KThread;
 
 typedef struct {
+    KThread *kt;
     volatile int64_t *req_flag;
     const int32_t *req_ids; /* [R, K] */
     const float *req_w;     /* [R, K] */
@@ -36,18 +53,34 @@ typedef struct {
     int rows, hidden, top_k, esize;
     int64_t *ids; /* [R, K] private copy, widened */
     float *w;     /* [R, K] private copy */
-    pthread_t th;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    /* the step handed over (under mu) */
+    /* the step handed over (under kt->mu) */
     const int64_t *plan;
     int layers, bucket, state; /* state: 0 idle, 1 handed over, 2 running */
     int64_t step, timeout_ns;
-    int quit;
     int64_t abort; /* atomic: a step whose waits end now */
-    /* the last finished step (under mu) */
+    /* the running step (the kernel thread's own) */
+    int layer;
+    int64_t err, kernel_ns, wait_ns, wait_from;
+    unsigned polls;
+    /* the last finished step (under kt->mu) */
     int64_t done_step, done_errors, done_layers, done_kernel_ns, done_wait_ns;
 } HostLink;
+
+struct KThread {
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;   /* to the thread: a step handed over, a call posted, quit */
+    pthread_cond_t done; /* from it: a step ended, a call answered */
+    HostLink *links[KT_LINKS];
+    int nlinks, quit;
+    int64_t posted; /* bumped (under mu, read atomically) at every hand-over and quit */
+    /* one call at a time: state 0 free, 1 posted, 2 running, 3 answered */
+    int call_kind, call_state, call_rc;
+    const int64_t *call_args;
+    int64_t spin_ns; /* how long the thread, and a caller, spin before they sleep */
+    int yield;       /* and whether they yield the CPU while they spin (no core to spare) */
+    pid_t pid;       /* the thread exists in this process only (a fork's child has none) */
+};
 
 static int64_t hl_now(void) {
     struct timespec ts;
@@ -55,23 +88,10 @@ static int64_t hl_now(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* 1 when the request flag reads `want`; 0 when the step was cancelled or timeout_ns passed */
-static int hl_wait_flag(HostLink *h, int64_t want, int64_t step, int64_t timeout_ns) {
-    if (__atomic_load_n(h->req_flag, __ATOMIC_ACQUIRE) == want) return 1;
-    const int64_t t0 = hl_now();
-    for (;;) {
-        for (int j = 0; j < 64; j++) {
-            if (__atomic_load_n(h->req_flag, __ATOMIC_ACQUIRE) == want) return 1;
-            _mm_pause();
-        }
-        if (__atomic_load_n(&h->abort, __ATOMIC_RELAXED) == step) return 0;
-        if (hl_now() - t0 >= timeout_ns) return 0;
-    }
-}
-
-/* moe_decode's path of backend._decode: integer dots when the format has them, else the general
- * kernel on fp32 activations (bf16 in: widened exactly; out rounded as torch rounds) */
-static int hl_decode(const int64_t *d) {
+/* backend._decode's call as an argument block (int64 [25]): integer dots when the format has
+ * them, else the general kernel on fp32 activations (bf16 in: widened exactly into the scratch
+ * d[24]; out rounded as torch rounds, through the scratch d[18]) */
+int moe_decode_a(const int64_t *d) {
     const int t_ = (int)d[4], h_ = (int)d[11], xbf16 = (int)d[1], obf16 = (int)d[20];
     const int wdtype = (int)d[14];
     if ((wdtype == 1 || wdtype == 2) && d[23]) {
@@ -96,103 +116,243 @@ static int hl_decode(const int64_t *d) {
     return rc;
 }
 
-/* one step: returns its ERR_* bits; *answered = layers answered */
-static int64_t hl_run(HostLink *h, const int64_t *plan, int layers, int bucket, int64_t step, int64_t timeout_ns,
-                      int64_t *answered, int64_t *kernel_ns, int64_t *wait_ns) {
-    int64_t err = 0;
-    const int n = bucket * h->top_k;
-    const size_t out_bytes = (size_t)bucket * h->hidden * h->esize;
-    *answered = *kernel_ns = *wait_ns = 0;
-    for (int i = 0; i < layers; i++) {
-        const int64_t want = step * HL_STEP_SPAN + i + 1;
-        const int64_t tw = hl_now();
-        if (!hl_wait_flag(h, want, step, timeout_ns)) {
-            err |= HL_ERR_TIMEOUT;
-            __atomic_store_n(h->ans_status, err, __ATOMIC_RELEASE);
-            break;
-        }
-        const int64_t tk = hl_now();
-        *wait_ns += tk - tw;
-        const int64_t *row = plan + (size_t)i * HL_ROW;
-        const int64_t s_ = row[1];
-        int bad = 0;
-        for (int p = 0; p < n; p++) {
-            const int32_t id = h->req_ids[p];
-            bad |= id < -1 || id >= s_;
-            h->ids[p] = id;
-            h->w[p] = h->req_w[p];
-        }
-        int rc = 0;
-        if (bad) {
-            err |= HL_ERR_BAD_SLOT;
-        } else if (row[0] == HL_QA) {
-            rc = moe_decode_qa(row + HL_HEAD);
-        } else if (row[0] == HL_AMX) {
-            rc = moe_amx_a(row + HL_HEAD);
-        } else if (row[0] == HL_DECODE) {
-            rc = hl_decode(row + HL_HEAD);
-        }
-        if (rc) err |= HL_ERR_KERNEL;
-        if (bad || rc || row[0] == HL_ZERO) memset(h->ans_out, 0, out_bytes);
-        if (!bad && row[2]) {
-            int64_t *counts = (int64_t *)row[2];
-            for (int p = 0; p < n; p++) counts[h->ids[p] + 1]++;
-        }
-        *kernel_ns += hl_now() - tk;
-        *h->ans_status = err;
-        __atomic_store_n(h->ans_flag, want, __ATOMIC_RELEASE);
-        *answered = i + 1;
-    }
-    return err;
+/* dequant_rows's arguments as int64 [9] */
+int dequant_rows_a(const int64_t *a) {
+    dequant_rows((const uint8_t *)a[0], (long)a[1], (int)a[2], (int)a[3], (int)a[4], (int)a[5], (float *)a[6],
+                 (int)a[7], (int)a[8]);
+    return 0;
 }
 
-static void *hl_main(void *arg) {
-    HostLink *h = arg;
-    pthread_mutex_lock(&h->mu);
-    for (;;) {
-        while (!h->quit && h->state != 1) pthread_cond_wait(&h->cv, &h->mu);
-        if (h->quit) break;
-        h->state = 2;
-        const int64_t *plan = h->plan;
-        const int layers = h->layers, bucket = h->bucket;
-        const int64_t step = h->step, timeout_ns = h->timeout_ns;
-        pthread_mutex_unlock(&h->mu);
-        int64_t answered, kns, wns;
-        const int64_t err = hl_run(h, plan, layers, bucket, step, timeout_ns, &answered, &kns, &wns);
-        pthread_mutex_lock(&h->mu);
-        h->done_step = step, h->done_errors = err, h->done_layers = answered;
-        h->done_kernel_ns = kns, h->done_wait_ns = wns;
-        h->state = 0;
-        pthread_cond_broadcast(&h->cv);
+static int kt_run(int kind, const int64_t *a) {
+    switch (kind) {
+    case HL_QA: return moe_decode_qa(a);
+    case HL_AMX: return moe_amx_a(a);
+    case HL_DECODE: return moe_decode_a(a);
+    case KT_DEQUANT: return dequant_rows_a(a);
+    default: return -3;
     }
-    pthread_mutex_unlock(&h->mu);
+}
+
+/* the layer this link waits for, when its flag is up: the kernel into the answer, then the flag */
+static void hl_layer(HostLink *h) {
+    const int64_t want = h->step * HL_STEP_SPAN + h->layer + 1;
+    const int64_t tk = hl_now();
+    h->wait_ns += tk - h->wait_from;
+    const int64_t *row = h->plan + (size_t)h->layer * HL_ROW;
+    const int64_t s_ = row[1];
+    const int n = h->bucket * h->top_k;
+    int bad = 0;
+    for (int p = 0; p < n; p++) {
+        const int32_t id = h->req_ids[p];
+        bad |= id < -1 || id >= s_;
+        h->ids[p] = id;
+        h->w[p] = h->req_w[p];
+    }
+    int rc = 0;
+    if (bad)
+        h->err |= HL_ERR_BAD_SLOT;
+    else if (row[0] != HL_ZERO)
+        rc = kt_run((int)row[0], row + HL_HEAD);
+    if (rc) h->err |= HL_ERR_KERNEL;
+    if (bad || rc || row[0] == HL_ZERO) memset(h->ans_out, 0, (size_t)h->bucket * h->hidden * h->esize);
+    if (!bad && row[2]) {
+        int64_t *counts = (int64_t *)row[2];
+        for (int p = 0; p < n; p++) counts[h->ids[p] + 1]++;
+    }
+    const int64_t end = hl_now();
+    h->kernel_ns += end - tk;
+    *h->ans_status = h->err;
+    __atomic_store_n(h->ans_flag, want, __ATOMIC_RELEASE);
+    h->layer++;
+    h->wait_from = end;
+}
+
+/* one look at a running step: 1 a layer ran, 2 the step ended (every layer answered, or its
+ * wait was cancelled or timed out), 0 nothing yet */
+static int hl_poll(HostLink *h) {
+    if (__atomic_load_n(h->req_flag, __ATOMIC_ACQUIRE) == h->step * HL_STEP_SPAN + h->layer + 1) {
+        hl_layer(h);
+        return h->layer == h->layers ? 2 : 1;
+    }
+    if (++h->polls % 64) return 0;
+    if (__atomic_load_n(&h->abort, __ATOMIC_RELAXED) == h->step || hl_now() - h->wait_from >= h->timeout_ns) {
+        h->err |= HL_ERR_TIMEOUT;
+        __atomic_store_n(h->ans_status, h->err, __ATOMIC_RELEASE);
+        return 2;
+    }
+    return 0;
+}
+
+static void *kt_main(void *arg) {
+    KThread *k = arg;
+    HostLink *run[KT_LINKS];
+    int ended[KT_LINKS];
+    pthread_mutex_lock(&k->mu);
+    for (;;) {
+        int n = 0;
+        for (int j = 0; j < k->nlinks; j++) {
+            HostLink *h = k->links[j];
+            if (h->state == 1) {
+                h->state = 2, h->layer = 0, h->err = h->kernel_ns = h->wait_ns = 0, h->polls = 0;
+                h->wait_from = hl_now();
+            }
+            if (h->state == 2) run[n++] = h;
+        }
+        if (k->call_state == 1) { /* between two layers of any running step */
+            const int kind = k->call_kind;
+            const int64_t *a = k->call_args;
+            k->call_state = 2;
+            pthread_mutex_unlock(&k->mu);
+            const int rc = kt_run(kind, a);
+            pthread_mutex_lock(&k->mu);
+            k->call_rc = rc;
+            __atomic_store_n(&k->call_state, 3, __ATOMIC_RELEASE);
+            pthread_cond_broadcast(&k->done);
+            continue;
+        }
+        const int64_t seen = k->posted;
+        if (n == 0) {
+            if (k->quit) break;
+            /* idle: spin a little for the next hand-over, then sleep */
+            pthread_mutex_unlock(&k->mu);
+            const int64_t t0 = hl_now();
+            int woke = 0;
+            while (!woke && hl_now() - t0 < k->spin_ns) {
+                for (int j = 0; j < 64 && !woke; j++) {
+                    woke = __atomic_load_n(&k->posted, __ATOMIC_ACQUIRE) != seen;
+                    _mm_pause();
+                }
+                if (k->yield) sched_yield();
+            }
+            pthread_mutex_lock(&k->mu);
+            while (k->posted == seen) pthread_cond_wait(&k->cv, &k->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&k->mu);
+        /* the running steps' layers as their flags come up, until one ends or something is posted */
+        int any = 0;
+        for (int j = 0; j < n; j++) ended[j] = 0;
+        while (!any && __atomic_load_n(&k->posted, __ATOMIC_ACQUIRE) == seen) {
+            int ran = 0;
+            for (int j = 0; j < n; j++) {
+                if (ended[j]) continue;
+                const int r = hl_poll(run[j]);
+                ran |= r;
+                if (r == 2) ended[j] = any = 1;
+            }
+            if (!ran) _mm_pause();
+        }
+        pthread_mutex_lock(&k->mu);
+        for (int j = 0; j < n; j++) {
+            if (!ended[j]) continue;
+            HostLink *h = run[j];
+            h->done_step = h->step, h->done_errors = h->err, h->done_layers = h->layer;
+            h->done_kernel_ns = h->kernel_ns, h->done_wait_ns = h->wait_ns;
+            h->state = 0;
+        }
+        if (any) pthread_cond_broadcast(&k->done);
+    }
+    pthread_mutex_unlock(&k->mu);
     return NULL;
+}
+
+static void kt_post(KThread *k) { /* under mu */
+    __atomic_store_n(&k->posted, k->posted + 1, __ATOMIC_RELEASE);
+    pthread_cond_signal(&k->cv);
+}
+
+/* a kernel thread that spins spin_ns before it sleeps (and its callers as long before they
+ * sleep); NULL when it cannot start */
+void *kt_open(int64_t spin_ns, int yield) {
+    KThread *k = calloc(1, sizeof *k);
+    if (!k) return NULL;
+    k->spin_ns = spin_ns, k->yield = yield;
+    k->pid = getpid();
+    pthread_mutex_init(&k->mu, NULL);
+    pthread_cond_init(&k->cv, NULL);
+    pthread_cond_init(&k->done, NULL);
+    if (pthread_create(&k->th, NULL, kt_main, k)) {
+        pthread_mutex_destroy(&k->mu);
+        pthread_cond_destroy(&k->cv);
+        pthread_cond_destroy(&k->done);
+        free(k);
+        return NULL;
+    }
+    return k;
+}
+
+/* runs kernel `kind` (HL_QA, HL_AMX, HL_DECODE, KT_DEQUANT) on argument block `a` on the kernel
+ * thread and returns its code; callers from several threads take turns */
+int kt_call(void *p, int kind, const int64_t *a) {
+    KThread *k = p;
+    pthread_mutex_lock(&k->mu);
+    while (k->call_state != 0) pthread_cond_wait(&k->done, &k->mu);
+    k->call_kind = kind, k->call_args = a, k->call_state = 1;
+    kt_post(k);
+    pthread_mutex_unlock(&k->mu);
+    /* spin first: a wake-up costs microseconds, a decode layer's kernel a few hundred */
+    const int64_t t0 = hl_now();
+    while (__atomic_load_n(&k->call_state, __ATOMIC_ACQUIRE) != 3 && hl_now() - t0 < k->spin_ns) {
+        for (int j = 0; j < 64; j++) _mm_pause();
+        if (k->yield) sched_yield();
+    }
+    pthread_mutex_lock(&k->mu);
+    while (k->call_state != 3) pthread_cond_wait(&k->done, &k->mu);
+    const int rc = k->call_rc;
+    k->call_state = 0;
+    pthread_cond_broadcast(&k->done); /* the next caller */
+    pthread_mutex_unlock(&k->mu);
+    return rc;
+}
+
+/* ends the thread (0); -1 while links are open on it. In a fork's child (no thread) it only
+ * answers 0. */
+int kt_close(void *p) {
+    KThread *k = p;
+    if (getpid() != k->pid) return 0;
+    pthread_mutex_lock(&k->mu);
+    if (k->nlinks) {
+        pthread_mutex_unlock(&k->mu);
+        return -1;
+    }
+    k->quit = 1;
+    kt_post(k);
+    pthread_mutex_unlock(&k->mu);
+    pthread_join(k->th, NULL);
+    pthread_mutex_destroy(&k->mu);
+    pthread_cond_destroy(&k->cv);
+    pthread_cond_destroy(&k->done);
+    free(k);
+    return 0;
 }
 
 /* a[0] request area, a[1] answer area, a[2] R, a[3] H, a[4] K, a[5] bytes per element,
  * a[6] ids buffer [R, K] int64, a[7] weights buffer [R, K] fp32 (the caller's, kept until
- * hl_close). NULL when the thread cannot start. */
+ * hl_close), a[8] the kernel thread that runs its steps. NULL when the thread has
+ * KT_LINKS links already. */
 void *hl_open(const int64_t *a) {
+    KThread *k = (KThread *)a[8];
     HostLink *h = calloc(1, sizeof *h);
     if (!h) return NULL;
     uint8_t *req = (uint8_t *)a[0], *ans = (uint8_t *)a[1];
-    const size_t r = (size_t)a[2], hd = (size_t)a[3], k = (size_t)a[4], es = (size_t)a[5];
+    const size_t r = (size_t)a[2], hd = (size_t)a[3], kk = (size_t)a[4], es = (size_t)a[5];
     /* link_layout.py's RequestViews / AnswerViews */
-    const size_t x_bytes = (r * hd * es + 255) / 256 * 256, ids_bytes = (r * k * 4 + 255) / 256 * 256;
+    const size_t x_bytes = (r * hd * es + 255) / 256 * 256, ids_bytes = (r * kk * 4 + 255) / 256 * 256;
+    h->kt = k;
     h->req_flag = (volatile int64_t *)req;
     h->req_ids = (const int32_t *)(req + 256 + x_bytes);
     h->req_w = (const float *)(req + 256 + x_bytes + ids_bytes);
     h->ans_flag = (volatile int64_t *)ans;
     h->ans_status = (volatile int64_t *)(ans + 64);
     h->ans_out = ans + 256;
-    h->rows = (int)r, h->hidden = (int)hd, h->top_k = (int)k, h->esize = (int)es;
+    h->rows = (int)r, h->hidden = (int)hd, h->top_k = (int)kk, h->esize = (int)es;
     h->ids = (int64_t *)a[6], h->w = (float *)a[7];
     h->abort = -1, h->done_step = -1;
-    pthread_mutex_init(&h->mu, NULL);
-    pthread_cond_init(&h->cv, NULL);
-    if (pthread_create(&h->th, NULL, hl_main, h)) {
-        pthread_mutex_destroy(&h->mu);
-        pthread_cond_destroy(&h->cv);
+    pthread_mutex_lock(&k->mu);
+    const int ok = k->nlinks < KT_LINKS;
+    if (ok) k->links[k->nlinks++] = h;
+    pthread_mutex_unlock(&k->mu);
+    if (!ok) {
         free(h);
         return NULL;
     }
@@ -203,50 +363,54 @@ void *hl_open(const int64_t *a) {
  * is done); -1 when the last step still runs */
 int hl_start(void *p, const int64_t *plan, int layers, int bucket, int64_t step, int64_t timeout_ns) {
     HostLink *h = p;
-    pthread_mutex_lock(&h->mu);
+    KThread *k = h->kt;
+    pthread_mutex_lock(&k->mu);
     if (h->state != 0) {
-        pthread_mutex_unlock(&h->mu);
+        pthread_mutex_unlock(&k->mu);
         return -1;
     }
     h->plan = plan, h->layers = layers, h->bucket = bucket, h->step = step, h->timeout_ns = timeout_ns;
     h->state = 1;
-    pthread_cond_broadcast(&h->cv);
-    pthread_mutex_unlock(&h->mu);
+    kt_post(k);
+    pthread_mutex_unlock(&k->mu);
     return 0;
 }
 
 /* ends step `step`'s waits now (any thread); its later layers are not answered */
 void hl_cancel(void *p, int64_t step) { __atomic_store_n(&((HostLink *)p)->abort, step, __ATOMIC_RELAXED); }
 
-/* waits up to timeout_ms for the thread to be idle; then out = (step, errors, layers answered,
+/* waits up to timeout_ms for the link to be idle; then out = (step, errors, layers answered,
  * kernel ns, wait ns) of the last finished step. Returns 1 when idle, 0 on timeout. */
 int hl_wait(void *p, int64_t timeout_ms, int64_t *out) {
     HostLink *h = p;
+    KThread *k = h->kt;
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += timeout_ms / 1000;
     until.tv_nsec += (timeout_ms % 1000) * 1000000;
     if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
-    pthread_mutex_lock(&h->mu);
+    pthread_mutex_lock(&k->mu);
     while (h->state != 0)
-        if (pthread_cond_timedwait(&h->cv, &h->mu, &until)) break;
+        if (pthread_cond_timedwait(&k->done, &k->mu, &until)) break;
     const int idle = h->state == 0;
     out[0] = h->done_step, out[1] = h->done_errors, out[2] = h->done_layers;
     out[3] = h->done_kernel_ns, out[4] = h->done_wait_ns;
-    pthread_mutex_unlock(&h->mu);
+    pthread_mutex_unlock(&k->mu);
     return idle;
 }
 
-/* ends the step in flight (cancelled), joins the thread, frees the link */
+/* ends the step in flight (cancelled), takes the link off its thread, frees it */
 void hl_close(void *p) {
     HostLink *h = p;
-    pthread_mutex_lock(&h->mu);
-    h->quit = 1;
+    KThread *k = h->kt;
+    pthread_mutex_lock(&k->mu);
     __atomic_store_n(&h->abort, h->step, __ATOMIC_RELAXED);
-    pthread_cond_broadcast(&h->cv);
-    pthread_mutex_unlock(&h->mu);
-    pthread_join(h->th, NULL);
-    pthread_mutex_destroy(&h->mu);
-    pthread_cond_destroy(&h->cv);
+    while (h->state != 0) pthread_cond_wait(&k->done, &k->mu);
+    for (int j = 0; j < k->nlinks; j++)
+        if (k->links[j] == h) {
+            k->links[j] = k->links[--k->nlinks];
+            break;
+        }
+    pthread_mutex_unlock(&k->mu);
     free(h);
 }
