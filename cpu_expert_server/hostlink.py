@@ -1,12 +1,13 @@
 """The CPU expert server's side of the host link: a decode step's MoE layers computed as the
-coordinator publishes them in its shared-memory segment, by a C thread (kernels/moe_hostlink.c)
-with no Python per layer on either side.
+coordinator publishes them in its shared-memory segment, by the backend's kernel thread
+(kernels/moe_hostlink.c, kernels.KernelThread) with no Python per layer on either side.
 
 Why: all-CPU int4 decode spent ~0.55-0.72 ms per MoE layer of which the kernel was 0.2-0.34 ms;
 the rest was Python on both sides of the ring (descriptor, checks, views, wake-ups). The
 protocol is the device link's (expertmesh/transport/link.py: request area, answer area, flags
 ``step * STEP_SPAN + i + 1``); here both areas are host memory the coordinator's GPU reads and
-writes over PCIe, and the server's side is a pthread that spins on the request flag.
+writes over PCIe, and the server's side is the C thread that starts every kernel of the backend
+(one OpenMP team per process), spinning on each running link's request flag.
 
 Per (bucket ``Tb``, placement generation) a *plan* is built once: per MoE layer the kernel that
 :meth:`CpuExpertBackend.forward` would run for ``Tb`` rows (``kernel_for``) and its argument
@@ -69,7 +70,7 @@ class _Plan:
 
 
 class HostLink:
-    """One fast-path channel's host link: the C thread and its plans. :meth:`launch`,
+    """One fast-path channel's host link: its state on the kernel thread and its plans. :meth:`launch`,
     :meth:`collect` and :meth:`close` may come from two threads (the channel's, and a commit's
     wait); :meth:`cancel` from any thread."""
 

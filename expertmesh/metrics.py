@@ -101,12 +101,12 @@ class _WorkerState(Collector):
         )
         yield CounterMetricFamily(
             "expertmesh_worker_link_kernel_seconds",
-            "Host-link layers: the C thread's time in its kernels (routing copy included)",
+            "Host-link layers: the kernel thread's time in its kernels (routing copy included)",
             value=st.link_kernel_seconds,
         )
         yield CounterMetricFamily(
             "expertmesh_worker_link_wait_seconds",
-            "Host-link layers: the C thread's time spinning for the coordinator's next layer",
+            "Host-link layers: the kernel thread's time spinning for the coordinator's next layer",
             value=st.link_wait_seconds,
         )
         routed = CounterMetricFamily(

@@ -184,7 +184,7 @@ def test_answers_equal_the_backend_and_torch(wdtype, dtype):
         # the next launch collects the last step's report: every routed pair counted
         assert c.launch(step + 1, 1, 1).code == 0
         assert worker.stats.errors == 0 and worker.stats.requests == 3 * len(worker.slots.moe_layers)
-        # the C thread's own split of the two answered steps, in the worker's /metrics
+        # the kernel thread's own split of the two answered steps, in the worker's /metrics
         st = worker.stats
         assert st.link_steps == 2 and st.link_layers == 2 * len(worker.slots.moe_layers)
         assert st.link_kernel_seconds > 0 and st.link_wait_seconds >= 0

@@ -63,7 +63,7 @@ class WorkerStats:
     tokens: int = 0
     errors: int = 0
     compute_seconds: float = 0.0
-    # host-link steps (cpu_expert_server/hostlink.py): the C thread's own time in its kernels
+    # host-link steps (cpu_expert_server/hostlink.py): the kernel thread's own time in its kernels
     # (routing copy included) and spinning for the coordinator's flags, summed over the MoE
     # layers it answered
     link_steps: int = 0
@@ -439,7 +439,7 @@ class ExpertWorker:
         rows and top-k ``top_k``: with no ``answer``, the device link's step graphs (``request``
         mapped on our GPU; gpu_server/graphs.py -> gpu_server/link_graphs.py); with ``answer``
         (both areas in the coordinator's shared-memory segment, of the offer's ``hidden`` and
-        ``dtype``), the host link's C thread (cpu_expert_server/hostlink.py); with an ``answer``
+        ``dtype``), the host link on the backend's kernel thread (cpu_expert_server/hostlink.py); with an ``answer``
         on our GPU (a relay's host areas, mapped), the step graphs answering there. Raises
         Incompatible when this server cannot serve it (the fast path then goes on without).
         ``relayed``: the areas are a relay's own (expertmesh/transport/tcp_relay.py), which
@@ -541,7 +541,7 @@ class ExpertWorker:
         """Folds a finished step's token counts into the stats; a step that timed out or met
         bad slot ids is an error, logged once per link and kind."""
         kernel_ns = getattr(graphs, "kernel_ns", None)
-        if kernel_ns is not None:  # a host link's step: its C thread's own split
+        if kernel_ns is not None:  # a host link's step: the kernel thread's own split
             st = self.stats
             st.link_steps += 1
             st.link_layers += getattr(graphs, "layers_answered", len(self.slots.moe_layers))
@@ -625,7 +625,7 @@ class ExpertWorker:
         the coordinator's between-steps window does not wait for the allocator."""
         t0 = time.perf_counter()
         with self._serial:
-            # NOTE: a host link's C thread reads the live weights with no lock: its step in
+            # NOTE: a host link's kernel thread reads the live weights with no lock: its step in
             # flight ends first (bounded: its waits time out); new steps wait for this lock
             t_lock = time.perf_counter()
             for hl in list(self._host_links):
