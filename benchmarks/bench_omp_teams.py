@@ -8,7 +8,7 @@ link's pthread, each fast-path channel's thread and the gRPC compute thread star
 teams (benchmarks/RESULTS.md, "bf16 CPU rows on the links"). The backend now starts every
 kernel from one kernel thread of its own (cpu_expert_server/kernels KernelThread); the rows
 ``direct`` (``kernel_thread=False``: each calling thread starts its own team, as before) are
-the baseline in the same run.
+the baseline in the same run, each mode in a process of its own.
 
 Columns: median microseconds per ``CpuExpertBackend.forward`` call of one token (top-K of S
 experts, random ids, a short sleep between calls as between layers), from the main thread, then
@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -42,9 +44,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--gap-us", type=float, default=300.0, help="sleep between calls")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument(
-        "--modes", nargs="+", default=["direct", "kernel thread"], choices=["direct", "kernel thread"]
-    )
+    p.add_argument("--mode", choices=["direct", "kernel thread"], help="(internal) one mode, in this process")
     args = p.parse_args()
     h, i, s, k = args.hidden, args.inter, args.experts, args.top_k
     g = torch.Generator().manual_seed(0)
@@ -52,18 +52,22 @@ def main() -> None:
     w2 = (torch.randn(s, h, i, generator=g) * 0.02).to(torch.bfloat16)
     x = torch.randn(1, h, generator=g).to(torch.bfloat16)
     weights = torch.rand(1, k, generator=g)
-    print(
-        f"{args.weight_dtype} H {h} I {i}, top-{k} of {s} experts, {args.threads} threads, {args.calls} calls"
-    )
-    print("| mode | round | main thread us | second thread us | main thread again us | second / main |")
-    print("|---|---|---:|---:|---:|---:|")
-    # NOTE: the direct rows first: the kernel thread's team must not exist while they run
-    for mode in args.modes:
-        backend = CpuExpertBackend(
-            threads=args.threads, weight_dtype=args.weight_dtype, kernel_thread=mode == "kernel thread"
+    if args.mode is None:
+        print(
+            f"{args.weight_dtype} H {h} I {i}, top-{k} of {s} experts, {args.threads} threads, {args.calls} calls"
         )
-        p13, p2 = backend.pack_weights(w13, w2)
-        rows(args, backend, mode, (x, p13, p2, weights))
+    if args.mode is None:
+        print("| mode | round | main thread us | second thread us | main thread again us | second / main |")
+        print("|---|---|---:|---:|---:|---:|")
+        # NOTE: a process per mode: one mode's teams must not exist while the other's rows run
+        for mode in ("direct", "kernel thread"):
+            subprocess.run([sys.executable, *sys.argv, "--mode", mode], check=True)
+        return
+    backend = CpuExpertBackend(
+        threads=args.threads, weight_dtype=args.weight_dtype, kernel_thread=args.mode == "kernel thread"
+    )
+    p13, p2 = backend.pack_weights(w13, w2)
+    rows(args, backend, args.mode, (x, p13, p2, weights))
 
 
 def rows(args, backend: CpuExpertBackend, mode: str, call: tuple) -> None:
