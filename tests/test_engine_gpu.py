@@ -74,3 +74,55 @@ def test_load_hook_sees_graph_steps(tmp_path):
             toks = [int(x.argmax()) for x in eng.step([(s, [t]) for s, t in zip(seqs, toks)])]
     cpu, gpu = counts[("cpu", False)], counts[("cuda", True)].cpu()
     assert cpu.sum() > 0 and torch.equal(cpu, gpu), (cpu, gpu)
+
+
+@pytest.mark.gpu
+def test_experts_load_while_the_graphs_compile(tmp_path, monkeypatch):
+    """A dispatcher whose experts load in the background (the CUDA coordinator's): the decode
+    graphs' compile warm-up runs while reads are still under way, capture waits for them, and
+    every step equals that of a dispatcher that loaded first, bit for bit; the warm-up's steps
+    count no expert load."""
+    import functools
+    import time
+
+    from coordinator.model.dispatch import LocalDispatcher
+    from coordinator.model.kv_cache import KVCacheSpec
+    from coordinator.model.loader import load_model
+    from expertmesh.checkpoint import CheckpointReader
+
+    make_checkpoint("qwen3_moe", tmp_path)
+    dev = torch.device("cuda")
+    runs = {}
+    overlapped: list[bool] = []
+    loading: dict[str, LocalDispatcher] = {}
+
+    def slow(real, *a, **kw):
+        time.sleep(0.2)  # reads still under way when the warm-up starts
+        d = loading.get("disp")
+        overlapped.append(d is not None and d.load is not None and d.load.allowed_early)
+        return real(*a, **kw)
+
+    for background in (False, True):
+        reader = CheckpointReader(str(tmp_path))
+        if background:
+            monkeypatch.setattr(reader, "expert_into", functools.partial(slow, reader.expert_into))
+        counts = torch.zeros(4, 8, dtype=torch.long, device=dev)
+
+        def hook(layer: int, ids: torch.Tensor, c=counts) -> None:
+            c[layer].index_add_(0, ids.flatten().long(), torch.ones_like(ids.flatten().long()))
+
+        model = load_model(reader, torch.float32, dev)
+        disp = LocalDispatcher(reader, torch.float32, dev, background=background)
+        loading["disp"] = disp
+        eng = Engine(model, disp, KVCacheSpec(64, 4), torch.float32, dev, load_hook=hook)
+        assert eng.graphs is not None and disp.load is None
+        seqs = [eng.new_seq() for _ in range(3)]
+        outs = [eng.step([(s, [(5 * i + j) % 96 for j in range(7)]) for i, s in enumerate(seqs)])]
+        for _ in range(4):
+            toks = [int(x.argmax()) for x in outs[-1]]
+            outs.append(eng.step([(s, [t]) for s, t in zip(seqs, toks)]))
+        runs[background] = ([torch.stack(o).cpu() for o in outs], counts.cpu())
+    assert any(overlapped), "the warm-up never ran while experts were being read"
+    for a, b in zip(runs[True][0], runs[False][0], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(runs[True][1], runs[False][1]) and runs[True][1].sum() > 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from coordinator.model.batch import ForwardBatch
+from coordinator.model.dispatch import BackgroundLoad
 from coordinator.model.kv_cache import KVCache
 from coordinator.model.models.base import CausalLM
 from coordinator.model.models.moe import LoadHook
@@ -42,7 +43,11 @@ class DecodeGraphs:
         max_pages_per_seq: int,
         load_hook: LoadHook | None,
         buckets: tuple[int, ...] = BUCKETS,
+        load: BackgroundLoad | None = None,
     ) -> None:
+        """``load``: the experts still being read (LocalDispatcher's background load): every
+        bucket's step runs once first, on the weights as they are, so that its kernels compile
+        meanwhile; capture waits for the load."""
         assert buckets and list(buckets) == sorted(buckets) and buckets[0] > 0, f"{buckets=}"
         self.model, self.cache, self.buckets = model, cache, buckets
         self.load_hook = load_hook
@@ -58,6 +63,20 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, V] static output
         self.routed: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> layer -> [bucket, K] ids
+        if load is not None:
+            self._pad(0, bm)
+            blocks = model.moe_blocks()
+            hooks = [blk.load_hook for blk in blocks]
+            try:
+                for blk in blocks:  # NOTE: no expert counts from steps that serve nobody
+                    blk.load_hook = None
+                with load.early():
+                    for b in reversed(buckets):
+                        self._warm(b)
+            finally:
+                for blk, hook in zip(blocks, hooks, strict=True):
+                    blk.load_hook = hook
+            load.wait()
         torch.cuda.empty_cache()  # capture empties it too: measure from the same state
         reserved = torch.cuda.memory_reserved(dev)
         self._capture_all()
@@ -85,12 +104,7 @@ class DecodeGraphs:
                 routed: dict[int, torch.Tensor] = {}
                 for blk in blocks:
                     blk.load_hook = routed.__setitem__ if self.load_hook is not None else None
-                batch = self._batch(b)
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
-                    self.model(batch, self.cache)
-                torch.cuda.current_stream().wait_stream(stream)
+                batch = self._warm(b)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[b] = self.model(batch, self.cache)
@@ -99,6 +113,16 @@ class DecodeGraphs:
             for blk, hook in zip(blocks, hooks, strict=True):
                 blk.load_hook = hook
         torch.cuda.synchronize()
+
+    def _warm(self, b: int) -> ForwardBatch:
+        """One step of bucket ``b`` off the capture (Triton compiles, cuBLAS picks kernels)."""
+        batch = self._batch(b)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.model(batch, self.cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        return batch
 
     def _pad(self, start: int, end: int) -> None:
         self.meta[0, start:end] = 0

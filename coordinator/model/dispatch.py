@@ -12,9 +12,11 @@ Shapes: T tokens, K top-k, H hidden, E experts, I expert intermediate size.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -78,12 +80,61 @@ def stack_experts(
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     w13 = torch.empty(len(experts), 2 * i, h, dtype=dtype, device=device)
     w2 = torch.empty(len(experts), h, i, dtype=dtype, device=device)
+    read_experts_into(reader, layer, experts, w13, w2, pool)
+    return w13, w2
+
+
+def read_experts_into(
+    reader: CheckpointReader,
+    layer: int,
+    experts: list[int],
+    w13: torch.Tensor,  # [S, 2I, H]
+    w2: torch.Tensor,  # [S, H, I]
+    pool: ThreadPoolExecutor | None = None,
+) -> None:
+    """Reads ``experts`` of ``layer`` into the slots of ``w13``, ``w2`` (slot s = experts[s])."""
+    i = reader.config.moe_intermediate_size
 
     def read(s: int, e: int) -> Callable[[], None]:
         return lambda: reader.expert_into(layer, e, w13[s, :i], w13[s, i:], w2[s])
 
     run_on(pool, [read(s, e) for s, e in enumerate(experts)])
-    return w13, w2
+
+
+class BackgroundLoad:
+    """A load running on a thread of its own (LocalDispatcher's experts), so that the engine
+    compiles its kernels meanwhile: on a fresh machine the decode graphs' first warm-up compiles
+    every Triton kernel and builds its launcher (~8 s at Qwen3-30B-A3B widths on an H200 host,
+    next to ~7 s reading 58 GB of experts). :meth:`wait` ends it (raising its error);
+    :meth:`early` marks the calls that may run on weights still arriving."""
+
+    def __init__(self, name: str, target: Callable[[], None]) -> None:
+        self.allowed_early = False
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                target()
+            except BaseException as e:  # noqa: BLE001  # NOTE: raised in the waiting thread
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    @contextmanager
+    def early(self) -> Iterator[None]:
+        """Calls in this block may read weights not loaded yet (a compile warm-up: its results
+        are thrown away; the slots start as zeros, so nothing reads a NaN)."""
+        self.allowed_early = True
+        try:
+            yield
+        finally:
+            self.allowed_early = False
 
 
 def default_backend(device: torch.device) -> ExpertBackend:
@@ -110,22 +161,45 @@ class LocalDispatcher(Dispatcher):
         dtype: torch.dtype,
         device: torch.device,
         backend: ExpertBackend | None = None,
+        background: bool = False,
     ) -> None:
+        """``background``: return once every slot is allocated (zeros), with the experts read on
+        a thread of their own (:attr:`load`); :meth:`submit` waits for them, except inside
+        ``load.early()``, and :meth:`wait_loaded` raises a failed read."""
         cfg = reader.config
         self.backend = backend or default_backend(device)
-        all_experts = list(range(cfg.num_experts))
-        total = reader.expert_nbytes() * cfg.num_experts * len(cfg.moe_layer_ids)
-        reader.progress = LoadProgress("coordinator experts", total)
-        try:
-            with reader_pool(read_threads()) as pool:
-                self.slots = {
-                    layer: stack_experts(reader, layer, all_experts, dtype, device, pool)
-                    for layer in cfg.moe_layer_ids
-                }
-        finally:
-            reader.progress.close()
-            reader.progress = None
+        h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        new = torch.zeros if background else torch.empty
+        self.slots = {
+            layer: (new(e, 2 * i, h, dtype=dtype, device=device), new(e, h, i, dtype=dtype, device=device))
+            for layer in cfg.moe_layer_ids
+        }
+        self.load: BackgroundLoad | None = None
+
+        def read_all() -> None:
+            total = reader.expert_nbytes() * e * len(cfg.moe_layer_ids)
+            reader.progress = LoadProgress("coordinator experts", total)
+            try:
+                with reader_pool(read_threads()) as pool:
+                    for layer, (w13, w2) in self.slots.items():
+                        read_experts_into(reader, layer, list(range(e)), w13, w2, pool)
+            finally:
+                reader.progress.close()
+                reader.progress = None
+
+        if background:
+            self.load = BackgroundLoad("expert-load", read_all)
+        else:
+            read_all()
+
+    def wait_loaded(self) -> None:
+        """Returns once every expert is read (at once without a background load)."""
+        if self.load is not None:
+            self.load.wait()
+            self.load = None
 
     def submit(self, layer, x, topk_ids, topk_weights):
+        if self.load is not None and not self.load.allowed_early:
+            self.wait_loaded()
         w13, w2 = self.slots[layer]
         return Pending.done(self.backend.forward(x, w13, w2, topk_ids, topk_weights))

@@ -75,7 +75,8 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         mode = dispatcher.graph_mode if cuda_graphs and device.type == "cuda" else "none"
         if mode == "whole":
-            self.graphs = DecodeGraphs(model, self.cache, spec.num_pages, load_hook)
+            load = getattr(dispatcher, "load", None)  # experts still being read: compile meanwhile
+            self.graphs = DecodeGraphs(model, self.cache, spec.num_pages, load_hook, load=load)
         elif mode == "piecewise":
             # NOTE: remote dispatch waits on another process inside the layer loop: the step is
             # captured in pieces between the dispatches (coordinator/model/remote_graphs.py)

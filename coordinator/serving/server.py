@@ -480,13 +480,16 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         cluster = ExpertCluster(cfg, config.cluster, device, local=local)
         dispatcher = RemoteDispatcher(cfg, config.cluster, dtype, device, cluster)
     else:
-        dispatcher = LocalDispatcher(reader, dtype, device)
+        # on CUDA the experts load while the engine compiles its kernels (LocalDispatcher.load)
+        dispatcher = LocalDispatcher(reader, dtype, device, background=device.type == "cuda")
     num_servers = len(config.cluster.servers) if cluster is not None and config.cluster else 0
     load = LoadRecorder(cfg.moe_layer_ids, cfg.num_experts, config.eplb.window_steps, num_servers, device)
     engine = Engine(
         model, dispatcher, spec, dtype, device, load_hook=load.record, prefix_cache=config.prefix_cache
     )
     engine.micro_batches = config.micro_batches
+    if isinstance(dispatcher, LocalDispatcher):
+        dispatcher.wait_loaded()  # a failed read fails the start, before anything serves
     tokenizer = TextTokenizer.from_dir(config.model_dir)
     limits = SchedulerLimits(
         config.max_batch_tokens,
