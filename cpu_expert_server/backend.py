@@ -414,9 +414,14 @@ class CpuExpertBackend(ExpertBackend):
 
     def _run(self, kind: int, block: bytes) -> int:
         """Kernel ``kind`` (kernels.KT_QA ...) on its argument block: on this backend's kernel
-        thread (one OpenMP team per process, whichever thread calls), else in this thread."""
+        thread (one OpenMP team per process, whichever thread calls), else in this thread (also
+        with one thread: no team to share, and the hand-over would only cost)."""
         assert self.lib is not None
-        kt = kernels.kernel_thread(self, self.lib, self.threads) if self.kernel_thread else None
+        kt = (
+            kernels.kernel_thread(self, self.lib, self.threads)
+            if self.kernel_thread and self.threads > 1
+            else None
+        )
         if kt is not None:
             return kt.call(kind, block)
         return getattr(self.lib, _DIRECT[kind])(block)

@@ -121,6 +121,10 @@ class BackgroundLoad:
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def wait(self) -> None:
         self._thread.join()
         if self._error is not None:

@@ -81,9 +81,12 @@ def decode_block(
             obf, threads, caps, qact, x32)  # fmt: skip
 
 
-# how long the kernel thread waits for its next call, and a caller for its answer, spinning before
-# they sleep: a futex wake-up costs tens of microseconds (~100 on the 2-core VM, two per call:
-# a bf16 call of 0.15 ms took 0.39 ms through the thread without spinning, 0.16-0.20 with)
+# how long the idle kernel thread spins for its next call before it sleeps: a futex wake-up costs
+# tens of microseconds (~100 on the 2-core VM, two per call there: a bf16 call of 0.15 ms took
+# 0.39 ms through the thread without spinning, 0.16-0.20 with the caller spinning too, both
+# yielding). Where cores are spare a caller sleeps at once: spinning beside the kernel's team
+# took a core or a hyperthread's sibling from it (28 threads on a 32-CPU host: 0.98-1.53 ms a
+# bf16 call against 0.67-0.71 ms called directly)
 KT_SPIN_US = 200
 
 
@@ -210,8 +213,8 @@ def kernel_thread(owner: object, lib: ctypes.CDLL | None, threads: int) -> Kerne
     """``owner``'s KernelThread for ``lib`` (kept as its ``_kt`` attribute; a new one in a forked
     child, which has no thread, or for another ``lib``, as tests swap), started on first use;
     None where ``lib`` has none (an older copy of the kernels, a benchmark's baseline). Where no
-    core is free beside the ``threads`` of the kernels' team, it and its callers yield the CPU
-    as they spin."""
+    core is free beside the ``threads`` of the kernels' team, it and its callers spin yielding
+    the CPU; elsewhere callers sleep at once (kt_open)."""
     kt = getattr(owner, "_kt", None)
     if kt is not None and kt.pid == os.getpid() and kt.lib is lib:
         return kt

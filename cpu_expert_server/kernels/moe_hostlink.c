@@ -77,8 +77,8 @@ struct KThread {
     /* one call at a time: state 0 free, 1 posted, 2 running, 3 answered */
     int call_kind, call_state, call_rc;
     const int64_t *call_args;
-    int64_t spin_ns; /* how long the thread, and a caller, spin before they sleep */
-    int yield;       /* and whether they yield the CPU while they spin (no core to spare) */
+    int64_t spin_ns; /* how long the idle thread spins before it sleeps */
+    int yield;       /* no core to spare beside the team: spinners yield, and callers spin too */
     pid_t pid;       /* the thread exists in this process only (a fork's child has none) */
 };
 
@@ -261,8 +261,10 @@ static void kt_post(KThread *k) { /* under mu */
     pthread_cond_signal(&k->cv);
 }
 
-/* a kernel thread that spins spin_ns before it sleeps (and its callers as long before they
- * sleep); NULL when it cannot start */
+/* a kernel thread that spins spin_ns before it sleeps; with `yield` (the team takes every core)
+ * it yields the CPU as it spins and its callers spin as long for their answer (where a wake-up
+ * costs more than a yield), else callers sleep at once (their spin would take a core, or a
+ * hyperthread's sibling, from the team while the kernel runs). NULL when it cannot start. */
 void *kt_open(int64_t spin_ns, int yield) {
     KThread *k = calloc(1, sizeof *k);
     if (!k) return NULL;
@@ -290,11 +292,12 @@ int kt_call(void *p, int kind, const int64_t *a) {
     k->call_kind = kind, k->call_args = a, k->call_state = 1;
     kt_post(k);
     pthread_mutex_unlock(&k->mu);
-    /* spin first: a wake-up costs microseconds, a decode layer's kernel a few hundred */
-    const int64_t t0 = hl_now();
-    while (__atomic_load_n(&k->call_state, __ATOMIC_ACQUIRE) != 3 && hl_now() - t0 < k->spin_ns) {
-        for (int j = 0; j < 64; j++) _mm_pause();
-        if (k->yield) sched_yield();
+    if (k->yield) { /* no core to spare: a yielding spin beats a wake-up there */
+        const int64_t t0 = hl_now();
+        while (__atomic_load_n(&k->call_state, __ATOMIC_ACQUIRE) != 3 && hl_now() - t0 < k->spin_ns) {
+            for (int j = 0; j < 64; j++) _mm_pause();
+            sched_yield();
+        }
     }
     pthread_mutex_lock(&k->mu);
     while (k->call_state != 3) pthread_cond_wait(&k->done, &k->mu);
