@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from cpu_expert_server import kernels
 from cpu_expert_server.backend import CpuExpertBackend
 
 
@@ -44,7 +45,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--gap-us", type=float, default=300.0, help="sleep between calls")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--mode", choices=["direct", "kernel thread"], help="(internal) one mode, in this process")
+    p.add_argument("--spin-us", default=str(kernels.KT_SPIN_US),
+                   help="comma list: the kernel thread's idle spin (kernels.KT_SPIN_US), a row each")  # fmt: skip
+    p.add_argument("--mode", help="(internal) one mode, in this process")
     args = p.parse_args()
     h, i, s, k = args.hidden, args.inter, args.experts, args.top_k
     g = torch.Generator().manual_seed(0)
@@ -60,11 +63,14 @@ def main() -> None:
         print("| mode | round | main thread us | second thread us | main thread again us | second / main |")
         print("|---|---|---:|---:|---:|---:|")
         # NOTE: a process per mode: one mode's teams must not exist while the other's rows run
-        for mode in ("direct", "kernel thread"):
+        modes = ["direct"] + [f"kernel thread, spin {u} us" for u in args.spin_us.split(",")]
+        for mode in modes:
             subprocess.run([sys.executable, *sys.argv, "--mode", mode], check=True)
         return
+    if args.mode.startswith("kernel thread, spin "):
+        kernels.KT_SPIN_US = float(args.mode.split()[-2])  # read when the thread starts
     backend = CpuExpertBackend(
-        threads=args.threads, weight_dtype=args.weight_dtype, kernel_thread=args.mode == "kernel thread"
+        threads=args.threads, weight_dtype=args.weight_dtype, kernel_thread=args.mode != "direct"
     )
     p13, p2 = backend.pack_weights(w13, w2)
     rows(args, backend, args.mode, (x, p13, p2, weights))
