@@ -86,7 +86,8 @@ def decode_block(
 # 0.39 ms through the thread without spinning, 0.16-0.20 with the caller spinning too, both
 # yielding). Where cores are spare a caller sleeps at once: spinning beside the kernel's team
 # took a core or a hyperthread's sibling from it (28 threads on a 32-CPU host: 0.98-1.53 ms a
-# bf16 call against 0.67-0.71 ms called directly)
+# bf16 call against 0.67-0.71 ms called directly), and the thread's idle spin (200, 1000 or
+# 3000 us) made no difference there
 KT_SPIN_US = 200
 
 
