@@ -57,6 +57,7 @@ class CpuKernels(Protocol):
 
 
 MAX_TIMEOUT_MS = 600_000
+KT_LINKS = 64  # moe_hostlink.c: the links one kernel thread serves
 KERNELS = {"zero": 0, "qa": 1, "amx": 2, "decode": 3}  # moe_hostlink.c HL_ZERO ...
 ROW, HEAD = 32, 3  # int64 words per layer of a plan, of which the head (kernel, S, counts)
 Weights = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per MoE layer: packed w13, w2
@@ -87,7 +88,10 @@ class HostLink:
         dtype: torch.dtype,
     ) -> None:
         lib = backend.lib
-        kt = kernels.kernel_thread(backend, lib, backend.threads) if lib is not None else None
+        try:
+            kt = kernels.kernel_thread(backend, lib, backend.threads) if lib is not None else None
+        except OSError as e:  # the thread could not start
+            raise Incompatible(f"the host link needs the CPU kernels' thread: {e}") from e
         if lib is None or kt is None:
             raise Incompatible("the CPU kernels are not built here: the host link needs their C poller")
         for what, area, need in (
@@ -125,7 +129,7 @@ class HostLink:
         self._kt = kt  # NOTE: the backend's kernel thread runs our steps: it outlives us
         self._h: int | None = lib.hl_open(args.ctypes.data)
         if not self._h:
-            raise Incompatible("the kernel thread serves as many host links as it can already")
+            raise Incompatible(f"the kernel thread serves {KT_LINKS} host links already, its most")
         self._areas = (request, answer)  # NOTE: the thread reads and writes them until close
         self._lock = threading.RLock()  # launch / collect / close
         self._handle = threading.Lock()  # cancel against close (the handle is freed there)
