@@ -170,6 +170,7 @@ static void hl_layer(HostLink *h) {
 /* one look at a running step: 1 a layer ran, 2 the step ended (every layer answered, or its
  * wait was cancelled or timed out), 0 nothing yet */
 static int hl_poll(HostLink *h) {
+    if (h->layer >= h->layers) return 2; /* a step of no layers */
     if (__atomic_load_n(h->req_flag, __ATOMIC_ACQUIRE) == h->step * HL_STEP_SPAN + h->layer + 1) {
         hl_layer(h);
         return h->layer == h->layers ? 2 : 1;
