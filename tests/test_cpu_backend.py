@@ -842,5 +842,6 @@ def test_kernels_start_from_one_thread_whichever_thread_calls():
     which throttle each other once they outnumber the CPUs (benchmarks/bench_omp_teams.py)."""
     if kernels.load() is None:
         pytest.fail("the C kernel did not build on a machine with a C compiler (see the log)")
-    assert _threads_started_by_kernels(True) == 2
-    assert _threads_started_by_kernels(False) == 3
+    # NOTE: the fewest of two tries: a thread another test left running may start one meanwhile
+    assert min(_threads_started_by_kernels(True) for _ in range(2)) == 2
+    assert min(_threads_started_by_kernels(False) for _ in range(2)) == 3
