@@ -27,6 +27,7 @@ dtype is reused, and each row's CPU share is a subset of the row before, so noth
 - ``local25_int4`` / ``local50_int4`` / ``local75_int4``: ``--num-gpu-experts`` = 25/50/75% in
   the coordinator's process (``local``), the rest on that CPU server;
 - ``cpu_bf16``, ``local25_bf16`` ...: the same with bf16 CPU experts;
+- ``cpu_int4row``, ``local50_int4row`` ...: int4 with one scale per row (``--weight-group row``);
 - ``..._nolink`` (e.g. ``cpu_int4_nolink``): the same with the CPU server refusing the host link
   (``EXPERTMESH_LINK=0``): the piecewise path, the baseline of the linked rows;
 - ``gpusrv50_int4``: half on a ``gpu-server`` on the coordinator's GPU (the older hybrid);
@@ -318,7 +319,7 @@ def parse_row(name: str) -> Row:
             raise SystemExit(f"row {name!r}: the delay proxy sits on the TCP data path only")
         return Row(name, None, 1.0, True, transport=r.group(1), delay_us=None if r.group(2) is None else int(r.group(2)),
                    micro_batches=int(r.group(3) or 0))  # fmt: skip
-    m = re.fullmatch(r"(cpu|local(\d+)|gpusrv(\d+))_(int4|int8|bf16)(_nolink)?", name)
+    m = re.fullmatch(r"(cpu|local(\d+)|gpusrv(\d+))_(int4row|int4|int8|bf16)(_nolink)?", name)
     if not m:
         raise SystemExit(f"unknown row {name!r}")
     share = 0.0 if m.group(1) == "cpu" else int(m.group(2) or m.group(3)) / 100
@@ -344,7 +345,9 @@ class Bench:
         a = self.args
         cmd = [*self.cli, "cpu-server", "--model", str(self.ckpt), "--port", "0", "--dtype", "bfloat16",
                "--metrics-port", "0", "--threads", str(a.threads)]  # fmt: skip
-        if dtype != "bf16":
+        if dtype == "int4row":
+            cmd += ["--weight-dtype", "int4", "--weight-group", "row"]
+        elif dtype != "bf16":
             cmd += ["--weight-dtype", dtype]
         t0 = time.monotonic()
         env = None if link else {"EXPERTMESH_LINK": "0"}

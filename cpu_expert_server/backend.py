@@ -31,6 +31,9 @@ import torch.nn.functional as F
 
 from cpu_expert_server import kernels
 from cpu_expert_server.packing import (
+    DEFAULT_GROUP,
+    PER_ROW,
+    QUANT_DTYPES,
     WEIGHT_DTYPES,
     PackedFormat,
     Scratch,
@@ -560,12 +563,24 @@ def _interleaved(
     return blocks[:, 0], blocks[:, 1], w2
 
 
-def make_backend(threads: int | None = None, weight_dtype: str = "bfloat16") -> ExpertBackend:
-    """The CPU expert backend with ``threads`` compute threads (default: torch's)."""
-    backend = CpuExpertBackend(threads, weight_dtype)
+def group_text(weight_dtype: str, group: int | None) -> str:
+    """How a log line names the quantisation group ("" for unquantised weights)."""
+    if weight_dtype not in QUANT_DTYPES:
+        return ""
+    if group is None:
+        return f" (groups of {DEFAULT_GROUP[weight_dtype]})"
+    return " (one scale per row)" if group == PER_ROW else f" (groups of up to {group})"
+
+
+def make_backend(
+    threads: int | None = None, weight_dtype: str = "bfloat16", group: int | None = None
+) -> ExpertBackend:
+    """The CPU expert backend with ``threads`` compute threads (default: torch's); ``group``:
+    the int8/int4 quantisation group (PackedFormat.for_shape)."""
+    backend = CpuExpertBackend(threads, weight_dtype, group=group)
     log.info(
-        "CPU experts: weights %s, %d threads, decode kernel %s (CPU caps %d), prefill %s",
-        weight_dtype, backend.threads, "C" if backend.lib is not None else "torch (fallback)", backend.caps,
+        "CPU experts: weights %s%s, %d threads, decode kernel %s (CPU caps %d), prefill %s",
+        weight_dtype, group_text(weight_dtype, group), backend.threads, "C" if backend.lib is not None else "torch (fallback)", backend.caps,
         "AMX kernel (bf16 servers)" if backend.amx else f"torch GEMM in {backend.gemm_dtype}",
     )  # fmt: skip
     return backend

@@ -11,7 +11,7 @@ from cpu_expert_server import numa
 from cpu_expert_server.backend import make_backend
 from cpu_expert_server.kernels import quantise
 from cpu_expert_server.numa_backend import make_numa_backend
-from cpu_expert_server.packing import QUANT_DTYPES, WEIGHT_DTYPES
+from cpu_expert_server.packing import PER_ROW, QUANT_DTYPES, WEIGHT_DTYPES
 from expertmesh import cores
 from expertmesh.experts import ExpertBackend
 from expertmesh.worker.server import WorkerConfig, serve
@@ -39,6 +39,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="expert weights in memory: bfloat16 = unquantised (kept at --dtype); int8/int4 = "
         "quantised at load with group-wise scales (fewer bytes per token, changes results slightly)",
     )
+    p.add_argument(
+        "--weight-group",
+        type=weight_group_arg,
+        default=None,
+        metavar="N|row",
+        help="int8/int4 quantisation group: a scale per N input features (the largest group <= N "
+        "that divides each width; default 128 for int8, 64 for int4), or row: one scale per row "
+        "(fewer bytes and faster prefill, less accurate where a row holds outliers)",
+    )
+
+
+def weight_group_arg(text: str) -> int:
+    """``--weight-group``: a positive group size, or ``row`` (packing.PER_ROW)."""
+    if text == "row":
+        return PER_ROW
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a group size (64, 128, ...) or 'row', got {text!r}")
+    return int(text)
 
 
 def numa_node_arg(text: str) -> int | str:
@@ -58,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: before make_backend, whose log line says which decode kernel runs (C or the torch
     # fallback); serve() configures the same format again, a no-op then
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.weight_group is not None and args.weight_dtype not in QUANT_DTYPES:
+        print(f"error: --weight-group applies to int8/int4 weights, not {args.weight_dtype}", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
     except ValueError as e:  # a bad flag (or EXPERTMESH_LINK): say which, no traceback
@@ -90,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"NUMA: {numa.describe(numa.read_nodes())}", flush=True)
     if args.threads:
         cores.set_torch_threads(args.threads)  # intra- and inter-op pools
-    return serve(config, make_backend(args.threads, args.weight_dtype))
+    return serve(config, make_backend(args.threads, args.weight_dtype, args.weight_group))
 
 
 def numa_backend_from_args(args: argparse.Namespace, nodes: list[numa.Node]) -> ExpertBackend | None:
@@ -108,4 +129,4 @@ def numa_backend_from_args(args: argparse.Namespace, nodes: list[numa.Node]) -> 
         + "; ".join(f"node {g.node}: {g.threads} threads on CPUs {numa.cpulist(g.cpus)}" for g in groups),
         flush=True,
     )
-    return make_numa_backend(groups, args.weight_dtype)
+    return make_numa_backend(groups, args.weight_dtype, args.weight_group)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from cpu_expert_server import numa, numa_memory
-from cpu_expert_server.backend import CpuExpertBackend
+from cpu_expert_server.backend import CpuExpertBackend, group_text
 from expertmesh.experts import ExpertBackend
 from expertmesh.lora.moe import LoRABatch, MoELoRAWeights
 
@@ -123,12 +123,13 @@ class NumaExpertBackend(ExpertBackend):
         weight_dtype: str = "bfloat16",
         make: Callable[[int], CpuExpertBackend] | None = None,
         mbind_min_bytes: int = MBIND_MIN_BYTES,
+        group: int | None = None,
     ) -> None:
         """``make(threads)``: one group's CPU backend (default: CpuExpertBackend with the group's
-        thread count and ``weight_dtype``); ``mbind_min_bytes``: stacked tensors below it are
-        placed by first touch only (see MBIND_MIN_BYTES)."""
+        thread count, ``weight_dtype`` and quantisation ``group``); ``mbind_min_bytes``: stacked
+        tensors below it are placed by first touch only (see MBIND_MIN_BYTES)."""
         assert len(groups) >= 2, f"one group is the plain backend: {groups=}"
-        make = make or (lambda n: CpuExpertBackend(n, weight_dtype, kernel_thread=False))
+        make = make or (lambda n: CpuExpertBackend(n, weight_dtype, group=group, kernel_thread=False))
         self.groups = groups
         self.inner = [make(g.threads) for g in groups]
         self.weight_dtype = self.inner[0].weight_dtype
@@ -294,12 +295,14 @@ def _lora_run(lora: LoRABatch, a: int, b: int) -> LoRABatch:
     )
 
 
-def make_numa_backend(groups: list[numa.NodeGroup], weight_dtype: str = "bfloat16") -> NumaExpertBackend:
-    backend = NumaExpertBackend(groups, weight_dtype)
+def make_numa_backend(
+    groups: list[numa.NodeGroup], weight_dtype: str = "bfloat16", group: int | None = None
+) -> NumaExpertBackend:
+    backend = NumaExpertBackend(groups, weight_dtype, group=group)
     b0 = backend.inner[0]
     log.info(
-        "CPU experts over %d NUMA nodes: weights %s, %s; decode kernel %s, prefill %s",
-        len(groups), weight_dtype,
+        "CPU experts over %d NUMA nodes: weights %s%s, %s; decode kernel %s, prefill %s",
+        len(groups), weight_dtype, group_text(weight_dtype, group),
         "; ".join(f"node {g.node}: {g.threads} threads on CPUs {numa.cpulist(g.cpus)}" for g in groups),
         "C" if b0.lib is not None else "torch (fallback)",
         "AMX kernel (bf16 servers)" if b0.amx else f"torch GEMM in {b0.gemm_dtype}",

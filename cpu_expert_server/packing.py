@@ -41,6 +41,10 @@ QUANT_DTYPES = ("int8", "int4")
 WEIGHT_DTYPES = ("bfloat16", *QUANT_DTYPES)
 # int8 needs fewer scales for the same error; int4 needs small groups (llama.cpp's Q4_0 uses 32)
 DEFAULT_GROUP = {"int8": 128, "int4": 64}
+# a group of 0: one scale per row (the whole input width; KTransformers' AMXINT4 and AMXINT8 are
+# per row). Fewer scale bytes and the prefill kernel folds its integer sums once per row instead
+# of once per group, at the cost of accuracy where a row holds outliers.
+PER_ROW = 0
 QMAX = {"int8": 127, "int4": 7}
 
 
@@ -79,16 +83,18 @@ class PackedFormat:
 
     @classmethod
     def for_shape(cls, wdtype: str, hidden: int, inter: int, group: int | None = None) -> PackedFormat:
+        """``group``: None = the dtype's default, :data:`PER_ROW` = one scale per row, else the
+        largest group <= it that divides each width."""
         if wdtype not in QUANT_DTYPES:
             return cls(wdtype, hidden, inter, pick_block(inter), 1, 1)
-        g = group or DEFAULT_GROUP[wdtype]
+        g = DEFAULT_GROUP[wdtype] if group is None else group
         return cls(
             wdtype,
             hidden,
             inter,
             pick_block(inter),
-            pick_group(hidden, g, wdtype),
-            pick_group(inter, g, wdtype),
+            pick_group(hidden, g or hidden, wdtype),
+            pick_group(inter, g or inter, wdtype),
         )
 
     @property

@@ -32,6 +32,7 @@ from cpu_expert_server.backend import (
     make_backend,
 )
 from cpu_expert_server.packing import (
+    PER_ROW,
     QMAX,
     PackedFormat,
     dequantize_rows,
@@ -845,3 +846,40 @@ def test_kernels_start_from_one_thread_whichever_thread_calls():
     # NOTE: the fewest of two tries: a thread another test left running may start one meanwhile
     assert min(_threads_started_by_kernels(True) for _ in range(2)) == 2
     assert min(_threads_started_by_kernels(False) for _ in range(2)) == 3
+
+
+def test_per_row_group_is_each_width():
+    """--weight-group row: one scale per row of each matrix, whatever its width; None keeps the
+    dtype's default, a number the largest group <= it that divides the width."""
+    row, default = (
+        PackedFormat.for_shape("int4", 2048, 768, PER_ROW),
+        PackedFormat.for_shape("int4", 2048, 768),
+    )
+    assert (row.g13, row.g2) == (2048, 768) and (default.g13, default.g2) == (64, 64)
+    assert PackedFormat.for_shape("int8", 2048, 1408, 100).g2 == 88  # 1408 = 16 * 88
+    assert PackedFormat.for_shape("bfloat16", 2048, 768, PER_ROW).g13 == 1
+
+
+@pytest.mark.parametrize(
+    "isa", ["avx2", pytest.param("vnni", marks=DEVICE_HOST), pytest.param("amx", marks=DEVICE_HOST)]
+)
+@pytest.mark.parametrize("wdtype", ["int8", "int4"])
+@pytest.mark.parametrize("t", [1, 7, 40])
+def test_per_row_scales_match_quantised_activation_reference(isa, wdtype, t):
+    """One scale per row (widths 256 and 192: one group of each, tiled) through the decode
+    kernel's integer dots and, with AMX, the int8 tiles, which fold their integer sums once per
+    row: equal to the reference that quantises activations per token over the whole row."""
+    h, i = 256, 192  # noqa: E741
+    x, w13, w2, slot_ids, weights = inputs(t, torch.float32, seed=500 + t, h=h, i=i)
+    b = CpuExpertBackend(threads=2, weight_dtype=wdtype, group=PER_ROW, caps=caps_of(isa))
+    p13, p2 = b.pack_weights(w13, w2)
+    assert b.fmt is not None and (b.fmt.g13, b.fmt.g2) == (h, i)
+    if isa == "amx":
+        assert b.amx
+        b.gemv_max_tokens = 0  # the tiles for every call
+    else:
+        b.gemv_max_tokens = 10**9  # the integer dots at every t (past the limit: float GEMMs)
+    out = b.forward(x, p13, p2, slot_ids, weights)
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    ref = qact_reference(x, d13, d2, slot_ids, weights, h, i)
+    assert rel(out, ref) < 1e-3, rel(out, ref)

@@ -387,6 +387,36 @@ def test_cpu_server_numa_node_all(monkeypatch):
         b.close()
 
 
+def test_cpu_server_weight_group(monkeypatch, capsys):
+    """``--weight-group N|row`` parses, reaches every node's backend, and is refused with
+    unquantised weights before anything loads."""
+    import argparse
+
+    from cpu_expert_server import main
+    from cpu_expert_server.packing import PER_ROW
+
+    p = argparse.ArgumentParser()
+    main.add_arguments(p)
+    assert p.parse_args(["--model", "m"]).weight_group is None
+    assert p.parse_args(["--model", "m", "--weight-group", "128"]).weight_group == 128
+    for bad in ("0", "-64", "rows"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--model", "m", "--weight-group", bad])
+    args = p.parse_args(["--model", "m", "--weight-group", "row"])
+    assert args.weight_group == PER_ROW and args.weight_dtype == "bfloat16"
+    assert main.run(args) == 2
+    assert "--weight-group applies to int8/int4 weights" in capsys.readouterr().err
+    args = p.parse_args(
+        ["--model", "m", "--weight-dtype", "int4", "--weight-group", "row", "--numa-node", "all"]
+    )
+    monkeypatch.setattr(main.cores, "set_torch_threads", lambda n: None)
+    b = main.numa_backend_from_args(args, fake_nodes())
+    try:
+        assert [g.group for g in b.inner] == [PER_ROW, PER_ROW]
+    finally:
+        b.close()
+
+
 def test_kernel_teams_inherit_their_group_pin():
     """The OpenMP teams the groups' kernels start (C decode at T=1, torch GEMMs at T=96) run on
     their group's CPUs only: no thread started by a forward may run on the other node."""
