@@ -326,6 +326,25 @@ def test_amx_tile_logic_emulated(emulated_amx, wdtype, t):
     check_amx(b, wdtype, t)
 
 
+@pytest.mark.parametrize("group", [64, PER_ROW])
+def test_amx_int4_unpack_per_step_equals_per_block(emulated_amx, group):
+    """int4 blocks unpacked one k step at a time into an L1 buffer (the default) give the integer
+    sums of the whole block unpacked first (AMX_U4_FUSED=0), so the outputs are equal bit for bit."""
+    whole = kernels.load(("EXPERTMESH_AMX_EMULATE", "AMX_U4_FUSED=0"))
+    assert whole is not None
+    x, w13, w2, slot_ids, weights = inputs(120, torch.bfloat16, seed=77, h=256, i=192)
+    out = []
+    for lib in (emulated_amx, whole):
+        b = CpuExpertBackend(threads=2, weight_dtype="int4", group=group, caps=caps_of("avx2"))
+        b.lib, b.caps, b.amx, b.gemv_max_tokens = lib, b.caps | kernels.CAPS["amx"][0], True, 0
+        p13, p2 = b.pack_weights(w13, w2)
+        out.append(b.forward(x, p13, p2, slot_ids, weights))
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    ref = qact_reference(x.float(), d13, d2, slot_ids, weights, b.fmt.g13, b.fmt.g2)
+    assert rel(out[0], ref) < 1e-2, rel(out[0], ref)
+    assert torch.equal(out[0], out[1])
+
+
 def test_amx_uneven_threads_emulated(emulated_amx):
     """More threads than blocks, and H not a multiple of the threads' row ranges."""
     x, w13, w2, slot_ids, weights = inputs(37, torch.bfloat16, seed=401, h=96, i=32)

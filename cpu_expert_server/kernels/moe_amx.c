@@ -164,7 +164,32 @@ typedef struct {
     long sa, kstep;
     const float *s[2];
     long sg, sr;
+    /* tiled int4 blocks unpacked step by step (AMX_U4_FUSED): rows 16h .. 16h + 15's packed k
+     * step ks at u4[h] + ks * 512, unpacked into ub (4 KiB: two steps of the two A tiles) just
+     * before its tile loads; NULL: a[] already holds what the tiles read */
+    const uint8_t *u4[2];
+    uint8_t *ub;
 } ARows;
+
+/* AMX_U4_FUSED 1: a tiled int4 block is unpacked one k step at a time into a 4 KiB buffer that
+ * stays in L1, right before the step's tile loads; 0: the whole block (32 rows x C: 64 KiB at
+ * C = 2048, in L2) is unpacked before its first step and the tiles read it back from L2 */
+#ifndef AMX_U4_FUSED
+#define AMX_U4_FUSED 1
+#endif
+
+/* One packed int4 k step of 16 tiled rows (16 x 32 bytes: the low nibble of byte j is feature j,
+ * the high nibble feature j + 32) -> the A tile's 16 rows x 64 nibbles 0..15 (tiles_unpack_u4's
+ * order, moe_qdot.c) */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void unpack_u4_step(const uint8_t *src,
+                                                                                     uint8_t *dst) {
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    for (int r = 0; r < 16; r++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * r));
+        _mm256_store_si256((__m256i *)(dst + 64 * r), _mm256_and_si256(v, lo4));
+        _mm256_store_si256((__m256i *)(dst + 64 * r + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4));
+    }
+}
 
 /* One block: C tiles 0..3 = A (the 32 rows of ar: a0 = rows 0-15, a1 = rows 16-31) x B(b0, b1; 1 KiB
  * per k step), k steps [k0, k1), C tiles stored to c (4 x 16 x 16: a0 x b0, a1 x b0, a0 x b1,
@@ -190,9 +215,24 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps
     TILE_ZERO(3);
     COMPILER_FENCE();
     for (int ks = k0; ks < k1; ks++) {
-        prefetch_part(pf, a0, a1, sa, kstep, ks, ksteps);
-        TILE_LOAD(4, a0 + (size_t)ks * kstep, sa);
-        TILE_LOAD(5, a1 + (size_t)ks * kstep, sa);
+#if AMX_DIAG < 2
+        if (kind == TILES_U8 && ar->u4[0]) {
+            /* the packed rows: 16 rows x 32 bytes per step, contiguous */
+            prefetch_part(pf, ar->u4[0], ar->u4[1], 32, 512, ks, ksteps);
+            uint8_t *u = ar->ub + (size_t)(ks & 1) * 2048; /* two buffers: step ks + 1 is written
+                                                              while step ks's loads may still read */
+            unpack_u4_step(ar->u4[0] + (size_t)ks * 512, u);
+            unpack_u4_step(ar->u4[1] + (size_t)ks * 512, u + 1024);
+            COMPILER_FENCE();
+            TILE_LOAD(4, u, 64);
+            TILE_LOAD(5, u + 1024, 64);
+        } else
+#endif
+        {
+            prefetch_part(pf, a0, a1, sa, kstep, ks, ksteps);
+            TILE_LOAD(4, a0 + (size_t)ks * kstep, sa);
+            TILE_LOAD(5, a1 + (size_t)ks * kstep, sa);
+        }
 #if AMX_DIAG == 3
         TILE_LOAD(6, b0 + (size_t)k0 * 256, 64);
         if (two) TILE_LOAD(7, b1 + (size_t)k0 * 256, 64);

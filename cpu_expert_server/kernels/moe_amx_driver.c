@@ -82,7 +82,7 @@ typedef struct {
     int32_t *cb;       /* [1024] int tiles of one group */
     float *tmp;        /* [max(H, I)] */
     uint16_t *wq;      /* [32, max(H, I)] quantised rows as bf16 (bf16 tiles only) */
-    uint8_t *nib;      /* [32, max(H, I)] int4 nibbles */
+    uint8_t *nib;      /* [32, max(H, I)] int4 nibbles (fused unpack: its first 4 KiB) */
 } Scratch;
 
 static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
@@ -92,7 +92,8 @@ static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
     sc->cb = aligned_alloc(64, sizeof(int32_t) * 1024);
     sc->tmp = malloc(sizeof(float) * cmax);
     sc->wq = cl->kind == TILES_BF16 && quant ? malloc(sizeof(uint16_t) * 32 * cmax) : NULL;
-    sc->nib = cl->kind == TILES_U8 ? malloc(32 * cmax) : NULL;
+    /* 32 rows of nibbles, and at least the 4 KiB a fused unpack uses */
+    sc->nib = cl->kind == TILES_U8 ? aligned_alloc(64, 32 * cmax > 4096 ? 32 * cmax : 4096) : NULL;
 }
 
 static void scratch_free(Scratch *sc) { free(sc->c), free(sc->cb), free(sc->tmp), free(sc->wq), free(sc->nib); }
@@ -101,7 +102,7 @@ static void scratch_free(Scratch *sc) { free(sc->c), free(sc->cb), free(sc->tmp)
  * bf16-dequantised / int4-unpacked into this thread's scratch) and their int8 group scales */
 __attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const uint8_t *base, long rowbytes,
                                                         int c, int g, Scratch *sc) {
-    ARows ar = {{base, base + 16 * rowbytes}, rowbytes, 64, {NULL, NULL}, 1, 0};
+    ARows ar = {{base, base + 16 * rowbytes}, rowbytes, 64, {NULL, NULL}, 1, 0, {NULL, NULL}, NULL};
     if (cl->kind == TILES_BF16) {
         if (cl->wdtype != 0) {
             rows_to_bf16(base, rowbytes, 32, c, cl->wdtype, g, sc->tmp, sc->wq);
@@ -116,7 +117,9 @@ __attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const
          * block's weights as [groups][16] */
         ar.sa = 64, ar.kstep = 1024, ar.sg = 16, ar.sr = 1;
         ar.s[0] = (const float *)(base + 16 * body), ar.s[1] = (const float *)(base + 16 * rowbytes + 16 * body);
-        if (cl->kind == TILES_U8) {
+        if (cl->kind == TILES_U8 && AMX_U4_FUSED) {
+            ar.u4[0] = base, ar.u4[1] = base + 16 * rowbytes, ar.ub = sc->nib;
+        } else if (cl->kind == TILES_U8) {
             tiles_unpack_u4(base, rowbytes, 32, c, sc->nib);
             ar.a[0] = sc->nib, ar.a[1] = sc->nib + (size_t)16 * c;
         }
