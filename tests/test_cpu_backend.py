@@ -345,6 +345,22 @@ def test_amx_int4_unpack_per_step_equals_per_block(emulated_amx, group):
     assert torch.equal(out[0], out[1])
 
 
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8", "int4"])
+def test_amx_forward_into_keeps_buffers_and_equals_forward(emulated_amx, wdtype):
+    """The server's AMX call (bf16 in and out, int32 ids; conversions on the call's threads, its
+    scratch kept per thread across calls) writes forward()'s result bit for bit, call after call,
+    as the kept buffers grow (40 then 120 tokens) and are reused (40 again)."""
+    x, w13, w2, slot_ids, weights = inputs(120, torch.bfloat16, seed=91, h=128, i=64)
+    b = CpuExpertBackend(threads=3, weight_dtype=wdtype, group=64, caps=caps_of("avx2"))
+    b.lib, b.caps, b.amx, b.gemv_max_tokens = emulated_amx, b.caps | kernels.CAPS["amx"][0], True, 0
+    p13, p2 = b.pack_weights(w13, w2)
+    for t in (40, 120, 40):
+        want = b.forward(x[:t], p13, p2, slot_ids[:t], weights[:t])
+        out = torch.full((t, 128), 7.0, dtype=torch.bfloat16)
+        assert b.forward_into(x[:t], p13, p2, slot_ids[:t].to(torch.int32), weights[:t], out)
+        assert torch.equal(out, want), t
+
+
 def test_amx_uneven_threads_emulated(emulated_amx):
     """More threads than blocks, and H not a multiple of the threads' row ranges."""
     x, w13, w2, slot_ids, weights = inputs(37, torch.bfloat16, seed=401, h=96, i=32)

@@ -49,13 +49,13 @@ static inline int tile_first(const TilePlan *p, int tl, int *n) {
 }
 
 /* B tiles of one side (bf16: a k step = 16 pairs; int8: 16 quads, plus group scales) */
-static void btiles_alloc(QTiles *q, int kind, int ntiles, int c, int g) {
+static void btiles_alloc(QTiles *q, int kind, int use, int ntiles, int c, int g) {
     if (kind == TILES_BF16) {
         memset(q, 0, sizeof *q);
         q->ksteps = c / 32, q->groups = 1;
-        q->b = malloc(((size_t)ntiles * q->ksteps * 256 + 1) * 4);
+        q->mem = q->b = kept_buffer(use, ((size_t)ntiles * q->ksteps * 256 + 16) * 4, &q->owned);
     } else {
-        qtiles_alloc(q, ntiles, c, g);
+        qtiles_alloc(q, use, ntiles, c, g);
     }
 }
 
@@ -245,24 +245,8 @@ static long take(Cursor *cur, int n, int id, int *v) {
     }
 }
 
-/* fp32 [n pairs, H] pair buffer, kept per calling thread across calls up to AMX_PB_KEEP floats
- * (glibc maps a fresh 32 MB block, Qwen3 widths at T = 512, on every call, and its pages would
- * fault in every time); a larger one is the call's own (*owned = 1: the caller frees it) */
-#ifndef AMX_PB_KEEP
-#define AMX_PB_KEEP (1L << 24) /* 64 MiB */
-#endif
-static float *pair_buffer(size_t floats, int *owned) {
-    static __thread float *buf;
-    static __thread size_t cap;
-    *owned = floats > (size_t)AMX_PB_KEEP;
-    if (*owned) return malloc(sizeof(float) * floats);
-    if (floats > cap) {
-        free(buf);
-        buf = malloc(sizeof(float) * floats);
-        cap = buf ? floats : 0;
-    }
-    return buf;
-}
+/* fp32 [n pairs, H] pair buffer, kept per calling thread (kept_buffer) */
+static float *pair_buffer(size_t floats, int *owned) { return kept_buffer(KEEP_PB, sizeof(float) * floats, owned); }
 
 /* phase 1, block it = (active expert a, features b*16 .. b*16 + 15) */
 __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long it, Scratch *sc) {
@@ -390,8 +374,8 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     const int h_ = cl->h, i_ = cl->i, kind = cl->kind, qk = kind != TILES_BF16;
     const int bias = kind == TILES_U8 ? 8 : 0, ng13 = h_ / cl->g13;
     QTiles bx, ba; /* B tiles of phase 1 (over H) and phase 2 (over I) */
-    btiles_alloc(&bx, kind, pl.ntiles, h_, cl->g13);
-    btiles_alloc(&ba, kind, pl.ntiles, i_, cl->g2);
+    btiles_alloc(&bx, kind, KEEP_BX, pl.ntiles, h_, cl->g13);
+    btiles_alloc(&ba, kind, KEEP_BA, pl.ntiles, i_, cl->g2);
     /* each token converted once (bf16, or int8 with group scales), then copied to its tiles */
     uint16_t *xh = qk ? NULL : malloc(sizeof(uint16_t) * ((size_t)t_ * h_ + 1));
     int8_t *xq = qk ? malloc((size_t)t_ * h_ + 1) : NULL;
@@ -580,28 +564,40 @@ int moe_amx_q(const float *x, const int64_t *slot_ids, const float *weights, int
 int moe_amx_a(const int64_t *a) {
     const int t_ = (int)a[5], k_ = (int)a[6], h_ = (int)a[12], i_ = (int)a[13], n = t_ * k_;
     const size_t th = (size_t)(t_ > 0 ? t_ : 1) * (size_t)h_;
+    /* the conversions in and out run on the call's threads once there are enough rows: on one
+     * thread they were milliseconds of a prefill call (4M elements each way at T = 512) */
+    const int nt = (int)a[20], par = t_ >= 16 && nt > 1;
     float *x32 = NULL, *o32 = NULL, *act = NULL;
+    int own_x = 0, own_o = 0, own_a = 0;
     const float *x = (const float *)a[0];
     if (a[1]) {
-        x32 = malloc(sizeof(float) * th);
-        row_to_f32((const uint8_t *)a[0], 0, t_ * h_, 1, x32); /* bf16 -> fp32, exact */
+        x32 = kept_buffer(KEEP_X32, sizeof(float) * th, &own_x);
+#pragma omp parallel for num_threads(nt) schedule(static) if (par)
+        for (int t = 0; t < t_; t++) /* bf16 -> fp32, exact */
+            row_to_f32((const uint8_t *)a[0] + (size_t)t * h_ * 2, 0, h_, 1, x32 + (size_t)t * h_);
         x = x32;
     }
     int64_t *wide = a[3] ? widen_ids((const int32_t *)a[2], n) : NULL;
     const int64_t *ids = wide ? wide : (const int64_t *)a[2];
-    float *out = a[19] ? (o32 = malloc(sizeof(float) * th)) : (float *)a[18];
+    float *out = a[19] ? (o32 = kept_buffer(KEEP_O32, sizeof(float) * th, &own_o)) : (float *)a[18];
     const uint8_t *w13 = (const uint8_t *)a[8], *w2 = (const uint8_t *)a[10];
     int rc;
     if (a[21]) {
-        act = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * (size_t)i_);
+        act = kept_buffer(KEEP_ACT, sizeof(float) * (size_t)(n > 0 ? n : 1) * (size_t)i_, &own_a);
         rc = moe_amx_q(x, ids, (const float *)a[4], t_, k_, (int)a[7], w13, (long)a[9], w2, (long)a[11], h_, i_,
-                       (int)a[14], (int)a[15], (int)a[16], (int)a[17], act, out, (int)a[20]);
+                       (int)a[14], (int)a[15], (int)a[16], (int)a[17], act, out, nt);
     } else {
         rc = moe_amx(x, ids, (const float *)a[4], t_, k_, (int)a[7], w13, (long)a[9], w2, (long)a[11], h_, i_,
-                     (int)a[14], (int)a[15], (int)a[16], (int)a[17], out, (int)a[20]);
+                     (int)a[14], (int)a[15], (int)a[16], (int)a[17], out, nt);
     }
-    if (rc == 0 && a[19])
-        for (size_t j = 0; j < (size_t)t_ * h_; j++) ((uint16_t *)a[18])[j] = to_bf16(o32[j]);
-    free(x32), free(o32), free(act), free(wide);
+    if (rc == 0 && a[19]) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (par)
+        for (int t = 0; t < t_; t++)
+            for (size_t j = (size_t)t * h_; j < (size_t)(t + 1) * h_; j++) ((uint16_t *)a[18])[j] = to_bf16(o32[j]);
+    }
+    if (own_x) free(x32);
+    if (own_o) free(o32);
+    if (own_a) free(act);
+    free(wide);
     return rc;
 }

@@ -17,19 +17,49 @@ typedef struct {
     float *ts;   /* [tiles][groups][16] */
     int32_t *tc; /* [tiles][groups][16] */
     int ksteps, groups;
+    void *mem; /* what b, ts, tc are carved from: a kept buffer (kept_buffer), or owned when set */
+    int owned;
 } QTiles;
 
-/* NOTE: not zeroed (the gathers write every token slot, padding included): glibc serves repeated
- * large allocations from the heap once one was freed, and calloc then clears tens of MB on one
- * thread (2.6 ms of a 24 ms call, Qwen3 widths T=512) */
-static void qtiles_alloc(QTiles *q, int ntiles, int c, int g) {
-    q->ksteps = c / 64, q->groups = c / g;
-    q->b = malloc(((size_t)ntiles * q->ksteps * 256 + 1) * 4);
-    q->ts = malloc(((size_t)ntiles * q->groups * 16 + 1) * 4);
-    q->tc = malloc(((size_t)ntiles * q->groups * 16 + 1) * 4);
+/* Buffers kept per calling thread across calls, one per use (KEEP_*), each up to AMX_KEEP_MAX
+ * bytes: a prefill call's scratch is tens of MB (Qwen3 widths at T = 512: 33 MB of pair results,
+ * 13 MB of intermediates, 13 MB of token tiles), which glibc maps fresh on many calls, so its
+ * pages fault in again, one thread at a time, every call. A larger one is the call's own (*owned:
+ * the caller frees it). AMX_KEEP 0 allocates every call (benchmark builds). */
+#ifndef AMX_KEEP
+#define AMX_KEEP 1
+#endif
+#ifndef AMX_KEEP_MAX
+#define AMX_KEEP_MAX (64L << 20)
+#endif
+enum { KEEP_PB, KEEP_ACT, KEEP_BX, KEEP_BA, KEEP_X32, KEEP_O32, KEEP_N };
+static void *kept_buffer(int use, size_t bytes, int *owned) {
+    static __thread void *buf[KEEP_N];
+    static __thread size_t cap[KEEP_N];
+    bytes = (bytes + 63) & ~(size_t)63;
+    *owned = !AMX_KEEP || bytes > (size_t)AMX_KEEP_MAX;
+    if (*owned) return aligned_alloc(64, bytes ? bytes : 64);
+    if (bytes > cap[use]) {
+        free(buf[use]);
+        buf[use] = aligned_alloc(64, bytes);
+        cap[use] = buf[use] ? bytes : 0;
+    }
+    return buf[use];
 }
 
-static void qtiles_free(QTiles *q) { free(q->b), free(q->ts), free(q->tc); }
+/* NOTE: not zeroed (the gathers write every token slot, padding included): calloc would clear
+ * tens of MB on one thread (2.6 ms of a 24 ms call, Qwen3 widths T=512) */
+static void qtiles_alloc(QTiles *q, int use, int ntiles, int c, int g) {
+    q->ksteps = c / 64, q->groups = c / g;
+    const size_t nb = ((size_t)ntiles * q->ksteps * 256 + 16) * 4, ns = ((size_t)ntiles * q->groups * 16 + 16) * 4;
+    uint8_t *m = kept_buffer(use, nb + 2 * ns, &q->owned);
+    q->mem = m;
+    q->b = (uint32_t *)m, q->ts = (float *)(m + nb), q->tc = (int32_t *)(m + nb + ns);
+}
+
+static void qtiles_free(QTiles *q) {
+    if (q->owned) free(q->mem);
+}
 
 /* token slot j of tile tl: the group scales and integer corrections of one quantised activation
  * row (sc / cs [c/g] from quant_act; its int8 values go in with btiles_fill) */
