@@ -69,11 +69,25 @@ def padded(p: torch.Tensor) -> torch.Tensor:
     return buf[:, :, : p.shape[2]]
 
 
+CALL = "forward"  # --call
+
+
 def runner(
     b: CpuExpertBackend, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routes: list
 ) -> Callable:
-    """forward on the r-th of the 16 routes, for timeit"""
-    return lambda r: b.forward(x, w13, w2, *routes[r % 16])
+    """The r-th of the 16 routes, for timeit: --call forward (fp32 in and out around the kernel,
+    converted by torch), or --call server (the CPU server's own call, forward_into: bf16 hidden
+    states and answer, int32 ids as the wire brings them, conversions in the kernel)"""
+    if CALL == "forward":
+        return lambda r: b.forward(x, w13, w2, *routes[r % 16])
+    wire = [(ids.to(torch.int32), w.float()) for ids, w in routes]
+    out = torch.empty_like(x)
+
+    def serve(r: int) -> torch.Tensor:
+        assert b.forward_into(x, w13, w2, *wire[r % 16], out), "forward_into declined the call"
+        return out
+
+    return serve
 
 
 def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) -> list[dict]:
@@ -118,10 +132,11 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
                         continue
                     b.lib = prof
                     stages = (ctypes.c_double * len(STAGES))()
-                    timeit(runner(b, x, p13, p2, routes), 1, 0.0)
+                    run = runner(b, x, p13, p2, routes)
+                    timeit(run, 1, 0.0)
                     prof.moe_amx_profile(stages)  # drop the warm-up
                     for r in range(args.reps):
-                        b.forward(x, p13, p2, *routes[r % 16])
+                        run(r)
                     prof.moe_amx_profile(stages)
                     stage_ms[n] = {s: round(v * 1e3 / args.reps, 3) for s, v in zip(STAGES, stages)}
                 floor_bw = active * per_expert / (info["read_GBps"] * 1e9)
@@ -158,8 +173,13 @@ def main() -> None:
         "--flush", action="store_true", help="read twice the L3 before each timed call (bench_cpu_experts)"
     )
     p.add_argument("--pad", action="store_true", help="also time bf16 rows at a stride one cache line longer")
+    p.add_argument(
+        "--call", choices=("forward", "server"), default="forward", help="what a timed call runs (runner)"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    global CALL
+    CALL = args.call
     if args.threads:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
