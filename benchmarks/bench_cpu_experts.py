@@ -254,6 +254,17 @@ def torch_gemv(h: int, i: int, e: int, k: int) -> dict:
     return out
 
 
+def random_routes(
+    e: int, k: int, t: int, g: torch.Generator, n: int = 16
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` routings of ``t`` tokens, each a uniform top-``k`` of ``e`` experts (int64 ids [T, K])
+    with random weights [T, K]: a fresh one per timed repetition, as a real layer's calls."""
+    return [
+        (torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]), torch.rand(t, k, generator=g))
+        for _ in range(n)
+    ]
+
+
 def bench_model(
     name: str,
     tokens: list[int],
@@ -277,13 +288,7 @@ def bench_model(
         print(json.dumps({"model": name, "weights": wd, "dot": b.dot_kind(), "amx": b.amx}), flush=True)
     rows = []
     for t in tokens:
-        routes = [
-            (
-                torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]),
-                torch.rand(t, k, generator=g),
-            )
-            for _ in range(16)
-        ]
+        routes = random_routes(e, k, t, g)
         x = torch.randn(t, h, generator=g).bfloat16()
         # routes[-1 % 16] would be a real one: rep -1 (--warm-code's untimed call) gets no expert
         none = (torch.full((t, k), -1, dtype=torch.int64), torch.zeros(t, k))

@@ -177,13 +177,7 @@ def bench(
                 layers[m] = ("kt", layer, None, None, per + 4 * (2 * i + h))
     rows = []
     for t in tokens:
-        routes = [
-            (
-                torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]),
-                torch.rand(t, k, generator=g),
-            )
-            for _ in range(16)
-        ]
+        routes = bce.random_routes(e, k, t, g)
         x = torch.randn(t, h, generator=g).bfloat16()
         ref = TorchExpertBackend().forward(x, w13, down, *routes[0]).float()
         n_active = sum(len(torch.unique(r[0])) for r in routes) / len(routes)
