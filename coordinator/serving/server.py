@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -42,7 +43,6 @@ from coordinator.model.kv_cache import KVCacheSpec
 from coordinator.model.loader import load_model
 from coordinator.serving import eplb_admin
 from coordinator.serving.chat import ChatTemplate
-from coordinator.serving.http.server import HttpServer, start_http
 from coordinator.serving.metrics import CoordinatorMetrics
 from coordinator.serving.outputs import error_status
 from coordinator.serving.requests import (
@@ -67,6 +67,9 @@ from expertmesh.errors import ExpertMeshError
 from expertmesh.health import LIVENESS
 from expertmesh.net import grpc_options
 from expertmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from coordinator.serving.http.server import HttpServer
 
 __all__ = ["DTYPES", "CoordinatorConfig", "CoordinatorServer", "create_server", "parse_size"]
 
@@ -429,6 +432,10 @@ class CoordinatorServer(grpc.aio.Server):
         self.scheduler.start()
         await self.server.start()
         if self.config.http_port is not None:
+            # NOTE: imported here: the HTTP stack (FastAPI, Starlette, pydantic, uvicorn) is a
+            # quarter of the serving imports, which a coordinator without HTTP need not wait for
+            from coordinator.serving.http.server import start_http
+
             self.http = await start_http(self, self.config.host, self.config.http_port)
         if self.cluster is not None:
             self._watch = asyncio.create_task(self._watch_experts(self.cluster))
