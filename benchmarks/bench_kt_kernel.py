@@ -71,9 +71,9 @@ DEFAULT_METHODS = "em-int4,em-int4-row,em-int8,kt-AMXINT4,kt-AMXINT8"
 
 class ThreadedFlush:
     """The cache flush before each timed call, read by a few plain threads that block when done.
-    torch's own reduction would leave its OpenMP team spinning for milliseconds after the read,
-    on the cores kt-kernel pins its workers to (a kt-kernel call then waits for a descheduled
-    worker: ~12 ms whatever its size, measured); ``sum()`` as bench_cpu_experts calls it."""
+    After torch's own reduction as the flush, every kt-kernel call took ~12 ms whatever its size
+    (measured; by our reading torch's OpenMP team spins on after the read and kt-kernel's workers,
+    bound to cores, wait for those cores); ``sum()`` as bench_cpu_experts calls it."""
 
     def __init__(self, nbytes: int, threads: int = 8) -> None:
         self.chunks = np.array_split(np.ones(nbytes // 4, dtype=np.float32), threads)
