@@ -182,12 +182,14 @@ def bench(
         ref = TorchExpertBackend().forward(x, w13, down, *routes[0]).float()
         n_active = sum(len(torch.unique(r[0])) for r in routes) / len(routes)
         none = (torch.full((t, k), -1, dtype=torch.int64), torch.zeros(t, k))
+        # the routing as each side takes it: the wire's int32 ids (expertmesh), int64 (kt-kernel)
+        wire = [(ids.to(torch.int32), w.float()) for ids, w in routes]
+        wire_none = (none[0].to(torch.int32), none[1])
+        kt_routes = [(ids.contiguous(), w.float().contiguous()) for ids, w in routes]
         fns = []
         for m in methods:
             kind, obj, a, c, _ = layers[m]
             if kind == "em":
-                wire = [(ids.to(torch.int32), w.float()) for ids, w in routes]
-                wire_none = (none[0].to(torch.int32), none[1])
                 fns.append(
                     bce.call_of(
                         obj,
@@ -200,7 +202,6 @@ def bench(
                 )
             else:
                 out = torch.zeros(t, h, dtype=torch.bfloat16)
-                kt_routes = [(ids.contiguous(), w.float().contiguous()) for ids, w in routes]
                 fns.append(
                     lambda r, layer=obj, rs=kt_routes, out=out, x=x, none=none: layer.call(
                         x, *(none if r < 0 else rs[r % 16]), out
