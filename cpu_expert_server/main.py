@@ -79,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     if args.weight_group is not None and args.weight_dtype not in QUANT_DTYPES:
         print(f"error: --weight-group applies to int8/int4 weights, not {args.weight_dtype}", file=sys.stderr)
         return 2
+    if args.weight_dtype == "int4" and args.weight_group == 1:  # int4 groups pair their halves up
+        print("error: int4 --weight-group must be at least 2 (or row)", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
     except ValueError as e:  # a bad flag (or EXPERTMESH_LINK): say which, no traceback

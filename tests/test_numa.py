@@ -406,6 +406,9 @@ def test_cpu_server_weight_group(monkeypatch, capsys):
     assert args.weight_group == PER_ROW and args.weight_dtype == "bfloat16"
     assert main.run(args) == 2
     assert "--weight-group applies to int8/int4 weights" in capsys.readouterr().err
+    args = p.parse_args(["--model", "m", "--weight-dtype", "int4", "--weight-group", "1"])
+    assert main.run(args) == 2  # refused before the load would fail on it
+    assert "int4 --weight-group must be at least 2" in capsys.readouterr().err
     args = p.parse_args(
         ["--model", "m", "--weight-dtype", "int4", "--weight-group", "row", "--numa-node", "all"]
     )
