@@ -166,7 +166,7 @@ def bench(
                 flush=True,
             )
     if any(m in KT for m in methods):
-        assert kt_dir, "--kt-dir is needed for the kt-* methods"
+        assert kt_dir  # main() refuses kt-* methods without it
         ext = load_kt(kt_dir, kt_variant)
         pool = kt_pool(ext, threads)
         tmp = tempfile.mkdtemp(prefix="kt-")
@@ -304,6 +304,8 @@ def main() -> None:
     unknown = [m for m in methods if m not in EM and m not in KT]
     if unknown:
         p.error(f"unknown methods {unknown}")
+    if any(m in KT for m in methods) and not args.kt_dir:
+        p.error("the kt-* methods need --kt-dir (see the module's docstring)")
     if args.isolate:
         rows = isolated(args, methods)
         print(table(rows, methods))

@@ -76,9 +76,9 @@ def _target(
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
     """``model.to_empty(device=device)`` without its ``empty_like``: on meta tensors that runs
-    torch's Python reference, which imports sympy (2.4 s of the coordinator's 8.5 s before its
-    experts on a fresh H200 host, sampled with py-spy). A parameter or buffer shared by two
-    modules stays one tensor."""
+    torch's Python reference, which imports sympy (2.4 s in one py-spy sample of a fresh H200
+    host's start; the start's total did not shrink by as much, benchmarks/RESULTS.md). A
+    parameter or buffer shared by two modules stays one tensor."""
     new: dict[int, torch.Tensor] = {}
     for mod in model.modules():
         for table in (mod._parameters, mod._buffers):
