@@ -6,6 +6,7 @@ that places experts (EPLB) and loads adapters (LoRA).
 Subsystems, bottom to top (each may import only those before it; tests/test_layout.py checks):
 ``model/`` (model execution), ``experts/`` (the expert tier), ``eplb/`` (placement and
 rebalancing), ``lora/`` (MoE LoRA adapters), ``serving/`` (servicers, HTTP, scheduler). The
-top level holds only ``config.py`` (the frozen service config) and ``main.py`` (the entry point,
-``python -m coordinator.main``), which may import every layer.
+top level holds only ``config.py`` (the frozen service config) and the entry points, which may
+import every layer: ``main.py`` (``python -m coordinator.main``) and ``compile_helper.py`` (the
+process that compiles a CUDA coordinator's kernels while it loads, model/compile_ahead.py).
 """

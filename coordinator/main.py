@@ -18,6 +18,7 @@ from collections.abc import Coroutine
 from coordinator.config import DTYPES, CoordinatorConfig, InputLimits, parse_size
 from coordinator.eplb.plan import EplbConfig
 from coordinator.experts.cluster_config import ClusterConfig
+from coordinator.model import compile_ahead
 from expertmesh import auth, cores
 from expertmesh.errors import BindError
 from expertmesh.tls import TLSConfig
@@ -47,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default=C.dtype, choices=list(DTYPES), help="dtype of weights and activations")
     p.add_argument("--device", default=C.device, help="device of attention, router and KV cache (cpu, cuda)")
+    p.add_argument(
+        compile_ahead.FLAG,
+        action="store_true",
+        help="on CUDA with every expert in process, compile the decode step's kernels in this process "
+        "after the weights load, not in a helper process that starts with it (the default)",
+    )
     g = p.add_argument_group("scheduling and KV cache")
     g.add_argument("--page-size", type=int, default=C.page_size, help="tokens per KV cache page")
     g.add_argument(
@@ -226,3 +233,5 @@ def run(args: argparse.Namespace) -> int:
     except BindError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        compile_ahead.stop()  # NOTE: a start that failed before waiting for it

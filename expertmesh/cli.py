@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "placement": ("expertmesh.placement_cli", "show / set the expert placement, or run EPLB now"),
 }
 
+# a command's work that starts before its module (and torch) is imported: the CUDA
+# coordinator's kernels compile in a helper process meanwhile (coordinator/model/compile_ahead.py)
+EARLY: dict[str, str] = {"coordinator": "coordinator.model.compile_ahead"}
+
 
 class _Formatter(argparse.HelpFormatter):
     """Shows a flag's default after its help unless the help says it already (or there is
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="expertmesh", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    if chosen in EARLY:
+        importlib.import_module(EARLY[chosen]).start(argv[1:])
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, formatter_class=_Formatter)
         if name == chosen:

@@ -451,3 +451,11 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "deepseek_v3": _parse_deepseek,
     "kimi_k2": _parse_kimi_k2,
 }
+
+
+def cut_layers(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with its first layers only: up to its first MoE layer and its first dense one
+    (each kind of layer once; a compile warm-up's model, coordinator/model/compile_ahead.py)."""
+    kinds = [cfg.moe_layers.index(kind) for kind in (True, False) if kind in cfg.moe_layers]
+    n = max(kinds) + 1
+    return replace(cfg, num_layers=n, moe_layers=cfg.moe_layers[:n])

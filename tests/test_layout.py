@@ -17,8 +17,8 @@ RUNTIME = ("expertmesh", "coordinator", "gpu_server", "cpu_expert_server")
 # (under TYPE_CHECKING) may point upwards, e.g. the engine names the LoRA manager's type; it
 # still counts for cycles.
 COORDINATOR_LAYERS = ("model", "experts", "eplb", "lora", "config", "serving")
-# the entry point, which assembles the layers
-COORDINATOR_TOP = {"main"}
+# the entry points, which assemble the layers (the coordinator; its kernel compile helper)
+COORDINATOR_TOP = {"main", "compile_helper"}
 
 
 def _modules() -> dict[str, Path]:

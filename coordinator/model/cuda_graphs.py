@@ -24,8 +24,11 @@ Shapes: Bm largest bucket, W page-table width, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from coordinator.model import compile_ahead
 from coordinator.model.batch import ForwardBatch
 from coordinator.model.dispatch import BackgroundLoad
 from coordinator.model.kv_cache import KVCache
@@ -44,10 +47,15 @@ class DecodeGraphs:
         load_hook: LoadHook | None,
         buckets: tuple[int, ...] = BUCKETS,
         load: BackgroundLoad | None = None,
+        capture: bool = True,
+        warmed: Callable[[int], None] | None = None,
     ) -> None:
         """``load``: the experts still being read (LocalDispatcher's background load): every
         bucket's step runs once first, on the weights as they are, so that its kernels compile
-        meanwhile; capture waits for the load."""
+        meanwhile (each bucket once the kernel compile helper has compiled its kernels, where
+        one runs: coordinator/model/compile_ahead.py); capture waits for the load. ``capture=False``:
+        every bucket's step runs once, ``warmed(bucket)`` after each, and nothing is captured
+        (the helper's own run)."""
         assert buckets and list(buckets) == sorted(buckets) and buckets[0] > 0, f"{buckets=}"
         self.model, self.cache, self.buckets = model, cache, buckets
         self.load_hook = load_hook
@@ -63,6 +71,14 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, V] static output
         self.routed: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> layer -> [bucket, K] ids
+        if not capture:
+            self._pad(0, bm)
+            for b in reversed(buckets):  # NOTE: the order of the warm-up below
+                self._warm(b)
+                torch.cuda.synchronize()
+                if warmed is not None:
+                    warmed(b)
+            return
         if load is not None:
             self._pad(0, bm)
             blocks = model.moe_blocks()
@@ -72,6 +88,7 @@ class DecodeGraphs:
                     blk.load_hook = None
                 with load.early():
                     for b in reversed(buckets):
+                        compile_ahead.wait_for(b)
                         self._warm(b)
             finally:
                 for blk, hook in zip(blocks, hooks, strict=True):

@@ -22,6 +22,7 @@ import torch
 
 from coordinator.model.cpu_moe import CPUExpertBackend
 from expertmesh.checkpoint import CheckpointReader
+from expertmesh.config import ModelConfig
 from expertmesh.experts import ExpertBackend, TorchExpertBackend
 from expertmesh.progress import LoadProgress
 from expertmesh.safetensors_io import read_threads, reader_pool, run_on
@@ -141,6 +142,17 @@ class BackgroundLoad:
             self.allowed_early = False
 
 
+def _expert_slots(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, new: Callable[..., torch.Tensor]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Every MoE layer's stacked [E, 2I, H] gate/up and [E, H, I] down weights, made by ``new``."""
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    return {
+        layer: (new(e, 2 * i, h, dtype=dtype, device=device), new(e, h, i, dtype=dtype, device=device))
+        for layer in cfg.moe_layer_ids
+    }
+
+
 def default_backend(device: torch.device) -> ExpertBackend:
     """The fused Triton kernels on CUDA (the GPU expert server's backend), plain torch with few
     ops per step on the CPU (coordinator/model/cpu_moe.py), the plain-torch reference elsewhere."""
@@ -171,13 +183,9 @@ class LocalDispatcher(Dispatcher):
         a thread of their own (:attr:`load`); :meth:`submit` waits for them, except inside
         ``load.early()``, and :meth:`wait_loaded` raises a failed read."""
         cfg = reader.config
+        e = cfg.num_experts
         self.backend = backend or default_backend(device)
-        h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-        new = torch.zeros if background else torch.empty
-        self.slots = {
-            layer: (new(e, 2 * i, h, dtype=dtype, device=device), new(e, h, i, dtype=dtype, device=device))
-            for layer in cfg.moe_layer_ids
-        }
+        self.slots = _expert_slots(cfg, dtype, device, torch.zeros if background else torch.empty)
         self.load: BackgroundLoad | None = None
 
         def read_all() -> None:
@@ -195,6 +203,16 @@ class LocalDispatcher(Dispatcher):
             self.load = BackgroundLoad("expert-load", read_all)
         else:
             read_all()
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LocalDispatcher:
+        """Every slot zeros and nothing read: the experts of a compile warm-up
+        (coordinator/model/compile_ahead.py), shaped as a loaded dispatcher's."""
+        self = cls.__new__(cls)
+        self.backend = default_backend(device)
+        self.slots = _expert_slots(cfg, dtype, device, torch.zeros)
+        self.load = None
+        return self
 
     def wait_loaded(self) -> None:
         """Returns once every expert is read (at once without a background load)."""

@@ -37,6 +37,7 @@ from coordinator.experts.local import connector
 from coordinator.experts.remote import RemoteDispatcher
 from coordinator.lora import AdapterError, LoRAAdapter, enable_lora
 from coordinator.lora.service import LoRANotFound, LoRAPermissionError, LoRAPushError, LoRAService
+from coordinator.model import compile_ahead
 from coordinator.model.dispatch import Dispatcher, LocalDispatcher
 from coordinator.model.engine import Engine
 from coordinator.model.kv_cache import KVCacheSpec
@@ -491,9 +492,12 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         dispatcher = LocalDispatcher(reader, dtype, device, background=device.type == "cuda")
     num_servers = len(config.cluster.servers) if cluster is not None and config.cluster else 0
     load = LoadRecorder(cfg.moe_layer_ids, cfg.num_experts, config.eplb.window_steps, num_servers, device)
+    # NOTE: the decode graphs' warm-up takes each bucket's kernels from the compile helper,
+    # where one runs (coordinator/model/compile_ahead.py)
     engine = Engine(
         model, dispatcher, spec, dtype, device, load_hook=load.record, prefix_cache=config.prefix_cache
     )
+    compile_ahead.wait()  # ended by now: reaped, and its time logged
     engine.micro_batches = config.micro_batches
     if isinstance(dispatcher, LocalDispatcher):
         dispatcher.wait_loaded()  # a failed read fails the start, before anything serves
