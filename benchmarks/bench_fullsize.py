@@ -23,6 +23,8 @@ Topologies (``--rows``; order matters: the CPU server of consecutive rows with t
 dtype is reused, and each row's CPU share is a subset of the row before, so nothing is re-read):
 
 - ``inproc``: ``coordinator --device DEV`` with no expert server (the baseline);
+  ``inproc_noahead``: the same with ``--no-compile-ahead`` (its kernels compiled in its own
+  process, not by the helper that starts with it; see ``--fresh-kernel-cache``);
 - ``cpu_int4``: every expert on ``cpu-server --weight-dtype int4``;
 - ``local25_int4`` / ``local50_int4`` / ``local75_int4``: ``--num-gpu-experts`` = 25/50/75% in
   the coordinator's process (``local``), the rest on that CPU server;
@@ -56,6 +58,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -82,6 +85,7 @@ _HTTP = re.compile(r"(?:HTTP API and /metrics|Prometheus metrics) on https?://\S
 _START = (
     ("weights", re.compile(r"coordinator weights: .*done in")),
     ("experts", re.compile(r"(?:coordinator|local) experts: .*done in")),
+    ("helper", re.compile(r"kernel compile helper: the decode buckets")),
     ("kv", re.compile(r"KV cache: ")),
     ("listening", re.compile(r"coordinator listening on ")),
     ("ready", re.compile(r"expert servers ready")),
@@ -306,11 +310,12 @@ class Row:
     delay_us: int | None = None
     micro_batches: int = 0
     link: bool = True  # the CPU server takes the host link (a ``_nolink`` row: EXPERTMESH_LINK=0)
+    compile_ahead: bool = True  # the coordinator's default (an ``_noahead`` row: --no-compile-ahead)
 
 
 def parse_row(name: str) -> Row:
-    if name == "inproc":
-        return Row(name, None, 1.0)
+    if name in ("inproc", "inproc_noahead"):
+        return Row(name, None, 1.0, compile_ahead=name == "inproc")
     if name == "up":
         return Row(name, None, 1.0, up=True)
     r = re.fullmatch(r"remote_(grpc|tcp|shm|auto)(?:_d(\d+))?(?:_mb(\d+))?", name)
@@ -334,6 +339,15 @@ class Bench:
         self.cpu: Proc | None = None
         self.cpu_dtype: tuple[str, bool] | None = None  # (weight dtype, host link on)
         self.cpu_load_s = 0.0
+
+    def kernel_cache(self, row: Row) -> dict | None:
+        """With ``--fresh-kernel-cache``: an empty Triton cache directory for ``row``'s coordinator."""
+        if not self.args.fresh_kernel_cache:
+            return None
+        d = Path(self.args.out) / "triton-cache" / row.name
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        return {"TRITON_CACHE_DIR": str(d)}
 
     def cpu_server(self, dtype: str, link: bool = True) -> tuple[Proc, float]:
         """The CPU server with ``dtype`` experts, taking the host link or not (reused while
@@ -391,6 +405,8 @@ class Bench:
                     wait_serving(f"127.0.0.1:{gpu.port}", a.startup_timeout, [gpu])
                     res["server_load_s"] = round(time.monotonic() - t0, 1)
                     flags += ["--gpu-server", f"127.0.0.1:{gpu.port}"]
+                if not row.compile_ahead:
+                    flags += ["--no-compile-ahead"]
                 if row.transport:
                     flags += ["--transport", row.transport]
                 if row.micro_batches:
@@ -408,7 +424,7 @@ class Bench:
                 t0 = time.monotonic()
                 co = spawn("coordinator", [*self.cli, "coordinator", "--model", str(self.ckpt), "--port", "0",
                                            *flags], re.compile(r"coordinator listening on (\S+):(\d+)"),
-                           a.startup_timeout, self.log)  # fmt: skip
+                           a.startup_timeout, self.log, self.kernel_cache(row))  # fmt: skip
                 procs.append(co)
                 wait_serving(f"127.0.0.1:{co.port}", a.startup_timeout, [co, *extra])
                 res["load_s"] = round(time.monotonic() - t0, 1)
@@ -512,6 +528,12 @@ def main() -> None:
         "--proxy-impl", default="auto", choices=("auto", "c", "python"), help="the _dUS rows' delay proxy"
     )
     p.add_argument("--batches", default="1,8")
+    p.add_argument(
+        "--fresh-kernel-cache",
+        action="store_true",
+        help="each row's coordinator starts with an empty Triton cache of its own (a machine that "
+        "never compiled the kernels), whatever ran before it",
+    )
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--kv-memory", default="2GiB")
