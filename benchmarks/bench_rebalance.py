@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -236,10 +236,14 @@ class Run:
     history: list[admin_pb2.RebalanceOutcome]
     wall_s: float
     before: tuple[int, Slots]  # the live placement when the measured passes began
+    # each stream that left the reference's greedy tokens: where, and both tokens' log-probs there
+    diverged: list[str] = field(default_factory=list)
 
 
 def run(args: argparse.Namespace, name: str, cmd: list[str], load: list[list[list[int]]], warm: bool,
-        servers: list[Proc], out: Path) -> Run:  # fmt: skip
+        servers: list[Proc], out: Path, ref: Outputs | None = None) -> Run:  # fmt: skip
+    """One coordinator's passes; with ``ref`` (run A's first pass), each of its streams that left
+    ``ref``'s tokens is scored at its first difference on this coordinator (:func:`margins`)."""
     co = spawn(f"coordinator-{name}", cmd, _LISTEN, args.startup_timeout, out / f"coordinator-{name}.log")
     try:
         addr = f"127.0.0.1:{co.port}"
@@ -272,6 +276,7 @@ def run(args: argparse.Namespace, name: str, cmd: list[str], load: list[list[lis
         results = {
             dict(labels)["result"]: v for (n, labels), v in m1.items() if n == "expertmesh_rebalances_total"
         }
+        diverged = asyncio.run(margins(addr, load, ref, passes)) if ref is not None else []
         return Run(
             name,
             passes,
@@ -284,9 +289,37 @@ def run(args: argparse.Namespace, name: str, cmd: list[str], load: list[list[lis
             [o for o in st.history if o.outcome == "rebalanced"],
             wall,
             (info.generation, slots_of_info(info)),
+            diverged,
         )
     finally:
         co.stop()
+
+
+async def margins(addr: str, load: list[list[list[int]]], ref: Outputs, passes: list[Outputs]) -> list[str]:
+    """For each stream of ``passes`` whose greedy tokens left ``ref``'s: the first differing
+    position and the log-probabilities there of ``ref``'s token and of this run's, both scored
+    on the same prefix (the prompt and ``ref``'s tokens before it). A gap near zero is a near-tie
+    that a change of summation order flips; a large one would be a wrong answer."""
+    out = []
+    async with AsyncClient(addr, timeout=600) as client:
+        for n, got in enumerate(passes):
+            for key in sorted(ref.keys() & got.keys()):
+                a, b = ref[key], got[key]
+                d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                if d is None:
+                    continue
+                prefix = load[key[0]][key[1]] + a[:d]
+                lp = []
+                for tok in (a[d], b[d]):
+                    c = await client.generate(
+                        input_ids=[*prefix, tok], max_new_tokens=0, prompt_logprobs=True
+                    )
+                    lp.append(c.prompt_logprobs[-1])
+                out.append(
+                    f"pass {n + 1}, stream {key}: token {d}: run A's {a[d]} log-prob {lp[0]:.6f}, this run's "
+                    f"{b[d]} {lp[1]:.6f} (gap {lp[0] - lp[1]:+.2e})"
+                )
+    return out
 
 
 def slots_of_info(info: admin_pb2.PlacementInfo) -> Slots:
@@ -364,6 +397,13 @@ def report(args: argparse.Namespace, a: Run, b: Run, requests: int) -> str:
             f"({int(n_moving)}) | {med * ms:.1f} | {med_moving} | {last_bucket(r.hist['steady']) * ms:.1f} | "
             f"{worst} | {ratio} | {decode} | {moved} |"
         )
+    if b.diverged:
+        lines += [
+            "",
+            f"Streams of run {b.name} that left run A's greedy tokens, scored on run {b.name}'s coordinator:",
+            "",
+        ]
+        lines += [f"- {d}" for d in b.diverged]
     gen, live = b.before
     lines += [
         "",
@@ -453,7 +493,9 @@ def main() -> None:
             bs = []
             for tm in args.time_model.split(","):
                 name = "B" if "," not in args.time_model else f"B-{tm}"
-                bs.append(run(args, name, [*cmd, *eplb_flags(args, tm)], load, False, servers, out))
+                bs.append(
+                    run(args, name, [*cmd, *eplb_flags(args, tm)], load, False, servers, out, a.passes[0])
+                )
         finally:
             for s in servers:
                 s.stop()
