@@ -186,7 +186,9 @@ class Piece:
 
 
 def read_threads(limit: int = MAX_READ_THREADS) -> int:
-    """Reader threads for a load: this process's CPUs, at most ``limit``."""
+    """Reader threads for a load: this process's CPUs, at most ``limit`` (or at most
+    ``EXPERTMESH_READ_THREADS`` where set: a benchmark's knob)."""
+    limit = int(os.environ.get("EXPERTMESH_READ_THREADS", limit))
     return max(1, min(limit, len(os.sched_getaffinity(0))))
 
 
