@@ -7,6 +7,7 @@ Subsystems, bottom to top (each may import only those before it; tests/test_layo
 ``model/`` (model execution), ``experts/`` (the expert tier), ``eplb/`` (placement and
 rebalancing), ``lora/`` (MoE LoRA adapters), ``serving/`` (servicers, HTTP, scheduler). The
 top level holds only ``config.py`` (the frozen service config) and the entry points, which may
-import every layer: ``main.py`` (``python -m coordinator.main``) and ``compile_helper.py`` (the
-process that compiles a CUDA coordinator's kernels while it loads, model/compile_ahead.py).
+import every layer: ``main.py`` (``expertmesh coordinator``: its flags and ``run``) and
+``compile_helper.py`` (the process that compiles a CUDA coordinator's kernels while it loads,
+model/compile_ahead.py).
 """
