@@ -134,7 +134,6 @@ def wait_for(bucket: int, limit_s: float = WAIT_LIMIT_S) -> None:
 
 def wait(limit_s: float = WAIT_LIMIT_S) -> float:
     """Waits for the helper (if one was started) to end; returns the seconds waited."""
-    global _helper
     if _helper is None:
         return 0.0
     t0 = time.monotonic()
@@ -158,7 +157,6 @@ def wait(limit_s: float = WAIT_LIMIT_S) -> float:
 
 def stop() -> None:
     """Ends the helper if it still runs (the coordinator's exit, or a wait that ran out)."""
-    global _helper
     if _helper is None:
         return
     if _helper.poll() is None:
