@@ -50,8 +50,9 @@ def main(argv: list[str]) -> int:
         + _expert_bytes(full, dtype)
         + spec.num_pages * KVCacheSpec.bytes_per_page(full, spec.page_size, dtype)
     )
+    model = build_model(cfg, dtype)  # on the meta device until materialised below
     mine = (
-        _param_bytes(build_model(cfg, dtype))
+        _param_bytes(model)
         + _expert_bytes(cfg, dtype)
         + small.num_pages * KVCacheSpec.bytes_per_page(cfg, small.page_size, dtype)
         + OVERHEAD_BYTES
@@ -65,7 +66,6 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         return 0
-    model = build_model(cfg, dtype)
     materialize(model, device)
     with torch.no_grad():
         for t in model.parameters():
