@@ -55,6 +55,19 @@ def test_the_coordinator_parser_takes_the_flag() -> None:
     add_arguments(p)
     assert p.parse_args(["--model", "m", "--no-compile-ahead"]).no_compile_ahead
     assert not p.parse_args(["--model", "m"]).no_compile_ahead
+    # wanted() reads --device without the coordinator's parser (which imports torch): the same default
+    assert p.parse_args(["--model", "m"]).device == "cpu"
+
+
+def test_a_long_wait_says_so_in_the_log(sleeper, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(compile_ahead, "WAIT_NOTICE_S", 0.2)
+    compile_ahead.start(["--model", "m", "--device", "cuda"])
+    with caplog.at_level("INFO", logger="expertmesh.coordinator"):
+        compile_ahead.wait_for(64, limit_s=1.0)
+    waiting = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert waiting and "bucket 64" in waiting[0], caplog.text
+    assert any("stopped, compiling here" in r.getMessage() for r in caplog.records)
+    assert compile_ahead._helper is None
 
 
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 31, 32, 64, 65, 80, 1000, 4096, 123457])

@@ -45,6 +45,9 @@ FLAG = "--no-compile-ahead"
 _CLUSTER_FLAGS = ("--gpu-server", "--cpu-server", "--placement", "--num-gpu-experts")
 # the most seconds the coordinator waits for a helper before stopping it and compiling itself
 WAIT_LIMIT_S = 600.0
+# a wait longer than this says so in the log, again each time it passes (a cold compile of every
+# bucket took 9-14 s on an H200 host)
+WAIT_NOTICE_S = 30.0
 
 _helper: subprocess.Popen[bytes] | None = None
 _started = 0.0
@@ -118,10 +121,21 @@ def wait_for(bucket: int, limit_s: float = WAIT_LIMIT_S) -> None:
     deadline = t0 + limit_s
     while bucket not in _warmed:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0:
             log.warning("kernel compile helper still running after %.0f s: stopped, compiling here", limit_s)
             stop()
             return
+        if not select.select([fd], [], [], min(left, WAIT_NOTICE_S))[0]:
+            if left > WAIT_NOTICE_S:
+                log.info(
+                    "waiting %.0f s so far for the kernel compile helper (pid %d) to compile batch bucket %d "
+                    "(stopped after %.0f s; --no-compile-ahead compiles here)",
+                    time.monotonic() - t0,
+                    _helper.pid,
+                    bucket,
+                    limit_s,
+                )
+            continue
         data = os.read(fd, 4096)
         if not data:  # ended (done, skipped or failed): wait() says how
             _waited += time.monotonic() - t0
