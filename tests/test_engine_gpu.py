@@ -75,6 +75,30 @@ def test_load_hook_sees_graph_steps(tmp_path):
     cpu, gpu = counts[("cpu", False)], counts[("cuda", True)].cpu()
     assert cpu.sum() > 0 and torch.equal(cpu, gpu), (cpu, gpu)
 
+    # the serving engine's wiring: the recorder's per-layer hook for eager steps, its one call
+    # per replay for graph steps
+    from coordinator.experts.load_recorder import LoadRecorder
+
+    dev = torch.device("cuda")
+    rec = LoadRecorder([0, 1, 2, 3], 8, 64, device=dev)
+    eng = Engine(
+        load_model(reader, torch.float32, dev),
+        LocalDispatcher(reader, torch.float32, dev),
+        KVCacheSpec(64, 4),
+        torch.float32,
+        dev,
+        load_hook=rec.record,
+        step_load=rec.record_step,
+    )
+    assert eng.graphs is not None and eng.graphs.step_load is not None
+    seqs = [eng.new_seq() for _ in range(3)]
+    out = eng.step([(s, [(5 * i + j) % 96 for j in range(7)]) for i, s in enumerate(seqs)])
+    toks = [int(x.argmax()) for x in out]
+    for _ in range(4):
+        toks = [int(x.argmax()) for x in eng.step([(s, [t]) for s, t in zip(seqs, toks)])]
+    snap = rec.snapshot()
+    assert snap.steps == 5 and torch.equal(snap.totals, cpu), (snap.totals, cpu)
+
 
 @pytest.mark.gpu
 def test_experts_load_while_the_graphs_compile(tmp_path, monkeypatch):

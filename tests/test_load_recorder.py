@@ -75,3 +75,27 @@ def test_a_server_that_joined_later_gets_its_time_recorded():
     snap = rec.snapshot()
     assert snap.server_ms[:, 0].tolist() == [2.0, 0.0, 1.0]
     assert snap.server_tokens[:, 0].tolist() == [4.0, 0.0, 4.0]
+
+
+def test_a_whole_step_at_once_counts_as_its_layers_one_by_one():
+    """record_step (the decode graphs' one call per replay, padding rows sliced off) gives the
+    window and totals that record() per layer gives, steps of both kinds mixed."""
+    rng = random.Random(1)
+    layers, experts, window = [0, 2, 5, 7], 9, 3
+    one, whole = LoadRecorder(layers, experts, window), LoadRecorder(layers, experts, window)
+    for step in range(8):
+        bucket, b = 4, rng.randint(1, 4)
+        ids = torch.tensor(
+            [[rng.sample(range(experts), 3) for _ in range(bucket)] for _ in layers], dtype=torch.int32
+        )  # [L, bucket, K]: rows >= b are padding
+        for i, layer in enumerate(layers):
+            one.record(layer, ids[i, :b])
+        if step % 3 == 2:  # a step of the eager path on both
+            for i, layer in enumerate(layers):
+                whole.record(layer, ids[i, :b])
+        else:
+            whole.record_step(ids[:, :b])
+        a, c = one.snapshot(), whole.snapshot()
+        assert torch.equal(a.window, c.window) and torch.equal(a.totals, c.totals), step
+        assert a.steps == c.steps == step + 1
+    assert one.snapshot().totals.sum() > 0

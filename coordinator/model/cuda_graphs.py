@@ -14,7 +14,7 @@ no host synchronisation, which is what capture needs.
 
 The expert-load hook (EPLB) is a host callback, so it cannot sit inside a graph: the graphs keep
 each MoE layer's routing ids in their static output and the hook sees the first b rows after
-each replay.
+each replay, every layer's in one call where a step hook is given (``step_load``).
 
 Memory: the graphs share one pool; what capture added to the caching allocator's reserve
 (activations of the largest bucket, the logits of each bucket) is kept in ``pool_bytes``.
@@ -33,7 +33,7 @@ from coordinator.model.batch import ForwardBatch
 from coordinator.model.dispatch import BackgroundLoad
 from coordinator.model.kv_cache import KVCache
 from coordinator.model.models.base import CausalLM
-from coordinator.model.models.moe import LoadHook
+from coordinator.model.models.moe import LoadHook, StepLoadHook
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -49,16 +49,18 @@ class DecodeGraphs:
         load: BackgroundLoad | None = None,
         capture: bool = True,
         warmed: Callable[[int], None] | None = None,
+        step_load: StepLoadHook | None = None,
     ) -> None:
         """``load``: the experts still being read (LocalDispatcher's background load): every
         bucket's step runs once first, on the weights as they are, so that its kernels compile
         meanwhile (each bucket once the kernel compile helper has compiled its kernels, where
         one runs: coordinator/model/compile_ahead.py); capture waits for the load. ``capture=False``:
         every bucket's step runs once, ``warmed(bucket)`` after each, and nothing is captured
-        (the helper's own run)."""
+        (the helper's own run). ``step_load``: takes a replay's routing ids in one call instead
+        of ``load_hook``'s one per MoE layer."""
         assert buckets and list(buckets) == sorted(buckets) and buckets[0] > 0, f"{buckets=}"
         self.model, self.cache, self.buckets = model, cache, buckets
-        self.load_hook = load_hook
+        self.load_hook, self.step_load = load_hook, step_load
         dev = cache.k.device
         bm, self.width = buckets[-1], max_pages_per_seq
         # ids, positions, write rows, the rows whose logits are wanted (the last of each sequence)
@@ -99,6 +101,11 @@ class DecodeGraphs:
         self._capture_all()
         self.pool_bytes = torch.cuda.memory_reserved(dev) - reserved
 
+    @property
+    def counts_load(self) -> bool:
+        """Whether a replay hands its routing to a load hook."""
+        return self.load_hook is not None or self.step_load is not None
+
     def _batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(
             input_ids=self.meta[0, :b],
@@ -120,7 +127,7 @@ class DecodeGraphs:
             for b in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
                 routed: dict[int, torch.Tensor] = {}
                 for blk in blocks:
-                    blk.load_hook = routed.__setitem__ if self.load_hook is not None else None
+                    blk.load_hook = routed.__setitem__ if self.counts_load else None
                 batch = self._warm(b)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -218,6 +225,13 @@ class DecodeGraphs:
 
     def _replay(self, bucket: int, b: int) -> None:
         self.graphs[bucket].replay()
-        if self.load_hook is not None:
-            for layer, ids in self.routed[bucket].items():
+        self.record_load(list(self.routed[bucket].items()), b)
+
+    def record_load(self, routed: list[tuple[int, torch.Tensor]], b: int) -> None:
+        """A replayed step's routing (``[(layer, [bucket, K] ids)]``, every MoE layer in order)
+        to the load hooks: its first ``b`` rows."""
+        if self.step_load is not None and routed:
+            self.step_load(torch.stack([ids for _, ids in routed])[:, :b])
+        elif self.load_hook is not None:
+            for layer, ids in routed:
                 self.load_hook(layer, ids[:b])

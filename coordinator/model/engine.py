@@ -28,7 +28,7 @@ from coordinator.model.dispatch import Dispatcher, LocalDispatcher
 from coordinator.model.kv_cache import KVCache, KVCacheSpec, OutOfPages, PageAllocator
 from coordinator.model.loader import load_model
 from coordinator.model.models.base import CausalLM
-from coordinator.model.models.moe import LoadHook
+from coordinator.model.models.moe import LoadHook, StepLoadHook
 from coordinator.model.prefix_cache import Block, PrefixIndex, Salt
 from expertmesh.checkpoint import CheckpointReader
 
@@ -60,10 +60,12 @@ class Engine:
         load_hook: LoadHook | None = None,
         cuda_graphs: bool = True,
         prefix_cache: bool = True,
+        step_load: StepLoadHook | None = None,
     ) -> None:
         """``cuda_graphs``: on CUDA with every expert in process, capture the decode step's
         graphs now (coordinator/model/cuda_graphs.py); ignored elsewhere. ``prefix_cache``:
-        keep full pages indexed for later sequences with the same prefix."""
+        keep full pages indexed for later sequences with the same prefix. ``step_load``: where the
+        decode graphs count a replayed step's routing in one call (else ``load_hook`` per layer)."""
         self.model, self.dispatcher, self.dtype, self.device = model, dispatcher, dtype, device
         self.config = model.config
         model.attach(dispatcher, load_hook)
@@ -76,13 +78,22 @@ class Engine:
         mode = dispatcher.graph_mode if cuda_graphs and device.type == "cuda" else "none"
         if mode == "whole":
             load = getattr(dispatcher, "load", None)  # experts still being read: compile meanwhile
-            self.graphs = DecodeGraphs(model, self.cache, spec.num_pages, load_hook, load=load)
+            self.graphs = DecodeGraphs(
+                model, self.cache, spec.num_pages, load_hook, load=load, step_load=step_load
+            )
         elif mode == "piecewise":
             # NOTE: remote dispatch waits on another process inside the layer loop: the step is
             # captured in pieces between the dispatches (coordinator/model/remote_graphs.py)
             from coordinator.model.remote_graphs import RemoteDecodeGraphs
 
-            self.graphs = RemoteDecodeGraphs(model, self.cache, spec.num_pages, load_hook, dispatcher)  # type: ignore[arg-type]
+            self.graphs = RemoteDecodeGraphs(
+                model,
+                self.cache,
+                spec.num_pages,
+                load_hook,
+                dispatcher,  # type: ignore[arg-type]
+                step_load=step_load,
+            )
 
         self._micro_batches: int | None = 1
 

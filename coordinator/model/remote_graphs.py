@@ -53,7 +53,7 @@ from coordinator.model.dispatch import Dispatcher, Pending
 from coordinator.model.kv_cache import KVCache
 from coordinator.model.linked_step import LinkedStep, Linker, LinkState, LocalShare
 from coordinator.model.models.base import CausalLM
-from coordinator.model.models.moe import LoadHook
+from coordinator.model.models.moe import LoadHook, StepLoadHook
 from expertmesh.gpu_share import ShareProbe
 from expertmesh.net import device_uuid
 
@@ -142,6 +142,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
         load_hook: LoadHook | None,
         dispatcher: RemoteDispatcher,
         buckets: tuple[int, ...] = BUCKETS,
+        step_load: StepLoadHook | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         cfg = model.config
@@ -172,7 +173,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
         # --micro-batches); 1: none, None: AUTO_MICRO's choice
         self.micro: int | None = 1
         self._local_rows = torch.arange(buckets[-1], device=dev)  # a micro-batch's logits rows
-        super().__init__(model, cache, max_pages_per_seq, load_hook, buckets)
+        super().__init__(model, cache, max_pages_per_seq, load_hook, buckets, step_load=step_load)
 
     # ------------------------------------------------------------ the device link
 
@@ -285,15 +286,16 @@ class RemoteDecodeGraphs(DecodeGraphs):
         d.linked_steps += 1
         d.linked_micro_steps += micro > 1
         self._link_note = conn.link_pause = ""
-        if self.load_hook is not None:
+        if self.counts_load:
             if micro == 1:
-                for layer, ids, _ in linked.ids:
-                    self.load_hook(layer, ids[:b])
-            else:  # NOTE: one call per layer (the EPLB recorder counts a step at each layer 0)
+                self.record_load([(layer, ids) for layer, ids, _ in linked.ids], b)
+            else:  # each layer's real rows, its micro-batches' joined
+                per_layer = []
                 for j in range(0, len(linked.ids), micro):
                     parts = linked.ids[j : j + micro]
                     real = [ids[: max(0, min(ids.shape[0], b - at))] for _, ids, at in parts]
-                    self.load_hook(parts[0][0], torch.cat(real))
+                    per_layer.append((parts[0][0], torch.cat(real)))
+                self.record_load(per_layer, b)
         return linked.logits
 
     def _note(self, conn: ServerConnection, why: str) -> None:

@@ -495,7 +495,14 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
     # NOTE: the decode graphs' warm-up takes each bucket's kernels from the compile helper,
     # where one runs (coordinator/model/compile_ahead.py)
     engine = Engine(
-        model, dispatcher, spec, dtype, device, load_hook=load.record, prefix_cache=config.prefix_cache
+        model,
+        dispatcher,
+        spec,
+        dtype,
+        device,
+        load_hook=load.record,
+        prefix_cache=config.prefix_cache,
+        step_load=load.record_step,
     )
     compile_ahead.wait()  # ended by now: reaped, and its time logged
     engine.micro_batches = config.micro_batches

@@ -18,6 +18,9 @@ from expertmesh.config import ModelConfig
 
 # (layer, topk_ids [T, K]) -> None; the expert-load recorder (EPLB) plugs in here.
 LoadHook = Callable[[int, torch.Tensor], None]
+# ids [L_moe, T, K] of every MoE layer of one step, in order -> None: the same counts in one
+# call, for the decode graphs (LoadRecorder.record_step)
+StepLoadHook = Callable[[torch.Tensor], None]
 
 
 class Gate(nn.Module):
