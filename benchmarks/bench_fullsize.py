@@ -14,6 +14,8 @@ gRPC client:
 - TPOT p50 at batch 1 and batch 8 (``--prompt`` tokens of prompt, ``--new-tokens`` generated,
   ``ignore_eos``; one warm-up request first), and tokens/s = batch / TPOT;
 - GPU memory per process (nvidia-smi) and resident memory of every process;
+- with ``--py-spy S``: py-spy samples (raw, every thread, idle included) of each process of the
+  row for S seconds of its first batch's timed stream, ``spy-ROW-PROCESS.txt`` in ``--out``;
 - the per-layer split where measurable: the coordinator's mean per-member round trip per
   MoE layer (expertmesh_expert_layer_round_trip_seconds: ``local`` is its launch on the GPU's
   stream, a CPU server's its whole answer) and the CPU server's own compute per layer
@@ -371,6 +373,31 @@ class Bench:
         self.cpu_load_s = time.monotonic() - t0
         return self.cpu, self.cpu_load_s
 
+    def spy(self, row: Row, procs: list[Proc]) -> list:
+        """With ``--py-spy S``: a thread per process that waits a second (the warm-up request)
+        and records S seconds of py-spy samples into ``--out``."""
+        import threading
+
+        s = self.args.py_spy
+        if s <= 0:
+            return []
+        exe = shutil.which("py-spy")
+        if exe is None:
+            raise RuntimeError("--py-spy: py-spy is not on PATH")
+
+        def record(p: Proc) -> None:
+            time.sleep(1.0)
+            name = re.sub(r"[^\w.-]+", "_", p.name)
+            dest = Path(self.args.out) / f"spy-{row.name}-{name}.txt"
+            cmd = [exe, "record", "--rate", "250", "--idle", "--threads", "--nonblocking", "--format", "raw",
+                   "-d", str(max(1, round(s))), "-p", str(p.proc.pid), "-o", str(dest)]  # fmt: skip
+            subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=s + 60)
+
+        spies = [threading.Thread(target=record, args=(p,), daemon=True) for p in procs]
+        for t in spies:
+            t.start()
+        return spies
+
     def run_row(self, row: Row) -> dict:
         a, e = self.args, self.cfg["experts"]
         res: dict = {"row": row.name}
@@ -444,7 +471,10 @@ class Bench:
                 split0 = counter(co.http, "expertmesh_linked_micro_batched_steps_total")
                 link0 = {k: counter(srv_http, f"expertmesh_worker_link_{k}_total") for k in _LINK}
                 c0, w0 = cpu_seconds([*procs, *extra]), time.monotonic()
+                spies = self.spy(row, [*procs, *extra]) if b == a.batches[0] else []
                 t = asyncio.run(tpot(addr, b, a.prompt, a.new_tokens, self.cfg["vocab"]))
+                for spy in spies:
+                    spy.join()
                 c1, w1 = cpu_seconds([*procs, *extra]), time.monotonic()
                 m1 = scrape(co.http), scrape(srv_http)
                 # cores each process kept busy while measured (a busy neighbour shows here)
@@ -533,6 +563,14 @@ def main() -> None:
         action="store_true",
         help="each row's coordinator starts with an empty Triton cache of its own (a machine that "
         "never compiled the kernels), whatever ran before it",
+    )
+    p.add_argument(
+        "--py-spy",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="sample every process of a row with py-spy for S seconds of its first batch's timed "
+        "stream (py-spy on PATH)",
     )
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)

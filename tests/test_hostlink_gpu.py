@@ -5,6 +5,8 @@ answer's flag; with ``local`` experts the graph computes their share meanwhile.
 * float32, every architecture (tiny random models), experts split between ``local`` and the
   CPU server, replicated across both, and every expert on the CPU server: prefill logits and greedy decode equal HF
   transformers' (relative error < 1e-4), tokens identical, and the decode steps ran linked.
+* The EPLB recorder wired as the serving engine wires it counts a linked decode's steps as it
+  counts the same steps run eagerly.
 * A linked step with bad slot ids is thrown away and runs again without the link (never wrong
   logits), and later steps link again once the server is back.
 
@@ -49,6 +51,40 @@ def test_host_link_decode_matches_hf(arch, share, tmp_path):
     finally:
         d.close()
         cpu.stop()
+
+
+def test_linked_steps_count_the_expert_load_as_eager_steps_do(tmp_path):
+    """One load call per linked replay (padding rows of the bucket left out) gives the counts the
+    eager path's one call per MoE layer gives, fed the same tokens."""
+    from coordinator.experts.load_recorder import LoadRecorder
+
+    make_checkpoint("qwen3_moe", tmp_path)
+    cpu = start_server("cpu", tmp_path)
+    cfg = CheckpointReader(tmp_path).config
+    totals = {}
+    try:
+        for linked in (True, False):
+            rec = LoadRecorder(cfg.moe_layer_ids, cfg.num_experts, 64, device="cuda")
+            cluster = ClusterConfig(servers(cpu), num_gpu_experts=cfg.num_experts // 2)
+            eng, d = local_engine(tmp_path, cluster, "cuda", load_hook=rec.record, step_load=rec.record_step)
+            if not linked:
+                eng.graphs = None
+            try:
+                seqs = [eng.new_seq() for _ in range(3)]  # 3 pads the bucket of 4
+                eng.step([(s, [(7 * i + j) % 96 for j in range(5)]) for i, s in enumerate(seqs)])
+                for t in range(4):
+                    eng.step([(s, [(11 * t + 3 * i) % 96]) for i, s in enumerate(seqs)])
+                assert d.linked_steps == (4 if linked else 0), (d.linked_steps, d.conns[1].link_note)
+            finally:
+                d.close()
+            snap = rec.snapshot()
+            assert snap.steps == 5
+            totals[linked] = snap.totals
+    finally:
+        cpu.stop()
+    tokens = 3 * 5 + 4 * 3  # the prefill's, then four decode steps of three
+    assert totals[False].sum() == tokens * cfg.top_k * len(cfg.moe_layer_ids)
+    assert torch.equal(totals[True], totals[False]), (totals[True], totals[False])
 
 
 def test_a_bad_host_link_step_runs_again_without_the_link(tmp_path, caplog):

@@ -41,16 +41,18 @@ def hybrid(request, tmp_path_factory):
     cpu.stop()
 
 
-def local_engine(path, cluster: ClusterConfig, device: str = "cpu", dtype=torch.float32, pages: int = 64):
+def local_engine(
+    path, cluster: ClusterConfig, device: str = "cpu", dtype=torch.float32, pages: int = 64, **engine_kw
+):
     """An engine whose dispatcher has the ``local`` member (this process) and the CPU server;
-    ``pages`` KV pages of 4 tokens."""
+    ``pages`` KV pages of 4 tokens; ``engine_kw`` to the Engine (its load hooks)."""
     reader = CheckpointReader(path)
     dev = torch.device(device)
     ec = ExpertCluster(reader.config, cluster, dev, local=connector(str(path), dtype, dev))
     d = RemoteDispatcher(reader.config, cluster, dtype, dev, ec)
     d.connect(60)
     model = load_model(reader, dtype, dev)
-    return Engine(model, d, KVCacheSpec(pages, 4), dtype, dev), d
+    return Engine(model, d, KVCacheSpec(pages, 4), dtype, dev, **engine_kw), d
 
 
 def servers(cpu) -> tuple[ServerSpec, ...]:
