@@ -79,7 +79,7 @@ class InProcessLink(LocalDispatcher):
     def link_plan(self, bucket: int):
         return (0, self.conn, self.lnk) if bucket <= self.lnk.rows else None
 
-    def launch_link_step(self, server, conn, step: int, rows: int, bucket: int) -> str:
+    def launch_link_step(self, server, conn, step: int, rows: int, bucket: int):
         # NOTE: the server's host work (LinkGraphs.launch) stays on the step's critical path,
         # as the LinkStep's answer does across processes
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -87,7 +87,7 @@ class InProcessLink(LocalDispatcher):
             report = self.server.launch(1, self.weights, bucket, step, rows, 10_000)
         if report is not None and report.errors:
             raise RuntimeError(f"server step {report.step}: error bits {report.errors}")
-        return ""
+        return lambda: ""  # launched: the answer the dispatcher's caller reads
 
     def link_failed(self, server, conn, bits: int) -> None:
         raise RuntimeError(f"linked step failed: error bits {bits}")

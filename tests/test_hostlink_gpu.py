@@ -7,6 +7,8 @@ answer's flag; with ``local`` experts the graph computes their share meanwhile.
   transformers' (relative error < 1e-4), tokens identical, and the decode steps ran linked.
 * The EPLB recorder wired as the serving engine wires it counts a linked decode's steps as it
   counts the same steps run eagerly.
+* A linked step the server refuses (the coordinator's side is launched before the answer is
+  read) ends at once and runs without the link, with the same tokens and no server down.
 * A linked step with bad slot ids is thrown away and runs again without the link (never wrong
   logits), and later steps link again once the server is back.
 
@@ -85,6 +87,42 @@ def test_linked_steps_count_the_expert_load_as_eager_steps_do(tmp_path):
     tokens = 3 * 5 + 4 * 3  # the prefill's, then four decode steps of three
     assert totals[False].sum() == tokens * cfg.top_k * len(cfg.moe_layer_ids)
     assert torch.equal(totals[True], totals[False]), (totals[True], totals[False])
+
+
+def test_a_refused_host_link_step_runs_without_the_link_at_once(tmp_path, monkeypatch):
+    hf = make_checkpoint("qwen3_moe", tmp_path)
+    cpu = start_server("cpu", tmp_path)
+    ne = CheckpointReader(tmp_path).config.num_experts
+    cluster = ClusterConfig(servers(cpu), num_gpu_experts=ne // 2, timeout_s=30)
+    eng, d = local_engine(tmp_path, cluster, "cuda")
+    try:
+        prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(6))
+        with torch.no_grad():
+            ref_toks, _ = hf_greedy(hf, prompt, 4)
+        sid = eng.new_seq()
+        toks = [int(eng.step([(sid, prompt.tolist())])[0].argmax())]
+        toks.append(int(eng.step([(sid, [toks[-1]])])[0].argmax()))
+        assert d.linked_steps == 1
+        conn = d.conns[1]
+        real = conn.send_link_step
+
+        def stale(step, rows, bucket, generation, *rest):  # the server refuses another generation
+            return real(step, rows, bucket, generation + 1000, *rest)
+
+        monkeypatch.setattr(conn, "send_link_step", stale)
+        t0 = time.monotonic()
+        toks.append(int(eng.step([(sid, [toks[-1]])])[0].argmax()))
+        took = time.monotonic() - t0
+        assert took < 10, f"a refused step waited {took:.1f}s (its waits were not cancelled)"
+        assert d.linked_steps == 1 and d.link_reruns == 0 and d.expert_cluster.down() == frozenset()
+        assert "generation" in conn.link_pause, conn.link_pause
+        monkeypatch.undo()
+        toks.append(int(eng.step([(sid, [toks[-1]])])[0].argmax()))
+        assert d.linked_steps == 2, conn.link_note
+        assert toks == ref_toks
+    finally:
+        d.close()
+        cpu.stop()
 
 
 def test_a_bad_host_link_step_runs_again_without_the_link(tmp_path, caplog):

@@ -169,14 +169,25 @@ def test_a_failed_link_step_marks_the_server_down():
     def hung(*args):
         raise ExpertServerError.of(errors.DeadlineExceeded("gpu0 did not answer a device-link step"))
 
-    conn = SimpleNamespace(describe_self=lambda: "expert server gpu0", reset=resets.append, link_step=hung)
+    conn = SimpleNamespace(
+        describe_self=lambda: "expert server gpu0", reset=resets.append, send_link_step=hung
+    )
     try:
         d.connect(5)
         d.begin_step(1)
         why = d.launch_link_step(0, conn, 1, 1, 1)  # type: ignore[arg-type]
-        assert "did not answer" in why and c.down() == {0}
+        assert isinstance(why, str) and "did not answer" in why and c.down() == {0}
         c.ensure_ready(10)  # the maintenance thread brings it back
         assert c.down() == frozenset()
+        # sent, and the answer read after the coordinator launched its side: a refusal marks
+        # nothing down, a hung server is marked down when its answer is read
+        conn.send_link_step = lambda *a: lambda: "refused (9): stale generation"
+        answer = d.launch_link_step(0, conn, 2, 1, 1)  # type: ignore[arg-type]
+        assert callable(answer) and answer() == "refused (9): stale generation" and c.down() == frozenset()
+        conn.send_link_step = lambda *a: hung
+        answer = d.launch_link_step(0, conn, 3, 1, 1)  # type: ignore[arg-type]
+        assert callable(answer) and "did not answer" in answer() and c.down() == {0}
+        c.ensure_ready(10)
         d.link_failed(0, conn, link.ERR_TIMEOUT | link.ERR_BAD_SLOT)  # type: ignore[arg-type]
         assert d.link_reruns == 1 and c.down() == {0}
         assert len(resets) == 1 and "no answer within 2s" in resets[0] and "slot ids" in resets[0], resets

@@ -43,6 +43,11 @@ from expertmesh.v1 import expert_worker_pb2 as pb
 from expertmesh.v1 import expert_worker_pb2_grpc as pb_grpc
 from expertmesh.worker_api import ExpertRequest, WorkerInfo
 
+
+def _launched() -> str:  # a link step already answered "launched" (ServerConnection.send_link_step)
+    return ""
+
+
 log = logging.getLogger("expertmesh.remote")
 
 
@@ -480,14 +485,40 @@ class ServerConnection:
         it did, else why not (a refusal, or the channel is gone: the step runs without the link,
         and the piecewise path meets a dead server as usual). No answer within ``timeout_s``:
         the stream is reset and the error raised (the server is hung)."""
+        sent = self.send_link_step(step, rows, bucket, generation, timeout_s, micro)
+        return sent if isinstance(sent, str) else sent()
+
+    def send_link_step(
+        self, step: int, rows: int, bucket: int, generation: int, timeout_s: float, micro: int = 1
+    ) -> str | Callable[[], str]:
+        """:meth:`link_step` in two halves: sends the step and returns the call that reads the
+        server's answer ("" launched, else why not; raises as link_step does), or why it could
+        not be sent. Over a shared-memory channel the answer is not waited for here, so the
+        coordinator launches its own side of the step while the server launches its own; a
+        relayed (TCP) link is answered here (its relay starts only on a launched step)."""
         st = self._stream
         if st is None or st.fast is None or st.dead is not None:
             return "no fast stream"
+        fast = st.fast
         # NOTE: servers take waits of at most 10 minutes (gpu_server/link_graphs.py MAX_TIMEOUT_MS)
         timeout_ms = min(max(1, int(timeout_s * 1e3)), 600_000)
         desc = dsc.LinkStep(self.next_seq(), step, rows, bucket, generation, timeout_ms, micro)
+        if not isinstance(fast, ShmClient):
+            why = self._link_answer(lambda: fast.link_step(desc, time.monotonic() + timeout_s), timeout_s)
+            return why or _launched
         try:
-            resp = st.fast.link_step(desc, time.monotonic() + timeout_s)
+            fast.send_link_step(desc)
+        except Rejected as e:
+            return f"the fast-path channel is gone: {e.message}"
+        except OSError as e:
+            return f"the fast-path channel is gone: {e}"
+        return lambda: self._link_answer(
+            lambda: fast.link_answer(desc.seq, time.monotonic() + timeout_s), timeout_s
+        )
+
+    def _link_answer(self, answer: Callable[[], dsc.Response], timeout_s: float) -> str:
+        try:
+            resp = answer()
         except Rejected as e:
             return f"the fast-path channel is gone: {e.message}"
         except FutureTimeout:

@@ -429,16 +429,30 @@ class RemoteDispatcher(Dispatcher):
 
     def launch_link_step(
         self, server: int, conn: ServerConnection, step: int, rows: int, bucket: int, micro: int = 1
-    ) -> str:
-        """Sends the step's LinkStep (``micro`` micro-batches); "" when the server launched its
-        step graph, else why not (the step then runs the piecewise path). A hung server is
-        marked down here."""
+    ) -> str | Callable[[], str]:
+        """Sends the step's LinkStep (``micro`` micro-batches): why it could not (a string), or
+        the call that reads the server's answer, "" when the server launched its step, else
+        why not (the step then runs the piecewise path). A hung server is marked down in
+        either."""
         assert self._step is not None
         try:
-            return conn.link_step(step, rows, bucket, self._step.generation, self.cluster.timeout_s, micro)
+            sent = conn.send_link_step(
+                step, rows, bucket, self._step.generation, self.cluster.timeout_s, micro
+            )
         except ExpertServerError as e:
             self.expert_cluster.mark_down(server, e)
             return str(e)
+        if isinstance(sent, str):
+            return sent
+
+        def answer() -> str:
+            try:
+                return sent()
+            except ExpertServerError as e:
+                self.expert_cluster.mark_down(server, e)
+                return str(e)
+
+        return answer
 
     def link_failed(self, server: int, conn: ServerConnection, bits: int) -> None:
         """A linked step came back with error bits: nothing of it is used; the server is marked

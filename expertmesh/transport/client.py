@@ -467,17 +467,32 @@ class ShmClient:
         """Sends a device-link step and waits for its answer (code 0: the server's
         step graph is launched; anything else: refused for this step, the channel lives on).
         Raises FutureTimeout past ``deadline``, Rejected if the channel died."""
+        self.send_link_step(step)
+        return self.link_answer(step.seq, deadline)
+
+    def send_link_step(self, step: dsc.LinkStep) -> None:
+        """Sends a device-link step without waiting: its answer is read by :meth:`link_answer`
+        (meanwhile the coordinator launches its own side of the step). Raises Rejected if the
+        channel died."""
         if self._dead is not None:
             raise self._dead
         self._inflight.add(step.seq)
-        self._link_seqs.add(step.seq)
+        self._link_seqs.add(step.seq)  # until its answer is read: a refusal is no failure
         try:
             os.write(self._req_fd, step.pack())
-            self._sent = (self._sent + 1) & 0xFFFFFFFF
-            self._words[REQUESTS_WORD] = self._sent
-            return self.wait(step.seq, deadline)
-        finally:
+        except OSError:
+            self._inflight.discard(step.seq)
             self._link_seqs.discard(step.seq)
+            raise
+        self._sent = (self._sent + 1) & 0xFFFFFFFF
+        self._words[REQUESTS_WORD] = self._sent
+
+    def link_answer(self, seq: int, deadline: float) -> dsc.Response:
+        """The answer to the link step ``seq`` sent by :meth:`send_link_step` (as :meth:`link_step`)."""
+        try:
+            return self.wait(seq, deadline)
+        finally:
+            self._link_seqs.discard(seq)
 
     def _answered(self) -> bool:
         return self._words[RESPONSES_WORD] != self._received or self._dead is not None
