@@ -73,6 +73,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, V] static output
         self.routed: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> layer -> [bucket, K] ids
+        self.stacked: dict[int, torch.Tensor] = {}  # bucket -> [L_moe, bucket, K] the same, by the graph
         if not capture:
             self._pad(0, bm)
             for b in reversed(buckets):  # NOTE: the order of the warm-up below
@@ -132,6 +133,8 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[b] = self.model(batch, self.cache)
+                    if self.step_load is not None and routed:
+                        self.stacked[b] = torch.stack(list(routed.values()))  # one node more
                 self.graphs[b], self.routed[b] = graph, routed
         finally:
             for blk, hook in zip(blocks, hooks, strict=True):
@@ -225,11 +228,16 @@ class DecodeGraphs:
 
     def _replay(self, bucket: int, b: int) -> None:
         self.graphs[bucket].replay()
-        self.record_load(list(self.routed[bucket].items()), b)
+        stacked = self.stacked.get(bucket)
+        if stacked is not None and self.step_load is not None:
+            self.step_load(stacked[:, :b])
+        else:
+            self.record_load(list(self.routed[bucket].items()), b)
 
     def record_load(self, routed: list[tuple[int, torch.Tensor]], b: int) -> None:
         """A replayed step's routing (``[(layer, [bucket, K] ids)]``, every MoE layer in order)
-        to the load hooks: its first ``b`` rows."""
+        to the load hooks: its first ``b`` rows. (Where the graph stacks them itself, its
+        ``[L_moe, bucket, K]`` goes to ``step_load`` directly: one host call a step.)"""
         if self.step_load is not None and routed:
             self.step_load(torch.stack([ids for _, ids in routed])[:, :b])
         elif self.load_hook is not None:

@@ -33,6 +33,8 @@ class LinkedStep:
     # (layer, [rows, K] routing ids, first row) for the load hook: a micro-batched step has one
     # per layer and micro-batch
     ids: list[tuple[int, torch.Tensor, int]]
+    # [L_moe, bucket, K] every layer's ids, stacked by the graph (whole steps with a step hook)
+    stacked: torch.Tensor | None = None
 
 
 @dataclass

@@ -295,7 +295,9 @@ class RemoteDecodeGraphs(DecodeGraphs):
         d.linked_micro_steps += micro > 1
         self._link_note = conn.link_pause = ""
         if self.counts_load:
-            if micro == 1:
+            if linked.stacked is not None and self.step_load is not None:
+                self.step_load(linked.stacked[:, :b])
+            elif micro == 1:
                 self.record_load([(layer, ids) for layer, ids, _ in linked.ids], b)
             else:  # each layer's real rows, its micro-batches' joined
                 per_layer = []
@@ -389,13 +391,16 @@ class RemoteDecodeGraphs(DecodeGraphs):
             with torch.cuda.graph(graph, pool=st.pool, stream=stream, capture_error_mode="thread_local"):
                 linker.prologue()
                 logits = forward()
+                stacked = None
+                if micro == 1 and self.step_load is not None and linker.ids:
+                    stacked = torch.stack([ids for _, ids, _ in linker.ids])  # one node more
             torch.cuda.current_stream().wait_stream(stream)
         finally:
             for blk, (disp, hook) in zip(blocks, saved, strict=True):
                 blk.dispatcher, blk.load_hook = disp, hook
             self.meta.copy_(meta)
         torch.cuda.synchronize()
-        return LinkedStep(graph, logits, linker.ids)
+        return LinkedStep(graph, logits, linker.ids, stacked)
 
     def _capture_all(self) -> None:
         self._pad(0, self.buckets[-1])
