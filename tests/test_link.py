@@ -173,3 +173,46 @@ def test_hello_carries_the_link_offer():
 def test_bad_link_offer_is_rejected(offer):
     with pytest.raises(HandshakeError, match="link offer"):
         Hello.decode(_cuda_hello(offer).encode())
+
+
+@pytest.mark.parametrize("first", [0, 2])  # 2: a micro-batch's rows, counted from its first row
+def test_send_writes_the_request_and_its_flag_in_one_kernel(first):
+    """link.send against the plain writes it replaces: x in the area's dtype, each routed
+    expert's server slot from the table (-1 for rows at or past the step's real rows, and for
+    the table's -1), the weights as float32, then the layer's flag."""
+    r, h, k, e, n = 8, 40, 3, 6, 3
+    req = link.RequestViews.of(link.new_area(link.request_bytes(r, h, k, torch.float32), torch.device("cpu")),
+                               r, h, k, torch.float32)  # fmt: skip
+    g = torch.Generator().manual_seed(first)
+    x = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    topk = torch.randint(0, e, (n, k), generator=g)
+    w = torch.rand(n, k, generator=g).to(torch.bfloat16)
+    table = torch.tensor([4, -1, 0, 7, 2, 5], dtype=torch.int32)  # -1: an expert held elsewhere
+    word = torch.tensor([9, first + 2], dtype=torch.int64)  # step 9; rows past first + 2 are padding
+    link.send(req, slice(first, first + n), x, topk, w, table, word, 5)
+    rows = slice(first, first + n)
+    assert torch.equal(req.x[rows], x.float())
+    want = table[topk].clone()
+    want[2:] = -1  # the third row is padding
+    assert torch.equal(req.ids[rows], want), (req.ids[rows], want)
+    assert torch.equal(req.w[rows], w.float())
+    assert int(req.flag) == 9 * link.STEP_SPAN + 5 + 1
+    assert float(req.x[:first].abs().sum()) == 0 and float(req.x[first + n :].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_take_copies_the_answer_adds_the_local_share_and_ors_the_status(add):
+    r, h = 4, 24
+    ans = link.AnswerViews.of(link.new_area(link.answer_bytes(r, h, torch.float32), torch.device("cpu")), r, h,
+                              torch.float32)  # fmt: skip
+    ans.out.copy_(torch.randn(r, h, generator=torch.Generator().manual_seed(1)))
+    ans.status.fill_(link.ERR_BAD_SLOT)
+    errors = torch.tensor([link.ERR_TIMEOUT], dtype=torch.int64)
+    mine = torch.randn(3, h, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16) if add else None
+    got = link.take(ans, slice(1, 4), errors, torch.bfloat16, mine)
+    want = ans.out[1:4] + (mine.float() if mine is not None else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, h)
+    # NOTE: within one bf16 step: the interpreter rounds float32 to bf16 its own way (the GPU
+    # rounds to nearest); the sum is taken in float32 and rounded once
+    assert torch.allclose(got.float(), want, rtol=2**-7, atol=0), (got.float() - want).abs().max()
+    assert int(errors) == link.ERR_TIMEOUT | link.ERR_BAD_SLOT

@@ -67,6 +67,7 @@ class LinkState:
     pool: Any = None  # the graphs' own memory pool (torch.cuda.graph_pool_handle)
     steps: dict[tuple[int, int], LinkedStep] = field(default_factory=dict)  # (bucket, micro) ->
     mapped: Any = None  # host link: the HostMapped areas (unregistered when the link goes)
+    _scratch: Any = None  # a request area of our own, what a capture's warm-up run writes
     local_key: tuple | None = None  # the LocalShare.key the graphs in ``steps`` were captured with
 
     @classmethod
@@ -95,6 +96,17 @@ class LinkState:
         # a dead channel ends a step in flight at once instead of at its timeout (ShmClient.kill)
         lnk.cancel = link.Canceller(st.abort)
         return st
+
+    def scratch(self) -> Any:
+        """A request area like the link's, in our own memory (link.RequestViews)."""
+        if self._scratch is None:
+            from expertmesh.transport import link
+
+            lnk = self.link
+            r, h, k, dt = lnk.rows, lnk.hidden, lnk.top_k, lnk.dtype
+            area = link.new_area(link.request_bytes(r, h, k, dt), self.abort.device)
+            self._scratch = link.RequestViews.of(area, r, h, k, dt)
+        return self._scratch
 
     def close(self) -> None:
         """Drops the graphs and unmaps a host link's areas (the caller holds no replay)."""
@@ -174,13 +186,13 @@ class Linker(Dispatcher):
         rows = slice(at, at + self.rows)  # this micro-batch's (the whole bucket's if not split)
         req, ans = st.req, st.ans
         step = st.step.step
-        req.x[rows].copy_(x)
-        ids = req.ids[rows]  # [rows, K] int32: the server's slot of each (token, k); -1: padding, local
-        torch.index_select(self.table[i], 0, topk_ids.reshape(-1), out=ids.view(-1))
-        ids.masked_fill_(st.pad[rows], -1)
-        req.w[rows].copy_(topk_weights)
+        # the request (x; the server's slot of each (token, k), -1 for padding and local experts;
+        # the weights) and its flag in one kernel. NOTE: the warm-up run writes a private copy
+        # of the area: its flag would announce a step the server never saw
+        into = req if self.capturing else st.scratch()
+        link.send(into, rows, x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
+                  self.table[i], st.step.dev, index)  # fmt: skip
         if self.capturing:
-            link.signal(req.flag, step, index)
             self.ids.append((layer, topk_ids, at))
         mine = self._local_share(i, x, topk_ids, topk_weights)  # runs while the server computes
 
@@ -188,11 +200,7 @@ class Linker(Dispatcher):
             if self.capturing:
                 link.wait(ans.flag, step, index, st.abort, st.errors, self.timeout_s, at_least=self.micro > 1)
             # NOTE: a copy into our memory now: the server reuses its area for the next layer
-            routed = ans.out[rows].to(dtype=x.dtype, copy=True)
-            st.errors.bitwise_or_(ans.status)
-            if mine is not None:
-                routed.add_(mine)
-            return routed
+            return link.take(ans, rows, st.errors, x.dtype, mine)
 
         return Pending(wait)
 

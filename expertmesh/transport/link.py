@@ -186,6 +186,64 @@ def _wait_kernel(
         _fence_sys()  # acquire: what the peer wrote before its flag is visible to what follows
 
 
+@triton.jit(do_not_specialize=["index", "first", "n_x", "n_ids"])
+def _send_kernel(
+    x_ptr,
+    topk_ptr,
+    w_ptr,
+    table_ptr,
+    rx_ptr,
+    rids_ptr,
+    rw_ptr,
+    flag_ptr,
+    word_ptr,
+    index,
+    first,
+    n_x,
+    n_ids,
+    K: tl.constexpr,
+    SPAN: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # one program: a layer's request (hidden states, slot ids, weights), then its flag, in ONE
+    # kernel instead of four copies and a signal (a graph node each, per layer and step)
+    step = tl.load(word_ptr)
+    real = tl.load(word_ptr + 1)  # rows of the step that are not padding
+    for start in range(0, n_x, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        m = o < n_x
+        v = tl.load(x_ptr + o, mask=m)
+        tl.store(rx_ptr + o, v.to(rx_ptr.dtype.element_ty), mask=m)
+    for start in range(0, n_ids, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        m = o < n_ids
+        live = m & (first + o // K < real)
+        e = tl.load(topk_ptr + o, mask=live, other=0)
+        sid = tl.load(table_ptr + e, mask=live, other=-1)
+        tl.store(rids_ptr + o, sid, mask=m)
+        tl.store(rw_ptr + o, tl.load(w_ptr + o, mask=m, other=0.0).to(tl.float32), mask=m)
+    if ON_GPU:
+        _fence_sys()  # each thread's own writes, before the barrier and the flag
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, step * SPAN + index + 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _take_kernel(out_ptr, status_ptr, err_ptr, dst_ptr, add_ptr, n, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    # the answer into our memory (plus the in-process share where there is one) and its status
+    # bits into the step's error word: one kernel instead of a copy, an add and an OR
+    pid = tl.program_id(0)
+    o = pid * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    v = tl.load(out_ptr + o, mask=m, other=0.0).to(tl.float32)
+    if ADD:
+        v += tl.load(add_ptr + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + o, v.to(dst_ptr.dtype.element_ty), mask=m)
+    if pid == 0:
+        tl.atomic_or(err_ptr, tl.load(status_ptr, volatile=True))
+
+
 def _on_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda
 
@@ -227,6 +285,72 @@ def wait(
         AT_LEAST=at_least,
         num_warps=1,
     )
+
+
+def send(
+    req: RequestViews,
+    rows: slice,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    table: torch.Tensor,
+    word: torch.Tensor,
+    index: int,
+) -> None:
+    """Writes MoE layer ``index``'s request into ``req``'s ``rows`` and publishes its flag, in
+    one kernel: ``x [n, H]``, the server's slot of each routed expert (``table [E] int32`` at
+    ``topk_ids [n, K]``; -1 for rows at or past ``word[1]``, the step's real rows, counted from
+    ``rows.start``), ``topk_weights [n, K]`` as float32; ``word`` the StepWord's ``[step, rows]``.
+    Capturable."""
+    n, k = topk_ids.shape
+    assert x.is_contiguous() and topk_ids.is_contiguous() and topk_weights.is_contiguous(), (
+        "contiguous inputs"
+    )
+    assert x.shape[0] == n and rows.stop - rows.start == n, f"{x.shape=} {topk_ids.shape=} {rows=}"
+    rx, rids, rw = req.x[rows], req.ids[rows], req.w[rows]
+    _send_kernel[(1,)](
+        x,
+        topk_ids,
+        topk_weights,
+        table,
+        rx,
+        rids,
+        rw,
+        req.flag,
+        word,
+        index,
+        rows.start,
+        x.numel(),
+        n * k,
+        K=k,
+        SPAN=STEP_SPAN,
+        ON_GPU=_on_gpu(req.flag),
+        BLOCK=1024,
+        num_warps=4,
+    )
+
+
+def take(
+    ans: AnswerViews, rows: slice, errors: torch.Tensor, dtype: torch.dtype, add: torch.Tensor | None = None
+):
+    """The answer of ``ans``'s ``rows`` as a new ``[n, H]`` tensor of ``dtype`` in our memory
+    (plus ``add`` where given, the in-process share), its status bits OR-ed into ``errors``;
+    after :func:`wait`. Capturable."""
+    src = ans.out[rows]
+    dst = torch.empty(src.shape, dtype=dtype, device=errors.device)
+    block = 1024
+    _take_kernel[(triton.cdiv(src.numel(), block),)](
+        src,
+        ans.status,
+        errors,
+        dst,
+        add if add is not None else dst,
+        src.numel(),
+        ADD=add is not None,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return dst
 
 
 def warm_up(device: torch.device) -> None:
