@@ -89,6 +89,19 @@ def test_linked_steps_count_the_expert_load_as_eager_steps_do(tmp_path):
     assert torch.equal(totals[True], totals[False]), (totals[True], totals[False])
 
 
+def _two_steps(eng, d, hf, seed: int) -> tuple[int, list[int], list[int]]:
+    """A new sequence's prefill and first decode step (linked), its greedy tokens so far, and
+    HF's four greedy tokens for the same prompt."""
+    prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ref_toks, _ = hf_greedy(hf, prompt, 4)
+    sid = eng.new_seq()
+    toks = [int(eng.step([(sid, prompt.tolist())])[0].argmax())]
+    toks.append(int(eng.step([(sid, [toks[-1]])])[0].argmax()))
+    assert d.linked_steps == 1
+    return sid, toks, ref_toks
+
+
 def test_a_refused_host_link_step_runs_without_the_link_at_once(tmp_path, monkeypatch):
     hf = make_checkpoint("qwen3_moe", tmp_path)
     cpu = start_server("cpu", tmp_path)
@@ -96,13 +109,7 @@ def test_a_refused_host_link_step_runs_without_the_link_at_once(tmp_path, monkey
     cluster = ClusterConfig(servers(cpu), num_gpu_experts=ne // 2, timeout_s=30)
     eng, d = local_engine(tmp_path, cluster, "cuda")
     try:
-        prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(6))
-        with torch.no_grad():
-            ref_toks, _ = hf_greedy(hf, prompt, 4)
-        sid = eng.new_seq()
-        toks = [int(eng.step([(sid, prompt.tolist())])[0].argmax())]
-        toks.append(int(eng.step([(sid, [toks[-1]])])[0].argmax()))
-        assert d.linked_steps == 1
+        sid, toks, ref_toks = _two_steps(eng, d, hf, 6)
         conn = d.conns[1]
         real = conn.send_link_step
 
@@ -132,13 +139,7 @@ def test_a_bad_host_link_step_runs_again_without_the_link(tmp_path, caplog):
     ne = CheckpointReader(tmp_path).config.num_experts
     eng, d = local_engine(tmp_path, ClusterConfig(servers(cpu), num_gpu_experts=ne // 2), "cuda")
     try:
-        prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(5))
-        with torch.no_grad():
-            ref_toks, _ = hf_greedy(hf, prompt, 4)
-        sid = eng.new_seq()
-        toks = [int(eng.step([(sid, prompt.tolist())])[0].argmax())]
-        toks.append(int(eng.step([(sid, [toks[-1]])])[0].argmax()))
-        assert d.linked_steps == 1
+        sid, toks, ref_toks = _two_steps(eng, d, hf, 5)
         d.link_table[0].fill_(1 << 20)  # every server slot id of the first MoE layer out of range
         got = None
         deadline = time.monotonic() + 60  # the re-run may wait for the server marked down
