@@ -24,7 +24,7 @@ Shapes: Bm largest bucket, W page-table width, V vocab.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -228,16 +228,18 @@ class DecodeGraphs:
 
     def _replay(self, bucket: int, b: int) -> None:
         self.graphs[bucket].replay()
-        stacked = self.stacked.get(bucket)
-        if stacked is not None and self.step_load is not None:
-            self.step_load(stacked[:, :b])
-        else:
-            self.record_load(list(self.routed[bucket].items()), b)
+        self.record_load(self.routed[bucket].items(), b, self.stacked.get(bucket))
 
-    def record_load(self, routed: list[tuple[int, torch.Tensor]], b: int) -> None:
+    def record_load(
+        self, routed: Iterable[tuple[int, torch.Tensor]], b: int, stacked: torch.Tensor | None = None
+    ) -> None:
         """A replayed step's routing (``[(layer, [bucket, K] ids)]``, every MoE layer in order)
-        to the load hooks: its first ``b`` rows. (Where the graph stacks them itself, its
-        ``[L_moe, bucket, K]`` goes to ``step_load`` directly: one host call a step.)"""
+        to the load hooks: its first ``b`` rows; ``stacked``: the same ``[L_moe, bucket, K]``
+        stacked by the graph itself, taken by ``step_load`` as it is (one host call a step)."""
+        if self.step_load is not None and stacked is not None:
+            self.step_load(stacked[:, :b])
+            return
+        routed = list(routed)
         if self.step_load is not None and routed:
             self.step_load(torch.stack([ids for _, ids in routed])[:, :b])
         elif self.load_hook is not None:

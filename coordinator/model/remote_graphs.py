@@ -295,10 +295,8 @@ class RemoteDecodeGraphs(DecodeGraphs):
         d.linked_micro_steps += micro > 1
         self._link_note = conn.link_pause = ""
         if self.counts_load:
-            if linked.stacked is not None and self.step_load is not None:
-                self.step_load(linked.stacked[:, :b])
-            elif micro == 1:
-                self.record_load([(layer, ids) for layer, ids, _ in linked.ids], b)
+            if micro == 1:
+                self.record_load(((layer, ids) for layer, ids, _ in linked.ids), b, linked.stacked)
             else:  # each layer's real rows, its micro-batches' joined
                 per_layer = []
                 for j in range(0, len(linked.ids), micro):
