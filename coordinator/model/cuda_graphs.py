@@ -25,6 +25,7 @@ Shapes: Bm largest bucket, W page-table width, V vocab.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +37,42 @@ from coordinator.model.models.base import CausalLM
 from coordinator.model.models.moe import LoadHook, StepLoadHook
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _held() -> bool:
+    return True
+
+
+@dataclass
+class Replayed:
+    """A decode step queued on the device (:meth:`DecodeGraphs.launch`): nothing of it was read
+    back. ``logits`` ``[b, V]`` is a view of the graph's output, valid until the next launch.
+    ``finish`` (once, after the step's end: it waits for it) says whether its results hold; a
+    linked step that failed there had nothing of it used. ``cancel`` ends its waits on a server
+    at once (its results are not wanted)."""
+
+    logits: torch.Tensor
+    finish: Callable[[], bool] = _held
+    cancel: Callable[[], None] | None = None
+
+
+def once(fn: Callable[[], bool]) -> Callable[[], bool]:
+    """``fn`` run on the first call only; every call answers its result."""
+    done: list[bool] = []
+
+    def call() -> bool:
+        if not done:
+            done.append(fn())
+        return done[0]
+
+    return call
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Host ``src`` into device ``dst`` without waiting: through pinned memory, which the caching
+    host allocator keeps until the copy ran. Why: a copy from pageable memory waits for the
+    stream, i.e. for a step still running there (the scheduler queues the next step behind it)."""
+    dst.copy_(src.pin_memory(), non_blocking=True)
 
 
 class DecodeGraphs:
@@ -168,6 +205,19 @@ class DecodeGraphs:
         """seqs: (new token id, tokens already cached, page table) per sequence."""
         return self.run_tokens([([tok], past, pages) for tok, past, pages in seqs])
 
+    def launch(self, seqs: list[tuple[int, int, list[int]]], feed: torch.Tensor | None = None) -> Replayed:
+        """Queues a decode step (``seqs`` as :meth:`run`'s) and returns without waiting for it.
+        ``feed`` ``[b]`` int64 on the device: the step's token ids instead of the host's (the
+        samples of the step queued before, unknown to the host yet)."""
+        b = len(seqs)
+        bucket = self.bucket(b)
+        assert bucket is not None, f"{b=} > largest bucket {self.buckets[-1]}"
+        self._fill(seqs, bucket)
+        if feed is not None:
+            self.meta[0, :b].copy_(feed)
+        self._replay(bucket, b)
+        return Replayed(self.logits[bucket][:b])
+
     def run_tokens(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:  # [B, V] float32
         """seqs: (new token ids, tokens already cached, page table) per sequence, T tokens in
         all; the logits of each sequence's last new token."""
@@ -217,14 +267,14 @@ class DecodeGraphs:
         table = torch.zeros(len(seqs), w, dtype=torch.int32)
         for i, (_, _, pages) in enumerate(seqs):
             table[i, : need[i]] = torch.tensor(pages[: need[i]], dtype=torch.int32)
-        self.meta[:, :bucket].copy_(host)
+        upload(self.meta[:, :bucket], host)
         if not decode:
-            self.token_seq[:bucket].copy_(torch.tensor(seq + [0] * pad, dtype=torch.int32))
+            upload(self.token_seq[:bucket], torch.tensor(seq + [0] * pad, dtype=torch.int32))
             self._seq_identity = False
         elif not self._seq_identity:  # back to the identity after an extend: a device copy
             self.token_seq.copy_(self._identity)
             self._seq_identity = True
-        self.table[: len(seqs), :w].copy_(table)
+        upload(self.table[: len(seqs), :w], table)
 
     def _replay(self, bucket: int, b: int) -> None:
         self.graphs[bucket].replay()

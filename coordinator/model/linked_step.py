@@ -169,9 +169,9 @@ class Linker(Dispatcher):
         self._k = 0  # the step's submits so far
 
     def prologue(self) -> None:
-        """The step's first nodes: its (step, rows) word, zero errors, the padding mask."""
+        """The step's first nodes: zero errors, the padding mask (of the (step, rows) word the
+        host uploads before each replay, StepWord.upload)."""
         st = self.st
-        st.step.copy_in()
         st.errors.zero_()
         torch.ge(st.rowid, st.step.rows, out=st.pad)
         self._k = 0

@@ -24,9 +24,10 @@ graph writes the layer's hidden states, local slot ids (the dispatcher's GPU slo
 padding rows) and weights into the link's request area and signals its flag; the server's step
 graph, launched by a LinkStep, waits on that flag, computes and signals back; the Pending's wait
 spins on the answer flag (a shared expert computed in between overlaps the server), copies the
-answer and ORs its status into the step's error word. The host reads that word once after the
-replay: any bit -> nothing of the step is used, the server is marked down, and the same step
-runs again on the piecewise chain (its K/V writes go to the same slots).
+answer and ORs its status into the step's error word. A copy of that word queued behind the
+step is read once the step is finished (:meth:`launch` returns before: the scheduler queues
+the next step first): any bit -> nothing of the step is used, the server is marked down, and
+the same step runs again on the piecewise chain (its K/V writes go to the same slots).
 
 With ``micro`` > 1 (the engine's --micro-batches; ``None``, the coordinator's default: 2 for
 buckets of 4-16 rows, where two paid on a measured TCP hop with and without 100 us of added
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from coordinator.model.batch import ForwardBatch
-from coordinator.model.cuda_graphs import BUCKETS, DecodeGraphs
+from coordinator.model.cuda_graphs import BUCKETS, DecodeGraphs, Replayed, once
 from coordinator.model.dispatch import Dispatcher, Pending
 from coordinator.model.kv_cache import KVCache
 from coordinator.model.linked_step import LinkedStep, Linker, LinkState, LocalShare
@@ -179,20 +180,41 @@ class RemoteDecodeGraphs(DecodeGraphs):
 
     def run(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:  # [b, V] float32
         b = len(seqs)
+        step = self.launch(seqs)
+        if not step.finish():  # a linked step failed: nothing of it is used
+            # NOTE: the re-run is a fresh step: it routes around the server just marked down
+            # (and waits, bounded, for it to come back, as the piecewise path does after any
+            # loss) instead of sending into its dead stream; its K/V writes go to the same slots
+            self.dispatcher.begin_step(b)
+            bucket = self.bucket(b)
+            assert bucket is not None
+            self._replay_piecewise(bucket, b)
+            return self.logits[bucket][:b].clone()
+        return step.logits.clone()
+
+    def launch(self, seqs: list[tuple[int, int, list[int]]], feed: torch.Tensor | None = None) -> Replayed:
+        """The step over the link, queued and not waited for; without a link (or refused) the
+        piecewise chain, which waits for the servers layer by layer."""
+        b = len(seqs)
         bucket = self.bucket(b)
         assert bucket is not None, f"{b=} > largest bucket {self.buckets[-1]}"
         self._fill(seqs, bucket)
-        logits = self._replay_linked(bucket, b)
-        if logits is None:  # no link, refused, or failed: the piecewise chain (same metadata)
-            # NOTE: under inference mode, as an eager step's dispatch is (CausalLM.forward): the
-            # host dispatch between segments runs the coordinator's own experts
-            # (coordinator/experts/local.py), whose buffers an eager step may have made as
-            # inference tensors. Not the linked replay: the link's areas are written by the
-            # connection's thread, outside inference mode.
-            with torch.inference_mode():
-                self._replay(bucket, b)
-            logits = self.logits[bucket]
-        return logits[:b].clone()
+        if feed is not None:
+            self.meta[0, :b].copy_(feed)
+        step = self._launch_linked(bucket, b)
+        if step is None:  # no link, refused, or its capture failed: the piecewise chain
+            self._replay_piecewise(bucket, b)
+            step = Replayed(self.logits[bucket][:b])
+        return step
+
+    def _replay_piecewise(self, bucket: int, b: int) -> None:
+        # NOTE: under inference mode, as an eager step's dispatch is (CausalLM.forward): the
+        # host dispatch between segments runs the coordinator's own experts
+        # (coordinator/experts/local.py), whose buffers an eager step may have made as
+        # inference tensors. Not the linked replay: the link's areas are written by the
+        # connection's thread, outside inference mode.
+        with torch.inference_mode():
+            self._replay(bucket, b)
 
     def links(self, b: int) -> bool:
         """Whether a decode step of ``b`` sequences would try the link now (the engine then
@@ -215,9 +237,11 @@ class RemoteDecodeGraphs(DecodeGraphs):
             return 1
         return m
 
-    def _replay_linked(self, bucket: int, b: int) -> torch.Tensor | None:
-        """The step over the device link; None when it did not run there (or failed: then
-        nothing of it is used)."""
+    def _launch_linked(self, bucket: int, b: int) -> Replayed | None:
+        """The step over the device link, queued; None when it does not run there. Its
+        ``finish`` reads the step's error word (a copy queued behind it: the word itself is the
+        next step's once that runs) and holds the link's lock until then: the channel's close
+        waits for it before the areas go."""
         d = self.dispatcher
         plan = d.link_plan(bucket)
         if plan is None:
@@ -270,9 +294,8 @@ class RemoteDecodeGraphs(DecodeGraphs):
             if isinstance(sent, str):
                 self._note(conn, sent)
                 return None
-            st.step.set(step, b)
+            st.step.upload(step, b)
             linked.graph.replay()
-            st.step.replayed()
             # NOTE: the server's answer is read once our side is launched: the two launches
             # overlap (at full size the round trip was ~0.3 ms of each token's host time)
             why = sent()
@@ -281,30 +304,51 @@ class RemoteDecodeGraphs(DecodeGraphs):
                 lnk.cancel(step)
                 self._note(conn, why)
                 return None
-            bits = int(st.errors.item())  # the step's one host read
-        if bits:
-            log.error("%s: device-link step %d failed (error bits %d): running it again without the link",
-                      conn.spec.name, step, bits)  # fmt: skip
-            d.link_failed(server, conn, bits)
-            # NOTE: nothing of the attempt is used, so the re-run is a fresh step: it routes
-            # around the server just marked down (and waits, bounded, for it to come back, as
-            # the piecewise path does after any loss) instead of sending into its dead stream
-            d.begin_step(b)
-            return None
-        d.linked_steps += 1
-        d.linked_micro_steps += micro > 1
-        self._link_note = conn.link_pause = ""
-        if self.counts_load:
-            if micro == 1:
-                self.record_load(((layer, ids) for layer, ids, _ in linked.ids), b, linked.stacked)
-            else:  # each layer's real rows, its micro-batches' joined
-                per_layer = []
-                for j in range(0, len(linked.ids), micro):
-                    parts = linked.ids[j : j + micro]
-                    real = [ids[: max(0, min(ids.shape[0], b - at))] for _, ids, at in parts]
-                    per_layer.append((parts[0][0], torch.cat(real)))
-                self.record_load(per_layer, b)
-        return linked.logits
+            bits = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            bits.copy_(st.errors, non_blocking=True)
+            routed: torch.Tensor | list[tuple[int, torch.Tensor]] | None = None
+            if self.counts_load:  # NOTE: copies: the next step's replay rewrites the graph's
+                if micro == 1 and linked.stacked is not None:
+                    routed = linked.stacked[:, :b].clone()
+                else:  # each layer's real rows, a micro-batched step's joined
+                    per_layer = []
+                    for j in range(0, len(linked.ids), micro):
+                        parts = linked.ids[j : j + micro]
+                        real = [ids[: max(0, min(ids.shape[0], b - at))] for _, ids, at in parts]
+                        per_layer.append((parts[0][0], torch.cat(real)))
+                    routed = per_layer
+            ended = torch.cuda.Event()
+            ended.record()
+            lnk.lock.acquire()  # NOTE: an RLock: released by finish, on this thread
+        held = [True]
+
+        def finish() -> bool:
+            if held[0]:
+                held[0] = False
+                try:
+                    ended.synchronize()
+                finally:
+                    lnk.lock.release()
+            code = int(bits[0])
+            if code:
+                log.error("%s: device-link step %d failed (error bits %d): running it again without the link",
+                          conn.spec.name, step, code)  # fmt: skip
+                d.link_failed(server, conn, code)
+                return False
+            d.linked_steps += 1
+            d.linked_micro_steps += micro > 1
+            self._link_note = conn.link_pause = ""
+            if isinstance(routed, torch.Tensor):
+                self.record_load((), b, routed)
+            elif routed is not None:
+                self.record_load(routed, b)
+            return True
+
+        def cancel() -> None:
+            assert lnk.cancel is not None
+            lnk.cancel(step)
+
+        return Replayed(linked.logits[:b], once(finish), cancel)
 
     def _note(self, conn: ServerConnection, why: str) -> None:
         """A step of a live link ran without it: logged when the reason changes, and shown in

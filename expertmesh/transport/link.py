@@ -106,6 +106,19 @@ class StepWord:
             self._used.record()
             self._pending = True
 
+    def upload(self, step: int, rows: int) -> None:
+        """Outside any graph: sets the pair and queues its upload on the current stream, for a
+        graph that reads ``dev`` without a copy node of its own. The host pair is free again
+        once that copy ran, not once the whole replay after it did: a step may be queued behind
+        one still running (the scheduler's next step) without waiting for it."""
+        if self._pending and self._used is not None:
+            self._used.synchronize()
+        self._host_np[0], self._host_np[1] = step, rows
+        self.dev.copy_(self.host, non_blocking=True)
+        if self._used is not None:
+            self._used.record()
+            self._pending = True
+
 
 # ---------------------------------------------------------------------------- kernels
 
