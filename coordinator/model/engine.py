@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from coordinator.model.batch import ForwardBatch
-from coordinator.model.cuda_graphs import DecodeGraphs
+from coordinator.model.cuda_graphs import DecodeGraphs, Replayed
 from coordinator.model.dispatch import Dispatcher, LocalDispatcher
 from coordinator.model.kv_cache import KVCache, KVCacheSpec, OutOfPages, PageAllocator
 from coordinator.model.loader import load_model
@@ -206,16 +206,7 @@ class Engine:
             # NOTE: only for a step with an adapter: the slots are a host-to-device copy
             # (~0.3 ms a step at full size) that a base-model step never reads
             token_adapter = self.lora.token_slots(adapters, [len(t) for _, t in items])
-        need = sum(self.pages_needed(sid, len(toks)) for sid, toks in items)
-        if need > self.pages.num_free:
-            raise OutOfPages(f"step needs {need} new pages, {self.pages.num_free} free")
-        for sid, toks in items:
-            s = self.seqs[sid]
-            s.pages.extend(self.pages.alloc(self.pages_needed(sid, len(toks))))
-            # the step writes rows cached.. on: never into an indexed (shareable) page
-            assert not self.pages.indexed(s.pages[s.cached // self.page_size]), (
-                f"seq {sid} writes a shared page"
-            )
+        self._take_pages([(sid, len(toks)) for sid, toks in items])
         # NOTE: captured decode graphs hold the base model only: a step with an adapter runs eagerly
         decode = not all_logits and not uses_lora and all(len(toks) == 1 for _, toks in items)
         if self.lora is not None:
@@ -284,6 +275,57 @@ class Engine:
             return list(logits.unbind(0))
         return list(logits.split([len(t) for _, t in items]))
 
+    def _take_pages(self, items: list[tuple[int, int]]) -> None:
+        """Pages for (seq id, new tokens) of a step; OutOfPages (nothing taken) when they do
+        not fit."""
+        need = sum(self.pages_needed(sid, n) for sid, n in items)
+        if need > self.pages.num_free:
+            raise OutOfPages(f"step needs {need} new pages, {self.pages.num_free} free")
+        for sid, n in items:
+            s = self.seqs[sid]
+            s.pages.extend(self.pages.alloc(self.pages_needed(sid, n)))
+            # the step writes rows cached.. on: never into an indexed (shareable) page
+            assert not self.pages.indexed(s.pages[s.cached // self.page_size]), (
+                f"seq {sid} writes a shared page"
+            )
+
+    def launches(self, b: int) -> bool:
+        """Whether :meth:`launch` queues a decode step of ``b`` sequences without waiting for it
+        (a captured graph takes it); else it runs the step there and then."""
+        g = self.graphs
+        # NOTE: not a step the engine would split into eager micro-batches (--micro-batches)
+        return (
+            g is not None
+            and g.bucket(b) is not None
+            and (min(self.micro_batches or 1, b) < 2 or _defers(self.dispatcher))
+        )
+
+    def launch(self, items: list[tuple[int, int]], feed: torch.Tensor | None = None) -> Launched:
+        """A base-model decode step of (seq id, new token id) items, queued on the device and
+        not waited for where a decode graph takes it (:meth:`launches`): the scheduler samples
+        it on the device and queues the next step behind it before the host reads a token.
+        ``feed`` ``[b]`` int64 on the model's device: the step's token ids in place of the
+        items' (the last step's samples, not on the host yet). Raises OutOfPages as
+        :meth:`step`. The step's tokens enter the prefix index only once it is finished."""
+        b = len(items)
+        if not self.launches(b):  # the step runs now (eager, or micro-batched)
+            toks = feed.tolist() if feed is not None else [t for _, t in items]
+            rows = self.step([(sid, [t]) for (sid, _), t in zip(items, toks, strict=True)])
+            return Launched(self, [sid for sid, _ in items], Replayed(torch.stack(rows)), indexed=True)
+        assert self.graphs is not None
+        self._take_pages([(sid, 1) for sid, _ in items])
+        if self.lora is not None:
+            self.lora.begin_step(None)
+        self.dispatcher.begin_step(b)
+        step = self.graphs.launch(
+            [(tok, self.seqs[sid].cached, self.seqs[sid].pages) for sid, tok in items], feed
+        )
+        for sid, _ in items:
+            self.seqs[sid].cached += 1
+        if self.after_step is not None:
+            self.after_step()
+        return Launched(self, [sid for sid, _ in items], step, indexed=False)
+
     def _index(self, s: SeqState, toks: list[int], salt: Salt) -> None:
         """After a step wrote ``toks`` for ``s``: its pages now full enter the prefix index."""
         assert self.prefix is not None
@@ -293,13 +335,51 @@ class Engine:
             return
         s.tokens.extend(toks)
         p = self.page_size
-        while s.indexing and (s.indexed + 1) * p <= s.cached:
+        # NOTE: ``cached`` may run ahead of the tokens known here (a launched step's)
+        while s.indexing and (s.indexed + 1) * p <= min(s.cached, len(s.tokens)):
             i = s.indexed
             blk = self.prefix.add(s.chain, salt, s.tokens[i * p : (i + 1) * p], s.pages[i])
             if blk is None:
                 s.indexing = False
                 break
             s.chain, s.indexed = blk, i + 1
+
+
+class Launched:
+    """A decode step :meth:`Engine.launch` queued: ``logits`` ``[b, V]`` on the model's device
+    (valid until the engine's next step). Call :meth:`finish` once it is no longer wanted or
+    once its results are (it waits for the step's end)."""
+
+    def __init__(self, engine: Engine, seqs: list[int], step: Replayed, indexed: bool) -> None:
+        self.engine, self.seqs, self.step, self.indexed = engine, seqs, step, indexed
+        self.logits = step.logits
+
+    def finish(self, tokens: list[int | None] | None = None) -> bool:
+        """Waits for the step's end; whether its results hold (False: a linked step that failed,
+        nothing of it used). ``tokens``: its input ids (a fed step's, known to the host by
+        now; None for a sequence not to index), which then enter the prefix index."""
+        ok = self.step.finish()
+        eng = self.engine
+        if ok and not self.indexed and eng.prefix is not None and tokens is not None:
+            self.indexed = True
+            for sid, tok in zip(self.seqs, tokens, strict=True):
+                s = eng.seqs.get(sid)
+                if s is not None and tok is not None:
+                    eng._index(s, [tok], None)
+        return ok
+
+    def cancel(self) -> None:
+        """Ends its waits on a server at once (its results will not be used)."""
+        if self.step.cancel is not None:
+            self.step.cancel()
+
+    def undo(self) -> None:
+        """Its sequences' K/V positions go back: a step of no use (a failed one, or one fed
+        with its tokens), whose writes the step run again in its place rewrites."""
+        for sid in self.seqs:
+            s = self.engine.seqs.get(sid)
+            if s is not None:
+                s.cached -= 1
 
 
 def _defers(dispatcher: Dispatcher) -> bool:

@@ -98,17 +98,32 @@ def sample(
     if rows:
         dev = logits.device
         sub = [params[i] for i in rows]
+        every = len(rows) == len(params)
+        index = None if every else _to(dev, rows, torch.long)
         probs, order = _filtered_probs(
-            logits[rows],
-            torch.tensor([p.temperature for p in sub], device=dev),
-            torch.tensor([p.top_k for p in sub], device=dev, dtype=torch.long),
-            torch.tensor([p.top_p for p in sub], device=dev),
+            logits if index is None else logits[index],
+            _to(dev, [p.temperature for p in sub], torch.float32),
+            _to(dev, [p.top_k for p in sub], torch.long),
+            _to(dev, [p.top_p for p in sub], torch.float32),
         )
         # exponential race: argmax(p / E) with E ~ Exp(1) draws index j with probability p_j,
         # each row from its own generator
         race = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in rows])
         race.clamp_min_(torch.finfo(race.dtype).tiny)  # an exact 0 draw would make 0/0
         picked = torch.argmax(probs / race, dim=-1, keepdim=True)  # [B_s, 1] positions in `order`
-        tokens[rows] = order.gather(1, picked).squeeze(1)
+        chosen = order.gather(1, picked).squeeze(1)
+        if index is None:
+            tokens = chosen
+        else:
+            tokens.index_copy_(0, index, chosen)
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs
+
+
+def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for its stream (pinned, non-blocking):
+    the scheduler samples a step while the next one is queued behind it."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
