@@ -101,6 +101,8 @@ class CoordinatorConfig:
     # over a relayed TCP link that takes them, eagerly when the step cannot link); 1 = off;
     # None (auto) = two inside linked steps of 4-16 rows, where they paid (remote_graphs.auto_micro)
     micro_batches: int | None = None
+    # decode steps queued one ahead on the device where decode graphs are captured (Scheduler.overlap)
+    step_overlap: bool = True
     # Admin needs it when set; unset: Admin answers loopback peers only (expertmesh/auth.py)
     admin_token: str | None = field(default=None, repr=False)
     tls: TLSConfig | None = None  # the public port serves TLS only with a certificate

@@ -100,6 +100,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "else eagerly when the step cannot link (1 = off; default auto: 2 inside linked steps of 4-16 "
         "sequences, where they paid in the measured runs, never eagerly)",
     )
+    g.add_argument(
+        "--no-step-overlap",
+        dest="step_overlap",
+        action="store_false",
+        help="read each decode step's tokens back before the next step is launched (default: where "
+        "decode graphs are captured, the next step is queued on the device first, fed the samples there, "
+        "and the host's work per token runs while it computes)",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--max-message-mb", type=int, default=C.max_message_mb)
     g.add_argument(
@@ -167,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras,
         micro_batches=args.micro_batches,
+        step_overlap=args.step_overlap,
         admin_token=args.admin_token or auth.token_from_env(auth.ADMIN_TOKEN_ENV),
         input_limits=InputLimits.from_args(args),
         tls=TLSConfig.from_args(args),

@@ -156,3 +156,42 @@ def test_experts_load_while_the_graphs_compile(tmp_path, monkeypatch):
     for a, b in zip(runs[True][0], runs[False][0], strict=True):
         assert torch.equal(a, b)
     assert torch.equal(runs[True][1], runs[False][1]) and runs[True][1].sum() > 0
+
+
+@pytest.mark.gpu
+def test_queued_decode_steps_match_hf(tmp_path):
+    """The scheduler's decode steps queued one ahead on the captured graphs (fed the samples on
+    the device): greedy tokens of three requests of different lengths equal HF's, every page
+    comes back, and a request whose prompt is the first one's whole text finds the pages the
+    queued steps filled in the prefix index (their tokens learned a step late) and decodes as HF."""
+    from coordinator.serving.sampler import SamplingParams
+    from tests.serving_utils import hf_greedy
+    from tests.test_serving_scheduler import Collect
+    from tests.test_step_overlap import OUT, PROMPTS, Counting, run_all, scheduler
+
+    hf = make_checkpoint("qwen3_moe", tmp_path, seed=3)
+    refs = [hf_greedy(hf, p, n)[0] for p, n in zip(PROMPTS, OUT)]
+    s = scheduler(tmp_path, overlap=True, device="cuda")
+    assert s.engine.graphs is not None and s.engine.launches(3)
+    n = Counting(s.engine)
+    s.start()
+    try:
+        got = run_all(s, PROMPTS, OUT)
+        assert got == refs, (got, refs)
+        assert n.fed > 0, (n.launches, n.fed)
+        # a prompt none of the above shares a page with: its pages enter the index as they fill
+        fresh = [2, 10, 6, 12, 1]
+        first = run_all(s, [fresh], [11])[0]
+        assert first == hf_greedy(hf, fresh, 11)[0], first
+        text = fresh + first
+        c = Collect()
+        s.submit(text, SamplingParams(max_new_tokens=6, ignore_eos=True), c)
+        toks, last = c.run()
+    finally:
+        s.stop()
+    assert last.cached_tokens >= 12, last
+    assert toks == hf_greedy(hf, text, 6)[0], toks
+    assert s.engine.pages.num_free == s.engine.pages.num_pages, (
+        s.engine.pages.num_free,
+        s.engine.pages.num_pages,
+    )

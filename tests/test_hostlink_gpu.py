@@ -163,3 +163,31 @@ def test_a_bad_host_link_step_runs_again_without_the_link(tmp_path, caplog):
     finally:
         d.close()
         cpu.stop()
+
+
+def test_queued_linked_steps_match_hf(tmp_path):
+    """The scheduler queues each linked decode step behind the one running (the server gets its
+    LinkStep while the last step still runs): three requests of different lengths decode as
+    HF's greedy, the steps linked, and every page comes back."""
+    from coordinator.serving.scheduler import Scheduler, SchedulerLimits
+    from tests.serving_utils import hf_greedy as hf_tokens
+    from tests.test_step_overlap import OUT, PROMPTS, Counting, run_all
+
+    hf = make_checkpoint("qwen3_moe", tmp_path, seed=3)
+    refs = [hf_tokens(hf, p, n)[0] for p, n in zip(PROMPTS, OUT)]
+    cpu = start_server("cpu", tmp_path)
+    ne = CheckpointReader(tmp_path).config.num_experts
+    eng, d = local_engine(tmp_path, ClusterConfig(servers(cpu), num_gpu_experts=ne // 2), "cuda")
+    s = Scheduler(eng, SchedulerLimits(max_batch_tokens=16, max_running=8, max_context=128))
+    assert s.overlap
+    n = Counting(eng)
+    s.start()
+    try:
+        assert run_all(s, PROMPTS, OUT) == refs
+        assert n.fed > 0 and d.linked_steps > 0, (n.fed, d.linked_steps, d.conns[1].link_note)
+        assert d.link_reruns == 0
+    finally:
+        s.stop()
+        d.close()
+        cpu.stop()
+    assert eng.pages.num_free == eng.pages.num_pages

@@ -45,12 +45,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.model.engine import Engine
+from coordinator.model.engine import Engine, Launched
 from coordinator.serving.outputs import DeadlineExceeded, Output, QueueFull, SchedulerStopped, Sink
 from coordinator.serving.sampler import SamplingParams, make_generator, sample
 from coordinator.serving.scheduler_threads import StepThreads
@@ -98,11 +98,14 @@ class Request:
         self.stops = StopMatcher(params.stop) if params.stop else None
         self.seq: int | None = None  # engine sequence while it holds pages
         self.computed = 0
+        # tokens sampled by launched steps and not read back yet (Scheduler: queued steps);
+        # ``computed`` counts the K/V of the ones fed to a step already
+        self.ahead = 0
         self.cached_tokens: int | None = None  # prompt tokens found cached, set when first admitted
 
     @property
     def pending(self) -> int:
-        return len(self.tokens) - self.computed
+        return len(self.tokens) + self.ahead - self.computed
 
     @property
     def num_generated(self) -> int:
@@ -131,6 +134,19 @@ class _Stop:
 
 
 _Message = _Add | _Cancel | _Call | _Stop
+
+
+@dataclass
+class _Queued:
+    """A decode step launched on the device whose samples the host has not read yet."""
+
+    reqs: list[Request]  # its rows, in order
+    run: Launched
+    inputs: list[int] | None  # its input ids once the host knows them (a fed step's: later)
+    tokens: torch.Tensor  # [b] int64 on the device: its samples, the next step's feed
+    host: tuple[torch.Tensor, torch.Tensor]  # [b] the samples and their logprobs, copied back
+    ready: torch.cuda.Event | None  # after those copies (None off CUDA: nothing to wait for)
+    frees: list[int] = field(default_factory=list)  # engine seqs of requests finished meanwhile
 
 
 @dataclass(frozen=True)
@@ -176,6 +192,11 @@ class Scheduler:
         self.metrics: CoordinatorMetrics | None = None  # set by the coordinator
         # a small CPU step runs on one intra-op thread (coordinator/serving/scheduler_threads.py)
         self.step_threads = StepThreads(engine.device, engine.config.hidden_size)
+        # decode steps queued one ahead: the next step is launched (fed the samples on the
+        # device) before the host reads this one's tokens, so the host's work per token runs
+        # while the device computes; on by default where the engine captures decode graphs
+        self.overlap = engine.graphs is not None
+        self._queued_step: _Queued | None = None
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -277,8 +298,10 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             while True:
-                idle = not (self._running or self._waiting)
+                idle = not (self._running or self._waiting or self._queued_step)
                 t0 = time.perf_counter()
+                if self._queued_step is not None and not self._inbox.empty():
+                    self._drain()  # NOTE: calls between steps (commits, reconnections) and cancels see no step queued
                 if not self._take_inbox(block=idle):
                     break
                 # NOTE: a step's time includes the calls run between steps just before it
@@ -286,8 +309,16 @@ class Scheduler:
                 # an idle wait for work
                 if idle:
                     t0 = time.perf_counter()
+                if self._queued_step is not None and not self._keeps_queue():
+                    self._drain()
                 self._expire()
                 plan = self._schedule()
+                q = self._queued_step
+                if q is not None and (
+                    len(plan) != len(q.reqs) or any(r is not x for (r, _), x in zip(plan, q.reqs))
+                ):
+                    self._drain()  # NOTE: not expected (_keeps_queue): the plan is made again
+                    continue
                 if plan:
                     steps = self.num_steps
                     self._run_step(plan)
@@ -297,6 +328,11 @@ class Scheduler:
             log.exception("the scheduler loop died")
             raise
         finally:
+            if self._queued_step is not None:
+                try:
+                    self._drain()
+                except Exception:  # noqa: BLE001 - its requests are failed below
+                    log.exception("the queued step failed while the scheduler stopped")
             with self._rid_lock:
                 self._stopped = True
             while True:  # what was queued before the flag was set
@@ -433,7 +469,135 @@ class Scheduler:
         time.sleep(STALE_PAUSE_S)  # NOTE: not a loop of refused steps while the adoption comes
         return True
 
+    # ------------------------------------------------------------------ queued decode steps
+
+    def _overlaps(self, plan: list[tuple[Request, int]]) -> bool:
+        """Whether ``plan`` may be launched and sampled on the device, read back a step later: a
+        base-model decode of every request, nothing asked of its logits but the samples."""
+        if not self.overlap or not plan:
+            return False
+        for req, n in plan:
+            p = req.params
+            if n != 1 or req.pending != 1 or req.lora is not None or p.top_logprobs:
+                return False
+            if p.prompt_logprobs and req.computed < req.num_prompt:
+                return False
+        return True
+
+    def _keeps_queue(self) -> bool:
+        """Whether the next step may be queued behind the launched one: the same requests, none
+        due to expire or waiting to join, and pages for all of them (no preemption)."""
+        q = self._queued_step
+        assert q is not None
+        if self._waiting or len(self._running) != len(q.reqs):
+            return False
+        if any(r is not x for r, x in zip(self._running, q.reqs)):
+            return False
+        now = time.monotonic()
+        if any(r.deadline is not None and r.deadline <= now for r in q.reqs):
+            return False
+        need = sum(self.engine.pages_needed(r.seq, 1) for r in q.reqs if r.seq is not None)
+        return need <= self.engine.pages.num_free
+
+    def _launch(self, plan: list[tuple[Request, int]]) -> bool:
+        """Launches ``plan`` (see :meth:`_overlaps`) fed the queued step's samples if there is
+        one, samples it on the device, then hands the queued step's tokens to their requests
+        while this one runs. False when the launch failed with no step queued: nothing
+        changed, the synchronous path runs the plan (and reports what fails). A queued step is
+        read back when the launch behind it fails, and the plan made again."""
+        prev = self._queued_step
+        reqs = [r for r, _ in plan]
+        assert prev is None or prev.reqs == reqs
+        items = [(r.seq, 0 if prev is not None else r.tokens[-1]) for r in reqs]
+        try:
+            with self.step_threads.step(len(reqs)):
+                run = self.engine.launch(items, None if prev is None else prev.tokens)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - the step runs again on the synchronous path, which reports it
+            log.debug("decode step not queued", exc_info=True)
+            if prev is None:
+                return False
+            self._drain()
+            return True
+        try:
+            toks, lps = sample(run.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        except BaseException:
+            run.finish()
+            run.undo()
+            raise
+        cuda = toks.device.type == "cuda"
+        host = (
+            torch.empty_like(toks, device="cpu", pin_memory=cuda),
+            torch.empty_like(lps, device="cpu", pin_memory=cuda),
+        )
+        host[0].copy_(toks, non_blocking=cuda)
+        host[1].copy_(lps, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        for r in reqs:
+            r.computed += 1
+            r.ahead += 1
+        self.num_steps += 1
+        if self.metrics is not None:
+            self.metrics.step(len(reqs))
+        self._queued_step = _Queued(
+            reqs, run, [r.tokens[-1] for r in reqs] if prev is None else None, toks, host, ready
+        )
+        if prev is not None:
+            self._read_back(prev)
+        return True
+
+    def _drain(self) -> None:
+        """Reads the queued step back (waits for it): nothing stays queued."""
+        q, self._queued_step = self._queued_step, None
+        if q is not None:
+            self._read_back(q)
+
+    def _read_back(self, q: _Queued) -> None:
+        """Step ``q``'s samples to its requests (it has ended once this returns). A step that
+        failed (a linked step: nothing of it held) is undone with the one fed by it, and their
+        requests planned again as they were before it."""
+        later = self._queued_step  # the step fed with q's samples, if any
+        inputs = q.inputs
+        alive = (
+            None if inputs is None else [tok if r.seq is not None else None for r, tok in zip(q.reqs, inputs)]
+        )
+        ok = q.run.finish(alive)
+        if not ok:
+            log.warning("a queued decode step failed: it runs again, with the step queued behind it")
+            if later is not None:
+                later.run.cancel()
+                later.run.finish()
+                later.run.undo()
+                for r in later.reqs:
+                    r.computed -= 1
+                    r.ahead -= 1
+                self._queued_step = None
+            q.run.undo()
+            for r in q.reqs:
+                r.computed -= 1
+                r.ahead -= 1
+            for seq in q.frees + (later.frees if later is not None else []):
+                self.engine.free(seq)
+            return
+        if q.ready is not None:
+            q.ready.synchronize()
+        toks, lps = q.host[0].tolist(), q.host[1].tolist()
+        if later is not None:
+            later.inputs = toks
+        for req, tok, lp in zip(q.reqs, toks, lps):
+            if req.seq is None:  # finished meanwhile (its row computed for nothing)
+                continue
+            req.ahead -= 1
+            self._emit_token(req, tok, lp, [])
+        for seq in q.frees:
+            self.engine.free(seq)
+
     def _run_step(self, plan: list[tuple[Request, int]]) -> None:
+        if self._overlaps(plan) and self._launch(plan):
+            return
+        assert self._queued_step is None, "a synchronous step behind a queued one"
         items = []
         for req, n in plan:
             assert req.seq is not None
@@ -556,7 +720,11 @@ class Scheduler:
     ) -> None:
         """Frees the request's pages and sends its final output."""
         if req.seq is not None:
-            self.engine.free(req.seq)
+            q = self._queued_step
+            if q is not None and any(r is req for r in q.reqs):
+                q.frees.append(req.seq)  # NOTE: the queued step still writes its K/V
+            else:
+                self.engine.free(req.seq)
             req.seq = None
         if req in self._running:
             self._running.remove(req)

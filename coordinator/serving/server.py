@@ -517,6 +517,7 @@ def create_server(config: CoordinatorConfig) -> CoordinatorServer:
         config.max_queued_tokens,
     )
     scheduler = Scheduler(engine, limits, tokenizer, cfg.eos_token_ids)
+    scheduler.overlap = scheduler.overlap and config.step_overlap
     eplb: EplbManager | None = None
     if cluster is not None:
         assert config.cluster is not None
