@@ -62,6 +62,7 @@ def release(device: torch.device) -> None:
 # Linux madvise advice: drop the pages (anonymous memory reads as zeros after), and (5.14 and
 # later) fault the range in now, writable
 _MADV_DONTNEED = 4
+_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 _PAGE = 4096
 # NOTE: unmapping a freed layer in one piece (hundreds of MB) slowed an expert server's steps by
@@ -143,6 +144,17 @@ def populate(t: torch.Tensor) -> bool:
         return False
     start, end = _whole_pages(t.data_ptr(), t.nbytes)
     return end > start and _madvise(start, end - start, _MADV_POPULATE_WRITE)
+
+
+def huge_pages(t: torch.Tensor) -> bool:
+    """Asks for transparent huge pages under a host tensor not written yet (a new layer's
+    expert weights), where the kernel leaves them to madvise. Why: a decode layer's kernels
+    stream tens of MB of weights spread over many slots; with 4 KB pages every 4 KB of a row is
+    a TLB miss. False where it does not apply (THP off, not Linux): the pages stay 4 KB."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    start, end = _whole_pages(t.data_ptr(), t.nbytes)
+    return end > start and _madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 def _status_kib(field: str) -> int:

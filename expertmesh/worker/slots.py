@@ -351,6 +351,8 @@ class SlotTable:
             layout = first[0].shape, first[0].dtype, first[1].shape, first[1].dtype
         w13 = torch.empty((n, *layout[0]), dtype=layout[1], device=self.device)
         w2 = torch.empty((n, *layout[2]), dtype=layout[3], device=self.device)
+        memory.huge_pages(w13)  # NOTE: before any slot's pages are faulted in (fill)
+        memory.huge_pages(w2)
 
         def fill(s: int, src: Source) -> None:
             if s == 0 and first is not None:
