@@ -563,12 +563,12 @@ class Scheduler:
         alive = (
             None if inputs is None else [tok if r.seq is not None else None for r, tok in zip(q.reqs, inputs)]
         )
-        ok = q.run.finish(alive)
+        ok = _finished(q.run, alive)
         if not ok:
             log.warning("a queued decode step failed: it runs again, with the step queued behind it")
             if later is not None:
                 later.run.cancel()
-                later.run.finish()
+                _finished(later.run, None)
                 later.run.undo()
                 for r in later.reqs:
                     r.computed -= 1
@@ -748,6 +748,16 @@ class Scheduler:
                 prompt_top_logprobs=last.prompt_top_logprobs,
             )
         )
+
+
+def _finished(run: Launched, tokens: list[int | None] | None) -> bool:
+    """``run.finish``; an exception there (reading the step back, marking its server down) is
+    logged and the step counts as failed: it runs again rather than ending the loop."""
+    try:
+        return run.finish(tokens)
+    except Exception:  # noqa: BLE001 - the step is run again on the synchronous path, which reports
+        log.exception("reading a queued decode step back failed")
+        return False
 
 
 def _top_logprobs(logits: torch.Tensor, n: int) -> list[tuple[int, float]]:  # logits [V]
