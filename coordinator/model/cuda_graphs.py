@@ -72,6 +72,9 @@ def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Host ``src`` into device ``dst`` without waiting: through pinned memory, which the caching
     host allocator keeps until the copy ran. Why: a copy from pageable memory waits for the
     stream, i.e. for a step still running there (the scheduler queues the next step behind it)."""
+    if dst.device.type != "cuda":
+        dst.copy_(src)
+        return
     dst.copy_(src.pin_memory(), non_blocking=True)
 
 
