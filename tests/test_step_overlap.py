@@ -62,7 +62,8 @@ def scheduler(path, overlap: bool, device: str = "cpu", graphs: bool = False, **
     eng = Engine.from_checkpoint(str(path), num_pages=64, page_size=4, device=device)
     if graphs:
         eng.graphs = EagerGraphs(eng)  # type: ignore[assignment]
-    s = Scheduler(eng, SchedulerLimits(max_batch_tokens=16, max_running=8, max_context=128, **limits))
+    kw = {"max_batch_tokens": 16, "max_running": 8, "max_context": 128, **limits}
+    s = Scheduler(eng, SchedulerLimits(**kw))
     s.overlap = overlap
     return s
 
@@ -207,4 +208,84 @@ def test_cancel_and_a_new_request_drain_the_queue(model):
         assert out.finish_reason == "cancelled"
     finally:
         s.stop()
+    assert s.engine.pages.num_free == s.engine.pages.num_pages
+
+
+@pytest.fixture(scope="module")
+def hf(model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model[0], torch_dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph_path"])
+def test_context_limit_and_page_pressure_while_queued(model, hf, graphs):
+    """Requests that reach the context limit end at it (a queued step's row past it is
+    dropped), and a streak that runs short of pages reads its step back and preempts as the
+    synchronous path does: tokens as HF's, every page back."""
+    path, refs = model
+    s = scheduler(path, overlap=True, graphs=graphs, max_context=11)
+    s.start()
+    try:
+        got = run_all(s, PROMPTS, [20, 20, 20])
+    finally:
+        s.stop()
+    assert got == [hf_greedy(hf, p, 11 - len(p))[0] for p in PROMPTS]
+    assert s.engine.pages.num_free == s.engine.pages.num_pages
+    # 5 pages of 4 rows: the three requests (prompts 3-5, 4-13 new tokens) cannot all keep
+    # theirs, so the newest is preempted and recomputed mid-run
+    eng = Engine.from_checkpoint(str(path), num_pages=5, page_size=4)
+    if graphs:
+        eng.graphs = EagerGraphs(eng)  # type: ignore[assignment]
+    s = Scheduler(eng, SchedulerLimits(max_batch_tokens=16, max_running=8, max_context=16))
+    s.overlap = True
+    s.start()
+    try:
+        got = run_all(s, PROMPTS, OUT)
+    finally:
+        s.stop()
+    assert got == refs
+    assert s.num_preemptions > 0
+    assert eng.pages.num_free == eng.pages.num_pages
+
+
+class Slow:
+    """Wraps Engine.launch and Engine.step: each step takes at least ``s`` seconds."""
+
+    def __init__(self, eng: Engine, s: float) -> None:
+        import time
+
+        for name in ("launch", "step"):
+            inner = getattr(eng, name)
+
+            def slow(*a, _inner=inner, **kw):
+                time.sleep(s)
+                return _inner(*a, **kw)
+
+            setattr(eng, name, slow)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph_path"])
+def test_a_deadline_while_queued_fails_only_its_request(model, graphs):
+    import time
+
+    path, refs = model
+    s = scheduler(path, overlap=True, graphs=graphs)
+    Slow(s.engine, 0.01)
+    s.start()
+    try:
+        c0, c1 = Collect(), Collect()
+        s.submit(
+            PROMPTS[0],
+            SamplingParams(max_new_tokens=100, ignore_eos=True),
+            c0,
+            deadline=time.monotonic() + 0.3,
+        )
+        s.submit(PROMPTS[2], SamplingParams(max_new_tokens=OUT[2], ignore_eos=True), c1)
+        toks0, last0 = c0.run()
+        toks1, _ = c1.run()
+    finally:
+        s.stop()
+    assert last0.finish_reason == "error" and "deadline" in str(last0.error)
+    assert toks1 == refs[2]
     assert s.engine.pages.num_free == s.engine.pages.num_pages
