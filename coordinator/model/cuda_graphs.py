@@ -212,14 +212,20 @@ class DecodeGraphs:
         """Queues a decode step (``seqs`` as :meth:`run`'s) and returns without waiting for it.
         ``feed`` ``[b]`` int64 on the device: the step's token ids instead of the host's (the
         samples of the step queued before, unknown to the host yet)."""
+        b, bucket = self._stage(seqs, feed)
+        self._replay(bucket, b)
+        return Replayed(self.logits[bucket][:b])
+
+    def _stage(self, seqs: list[tuple[int, int, list[int]]], feed: torch.Tensor | None) -> tuple[int, int]:
+        """A decode step's metadata into the static buffers, ``feed``'s token ids over the
+        host's; (sequences, bucket)."""
         b = len(seqs)
         bucket = self.bucket(b)
         assert bucket is not None, f"{b=} > largest bucket {self.buckets[-1]}"
         self._fill(seqs, bucket)
         if feed is not None:
             self.meta[0, :b].copy_(feed)
-        self._replay(bucket, b)
-        return Replayed(self.logits[bucket][:b])
+        return b, bucket
 
     def run_tokens(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:  # [B, V] float32
         """seqs: (new token ids, tokens already cached, page table) per sequence, T tokens in

@@ -195,12 +195,7 @@ class RemoteDecodeGraphs(DecodeGraphs):
     def launch(self, seqs: list[tuple[int, int, list[int]]], feed: torch.Tensor | None = None) -> Replayed:
         """The step over the link, queued and not waited for; without a link (or refused) the
         piecewise chain, which waits for the servers layer by layer."""
-        b = len(seqs)
-        bucket = self.bucket(b)
-        assert bucket is not None, f"{b=} > largest bucket {self.buckets[-1]}"
-        self._fill(seqs, bucket)
-        if feed is not None:
-            self.meta[0, :b].copy_(feed)
+        b, bucket = self._stage(seqs, feed)
         step = self._launch_linked(bucket, b)
         if step is None:  # no link, refused, or its capture failed: the piecewise chain
             self._replay_piecewise(bucket, b)
