@@ -292,3 +292,31 @@ def test_cuda_graph_decode_over_shared_pages(arch, tmp_path):
     finally:
         cache.stop()
         ref.stop()
+
+
+def test_a_recomputed_block_takes_the_indexed_page_and_indexing_goes_on(qwen):
+    """A prompt of whole pages recomputes its last page, whose block another request indexed
+    already: the sequence takes that page and indexes its own reply after it, so a next turn
+    built on that reply finds it cached (before, indexing stopped at the duplicate)."""
+    whole = rand(4 * P, 7)
+    cache, ref = scheduler(qwen, True), scheduler(qwen, False)
+
+    def go(s: Scheduler, prompt: list[int], n: int) -> tuple[list[int], list[float], Output]:
+        r = Result()
+        s.submit(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True), r)
+        return r.get()
+
+    try:
+        same(go(cache, whole, 2), go(ref, whole, 2))  # indexes the prompt's 4 pages
+        second = go(cache, whole, 2 * P + 1)  # matches 3, recomputes the 4th: a duplicate block
+        same(second, go(ref, whole, 2 * P + 1))
+        assert second[2].cached_tokens == 3 * P
+        turn = whole + second[0][: 2 * P] + [5]
+        got = go(cache, turn, 3)
+        same(got, go(ref, turn, 3))
+        assert got[2].cached_tokens == 6 * P  # the prompt's 4 pages and the second reply's 2
+    finally:
+        cache.stop()
+        ref.stop()
+    eng = cache.engine
+    assert eng.pages.num_free == eng.pages.num_pages

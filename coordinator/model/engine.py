@@ -338,10 +338,22 @@ class Engine:
         # NOTE: ``cached`` may run ahead of the tokens known here (a launched step's)
         while s.indexing and (s.indexed + 1) * p <= min(s.cached, len(s.tokens)):
             i = s.indexed
-            blk = self.prefix.add(s.chain, salt, s.tokens[i * p : (i + 1) * p], s.pages[i])
+            toks_i = s.tokens[i * p : (i + 1) * p]
+            blk = self.prefix.add(s.chain, salt, toks_i, s.pages[i])
             if blk is None:
-                s.indexing = False
-                break
+                # the same block is indexed on another page already: the sequence takes that
+                # page in place of its own copy (freed) and goes on indexing after it, so its
+                # later pages (a reply, the next chat turn) are found too. NOTE: only the page
+                # table of later steps changes; a step still queued reads the old page, which
+                # anything reallocating it writes only after that step, on the same stream
+                blk = self.prefix.find(s.chain, salt, toks_i)
+                if blk is None:
+                    s.indexing = False
+                    break
+                own = s.pages[i]
+                self.pages.share([blk.page])
+                s.pages[i] = blk.page
+                self.pages.free([own])
             s.chain, s.indexed = blk, i + 1
 
 

@@ -15,8 +15,10 @@ or full K/V).
 Pages themselves live in the :class:`~coordinator.model.kv_cache.PageAllocator`: it counts the
 sequences holding each page and keeps unheld indexed pages until it needs room, then evicts
 them least recently released first and calls :meth:`PrefixIndex.evicted`. A sequence holds the
-whole chain of blocks it matched or added, and releases its pages last first, so a block is
-always evicted before its parent: the chain of any indexed block is indexed too.
+whole chain of blocks it matched or added (or found indexed already when it filled the same
+block itself: it takes that block's page in place of its own, Engine._index), and releases its
+pages last first, so a block is always evicted before its parent: the chain of any indexed
+block is indexed too.
 """
 
 from __future__ import annotations
@@ -67,11 +69,16 @@ class PrefixIndex:
             parent = blk.uid
         return out
 
+    def find(self, parent: Block | None, salt: Salt, tokens: Sequence[int]) -> Block | None:
+        """The indexed block of ``tokens`` after ``parent``, if any. Changes nothing."""
+        return self._blocks.get((parent.uid if parent is not None else 0, salt, tuple(tokens)))
+
     def add(self, parent: Block | None, salt: Salt, tokens: Sequence[int], page: int) -> Block | None:
         """Indexes ``page`` (held by the caller, every row written) as the block of ``tokens``
         after ``parent``. Returns the new block, or None when that block is indexed already on
-        another page (another sequence computed the same prefix at the same time): the caller
-        keeps its page private and indexes nothing more after it."""
+        another page (another sequence computed the same prefix, or a prompt of whole pages
+        recomputed its last one): the caller may take that block's page in place of its own
+        (Engine._index) and go on after it."""
         assert len(tokens) == self.page_size, f"{len(tokens)=}"
         key = (parent.uid if parent is not None else 0, salt, tuple(tokens))
         if key in self._blocks:
