@@ -469,6 +469,7 @@ class Bench:
                 m0 = scrape(co.http), scrape(srv_http)
                 linked0 = counter(co.http, "expertmesh_linked_decode_steps_total")
                 split0 = counter(co.http, "expertmesh_linked_micro_batched_steps_total")
+                queued0 = counter(co.http, "expertmesh_queued_decode_steps_total")
                 link0 = {k: counter(srv_http, f"expertmesh_worker_link_{k}_total") for k in _LINK}
                 c0, w0 = cpu_seconds([*procs, *extra]), time.monotonic()
                 spies = self.spy(row, [*procs, *extra]) if b == a.batches[0] else []
@@ -483,6 +484,8 @@ class Bench:
                 res[f"split_steps_b{b}"] = (
                     counter(co.http, "expertmesh_linked_micro_batched_steps_total") - split0
                 )
+                # decode steps launched behind the running one (the scheduler's queue)
+                res[f"queued_steps_b{b}"] = counter(co.http, "expertmesh_queued_decode_steps_total") - queued0
                 link = {k: counter(srv_http, f"expertmesh_worker_link_{k}_total") - link0[k] for k in _LINK}
                 if link["layers"]:  # the CPU server's C thread per linked layer: kernel, spin
                     res[f"link_kernel_ms_b{b}"] = round(link["kernel_seconds"] / link["layers"] * 1e3, 3)

@@ -120,6 +120,9 @@ def test_counters_move_with_requests(cluster):
     assert total(c1, "expertmesh_linked_decode_steps_total") == 0
     assert ("expertmesh_link_reruns_total", ()) in c1
     assert total(c1, "expertmesh_linked_micro_batched_steps_total") == 0
+    # nor queues a step behind another (no decode graphs to launch them on)
+    assert total(c1, "expertmesh_queued_decode_steps_total") == 0
+    assert total(c1, "expertmesh_queued_decode_step_failures_total") == 0
 
 
 def test_rejected_requests_counted_by_code(cluster):

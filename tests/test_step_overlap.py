@@ -106,7 +106,7 @@ def test_queued_steps_match_hf_and_free_every_page(model, graphs):
         assert got == refs
         assert n.fed > 0  # steps were fed the samples of the step before them
         st = s.stats()
-        assert st["running"] == 0
+        assert st["running"] == 0 and st["queued_steps"] == n.fed and st["queued_failures"] == 0
     finally:
         s.stop()
     assert s.engine.pages.num_free == s.engine.pages.num_pages
@@ -161,6 +161,7 @@ def test_a_failed_queued_step_runs_again(model, graphs):
         s.stop()
     assert got == refs[:1]
     assert n.launches > OUT[0] - 1  # the failed step and the one fed by it ran again
+    assert s.stats()["queued_failures"] == 1
     assert s.engine.pages.num_free == s.engine.pages.num_pages
 
 

@@ -360,16 +360,18 @@ class Engine:
 class Launched:
     """A decode step :meth:`Engine.launch` queued: ``logits`` ``[b, V]`` on the model's device
     (valid until the engine's next step). Call :meth:`finish` once it is no longer wanted or
-    once its results are (it waits for the step's end)."""
+    once its results are (for a linked step it waits for the step's end, whose error word it
+    reads; anything else it answers at once)."""
 
     def __init__(self, engine: Engine, seqs: list[int], step: Replayed, indexed: bool) -> None:
         self.engine, self.seqs, self.step, self.indexed = engine, seqs, step, indexed
         self.logits = step.logits
 
     def finish(self, tokens: list[int | None] | None = None) -> bool:
-        """Waits for the step's end; whether its results hold (False: a linked step that failed,
-        nothing of it used). ``tokens``: its input ids (a fed step's, known to the host by
-        now; None for a sequence not to index), which then enter the prefix index."""
+        """Whether the step's results hold (False: a linked step that failed, nothing of it
+        used). ``tokens``: its input ids (a fed step's, known to the host by now; None for a
+        sequence not to index), which then enter the prefix index: their K/V are written by
+        the step, or by the time any later step on the stream reads them."""
         ok = self.step.finish()
         eng = self.engine
         if ok and not self.indexed and eng.prefix is not None and tokens is not None:

@@ -311,6 +311,16 @@ class _StateCollector(Collector):
         )
         yield _counter("expertmesh_preemptions", "Requests preempted for KV pages", st["preemptions"])
         yield _counter("expertmesh_steps", "Forward steps run", st["steps"])
+        yield _counter(
+            "expertmesh_queued_decode_steps",
+            "Decode steps launched behind the running one, fed its samples on the device (CUDA)",
+            st["queued_steps"],
+        )
+        yield _counter(
+            "expertmesh_queued_decode_step_failures",
+            "Queued decode steps read back failed (a linked step's error), run again with the step fed by them",
+            st["queued_failures"],
+        )
         tokens = CounterMetricFamily(
             "expertmesh_expert_tokens",
             "(token, k) pairs routed to each logical expert of each MoE layer",

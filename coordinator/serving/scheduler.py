@@ -197,6 +197,8 @@ class Scheduler:
         # while the device computes; on by default where the engine captures decode graphs
         self.overlap = engine.graphs is not None
         self._queued_step: _Queued | None = None
+        self.num_queued_steps = 0  # decode steps launched fed the samples of the step before them
+        self.num_queued_failures = 0  # queued steps read back failed (run again with their successor)
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -291,6 +293,8 @@ class Scheduler:
             "expired": self.num_expired,
             "preemptions": self.num_preemptions,
             "steps": self.num_steps,
+            "queued_steps": self.num_queued_steps,
+            "queued_failures": self.num_queued_failures,
         }
 
     # ------------------------------------------------------------------ the loop
@@ -539,6 +543,7 @@ class Scheduler:
             r.computed += 1
             r.ahead += 1
         self.num_steps += 1
+        self.num_queued_steps += prev is not None
         if self.metrics is not None:
             self.metrics.step(len(reqs))
         self._queued_step = _Queued(
@@ -565,6 +570,7 @@ class Scheduler:
         )
         ok = _finished(q.run, alive)
         if not ok:
+            self.num_queued_failures += 1
             log.warning("a queued decode step failed: it runs again, with the step queued behind it")
             if later is not None:
                 later.run.cancel()
