@@ -389,7 +389,9 @@ class Launched:
 
     def undo(self) -> None:
         """Its sequences' K/V positions go back: a step of no use (a failed one, or one fed
-        with its tokens), whose writes the step run again in its place rewrites."""
+        with its tokens), whose writes the step run again in its place rewrites. Only a graph
+        step can fail after its launch; a step run eagerly (indexed when it ran) is never
+        undone but where the scheduler's loop ends anyway."""
         for sid in self.seqs:
             s = self.engine.seqs.get(sid)
             if s is not None:

@@ -146,6 +146,8 @@ class _Queued:
     tokens: torch.Tensor  # [b] int64 on the device: its samples, the next step's feed
     host: tuple[torch.Tensor, torch.Tensor]  # [b] the samples and their logprobs, copied back
     ready: torch.cuda.Event | None  # after those copies (None off CUDA: nothing to wait for)
+    # each request's generator state before the step drew (None: greedy), restored if it fails
+    draws: list[torch.Tensor | None] = field(default_factory=list)
     frees: list[int] = field(default_factory=list)  # engine seqs of requests finished meanwhile
 
 
@@ -522,6 +524,8 @@ class Scheduler:
                 return False
             self._drain()
             return True
+        # NOTE: host state only (a CUDA generator's is its seed and offset): no stream wait
+        draws = [r.generator.get_state() if r.generator is not None else None for r in reqs]
         try:
             toks, lps = sample(run.logits, [r.params for r in reqs], [r.generator for r in reqs])
         except BaseException:
@@ -547,7 +551,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.step(len(reqs))
         self._queued_step = _Queued(
-            reqs, run, [r.tokens[-1] for r in reqs] if prev is None else None, toks, host, ready
+            reqs, run, [r.tokens[-1] for r in reqs] if prev is None else None, toks, host, ready, draws
         )
         if prev is not None:
             self._read_back(prev)
@@ -581,9 +585,11 @@ class Scheduler:
                     r.ahead -= 1
                 self._queued_step = None
             q.run.undo()
-            for r in q.reqs:
+            for r, state in zip(q.reqs, q.draws):
                 r.computed -= 1
                 r.ahead -= 1
+                if state is not None and r.generator is not None:  # seeded requests draw as if it never ran
+                    r.generator.set_state(state)
             for seq in q.frees + (later.frees if later is not None else []):
                 self.engine.free(seq)
             return
