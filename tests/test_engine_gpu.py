@@ -164,10 +164,8 @@ def test_queued_decode_steps_match_hf(tmp_path):
     the device): greedy tokens of three requests of different lengths equal HF's, every page
     comes back, and a request whose prompt is the first one's whole text finds the pages the
     queued steps filled in the prefix index (their tokens learned a step late) and decodes as HF."""
-    from coordinator.serving.sampler import SamplingParams
     from tests.serving_utils import hf_greedy
-    from tests.test_serving_scheduler import Collect
-    from tests.test_step_overlap import OUT, PROMPTS, Counting, run_all, scheduler
+    from tests.test_step_overlap import OUT, PROMPTS, Counting, next_turn, run_all, scheduler
 
     hf = make_checkpoint("qwen3_moe", tmp_path, seed=3)
     refs = [hf_greedy(hf, p, n)[0] for p, n in zip(PROMPTS, OUT)]
@@ -181,12 +179,8 @@ def test_queued_decode_steps_match_hf(tmp_path):
         assert n.fed > 0, (n.launches, n.fed)
         # a prompt none of the above shares a page with: its pages enter the index as they fill
         fresh = [2, 10, 6, 12, 1]
-        first = run_all(s, [fresh], [11])[0]
+        first, text, toks, last = next_turn(s, fresh)
         assert first == hf_greedy(hf, fresh, 11)[0], first
-        text = fresh + first
-        c = Collect()
-        s.submit(text, SamplingParams(max_new_tokens=6, ignore_eos=True), c)
-        toks, last = c.run()
     finally:
         s.stop()
     assert last.cached_tokens >= 12, last

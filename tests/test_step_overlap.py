@@ -86,6 +86,17 @@ class Counting:
         return run
 
 
+def next_turn(s: Scheduler, prompt: list[int]):
+    """``prompt`` decoded for 11 tokens, then its whole text as a new request's prompt for 6
+    more: (first tokens, that text, the new tokens, the new request's last Output)."""
+    first = run_all(s, [prompt], [11])[0]
+    text = prompt + first
+    c = Collect()
+    s.submit(text, SamplingParams(max_new_tokens=6, ignore_eos=True), c)
+    toks, last = c.run()
+    return first, text, toks, last
+
+
 def run_all(s: Scheduler, prompts, outs, **params) -> list[list[int]]:
     cs = []
     for p, n in zip(prompts, outs):
@@ -191,11 +202,7 @@ def test_prefix_index_holds_the_tokens_of_queued_steps(model, graphs):
     s = scheduler(path, overlap=True, graphs=graphs)
     s.start()
     try:
-        first = run_all(s, [hf_prompt], [11])[0]
-        text = hf_prompt + first
-        c = Collect()
-        s.submit(text, SamplingParams(max_new_tokens=6, ignore_eos=True), c)
-        toks, last = c.run()
+        first, text, toks, last = next_turn(s, hf_prompt)
     finally:
         s.stop()
     assert last.cached_tokens >= 12  # whole pages of the first request's prompt and samples

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from expertmesh.worker import memory
-
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def vm_flags(addr: int) -> list[str]:
@@ -26,7 +23,6 @@ def vm_flags(addr: int) -> list[str]:
     return []
 
 
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
 def test_huge_pages_marks_the_weights_mapping():
     t = torch.empty(64 << 20, dtype=torch.uint8)  # well past malloc's mmap threshold: its own mapping
     assert "hg" not in vm_flags(t.data_ptr() + (32 << 20))
