@@ -78,13 +78,15 @@ def runner(
     """The r-th of the 16 routes, for timeit: --call forward (fp32 in and out around the kernel,
     converted by torch), or --call server (the CPU server's own call, forward_into: bf16 hidden
     states and answer, int32 ids as the wire brings them, conversions in the kernel)"""
+    layers = list(zip(w13, w2)) if isinstance(w13, list) else [(w13, w2)]  # --layers: call r on r % n
+    n = len(layers)
     if CALL == "forward":
-        return lambda r: b.forward(x, w13, w2, *routes[r % 16])
+        return lambda r: b.forward(x, *layers[r % n], *routes[r % 16])
     wire = [(ids.to(torch.int32), w.float()) for ids, w in routes]
     out = torch.empty_like(x)
 
     def serve(r: int) -> torch.Tensor:
-        assert b.forward_into(x, w13, w2, *wire[r % 16], out), "forward_into declined the call"
+        assert b.forward_into(x, *layers[r % n], *wire[r % 16], out), "forward_into declined the call"
         return out
 
     return serve
@@ -95,9 +97,10 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
     rows = []
     for name in args.models.split(","):
         h, i, e, k = MODELS[name]
+        held = min(args.held or e, e)
         g = torch.Generator().manual_seed(0)
-        w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()  # [E, 2I, H]
-        w2 = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()  # [E, H, I]
+        w13 = (torch.randn(held, 2 * i, h, generator=g) / h**0.5).bfloat16()  # [held, 2I, H]
+        w2 = (torch.randn(held, h, i, generator=g) / i**0.5).bfloat16()  # [held, H, I]
         for wd in args.dtypes.split(","):
             b = CpuExpertBackend(args.threads, wd)
             assert b.amx, "no AMX on this CPU (or the kernel refused it)"
@@ -105,22 +108,28 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
             b.gemv_max_tokens = 0
             per_expert = p13[0].numel() * p13.element_size() + p2[0].numel() * p2.element_size()
             for t in [int(v) for v in args.tokens.split(",")]:
-                routes = [
-                    (torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]), torch.rand(t, k))
-                    for _ in range(16)
-                ]
+                # top-k of all e experts; a server holding the first `held` sees the rest as -1
+                routes = []
+                for _ in range(16):
+                    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+                    routes.append((torch.where(ids < held, ids, -1), torch.rand(t, k)))
                 x = torch.randn(t, h, generator=g).bfloat16()
                 ref = TorchExpertBackend().forward(x, w13, w2, *routes[0]).float()
-                active = sum(len(torch.unique(r[0])) for r in routes) / len(routes)
+                active = sum(len(torch.unique(r[0][r[0] >= 0])) for r in routes) / len(routes)
                 flops = 2 * t * k * 3 * h * i
-                combos = {n: (lib, p13, p2) for n, lib in timed.items()}
+                # --layers: each call on the next of several copies (a model's layers: no copy is
+                # in a cache when its turn comes, so no flush is needed and the team stays warm)
+                l13 = [p13] + [p13.clone() for _ in range(args.layers - 1)] if args.layers > 1 else p13
+                l2 = [p2] + [p2.clone() for _ in range(args.layers - 1)] if args.layers > 1 else p2
+                combos = {n: (lib, l13, l2) for n, lib in timed.items()}
                 if args.pad and wd == "bfloat16":
                     combos |= {n + "+pad": (lib, padded(p13), padded(p2)) for n, lib in timed.items()}
                 times: dict[str, list[float]] = {n: [] for n in combos}
                 errs = {}
                 for n, (lib, a, c) in combos.items():
                     b.lib = lib
-                    errs[n] = ((b.forward(x, a, c, *routes[0]).float() - ref).norm() / ref.norm()).item()
+                    a0, c0 = (a[0], c[0]) if isinstance(a, list) else (a, c)
+                    errs[n] = ((b.forward(x, a0, c0, *routes[0]).float() - ref).norm() / ref.norm()).item()
                 for _ in range(args.rounds):
                     for n, (lib, a, c) in combos.items():
                         b.lib = lib
@@ -132,7 +141,7 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
                         continue
                     b.lib = prof
                     stages = (ctypes.c_double * len(STAGES))()
-                    run = runner(b, x, p13, p2, routes)
+                    run = runner(b, x, l13, l2, routes)
                     timeit(run, 1, 0.0)
                     prof.moe_amx_profile(stages)  # drop the warm-up
                     for r in range(args.reps):
@@ -174,10 +183,18 @@ def main() -> None:
     )
     p.add_argument("--pad", action="store_true", help="also time bf16 rows at a stride one cache line longer")
     p.add_argument(
+        "--layers", type=int, default=1, help="cycle the calls over this many copies of the weights (decode's pattern)"
+    )
+    p.add_argument(
         "--call", choices=("forward", "server"), default="forward", help="what a timed call runs (runner)"
+    )
+    p.add_argument(
+        "--held", type=int, default=None, help="the server holds only the first N experts (the rest route as -1)"
     )
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.pad and args.layers > 1:
+        p.error("--pad times one copy of the weights: leave --layers out")
     global CALL
     CALL = args.call
     if args.threads:
