@@ -726,6 +726,30 @@ def test_amx_stealing_changes_nothing_emulated(emulated_amx, wdtype):
     assert rel(outs[0], ref) < 3e-2, rel(outs[0], ref)
 
 
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("t", [1, 5])
+def test_amx_lean_decode_split_changes_nothing_emulated(emulated_amx, wdtype, t):
+    """Decode-shaped calls: the tokens gathered by the calling thread and both phases split by
+    ranges with stealing (phase 2 through the pair buffer) give the dynamic split's result bit for
+    bit (AMX_LEAN=0), with some pairs routed elsewhere (-1) and a call with none here."""
+    dynamic = kernels.load(("EXPERTMESH_AMX_EMULATE", "AMX_LEAN=0"))
+    assert dynamic is not None
+    x, w13, w2, slot_ids, weights = inputs(t, torch.bfloat16, seed=403 + t, h=128, i=64)
+    slot_ids = torch.where(slot_ids % 3 == 0, -1, slot_ids)  # a server holding some of the experts
+    nowhere = torch.full_like(slot_ids, -1)
+    outs, empty = [], []
+    for lib in (emulated_amx, dynamic):
+        b = CpuExpertBackend(threads=5, weight_dtype=wdtype, group=64, caps=caps_of("avx2"))
+        b.lib, b.caps, b.amx, b.gemv_max_tokens = lib, b.caps | kernels.CAPS["amx"][0], True, 0
+        p13, p2 = b.pack_weights(w13, w2)
+        outs.append(b.forward(x, p13, p2, slot_ids, weights))
+        empty.append(b.forward(x, p13, p2, nowhere, weights))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(empty[0], empty[1]) and not empty[0].any()
+    ref = torch_moe(x.double(), w13.double(), w2.double(), slot_ids, weights.double())
+    assert rel(outs[0], ref) < 3e-2, rel(outs[0], ref)
+
+
 @pytest.mark.parametrize("caps", ["avx2", pytest.param("vnni", marks=DEVICE_HOST)])
 @pytest.mark.parametrize("wdtype", ["int8", "int4"])
 @pytest.mark.parametrize("t", [1, 3])

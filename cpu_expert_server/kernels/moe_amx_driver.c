@@ -153,8 +153,8 @@ __attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows 
  * is a large part of a block's, and blocks cost alike; then stealing, below) with no row prefetch
  * for bf16 (the hardware streams rows while the tiles run) and the rows prefetched 2 k steps ahead
  * for int8 (10.9 vs 12.0 ms, Qwen3 T=512, next block to L2 before); decode-shaped calls
- * (blocks are nearly pure row streaming) split dynamically (a slow thread cannot hold the barrier)
- * with the rows prefetched 8 k steps ahead. Measured in bench_cpu_prefill.py runs
+ * (blocks are nearly pure row streaming) prefetch the rows 8 k steps ahead and split as AMX_LEAN
+ * (below) says. Measured in bench_cpu_prefill.py runs
  * (benchmarks/RESULTS.md); AMX_SPLIT (0 dynamic, 1 static), AMX_PF (PF_*: every
  * call) and AMX_PF_PREFILL_BF16 / _Q (prefill-shaped calls) force one for benchmark builds. */
 #ifndef AMX_SPLIT
@@ -168,6 +168,15 @@ __attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows 
 #endif
 #ifndef AMX_PF_PREFILL_Q
 #define AMX_PF_PREFILL_Q PF_NEAR
+#endif
+
+/* Decode-shaped calls, AMX_LEAN 1: both phases split as the static calls do, ranges with
+ * stealing, phase 2's items sized to give each thread about four. AMX_LEAN 0: dynamic chunks of 4
+ * phase-1 blocks (512 KiB at Qwen3 widths) and of one output block over every active expert, which
+ * left a thread up to a chunk behind the others at each barrier. Measured in bench_cpu_prefill.py
+ * (T 1 and 8, a server holding 64 or 128 experts) and at full size: benchmarks/RESULTS.md. */
+#ifndef AMX_LEAN
+#define AMX_LEAN 1
 #endif
 
 /* Static calls (prefill-shaped): each thread starts on a contiguous range of expert-major items.
@@ -383,13 +392,18 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     float *xcs = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
     const uint32_t *zrow = calloc((size_t)(h_ > i_ ? h_ : i_) / 2 + 16, 4); /* padding slots' row */
     const int nblk1 = i_ / 16, nblk2 = h_ / 32;
-    const int prefill = pl.ntiles >= 2 * so->na;
-    const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill;
+    const int prefill = pl.ntiles >= 2 * so->na, lean = AMX_LEAN && !prefill;
+    const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill || lean;
     const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? AMX_PF_PREFILL_Q : AMX_PF_PREFILL_BF16;
     /* stealing (AMX_STEAL): phase-1 items, and phase-2 items (expert, chunk of output blocks) */
     const int npairs = so->na ? so->start[so->active[so->na - 1] + 1] : 0;
     const int steal = AMX_STEAL && split_static && npairs > 0;
-    const int chunk2 = AMX_CHUNK2 < nblk2 ? AMX_CHUNK2 : nblk2, nch2 = (nblk2 + chunk2 - 1) / chunk2;
+    int chunk2 = AMX_CHUNK2 < nblk2 ? AMX_CHUNK2 : nblk2;
+    if (lean) { /* about four items a thread, no more than AMX_CHUNK2 blocks each */
+        const long fit = (long)so->na * nblk2 / (4L * nthreads);
+        chunk2 = fit < 1 ? 1 : fit < chunk2 ? (int)fit : chunk2;
+    }
+    const int nch2 = (nblk2 + chunk2 - 1) / chunk2;
     int pb_owned = 0;
     float *pb = steal ? pair_buffer((size_t)npairs * h_, &pb_owned) : NULL;
     Cursor *cur1 = pb ? cursors(&pl, nblk1, nthreads) : NULL, *cur2 = pb ? cursors(&pl, nch2, nthreads) : NULL;
