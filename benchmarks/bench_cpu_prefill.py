@@ -9,6 +9,13 @@ experts' bytes over the measured read bandwidth, the FLOPs over the measured pea
 
     python benchmarks/bench_cpu_prefill.py --threads 16 --baseline /path/to/old/kernels/moe_gemv.c \\
         --variant bal3:AMX_BAL=3 --variant loads:AMX_DIAG=1 --out prefill.json
+
+Decode sizes as a hybrid server sees them: ``--held 64`` (the server holds half of Qwen3's 128
+experts, the rest route as -1) and ``--layers 8`` (each call on the next of 8 copies of the
+weights, as a model's layers come, instead of ``--flush``):
+
+    python benchmarks/bench_cpu_prefill.py --threads 28 --models qwen3-30b-a3b --tokens 1,8 \\
+        --dtypes bfloat16 --call server --layers 8 --held 64 --variant old:AMX_LEAN=0
 """
 
 from __future__ import annotations
@@ -183,13 +190,19 @@ def main() -> None:
     )
     p.add_argument("--pad", action="store_true", help="also time bf16 rows at a stride one cache line longer")
     p.add_argument(
-        "--layers", type=int, default=1, help="cycle the calls over this many copies of the weights (decode's pattern)"
+        "--layers",
+        type=int,
+        default=1,
+        help="cycle the calls over this many copies of the weights (decode's pattern)",
     )
     p.add_argument(
         "--call", choices=("forward", "server"), default="forward", help="what a timed call runs (runner)"
     )
     p.add_argument(
-        "--held", type=int, default=None, help="the server holds only the first N experts (the rest route as -1)"
+        "--held",
+        type=int,
+        default=None,
+        help="the server holds only the first N experts (the rest route as -1)",
     )
     p.add_argument("--out", default=None)
     args = p.parse_args()
