@@ -85,7 +85,7 @@ def runner(
     """The r-th of the 16 routes, for timeit: --call forward (fp32 in and out around the kernel,
     converted by torch), or --call server (the CPU server's own call, forward_into: bf16 hidden
     states and answer, int32 ids as the wire brings them, conversions in the kernel)"""
-    layers = list(zip(w13, w2)) if isinstance(w13, list) else [(w13, w2)]  # --layers: call r on r % n
+    layers = list(zip(w13, w2, strict=True))  # copies of the weights (--layers): call r on r % n
     n = len(layers)
     if CALL == "forward":
         return lambda r: b.forward(x, *layers[r % n], *routes[r % 16])
@@ -114,6 +114,10 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
             p13, p2 = b.pack_weights(w13, w2)
             b.gemv_max_tokens = 0
             per_expert = p13[0].numel() * p13.element_size() + p2[0].numel() * p2.element_size()
+            # --layers: each call on the next of several copies (a model's layers: no copy is in a
+            # cache when its turn comes, so no flush is needed and the team stays warm)
+            l13 = [p13, *(p13.clone() for _ in range(args.layers - 1))]
+            l2 = [p2, *(p2.clone() for _ in range(args.layers - 1))]
             for t in [int(v) for v in args.tokens.split(",")]:
                 # top-k of all e experts; a server holding the first `held` sees the rest as -1
                 routes = []
@@ -124,19 +128,16 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
                 ref = TorchExpertBackend().forward(x, w13, w2, *routes[0]).float()
                 active = sum(len(torch.unique(r[0][r[0] >= 0])) for r in routes) / len(routes)
                 flops = 2 * t * k * 3 * h * i
-                # --layers: each call on the next of several copies (a model's layers: no copy is
-                # in a cache when its turn comes, so no flush is needed and the team stays warm)
-                l13 = [p13] + [p13.clone() for _ in range(args.layers - 1)] if args.layers > 1 else p13
-                l2 = [p2] + [p2.clone() for _ in range(args.layers - 1)] if args.layers > 1 else p2
                 combos = {n: (lib, l13, l2) for n, lib in timed.items()}
                 if args.pad and wd == "bfloat16":
-                    combos |= {n + "+pad": (lib, padded(p13), padded(p2)) for n, lib in timed.items()}
+                    combos |= {n + "+pad": (lib, [padded(p13)], [padded(p2)]) for n, lib in timed.items()}
                 times: dict[str, list[float]] = {n: [] for n in combos}
                 errs = {}
                 for n, (lib, a, c) in combos.items():
                     b.lib = lib
-                    a0, c0 = (a[0], c[0]) if isinstance(a, list) else (a, c)
-                    errs[n] = ((b.forward(x, a0, c0, *routes[0]).float() - ref).norm() / ref.norm()).item()
+                    errs[n] = (
+                        (b.forward(x, a[0], c[0], *routes[0]).float() - ref).norm() / ref.norm()
+                    ).item()
                 for _ in range(args.rounds):
                     for n, (lib, a, c) in combos.items():
                         b.lib = lib
