@@ -34,6 +34,7 @@ from benchmarks import bench_cpu_experts
 from benchmarks.bench_cpu_experts import MODELS, dram_bandwidth, gemm_peak, host_info, l3_bytes, timeit
 from cpu_expert_server import kernels
 from cpu_expert_server.backend import CpuExpertBackend
+from cpu_expert_server.packing import PER_ROW
 from expertmesh.experts import TorchExpertBackend
 
 STAGES = (
@@ -43,13 +44,15 @@ STAGES = (
 
 
 def variant_defines(baseline: str | None, variants: list[str]) -> dict[str, tuple[tuple[str, ...], Path]]:
-    """name -> (macros, source): "new" (this tree), "old" (--baseline), and NAME:DEF[;DEF] builds."""
+    """name -> (macros, source): "new" (this tree), "old" (--baseline), and NAME[@SOURCE][:DEF[;DEF]]
+    builds (SOURCE: the moe_gemv.c of another copy, this tree's by default)."""
     builds: dict[str, tuple[tuple[str, ...], Path]] = {"new": ((), kernels.SOURCE)}
     if baseline:
         builds["old"] = ((), Path(baseline))
     for v in variants:
-        name, _, defs = v.partition(":")
-        builds[name] = (tuple(d for d in defs.split(";") if d), kernels.SOURCE)
+        spec, _, defs = v.partition(":")
+        name, _, source = spec.partition("@")
+        builds[name] = (tuple(d for d in defs.split(";") if d), Path(source) if source else kernels.SOURCE)
     return builds
 
 
@@ -109,7 +112,10 @@ def bench(args: argparse.Namespace, info: dict, libs: dict[str, ctypes.CDLL]) ->
         w13 = (torch.randn(held, 2 * i, h, generator=g) / h**0.5).bfloat16()  # [held, 2I, H]
         w2 = (torch.randn(held, h, i, generator=g) / i**0.5).bfloat16()  # [held, H, I]
         for wd in args.dtypes.split(","):
-            b = CpuExpertBackend(args.threads, wd)
+            dtype, _, group = wd.partition(":")  # int4:128, int4:row: another weight group
+            b = CpuExpertBackend(
+                args.threads, dtype, PER_ROW if group == "row" else int(group) if group else None
+            )
             assert b.amx, "no AMX on this CPU (or the kernel refused it)"
             p13, p2 = b.pack_weights(w13, w2)
             b.gemv_max_tokens = 0
@@ -179,11 +185,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--tokens", default="64,512")
-    p.add_argument("--dtypes", default="bfloat16,int8")
+    p.add_argument(
+        "--dtypes", default="bfloat16,int8", help="weight formats, DTYPE or DTYPE:GROUP (int4:128, int4:row)"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--baseline", default=None, help="moe_gemv.c of another copy of the kernels")
-    p.add_argument("--variant", action="append", default=[], help="NAME:MACRO[=V][;MACRO...] build")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME[@moe_gemv.c of another copy][:MACRO[=V][;MACRO...]] build",
+    )
     p.add_argument("--skip-peak", action="store_true")
     p.add_argument("--no-profile", action="store_true", help="no AMX_PROFILE build of each variant")
     p.add_argument(
