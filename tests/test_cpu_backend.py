@@ -726,6 +726,30 @@ def test_amx_stealing_changes_nothing_emulated(emulated_amx, wdtype):
     assert rel(outs[0], ref) < 3e-2, rel(outs[0], ref)
 
 
+@pytest.mark.parametrize("wdtype,group", [("int4", 64), ("int4", 128), ("int4", PER_ROW), ("int8", 128)])
+def test_amx_signed_int4_and_lagged_fold_change_nothing_emulated(emulated_amx, wdtype, group):
+    """int4 unpacked to 16 q on the signed tile instruction (no per-token correction; the 16 in the
+    token scales), and each group's sums folded after the next group's products are issued, give
+    bit for bit the builds with nibbles 0..15 on the unsigned instruction (AMX_U4_S16=0), the
+    whole block unpacked first (AMX_U4_FUSED=0) and each group folded at once (AMX_FOLD_LAG=0);
+    experts get 2-4 token tiles (blocks of two tiles and of one)."""
+    defines = (("AMX_U4_S16=0",), ("AMX_U4_FUSED=0",), ("AMX_FOLD_LAG=0",))
+    builds = [kernels.load(("EXPERTMESH_AMX_EMULATE", *d)) for d in defines]
+    assert None not in builds
+    x, w13, w2, slot_ids, weights = inputs(120, torch.bfloat16, seed=404, h=384, i=128)
+    outs = []
+    for lib in (emulated_amx, *builds):
+        b = CpuExpertBackend(threads=3, weight_dtype=wdtype, group=group, caps=caps_of("avx2"))
+        b.lib, b.caps, b.amx, b.gemv_max_tokens = lib, b.caps | kernels.CAPS["amx"][0], True, 0
+        p13, p2 = b.pack_weights(w13, w2)
+        outs.append(b.forward(x, p13, p2, slot_ids, weights))
+    for d, out in zip(defines, outs[1:]):
+        assert torch.equal(outs[0], out), d
+    d13, d2 = unpack_reference(b.fmt, p13, p2)
+    ref = qact_reference(x.float(), d13, d2, slot_ids, weights, b.fmt.g13, b.fmt.g2)
+    assert rel(outs[0], ref) < 1e-2, rel(outs[0], ref)
+
+
 @pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("t", [1, 5])
 def test_amx_lean_decode_split_changes_nothing_emulated(emulated_amx, wdtype, t):

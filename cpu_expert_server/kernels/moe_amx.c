@@ -133,7 +133,7 @@ static inline __attribute__((always_inline)) void prefetch_part(const Prefetch *
                                                                 int ksteps) {
     const int dist = pf->mode == PF_NEAR ? AMX_PF_NEAR : AMX_PF_DIST;
     if ((pf->mode == PF_ROWS || pf->mode == PF_NEAR) && ks + dist < ksteps)
-        for (int r = 0; r < 16; r++) {
+        for (int r = 0; r < 16; r += sa < 64 ? (int)(64 / sa) : 1) { /* one per line (int4: 2 rows) */
             _mm_prefetch((const char *)(a0 + r * sa + (size_t)(ks + dist) * kstep), AMX_PF_ROWS_HINT);
             _mm_prefetch((const char *)(a1 + r * sa + (size_t)(ks + dist) * kstep), AMX_PF_ROWS_HINT);
         }
@@ -178,22 +178,66 @@ typedef struct {
 #define AMX_U4_FUSED 1
 #endif
 
+/* AMX_U4_S16 1: int4 unpacks to 16 q as signed bytes ((n << 4) ^ 0x80 for the stored nibble n =
+ * q + 8) for TDPBSSD, and the token scales carry the 1/16 (exact: a power of two). The fold of each
+ * group's sums then has no per-token correction to take off, where TDPBUSD on nibbles 0..15 gave
+ * sum((q + 8) x) and 8 * sum(x) came off every (row, token, group). The sums are the same
+ * integers times 16, so the results are bit-equal while 16 * |sum| < 2^24 (always in a group of
+ * 64 or 128; a per-row group of 2048 inputs would need |sum| > 2^20, far past int8 activations
+ * on random signs, and then rounds in a float's last bit). 0: nibbles 0..15 on TDPBUSD. */
+#ifndef AMX_U4_S16
+#define AMX_U4_S16 1
+#endif
+
 /* One packed int4 k step of 16 tiled rows (16 x 32 bytes: the low nibble of byte j is feature j,
- * the high nibble feature j + 32) -> the A tile's 16 rows x 64 nibbles 0..15 (tiles_unpack_u4's
- * order, moe_qdot.c) */
+ * the high nibble feature j + 32) -> the A tile's 16 rows x 64 bytes (tiles_unpack_u4's order,
+ * moe_qdot.c): nibbles 0..15, or 16 q (AMX_U4_S16) */
 static inline __attribute__((always_inline, target(AMX_TARGET))) void unpack_u4_step(const uint8_t *src,
                                                                                      uint8_t *dst) {
+#if AMX_U4_S16 && !defined(EXPERTMESH_AMX_EMULATE)
+    /* a row's 32 bytes in both halves of a register; 16-bit lanes of the low half shift left by 4
+     * (the low nibble lands in the byte's high half), then (x & 0xf0) ^ 0x80 in one instruction:
+     * 4 instructions a row where the 256-bit steps below take 8 (the emulated build's path) */
+    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 0);
+    const __m512i hi4 = _mm512_set1_epi8((char)0xf0), flip = _mm512_set1_epi8((char)0x80);
+    for (int r = 0; r < 16; r++) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(src + 32 * r)));
+        _mm512_store_si512(dst + 64 * r, _mm512_ternarylogic_epi32(_mm512_sllv_epi16(v, shift), hi4, flip, 0x6a));
+    }
+#elif AMX_U4_S16
+    const __m256i hi4 = _mm256_set1_epi8((char)0xf0), flip = _mm256_set1_epi8((char)0x80);
+    for (int r = 0; r < 16; r++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * r));
+        /* the low nibble shifted up within its 16-bit lane lands in the byte's high half */
+        _mm256_store_si256((__m256i *)(dst + 64 * r),
+                           _mm256_xor_si256(_mm256_and_si256(_mm256_slli_epi16(v, 4), hi4), flip));
+        _mm256_store_si256((__m256i *)(dst + 64 * r + 32), _mm256_xor_si256(_mm256_and_si256(v, hi4), flip));
+    }
+#else
     const __m256i lo4 = _mm256_set1_epi8(15);
     for (int r = 0; r < 16; r++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * r));
         _mm256_store_si256((__m256i *)(dst + 64 * r), _mm256_and_si256(v, lo4));
         _mm256_store_si256((__m256i *)(dst + 64 * r + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4));
     }
+#endif
+}
+
+/* C tiles 0..3 (0..1 unless two) -> c, 4 x 16 x 16 */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_store(int two, void *c) {
+    uint8_t *cb = c;
+    TILE_STORE(0, cb, 64);
+    TILE_STORE(1, cb + 1024, 64);
+    if (two) {
+        TILE_STORE(2, cb + 2048, 64);
+        TILE_STORE(3, cb + 3072, 64);
+    }
+    COMPILER_FENCE();
 }
 
 /* One block: C tiles 0..3 = A (the 32 rows of ar: a0 = rows 0-15, a1 = rows 16-31) x B(b0, b1; 1 KiB
- * per k step), k steps [k0, k1), C tiles stored to c (4 x 16 x 16: a0 x b0, a1 x b0, a0 x b1,
- * a1 x b1; two = whether b1 is used). Always inlined with a constant kind. */
+ * per k step), k steps [k0, k1), C tiles stored to c (4 x 16 x 16: a0 x b0, a1 x b0, a0 x b1, a1 x b1;
+ * NULL: left in the tiles), two = whether b1 is used. Always inlined with a constant kind. */
 static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps(
     int kind, const ARows *ar, const uint32_t *b0, const uint32_t *b1, int two, int k0, int k1, const Prefetch *pf,
     int ksteps, void *c) {
@@ -216,7 +260,7 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps
     COMPILER_FENCE();
     for (int ks = k0; ks < k1; ks++) {
 #if AMX_DIAG < 2
-        if (kind == TILES_U8 && ar->u4[0]) {
+        if (kind != TILES_BF16 && ar->u4[0]) {
             /* the packed rows: 16 rows x 32 bytes per step, contiguous */
             prefetch_part(pf, ar->u4[0], ar->u4[1], 32, 512, ks, ksteps);
             uint8_t *u = ar->ub + (size_t)(ks & 1) * 2048; /* two buffers: step ks + 1 is written
@@ -259,14 +303,7 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps
         }
 #undef TILE_PRODUCTS
     }
-    uint8_t *cb = c;
-    TILE_STORE(0, cb, 64);
-    TILE_STORE(1, cb + 1024, 64);
-    if (two) {
-        TILE_STORE(2, cb + 2048, 64);
-        TILE_STORE(3, cb + 3072, 64);
-    }
-    COMPILER_FENCE();
+    if (c) tile_store(two, c);
 }
 
 /* m ? a : b per lane (m from a vector comparison: all ones or zero) */

@@ -79,7 +79,7 @@ typedef struct {
 
 typedef struct {
     float *c;          /* [1024] block result */
-    int32_t *cb;       /* [1024] int tiles of one group */
+    int32_t *cb;       /* [2][1024] int tiles of two groups (q_block) */
     float *tmp;        /* [max(H, I)] */
     uint16_t *wq;      /* [32, max(H, I)] quantised rows as bf16 (bf16 tiles only) */
     uint8_t *nib;      /* [32, max(H, I)] int4 nibbles (fused unpack: its first 4 KiB) */
@@ -89,7 +89,7 @@ static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
     const size_t cmax = (size_t)(cl->h > cl->i ? cl->h : cl->i);
     const int quant = cl->wdtype == 1 || cl->wdtype == 2;
     sc->c = aligned_alloc(64, sizeof(float) * 1024);
-    sc->cb = aligned_alloc(64, sizeof(int32_t) * 1024);
+    sc->cb = aligned_alloc(64, sizeof(int32_t) * 2048);
     sc->tmp = malloc(sizeof(float) * cmax);
     sc->wq = cl->kind == TILES_BF16 && quant ? malloc(sizeof(uint16_t) * 32 * cmax) : NULL;
     /* 32 rows of nibbles, and at least the 4 KiB a fused unpack uses */
@@ -97,6 +97,11 @@ static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
 }
 
 static void scratch_free(Scratch *sc) { free(sc->c), free(sc->cb), free(sc->tmp), free(sc->wq), free(sc->nib); }
+
+/* nibbles 0..15 -> the A bytes AMX_U4_S16 asks for (unpack_u4_step's), in place */
+static void u4_to_s16(uint8_t *nib, size_t n) {
+    for (size_t k = 0; AMX_U4_S16 && k < n; k++) nib[k] = (uint8_t)((nib[k] << 4) ^ 0x80);
+}
 
 /* 32 packed rows from base (c inputs, group g) -> where the A tiles read them (in place, or
  * bf16-dequantised / int4-unpacked into this thread's scratch) and their int8 group scales */
@@ -121,6 +126,7 @@ __attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const
             ar.u4[0] = base, ar.u4[1] = base + 16 * rowbytes, ar.ub = sc->nib;
         } else if (cl->kind == TILES_U8) {
             tiles_unpack_u4(base, rowbytes, 32, c, sc->nib);
+            u4_to_s16(sc->nib, (size_t)32 * c);
             ar.a[0] = sc->nib, ar.a[1] = sc->nib + (size_t)16 * c;
         }
         return ar;
@@ -130,6 +136,7 @@ __attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const
     ar.sr = rowbytes / 4;
     if (cl->kind == TILES_U8) {
         unpack_nibbles(base, rowbytes, 32, c, g, sc->nib);
+        u4_to_s16(sc->nib, (size_t)32 * c);
         ar.a[0] = sc->nib, ar.a[1] = sc->nib + (size_t)16 * c, ar.sa = c;
     }
     return ar;
@@ -144,7 +151,8 @@ __attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows 
     } else if (kind == TILES_S8) {
         q_block(TILES_S8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
     } else {
-        q_block(TILES_U8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
+        /* int4: signed bytes (AMX_U4_S16) take the int8 tiles' instruction */
+        q_block(AMX_U4_S16 ? TILES_S8 : TILES_U8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
     }
 }
 
@@ -381,7 +389,10 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     if (plan_tiles(slot_ids, weights, t_, k_, s_, &pl)) return -1;
     const Sorted *so = &pl.so;
     const int h_ = cl->h, i_ = cl->i, kind = cl->kind, qk = kind != TILES_BF16;
-    const int bias = kind == TILES_U8 ? 8 : 0, ng13 = h_ / cl->g13;
+    /* int4 on TDPBUSD: the nibbles' + 8 comes off as 8 * sum(x); as 16 q (AMX_U4_S16) the 16 goes into
+     * the token scales */
+    const int bias = kind == TILES_U8 && !AMX_U4_S16 ? 8 : 0, ng13 = h_ / cl->g13;
+    const float smul = kind == TILES_U8 && AMX_U4_S16 ? 1.0f / 16 : 1.0f;
     QTiles bx, ba; /* B tiles of phase 1 (over H) and phase 2 (over I) */
     btiles_alloc(&bx, kind, KEEP_BX, pl.ntiles, h_, cl->g13);
     btiles_alloc(&ba, kind, KEEP_BA, pl.ntiles, i_, cl->g2);
@@ -443,7 +454,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
             for (int j = 0; j < 16; j++) {
                 const size_t t = j < n ? (size_t)so->tok[q0 + j] : 0;
                 src[j] = j >= n ? zrow : qk ? (const uint32_t *)(xq + t * h_) : (const uint32_t *)(xh + t * h_);
-                if (qk && j < n) qtiles_scales(&bx, tl, j, h_, cl->g13, bias, xsc + t * ng13, xcs + t * ng13);
+                if (qk && j < n) qtiles_scales(&bx, tl, j, h_, cl->g13, bias, smul, xsc + t * ng13, xcs + t * ng13);
                 if (qk && j >= n) qtiles_pad_scales(&bx, tl, j);
             }
             btiles_fill(&bx, tl, src);
@@ -485,7 +496,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
                         continue;
                     }
                     quant_act(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8 + (size_t)j * i_, qs, qc);
-                    qtiles_scales(&ba, tl, j, i_, cl->g2, bias, qs, qc);
+                    qtiles_scales(&ba, tl, j, i_, cl->g2, bias, smul, qs, qc);
                 }
                 btiles_fill(&ba, tl, src);
             }

@@ -4,10 +4,11 @@
  * Activations are quantised per token (and per intermediate row) in the weights' groups, as in
  * the decode kernel's integer path, so each group's integer tile product is scaled once per
  * (row, token) by weight scale * activation scale. A = int8 rows read in place, or int4 rows
- * unpacked to nibbles 0..15 in a per-thread scratch; B = 16 input quads x 16 tokens x 4 int8;
- * C = 16 x 16 int32, stored after each group and folded into the fp32 block result. int8: TDPBSSD
- * (s8 x s8); int4: TDPBUSD (u8 nibble = q + 8, x s8), whose bias 8 * sum(x) comes off per token
- * and group. Needs RB == 16, G % 64 == 0.
+ * unpacked in a per-thread scratch to 16 q as int8 (AMX_U4_S16, moe_amx.c; the 1/16 rides in the
+ * token scales); B = 16 input quads x 16 tokens x 4 int8; C = 16 x 16 int32, stored after each
+ * group and folded into the fp32 block result. Both on TDPBSSD (s8 x s8); the AMX_U4_S16=0 build
+ * keeps int4 as nibbles q + 8 on TDPBUSD (u8 x s8), whose bias 8 * sum(x) comes off per token and
+ * group. Needs RB == 16, G % 64 == 0.
  */
 
 /* per token tile: B tiles [k steps][16 quads][16 tokens] uint32, and per group the 16 tokens'
@@ -61,12 +62,13 @@ static void qtiles_free(QTiles *q) {
     if (q->owned) free(q->mem);
 }
 
-/* token slot j of tile tl: the group scales and integer corrections of one quantised activation
- * row (sc / cs [c/g] from quant_act; its int8 values go in with btiles_fill) */
-static void qtiles_scales(const QTiles *q, int tl, int j, int c, int g, int bias, const float *sc, const float *cs) {
+/* token slot j of tile tl: the group scales (times mul) and integer corrections of one quantised
+ * activation row (sc / cs [c/g] from quant_act; its int8 values go in with btiles_fill) */
+static void qtiles_scales(const QTiles *q, int tl, int j, int c, int g, int bias, float mul, const float *sc,
+                          const float *cs) {
     for (int gi = 0; gi < c / g; gi++) {
         const size_t o = ((size_t)tl * q->groups + gi) * 16 + j;
-        q->ts[o] = sc[gi];
+        q->ts[o] = sc[gi] * mul;
         /* sum(q) = cs / sc: an integer of at most 127 * G, recovered exactly by rounding */
         q->tc[o] = sc[gi] > 0.0f ? bias * (int32_t)lrintf(cs[gi] / sc[gi]) : 0;
     }
@@ -97,33 +99,83 @@ __attribute__((target(AMX_TARGET))) static void unpack_nibbles(const uint8_t *ro
     }
 }
 
+/* AMX_QDIAG (bench_cpu_prefill.py diagnostic builds, results WRONG): 1 the groups' sums stored but
+ * not folded; 2 the tiles summing every group, folded once per block (a per-row format's cost);
+ * 3 a fold without the token scales (convert, multiply-add by the row's scale) */
+#ifndef AMX_QDIAG
+#define AMX_QDIAG 0
+#endif
+
+/* AMX_FOLD_LAG 1: group g's sums are folded after group g + 1's tile products are issued (two
+ * buffers of sums), so that the vector fold can run while the tile unit computes; 0: each group
+ * folded as soon as its sums are stored, before the next group's products. At T=512 the lag was
+ * faster in 3 of 4 same-host comparisons (3-9%; benchmarks/RESULTS.md). Folding 2, 4 or 8 groups
+ * at a time, each result row loaded and stored once per pass, was 6-15% slower. */
+#ifndef AMX_FOLD_LAG
+#define AMX_FOLD_LAG 1
+#endif
+
+/* group gi's integer sums cb (C tiles as tile_store wrote them) into acc: acc (+)= (C_int - token
+ * correction) * weight scale * token scale; the first group sets acc */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void q_fold(int kind, const ARows *ar,
+                                                                             const QTiles *q, size_t tl, size_t t1,
+                                                                             int two, int gi, const int32_t *cb,
+                                                                             float *acc) {
+    v16f_a xs[2];
+    v16i_a xc[2] = {{0}, {0}};
+    for (int u = 0; u < 1 + two; u++) { /* token tile u's scales and corrections */
+        const size_t o = ((u ? t1 : tl) * q->groups + gi) * 16;
+        memcpy(&xs[u], q->ts + o, 64);
+        if (kind == TILES_U8) memcpy(&xc[u], q->tc + o, 64);
+    }
+#if AMX_QDIAG == 1
+    if (gi) return;
+#endif
+    for (int r = 0; r < 16; r++)
+        for (int half = 0; half < 2; half++) {
+            const float w = ar->s[half][gi * ar->sg + r * ar->sr]; /* one load for both token tiles */
+            for (int u = 0; u < 1 + two; u++) {
+                const int t = 2 * u + half; /* C tile: a0 x b0, a1 x b0, a0 x b1, a1 x b1 */
+                v16f_a a = {0};
+                v16i_a ci;
+                if (gi) memcpy(&a, acc + t * 256 + r * 16, 64);
+                memcpy(&ci, cb + t * 256 + r * 16, 64);
+                if (kind == TILES_U8) ci -= xc[u];
+#if AMX_QDIAG == 3
+                a += __builtin_convertvector(ci, v16f_a) * w;
+#else
+                a += __builtin_convertvector(ci, v16f_a) * (xs[u] * w);
+#endif
+                memcpy(acc + t * 256 + r * 16, &a, 64);
+            }
+        }
+}
+
 /* One block on int8 tiles, result as tile_steps' c but fp32 and scaled: acc[4][16][16] = sum over
- * groups of (C_int - token correction) * weight scale (ar->s) * token scale. q: the token tiles' B
- * buffer, tl / t1 the two tiles (t1 == tl when two == 0). */
+ * groups of (C_int - token correction) * weight scale (ar->s) * token scale, the groups added in
+ * order. q: the token tiles' B buffer, tl / t1 the two tiles (t1 == tl when two == 0); cb: two
+ * groups' integer sums (2 x 4 KiB). kind TILES_U8 takes the correction off (TDPBUSD on nibbles);
+ * TILES_S8 has none. */
 static inline __attribute__((always_inline, target(AMX_TARGET))) void q_block(int kind, const ARows *ar,
                                                                               const QTiles *q, size_t tl, size_t t1,
                                                                               int two, const Prefetch *pf, int32_t *cb,
                                                                               float *acc) {
-    memset(acc, 0, sizeof(float) * 1024);
-    const int kpg = q->ksteps / q->groups;
     const uint32_t *b0 = q->b + tl * q->ksteps * 256, *b1 = q->b + t1 * q->ksteps * 256;
-    for (int gi = 0; gi < q->groups; gi++) {
-        tile_steps(kind, ar, b0, b1, two, gi * kpg, (gi + 1) * kpg, pf, q->ksteps, cb);
-        for (int t = 0; t < 2 + 2 * two; t++) {
-            const int u = t / 2, half = t % 2; /* token tile, weight half (a0 / a1) */
-            const size_t o = ((u ? t1 : tl) * q->groups + gi) * 16;
-            v16f_a xs;
-            v16i_a xc;
-            memcpy(&xs, q->ts + o, 64);
-            memcpy(&xc, q->tc + o, 64);
-            for (int r = 0; r < 16; r++) {
-                v16i_a ci;
-                v16f_a a;
-                memcpy(&ci, cb + t * 256 + r * 16, 64);
-                memcpy(&a, acc + t * 256 + r * 16, 64);
-                a += __builtin_convertvector(ci - xc, v16f_a) * (xs * ar->s[half][gi * ar->sg + r * ar->sr]);
-                memcpy(acc + t * 256 + r * 16, &a, 64);
-            }
+#if AMX_QDIAG == 2
+    const int groups = 1, per = q->ksteps;
+#else
+    const int groups = q->groups, per = q->ksteps / q->groups;
+#endif
+    for (int gi = 0; gi < groups; gi++) {
+        int32_t *c = cb + (gi & 1) * 1024;
+        if (AMX_FOLD_LAG) {
+            tile_steps(kind, ar, b0, b1, two, gi * per, (gi + 1) * per, pf, q->ksteps, NULL);
+            if (gi) q_fold(kind, ar, q, tl, t1, two, gi - 1, cb + ((gi - 1) & 1) * 1024, acc);
+            tile_store(two, c);
+        } else {
+            tile_steps(kind, ar, b0, b1, two, gi * per, (gi + 1) * per, pf, q->ksteps, c);
+            q_fold(kind, ar, q, tl, t1, two, gi, c, acc);
         }
     }
+    if (AMX_FOLD_LAG) q_fold(kind, ar, q, tl, t1, two, groups - 1, cb + ((groups - 1) & 1) * 1024, acc);
 }
