@@ -109,8 +109,8 @@ __attribute__((target(AMX_TARGET))) static void unpack_nibbles(const uint8_t *ro
 /* AMX_FOLD_LAG 1: group g's sums are folded after group g + 1's tile products are issued (two
  * buffers of sums), so that the vector fold can run while the tile unit computes; 0: each group
  * folded as soon as its sums are stored, before the next group's products. At T=512 the lag was
- * faster in 3 of 4 same-host comparisons (3-9%; benchmarks/RESULTS.md). Folding 2, 4 or 8 groups
- * at a time, each result row loaded and stored once per pass, was 6-15% slower. */
+ * faster in 3 of 4 same-host comparisons (4-9%; benchmarks/RESULTS.md). Folding 2, 4 or 8 groups
+ * at a time, each result row loaded and stored once per pass, was 6-16% slower. */
 #ifndef AMX_FOLD_LAG
 #define AMX_FOLD_LAG 1
 #endif
