@@ -115,6 +115,47 @@ __attribute__((target(AMX_TARGET))) static void unpack_nibbles(const uint8_t *ro
 #define AMX_FOLD_LAG 1
 #endif
 
+/* An opaque copy of a vector: -ffast-math lets GCC reassociate cvt(C) * (xs * w) per inlining
+ * context (as (cvt(C) * xs) * w in some), which rounded the same fold differently in builds that
+ * must agree bit for bit; the scale product as written is what every build computes. */
+#ifdef EXPERTMESH_AMX_EMULATE
+#define PIN_VEC(v) __asm__("" : "+m"(v))
+#else
+#define PIN_VEC(v) __asm__("" : "+v"(v))
+#endif
+
+/* q_fold's rows, specialised by the caller on its loop invariants: nt token tiles (1 or 2), add
+ * (0: the first group sets acc). s0 / s1: the group's scale of row 0 of each A tile, rows sr apart.
+ * Locals and constants only: on ARows' fields (read through a pointer that the stores to acc
+ * might alias) GCC reloaded and recomputed each row's scale address for every row and half, and
+ * kept the tests of two and gi inside the loop. */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void q_fold_rows(int kind, const float *s0,
+                                                                                  const float *s1, long sr,
+                                                                                  const v16f_a *xs, const v16i_a *xc,
+                                                                                  int nt, int add, const int32_t *cb,
+                                                                                  float *acc) {
+    for (int r = 0; r < 16; r++)
+        for (int half = 0; half < 2; half++) {
+            const float w = (half ? s1 : s0)[r * sr]; /* one load for both token tiles */
+            for (int u = 0; u < nt; u++) {
+                const int t = 2 * u + half; /* C tile: a0 x b0, a1 x b0, a0 x b1, a1 x b1 */
+                v16f_a a = {0};
+                v16i_a ci;
+                if (add) memcpy(&a, acc + t * 256 + r * 16, 64);
+                memcpy(&ci, cb + t * 256 + r * 16, 64);
+                if (kind == TILES_U8) ci -= xc[u];
+#if AMX_QDIAG == 3
+                a += __builtin_convertvector(ci, v16f_a) * w;
+#else
+                v16f_a sc = xs[u] * w;
+                PIN_VEC(sc);
+                a += __builtin_convertvector(ci, v16f_a) * sc;
+#endif
+                memcpy(acc + t * 256 + r * 16, &a, 64);
+            }
+        }
+}
+
 /* group gi's integer sums cb (C tiles as tile_store wrote them) into acc: acc (+)= (C_int - token
  * correction) * weight scale * token scale; the first group sets acc */
 static inline __attribute__((always_inline, target(AMX_TARGET))) void q_fold(int kind, const ARows *ar,
@@ -131,24 +172,16 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void q_fold(int
 #if AMX_QDIAG == 1
     if (gi) return;
 #endif
-    for (int r = 0; r < 16; r++)
-        for (int half = 0; half < 2; half++) {
-            const float w = ar->s[half][gi * ar->sg + r * ar->sr]; /* one load for both token tiles */
-            for (int u = 0; u < 1 + two; u++) {
-                const int t = 2 * u + half; /* C tile: a0 x b0, a1 x b0, a0 x b1, a1 x b1 */
-                v16f_a a = {0};
-                v16i_a ci;
-                if (gi) memcpy(&a, acc + t * 256 + r * 16, 64);
-                memcpy(&ci, cb + t * 256 + r * 16, 64);
-                if (kind == TILES_U8) ci -= xc[u];
-#if AMX_QDIAG == 3
-                a += __builtin_convertvector(ci, v16f_a) * w;
-#else
-                a += __builtin_convertvector(ci, v16f_a) * (xs[u] * w);
-#endif
-                memcpy(acc + t * 256 + r * 16, &a, 64);
-            }
-        }
+    const float *s0 = ar->s[0] + gi * ar->sg, *s1 = ar->s[1] + gi * ar->sg;
+    const long sr = ar->sr;
+    if (two && gi)
+        q_fold_rows(kind, s0, s1, sr, xs, xc, 2, 1, cb, acc);
+    else if (two)
+        q_fold_rows(kind, s0, s1, sr, xs, xc, 2, 0, cb, acc);
+    else if (gi)
+        q_fold_rows(kind, s0, s1, sr, xs, xc, 1, 1, cb, acc);
+    else
+        q_fold_rows(kind, s0, s1, sr, xs, xc, 1, 0, cb, acc);
 }
 
 /* One block on int8 tiles, result as tile_steps' c but fp32 and scaled: acc[4][16][16] = sum over
