@@ -349,6 +349,47 @@ static inline __attribute__((always_inline)) void silu_mul_tile(float *g, const 
     }
 }
 
+/* AMX_VT 1: a block's results leave their [16 rows][16 tokens] C layout for the token-major rows
+ * of the intermediates and the pair buffer through a 16 x 16 transpose in registers (64 shuffles);
+ * 0: one scalar load and store per value (512 instructions a tile) */
+#ifndef AMX_VT
+#define AMX_VT 1
+#endif
+
+/* dst[j][r] = src[r][j], 16 x 16 fp32 (dst 64-byte aligned) */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void transpose16(const float *src, float *dst) {
+#if AMX_VT && !defined(EXPERTMESH_AMX_EMULATE)
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + 16 * i);
+    for (int i = 0; i < 16; i += 2) { /* lane-wise pairs of rows: a0 b0 a1 b1 / a2 b2 a3 b3 */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* lane-wise quads of rows: a0 b0 c0 d0 ... a3 b3 c3 d3 */
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    /* r[4q + k] lane L: rows 4q .. 4q + 3 of column k + 4L; gather the four quads per column */
+    for (int k = 0; k < 4; k++) {
+        t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
+        t[k + 4] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);
+        t[k + 8] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        t[k + 12] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
+    }
+    for (int k = 0; k < 4; k++) {
+        _mm512_store_ps(dst + 16 * k, _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88));
+        _mm512_store_ps(dst + 16 * (k + 8), _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd));
+        _mm512_store_ps(dst + 16 * (k + 4), _mm512_shuffle_f32x4(t[k + 4], t[k + 12], 0x88));
+        _mm512_store_ps(dst + 16 * (k + 12), _mm512_shuffle_f32x4(t[k + 4], t[k + 12], 0xdd));
+    }
+#else
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 16; j++) dst[j * 16 + r] = src[r * 16 + j];
+#endif
+}
+
 /* fp32 [16 rows][16 tokens] -> bf16 rows (f0, f0 + 1), (f0 + 2, f0 + 3), ... of one token tile of a
  * bf16 B buffer (k step = 16 pairs x 16 tokens); f0 % 16 == 0 */
 static inline __attribute__((always_inline)) void tile_to_bf16_pairs(const float *v, int f0, uint32_t *bt) {

@@ -292,8 +292,9 @@ __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long
             }
             int n;
             const int q0 = tile_first(pl, tl + u, &n);
-            for (int j = 0; j < n; j++)
-                for (int r = 0; r < 16; r++) cx->act[(size_t)(q0 + j) * i_ + b * 16 + r] = g[r * 16 + j];
+            float gt[256] __attribute__((aligned(64)));
+            transpose16(g, gt);
+            for (int j = 0; j < n; j++) memcpy(cx->act + (size_t)(q0 + j) * i_ + b * 16, gt + j * 16, 64);
         }
     }
 }
@@ -317,18 +318,21 @@ __attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, int a
             for (int u = 0; u < 1 + two; u++) {
                 int n;
                 const int q0 = tile_first(pl, tl + u, &n);
-                const float *c = sc->c + u * 512;
+                float ct[2][256] __attribute__((aligned(64))); /* token-major: output rows 0-15, 16-31 */
+                transpose16(sc->c + u * 512, ct[0]);
+                transpose16(sc->c + u * 512 + 256, ct[1]);
                 for (int j = 0; j < n; j++) {
                     if (cx->pb) {
                         float *o = cx->pb + (size_t)(q0 + j) * h_ + (size_t)hb * 32;
-                        for (int r = 0; r < 16; r++) o[r] = c[r * 16 + j], o[16 + r] = c[256 + r * 16 + j];
+                        memcpy(o, ct[0] + j * 16, 64);
+                        memcpy(o + 16, ct[1] + j * 16, 64);
                         continue;
                     }
                     float *o = cx->out + (size_t)so->tok[q0 + j] * h_ + (size_t)hb * 32;
                     const float w = so->wt[q0 + j];
                     for (int r = 0; r < 16; r++) {
-                        o[r] += w * c[r * 16 + j];
-                        o[16 + r] += w * c[256 + r * 16 + j];
+                        o[r] += w * ct[0][j * 16 + r];
+                        o[16 + r] += w * ct[1][j * 16 + r];
                     }
                 }
             }
