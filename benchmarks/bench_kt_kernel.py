@@ -18,9 +18,17 @@ Formats, so the rows compare like with like:
   em-int8      expertmesh int8, groups of 128
   em-bf16      expertmesh bf16
   kt-AMXINT4   kt-kernel AMXInt4_MOE: int4 with one scale per output row (per channel)
+  kt-AMXINT4-G32   kt-kernel AMXInt4_KGroup_MOE (its Kimi-K2 class): int4 in groups of 32 along
+               each row, quantised here (kt-kernel takes this format pre-quantised), below
+  kt-AMXINT4-G64   the same in groups of 64 (em-int4's format), kt-AMXINT4-G128 of 128 (em-int4-g128's);
+               kt-kernel 0.7.2 computed NaN with these two and crashed at prefill sizes (measured)
+  em-int4-g128 expertmesh int4, groups of 128 (``cpu-server --weight-group 128``)
   kt-AMXINT8   kt-kernel AMXInt8_MOE: int8, one scale per output row
   kt-AMXBF16   kt-kernel AMXBF16_MOE
-kt-kernel quantises the bf16 weights itself at load (its online path). rel err: against the
+kt-kernel quantises the bf16 weights itself at load (its online path), except for the grouped
+int4 rows: their weights are quantised by ``kt_int4_groups`` into the layout kt-kernel's own
+examples write for that class (symmetric, scale = max |w| / 7 per group, bf16 scales, q + 8 eight
+to an int32). rel err: against the
 torch reference on the bf16 weights (random Gaussian weights have none of the outlier rows that
 make one scale per row costly in real checkpoints: the column says the kernels compute what they
 should, not which format is more accurate).
@@ -57,6 +65,7 @@ EM = {  # method: (weight dtype, group; None = the default, 0 = one scale per ro
     "em-int4": ("int4", None),
     "em-int4-row": ("int4", 0),
     "em-int4-bt": ("int4", None),  # activations unquantised: prefill dequantises rows onto bf16 tiles
+    "em-int4-g128": ("int4", 128),
     "em-int8": ("int8", None),
     "em-bf16": ("bfloat16", None),
 }
@@ -65,7 +74,11 @@ KT = {
     "kt-AMXINT8": "AMXInt8_MOE",
     "kt-AMXBF16": "AMXBF16_MOE",
     "kt-AVX2BF16": "AVX2BF16_MOE",  # no AMX: runs on any AVX2 host (the harness itself on a VM)
+    "kt-AMXINT4-G32": "AMXInt4_KGroup_MOE",
+    "kt-AMXINT4-G64": "AMXInt4_KGroup_MOE",
+    "kt-AMXINT4-G128": "AMXInt4_KGroup_MOE",
 }
+KT_GROUP = {"kt-AMXINT4-G32": 32, "kt-AMXINT4-G64": 64, "kt-AMXINT4-G128": 128}  # pre-quantised int4
 DEFAULT_METHODS = "em-int4,em-int4-row,em-int8,kt-AMXINT4,kt-AMXINT8"
 
 
@@ -96,17 +109,39 @@ def load_kt(kt_dir: str, variant: str):
     return mod
 
 
-class KtLayer:
-    """One kt-kernel MoE layer: its worker pool, the layer quantised from bf16, its buffers."""
+def kt_int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, rows, cols] -> (int32 [E, rows, cols / 8], bf16 scales [E, rows, cols / group]): int4 q
+    in [-8, 7] with scale max |w| / 7 per group of ``group`` inputs, stored as q + 8, input j of a
+    word at bits 4 * (j % 8)."""
+    e, r, c = w.shape
+    x = w.float().view(e, r, c // group, group)
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 7.0
+    q = (torch.round(x / scale).clamp(-8, 7) + 8).to(torch.int32).view(e, r, c // 8, 8)
+    # the nibbles' fields do not overlap, so the int32 sum (wrapping at bit 31) is their bitwise or
+    words = (q << (torch.arange(8, dtype=torch.int32) * 4)).sum(-1, dtype=torch.int32)
+    return words.contiguous(), scale.squeeze(-1).bfloat16().contiguous()
 
-    def __init__(self, ext, cls_name: str, pool, gate, up, down, k: int, max_len: int, tmp: str):
+
+class KtLayer:
+    """One kt-kernel MoE layer: its worker pool, the layer quantised from bf16 (or by
+    kt_int4_groups when ``group`` is set), its buffers."""
+
+    def __init__(self, ext, cls_name: str, pool, gate, up, down, k: int, max_len: int, tmp: str,
+                 group: int | None = None):  # fmt: skip
         e, i, h = gate.shape
-        self.keep = [gate.contiguous(), up.contiguous(), down.contiguous()]
+        if group:
+            packed = [kt_int4_groups(t, group) for t in (gate, up, down)]
+            self.keep = [p[0] for p in packed] + [p[1] for p in packed]
+        else:
+            self.keep = [gate.contiguous(), up.contiguous(), down.contiguous()]
         self.mask = torch.zeros(e, dtype=torch.bool)  # no expert on a GPU
         cfg = ext.moe.MOEConfig(e, k, h, i, self.mask.data_ptr())
         cfg.layer_idx, cfg.pool, cfg.max_len = 0, pool.backend_, max_len
         cfg.save, cfg.load, cfg.path = False, False, tmp
-        cfg.gate_proj, cfg.up_proj, cfg.down_proj = (t.data_ptr() for t in self.keep)
+        cfg.gate_proj, cfg.up_proj, cfg.down_proj = (t.data_ptr() for t in self.keep[:3])
+        if group:
+            cfg.gate_scale, cfg.up_scale, cfg.down_scale = (t.data_ptr() for t in self.keep[3:])
+            cfg.quant_config.bits, cfg.quant_config.group_size, cfg.quant_config.zero_point = 4, group, False
         self.pool, self.moe, self.k, self.h = pool, getattr(ext.moe, cls_name)(cfg), k, h
         self.p2l = torch.arange(e, dtype=torch.int64)
         pool.submit(self.moe.load_weights_task(self.p2l.data_ptr()))
@@ -172,9 +207,13 @@ def bench(
         tmp = tempfile.mkdtemp(prefix="kt-")
         for m in methods:
             if m in KT:
-                layer = KtLayer(ext, KT[m], pool, gate, up, down, k, max(tokens), tmp)
-                per = {"kt-AMXINT4": 0.5, "kt-AMXINT8": 1.0}.get(m, 2.0) * 3 * h * i
-                layers[m] = ("kt", layer, None, None, per + 4 * (2 * i + h))
+                group = KT_GROUP.get(m)
+                layer = KtLayer(ext, KT[m], pool, gate, up, down, k, max(tokens), tmp, group)
+                if group:  # bf16 scales per group
+                    per = (0.5 + 2 / group) * 3 * h * i
+                else:  # fp32 scales per row
+                    per = {"kt-AMXINT4": 0.5, "kt-AMXINT8": 1.0}.get(m, 2.0) * 3 * h * i + 4 * (2 * i + h)
+                layers[m] = ("kt", layer, None, None, per)
     rows = []
     for t in tokens:
         routes = bce.random_routes(e, k, t, g)
@@ -229,14 +268,20 @@ def bench(
 
 
 def table(rows: list[dict], methods: list[str]) -> str:
-    """ms per layer by (model, T), each expertmesh row's speed over the kt-kernel row of its
-    format beside it (x > 1: expertmesh faster)."""
+    """ms per layer by (model, T), each expertmesh row's speed over the kt-kernel rows of its
+    format family beside it (x > 1: expertmesh faster): kt-kernel's per-row int4, then, where
+    measured, its grouped int4: in the same groups ("same groups") or in groups of 32 ("kt g32")."""
     pair = {
         "em-int4": "kt-AMXINT4",
         "em-int4-row": "kt-AMXINT4",
         "em-int4-bt": "kt-AMXINT4",
+        "em-int4-g128": "kt-AMXINT4",
         "em-int8": "kt-AMXINT8",
         "em-bf16": "kt-AMXBF16",
+    }
+    grouped = {
+        "em-int4": [("same groups", "kt-AMXINT4-G64"), ("kt g32", "kt-AMXINT4-G32")],
+        "em-int4-g128": [("same groups", "kt-AMXINT4-G128"), ("kt g32", "kt-AMXINT4-G32")],
     }
     cells: dict[tuple[str, int], dict[str, dict]] = {}
     for r in rows:
@@ -249,8 +294,11 @@ def table(rows: list[dict], methods: list[str]) -> str:
             if r is None:
                 parts.append("")
                 continue
-            kt = by.get(pair.get(m, ""))
-            parts.append(f"{r['ms']:.3f}" + (f" ({kt['ms'] / r['ms']:.2f}x)" if kt else ""))
+            ratios = [f"{kt['ms'] / r['ms']:.2f}x" for kt in (by.get(pair.get(m, "")),) if kt]
+            ratios += [
+                f"{label} {by[kt]['ms'] / r['ms']:.2f}x" for label, kt in grouped.get(m, []) if kt in by
+            ]
+            parts.append(f"{r['ms']:.3f}" + (f" ({'; '.join(ratios)})" if ratios else ""))
         out.append(f"| {model} | {t} | " + " | ".join(parts) + " |")
     return "\n".join(out)
 
