@@ -79,7 +79,7 @@ typedef struct {
 
 typedef struct {
     float *c;          /* [1024] block result */
-    int32_t *cb;       /* [2][1024] int tiles of two groups (q_block) */
+    int32_t *cb;       /* [4][1024] int tiles of four groups (q_block) */
     float *tmp;        /* [max(H, I)] */
     uint16_t *wq;      /* [32, max(H, I)] quantised rows as bf16 (bf16 tiles only) */
     uint8_t *nib;      /* [32, max(H, I)] int4 nibbles (fused unpack: its first 4 KiB) */
@@ -89,7 +89,7 @@ static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
     const size_t cmax = (size_t)(cl->h > cl->i ? cl->h : cl->i);
     const int quant = cl->wdtype == 1 || cl->wdtype == 2;
     sc->c = aligned_alloc(64, sizeof(float) * 1024);
-    sc->cb = aligned_alloc(64, sizeof(int32_t) * 2048);
+    sc->cb = aligned_alloc(64, sizeof(int32_t) * 4096);
     sc->tmp = malloc(sizeof(float) * cmax);
     sc->wq = cl->kind == TILES_BF16 && quant ? malloc(sizeof(uint16_t) * 32 * cmax) : NULL;
     /* 32 rows of nibbles, and at least the 4 KiB a fused unpack uses */

@@ -109,85 +109,114 @@ __attribute__((target(AMX_TARGET))) static void unpack_nibbles(const uint8_t *ro
 /* AMX_FOLD_LAG 1: group g's sums are folded after group g + 1's tile products are issued (two
  * buffers of sums), so that the vector fold can run while the tile unit computes; 0: each group
  * folded as soon as its sums are stored, before the next group's products. At T=512 the lag was
- * faster in 3 of 4 same-host comparisons (4-9%; benchmarks/RESULTS.md). Folding 2, 4 or 8 groups
- * at a time, each result row loaded and stored once per pass, was 6-16% slower. */
+ * faster in 3 of 4 same-host comparisons (4-9%; benchmarks/RESULTS.md). */
 #ifndef AMX_FOLD_LAG
 #define AMX_FOLD_LAG 1
 #endif
 
+/* AMX_FOLD_NG 2 (with the lag): two groups folded a pass, each result row loaded and stored once
+ * for both (four buffers of sums: the pair being folded, the group being stored); 1: one. Before
+ * the fold's loops were specialised, 2, 4 or 8 groups a pass were 6-16% slower at T=512; after, 2
+ * was within the noise of 1 (benchmarks/RESULTS.md), so the default stays 1. */
+#ifndef AMX_FOLD_NG
+#define AMX_FOLD_NG 1
+#endif
+
 /* An opaque copy of a vector: -ffast-math lets GCC reassociate cvt(C) * (xs * w) per inlining
- * context (as (cvt(C) * xs) * w in some), which rounded the same fold differently in builds that
- * must agree bit for bit; the scale product as written is what every build computes. */
+ * context (as (cvt(C) * xs) * w in some), and a pass's two groups' additions, which rounded the
+ * same fold differently in builds that must agree bit for bit; what is pinned is computed as
+ * written in every build. */
 #ifdef EXPERTMESH_AMX_EMULATE
 #define PIN_VEC(v) __asm__("" : "+m"(v))
 #else
 #define PIN_VEC(v) __asm__("" : "+v"(v))
 #endif
 
-/* q_fold's rows, specialised by the caller on its loop invariants: nt token tiles (1 or 2), add
- * (0: the first group sets acc). s0 / s1: the group's scale of row 0 of each A tile, rows sr apart.
- * Locals and constants only: on ARows' fields (read through a pointer that the stores to acc
- * might alias) GCC reloaded and recomputed each row's scale address for every row and half, and
- * kept the tests of two and gi inside the loop. */
-static inline __attribute__((always_inline, target(AMX_TARGET))) void q_fold_rows(int kind, const float *s0,
-                                                                                  const float *s1, long sr,
-                                                                                  const v16f_a *xs, const v16i_a *xc,
-                                                                                  int nt, int add, const int32_t *cb,
+/* One fold pass's groups: their C tiles' sums, the weight scales of row 0 of each A tile (rows sr
+ * apart) and each token tile's scales and corrections */
+typedef struct {
+    const int32_t *cb[2];
+    const float *s[2][2]; /* [group][A tile] */
+    v16f_a xs[2][2];      /* [group][token tile] */
+    v16i_a xc[2][2];
+} FoldPass;
+
+/* q_fold's rows, specialised by the caller on its loop invariants: ng groups (1 or 2), nt token
+ * tiles (1 or 2), add (0: the pass's first group sets acc). Locals and constants only: on ARows'
+ * fields (read through a pointer that the stores to acc might alias) GCC reloaded and recomputed
+ * each row's scale address for every row and half, and kept the tests of two and gi inside the
+ * loop. */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void q_fold_rows(int kind, const FoldPass *fp,
+                                                                                  long sr, int ng, int nt, int add,
                                                                                   float *acc) {
     for (int r = 0; r < 16; r++)
         for (int half = 0; half < 2; half++) {
-            const float w = (half ? s1 : s0)[r * sr]; /* one load for both token tiles */
+            float w[2]; /* one load for both token tiles */
+            for (int k = 0; k < ng; k++) w[k] = fp->s[k][half][r * sr];
             for (int u = 0; u < nt; u++) {
                 const int t = 2 * u + half; /* C tile: a0 x b0, a1 x b0, a0 x b1, a1 x b1 */
                 v16f_a a = {0};
-                v16i_a ci;
                 if (add) memcpy(&a, acc + t * 256 + r * 16, 64);
-                memcpy(&ci, cb + t * 256 + r * 16, 64);
-                if (kind == TILES_U8) ci -= xc[u];
+                for (int k = 0; k < ng; k++) {
+                    v16i_a ci;
+                    memcpy(&ci, fp->cb[k] + t * 256 + r * 16, 64);
+                    if (kind == TILES_U8) ci -= fp->xc[k][u];
 #if AMX_QDIAG == 3
-                a += __builtin_convertvector(ci, v16f_a) * w;
+                    a += __builtin_convertvector(ci, v16f_a) * w[k];
 #else
-                v16f_a sc = xs[u] * w;
-                PIN_VEC(sc);
-                a += __builtin_convertvector(ci, v16f_a) * sc;
+                    v16f_a sc = fp->xs[k][u] * w[k];
+                    PIN_VEC(sc);
+                    a += __builtin_convertvector(ci, v16f_a) * sc;
 #endif
+                    if (k + 1 < ng) PIN_VEC(a);
+                }
                 memcpy(acc + t * 256 + r * 16, &a, 64);
             }
         }
 }
 
-/* group gi's integer sums cb (C tiles as tile_store wrote them) into acc: acc (+)= (C_int - token
- * correction) * weight scale * token scale; the first group sets acc */
+/* groups gi .. gi + ng - 1's integer sums (cb[k]: C tiles as tile_store wrote them) into acc, in
+ * order: acc (+)= (C_int - token correction) * weight scale * token scale; group 0 sets acc */
 static inline __attribute__((always_inline, target(AMX_TARGET))) void q_fold(int kind, const ARows *ar,
                                                                              const QTiles *q, size_t tl, size_t t1,
-                                                                             int two, int gi, const int32_t *cb,
-                                                                             float *acc) {
-    v16f_a xs[2];
-    v16i_a xc[2] = {{0}, {0}};
-    for (int u = 0; u < 1 + two; u++) { /* token tile u's scales and corrections */
-        const size_t o = ((u ? t1 : tl) * q->groups + gi) * 16;
-        memcpy(&xs[u], q->ts + o, 64);
-        if (kind == TILES_U8) memcpy(&xc[u], q->tc + o, 64);
+                                                                             int two, int gi, int ng,
+                                                                             const int32_t *const *cb, float *acc) {
+    FoldPass fp;
+    memset(fp.xc, 0, sizeof fp.xc);
+    for (int k = 0; k < ng; k++) {
+        fp.cb[k] = cb[k];
+        fp.s[k][0] = ar->s[0] + (gi + k) * ar->sg, fp.s[k][1] = ar->s[1] + (gi + k) * ar->sg;
+        for (int u = 0; u < 1 + two; u++) { /* token tile u's scales and corrections */
+            const size_t o = ((u ? t1 : tl) * q->groups + gi + k) * 16;
+            memcpy(&fp.xs[k][u], q->ts + o, 64);
+            if (kind == TILES_U8) memcpy(&fp.xc[k][u], q->tc + o, 64);
+        }
     }
 #if AMX_QDIAG == 1
     if (gi) return;
 #endif
-    const float *s0 = ar->s[0] + gi * ar->sg, *s1 = ar->s[1] + gi * ar->sg;
     const long sr = ar->sr;
-    if (two && gi)
-        q_fold_rows(kind, s0, s1, sr, xs, xc, 2, 1, cb, acc);
-    else if (two)
-        q_fold_rows(kind, s0, s1, sr, xs, xc, 2, 0, cb, acc);
-    else if (gi)
-        q_fold_rows(kind, s0, s1, sr, xs, xc, 1, 1, cb, acc);
-    else
-        q_fold_rows(kind, s0, s1, sr, xs, xc, 1, 0, cb, acc);
+#define Q_FOLD_ROWS(NG)                                    \
+    if (two && gi)                                         \
+        q_fold_rows(kind, &fp, sr, NG, 2, 1, acc);         \
+    else if (two)                                          \
+        q_fold_rows(kind, &fp, sr, NG, 2, 0, acc);         \
+    else if (gi)                                           \
+        q_fold_rows(kind, &fp, sr, NG, 1, 1, acc);         \
+    else                                                   \
+        q_fold_rows(kind, &fp, sr, NG, 1, 0, acc);
+    if (AMX_FOLD_NG == 2 && ng == 2) {
+        Q_FOLD_ROWS(2)
+    } else {
+        Q_FOLD_ROWS(1)
+    }
+#undef Q_FOLD_ROWS
 }
 
 /* One block on int8 tiles, result as tile_steps' c but fp32 and scaled: acc[4][16][16] = sum over
  * groups of (C_int - token correction) * weight scale (ar->s) * token scale, the groups added in
- * order. q: the token tiles' B buffer, tl / t1 the two tiles (t1 == tl when two == 0); cb: two
- * groups' integer sums (2 x 4 KiB). kind TILES_U8 takes the correction off (TDPBUSD on nibbles);
+ * order. q: the token tiles' B buffer, tl / t1 the two tiles (t1 == tl when two == 0); cb: four
+ * groups' integer sums (4 x 4 KiB). kind TILES_U8 takes the correction off (TDPBUSD on nibbles);
  * TILES_S8 has none. */
 static inline __attribute__((always_inline, target(AMX_TARGET))) void q_block(int kind, const ARows *ar,
                                                                               const QTiles *q, size_t tl, size_t t1,
@@ -199,16 +228,28 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void q_block(in
 #else
     const int groups = q->groups, per = q->ksteps / q->groups;
 #endif
+    const int ng = AMX_FOLD_LAG && AMX_FOLD_NG == 2 && !AMX_QDIAG ? 2 : 1;
+    int folded = 0; /* groups folded so far; group g's sums are in cb + (g & 3) * 1024 */
     for (int gi = 0; gi < groups; gi++) {
-        int32_t *c = cb + (gi & 1) * 1024;
+        int32_t *c = cb + (gi & 3) * 1024;
         if (AMX_FOLD_LAG) {
             tile_steps(kind, ar, b0, b1, two, gi * per, (gi + 1) * per, pf, q->ksteps, NULL);
-            if (gi) q_fold(kind, ar, q, tl, t1, two, gi - 1, cb + ((gi - 1) & 1) * 1024, acc);
+            if (gi - folded >= ng) { /* the stored groups before gi, folded while gi's products run */
+                const int32_t *cf[2] = {cb + (folded & 3) * 1024, cb + ((folded + 1) & 3) * 1024};
+                q_fold(kind, ar, q, tl, t1, two, folded, ng, cf, acc);
+                folded += ng;
+            }
             tile_store(two, c);
         } else {
             tile_steps(kind, ar, b0, b1, two, gi * per, (gi + 1) * per, pf, q->ksteps, c);
-            q_fold(kind, ar, q, tl, t1, two, gi, c, acc);
+            const int32_t *cf[2] = {c, c};
+            q_fold(kind, ar, q, tl, t1, two, gi, 1, cf, acc);
         }
     }
-    if (AMX_FOLD_LAG) q_fold(kind, ar, q, tl, t1, two, groups - 1, cb + ((groups - 1) & 1) * 1024, acc);
+    for (; AMX_FOLD_LAG && folded < groups;) { /* the last one or two */
+        const int n = groups - folded >= ng ? ng : 1;
+        const int32_t *cf[2] = {cb + (folded & 3) * 1024, cb + ((folded + 1) & 3) * 1024};
+        q_fold(kind, ar, q, tl, t1, two, folded, n, cf, acc);
+        folded += n;
+    }
 }
