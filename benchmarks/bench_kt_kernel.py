@@ -47,7 +47,9 @@ import argparse
 import glob
 import importlib.util
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -267,10 +269,14 @@ def bench(
     return rows
 
 
+WRONG_ERR = 0.5  # rel err past which a row's results are wrong, not merely quantised (int4: ~0.2-0.3)
+
+
 def table(rows: list[dict], methods: list[str]) -> str:
     """ms per layer by (model, T), each expertmesh row's speed over the kt-kernel rows of its
     format family beside it (x > 1: expertmesh faster): kt-kernel's per-row int4, then, where
-    measured, its grouped int4: in the same groups ("same groups") or in groups of 32 ("kt g32")."""
+    measured, its grouped int4: in the same groups ("same groups") or in groups of 32 ("kt g32").
+    A row whose rel err is not finite or over WRONG_ERR is marked WRONG."""
     pair = {
         "em-int4": "kt-AMXINT4",
         "em-int4-row": "kt-AMXINT4",
@@ -298,29 +304,53 @@ def table(rows: list[dict], methods: list[str]) -> str:
             ratios += [
                 f"{label} {by[kt]['ms'] / r['ms']:.2f}x" for label, kt in grouped.get(m, []) if kt in by
             ]
-            parts.append(f"{r['ms']:.3f}" + (f" ({'; '.join(ratios)})" if ratios else ""))
+            err = r.get("rel_err", 0.0)
+            wrong = f" WRONG (rel err {err})" if not math.isfinite(err) or err > WRONG_ERR else ""
+            parts.append(f"{r['ms']:.3f}" + (f" ({'; '.join(ratios)})" if ratios else "") + wrong)
         out.append(f"| {model} | {t} | " + " | ".join(parts) + " |")
     return "\n".join(out)
 
 
+def child_rows(cmd: list[str]) -> tuple[list[dict], int]:
+    """Runs one side's process, echoing its output, and returns the rows it printed (the timed
+    ones: JSON with T, method and ms) and its exit status: a process that dies part way (kt-kernel
+    0.7.2's grouped int4 did, at groups of 64) still gives the rows it printed before."""
+    rows = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            if line.startswith("{"):
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if {"T", "method", "ms"} <= r.keys():
+                    rows.append(r)
+    return rows, proc.returncode
+
+
 def isolated(args: argparse.Namespace, methods: list[str]) -> list[dict]:
     """Each side's methods in a process of its own, ``args.isolate`` passes; rows carry every
-    pass's ms (``ms_passes``) and the fastest as ``ms``."""
+    pass's ms (``ms_passes``) and the fastest as ``ms``. A side whose process fails is reported
+    on stderr and the passes go on with the rows it gave."""
     sides = [[m for m in methods if m in EM], [m for m in methods if m in KT]]
     by: dict[tuple, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in range(args.isolate):
-            for side in filter(None, sides):
-                out = Path(tmp) / f"{n}-{side[0]}.json"
-                cmd = [sys.executable, "-m", "benchmarks.bench_kt_kernel", *child_argv(args), "--methods",
-                       ",".join(side), "--isolate", "0", "--out", str(out)]  # fmt: skip
-                subprocess.run(cmd, check=True)
-                for r in json.loads(out.read_text())["rows"]:
-                    key = (r["model"], r["T"], r["method"])
-                    row = by.setdefault(key, {**r, "ms_passes": []})
-                    row["ms_passes"].append(r["ms"])
-                    if r["ms"] <= min(row["ms_passes"]):
-                        row.update({k: v for k, v in r.items() if k != "ms_passes"})
+    for n in range(args.isolate):
+        for side in filter(None, sides):
+            cmd = [sys.executable, "-m", "benchmarks.bench_kt_kernel", *child_argv(args), "--methods",
+                   ",".join(side), "--isolate", "0"]  # fmt: skip
+            rows, rc = child_rows(cmd)
+            if rc:
+                how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"status {rc}"
+                print(f"bench_kt_kernel: the process of {','.join(side)} (pass {n + 1}) ended with {how}; "
+                      f"{len(rows)} of its rows came before", file=sys.stderr)  # fmt: skip
+            for r in rows:
+                key = (r["model"], r["T"], r["method"])
+                row = by.setdefault(key, {**r, "ms_passes": []})
+                row["ms_passes"].append(r["ms"])
+                if r["ms"] <= min(row["ms_passes"]):
+                    row.update({k: v for k, v in r.items() if k != "ms_passes"})
     return list(by.values())
 
 
