@@ -246,7 +246,7 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void q_block(in
             q_fold(kind, ar, q, tl, t1, two, gi, 1, cf, acc);
         }
     }
-    for (; AMX_FOLD_LAG && folded < groups;) { /* the last one or two */
+    while (AMX_FOLD_LAG && folded < groups) { /* the last one or two */
         const int n = groups - folded >= ng ? ng : 1;
         const int32_t *cf[2] = {cb + (folded & 3) * 1024, cb + ((folded + 1) & 3) * 1024};
         q_fold(kind, ar, q, tl, t1, two, folded, n, cf, acc);
