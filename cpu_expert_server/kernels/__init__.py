@@ -38,7 +38,7 @@ CAPS = {
     "avx512": (2, ("avx512f", "avx512bw", "avx512vl")),
     "vnni": (4, ("avx512_vnni",)),
     "bf16": (8, ("avx512_bf16",)),
-    "amx": (16, ("amx_tile", "amx_bf16", "amx_int8")),
+    "amx": (16, ("amx_tile", "amx_bf16", "amx_int8", "avx512_bf16")),
 }
 DOT_KINDS = ("fp32", "int8-dot avx2", "int8-dot avx512-vnni", "bf16-dot avx512")
 # the kernels a KernelThread runs, by their argument blocks (moe_hostlink.c HL_QA ...)

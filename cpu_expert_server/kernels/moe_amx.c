@@ -71,7 +71,7 @@ int moe_amx_init(void) { return 0; }
 static void amx_config(void) {}
 static void amx_release(void) {}
 #else
-#define AMX_TARGET "amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,fma"
+#define AMX_TARGET "amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16,fma"
 #define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
 #define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
 #define TILE_ZERO(t) _tile_zero(t)
@@ -169,6 +169,8 @@ typedef struct {
      * before its tile loads; NULL: a[] already holds what the tiles read */
     const uint8_t *u4[2];
     uint8_t *ub;
+    int kpg; /* int4 k steps per group (bf16 tiles' dequantisation: the scale of step ks is
+                s[h][(ks / kpg) * sg + r * sr]) */
 } ARows;
 
 /* AMX_U4_FUSED 1: a tiled int4 block is unpacked one k step at a time into a 4 KiB buffer that
@@ -223,6 +225,35 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void unpack_u4_
 #endif
 }
 
+/* One packed int4 k step of 16 tiled rows (as unpack_u4_step's) dequantised to bf16 for the bf16
+ * tiles: features 0..31 (the low nibbles) -> dst, rows 64 bytes apart (one bf16 k step's A tile),
+ * features 32..63 (the high nibbles) -> dst + 1024; w = bf16((n - 8) * s[r]), rounded to nearest
+ * even. Each row's 16 possible values are computed once (a table of 16 bf16, duplicated to 32
+ * words) and its 64 nibbles looked up in it with two word permutes: 6 vector instructions a row. */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void dequant_u4_bf16_step(const uint8_t *src,
+                                                                                           const float *s,
+                                                                                           uint8_t *dst) {
+#ifndef EXPERTMESH_AMX_EMULATE
+    const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int r = 0; r < 16; r++) {
+        const __m512 v = _mm512_mul_ps(q, _mm512_set1_ps(s[r]));
+        const __m512i tbl = (__m512i)_mm512_cvtne2ps_pbh(v, v); /* word n and n + 16: T[n] */
+        /* byte j -> word j: the permute reads its low 5 bits, n_lo + 16 * (n_hi & 1) */
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + 32 * r)));
+        _mm512_store_si512(dst + 64 * r, _mm512_permutexvar_epi16(w, tbl));
+        _mm512_store_si512(dst + 1024 + 64 * r, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tbl));
+    }
+#else
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 32; j++) {
+            const uint8_t b = src[32 * r + j];
+            const uint16_t lo = to_bf16((float)((int)(b & 15) - 8) * s[r]), hi = to_bf16((float)((int)(b >> 4) - 8) * s[r]);
+            memcpy(dst + 64 * r + 2 * j, &lo, 2);
+            memcpy(dst + 1024 + 64 * r + 2 * j, &hi, 2);
+        }
+#endif
+}
+
 /* C tiles 0..3 (0..1 unless two) -> c, 4 x 16 x 16 */
 static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_store(int two, void *c) {
     uint8_t *cb = c;
@@ -260,7 +291,22 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void tile_steps
     COMPILER_FENCE();
     for (int ks = k0; ks < k1; ks++) {
 #if AMX_DIAG < 2
-        if (kind != TILES_BF16 && ar->u4[0]) {
+        if (kind == TILES_BF16 && ar->u4[0]) {
+            /* tiled int4 on bf16 tiles: int4 step ks / 2 holds bf16 steps ks and ks + 1; dequantised
+             * at the even one into one of two 4 KiB buffers (A tile h's bf16 step j at h * 2048 +
+             * j * 1024), so step ks + 2's writes never meet loads that may still read step ks's */
+            const int s4 = ks >> 1;
+            uint8_t *u = ar->ub + (size_t)(s4 & 1) * 4096;
+            if (!(ks & 1) || ks == k0) {
+                prefetch_part(pf, ar->u4[0], ar->u4[1], 32, 512, s4, ksteps / 2);
+                const long so = (long)(s4 / ar->kpg) * ar->sg;
+                dequant_u4_bf16_step(ar->u4[0] + (size_t)s4 * 512, ar->s[0] + so, u);
+                dequant_u4_bf16_step(ar->u4[1] + (size_t)s4 * 512, ar->s[1] + so, u + 2048);
+                COMPILER_FENCE();
+            }
+            TILE_LOAD(4, u + (ks & 1) * 1024, 64);
+            TILE_LOAD(5, u + 2048 + (ks & 1) * 1024, 64);
+        } else if (kind != TILES_BF16 && ar->u4[0]) {
             /* the packed rows: 16 rows x 32 bytes per step, contiguous */
             prefetch_part(pf, ar->u4[0], ar->u4[1], 32, 512, ks, ksteps);
             uint8_t *u = ar->ub + (size_t)(ks & 1) * 2048; /* two buffers: step ks + 1 is written

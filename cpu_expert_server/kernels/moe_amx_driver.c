@@ -92,8 +92,11 @@ static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
     sc->cb = aligned_alloc(64, sizeof(int32_t) * 4096);
     sc->tmp = malloc(sizeof(float) * cmax);
     sc->wq = cl->kind == TILES_BF16 && quant ? malloc(sizeof(uint16_t) * 32 * cmax) : NULL;
-    /* 32 rows of nibbles, and at least the 4 KiB a fused unpack uses */
-    sc->nib = cl->kind == TILES_U8 ? aligned_alloc(64, 32 * cmax > 4096 ? 32 * cmax : 4096) : NULL;
+    /* 32 rows of nibbles, and at least the 4 KiB a fused unpack uses; bf16 tiles: the 8 KiB of a
+     * tiled int4 block's dequantised steps */
+    sc->nib = cl->kind == TILES_U8                      ? aligned_alloc(64, 32 * cmax > 4096 ? 32 * cmax : 4096)
+              : cl->kind == TILES_BF16 && cl->wdtype == 2 ? aligned_alloc(64, 8192)
+                                                          : NULL;
 }
 
 static void scratch_free(Scratch *sc) { free(sc->c), free(sc->cb), free(sc->tmp), free(sc->wq), free(sc->nib); }
@@ -107,7 +110,15 @@ static void u4_to_s16(uint8_t *nib, size_t n) {
  * bf16-dequantised / int4-unpacked into this thread's scratch) and their int8 group scales */
 __attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const uint8_t *base, long rowbytes,
                                                         int c, int g, Scratch *sc) {
-    ARows ar = {{base, base + 16 * rowbytes}, rowbytes, 64, {NULL, NULL}, 1, 0, {NULL, NULL}, NULL};
+    ARows ar = {{base, base + 16 * rowbytes}, rowbytes, 64, {NULL, NULL}, 1, 0, {NULL, NULL}, NULL, 1};
+    if (cl->kind == TILES_BF16 && cl->wdtype == 2 && q_tiled(2, 32, g) && AMX_U4_FUSED) {
+        /* tiled int4: dequantised one k step at a time in tile_steps (AMX_U4_FUSED 0: the whole
+         * block first, below), scales after each block's weights as [groups][16] */
+        ar.u4[0] = base, ar.u4[1] = base + 16 * rowbytes, ar.ub = sc->nib;
+        ar.s[0] = (const float *)(base + 8L * c), ar.s[1] = (const float *)(base + 16 * rowbytes + 8L * c);
+        ar.sg = 16, ar.sr = 1, ar.kpg = g / 64;
+        return ar;
+    }
     if (cl->kind == TILES_BF16) {
         if (cl->wdtype != 0) {
             rows_to_bf16(base, rowbytes, 32, c, cl->wdtype, g, sc->tmp, sc->wq);
@@ -384,6 +395,19 @@ void moe_amx_profile(double *out) {
 #define PROF_AT(k, t0) ((void)(t0))
 #endif
 
+/* AMX_U4_BF16: where int4 weights go on bf16 tiles, dequantised one k step at a time
+ * (dequant_u4_bf16_step), with bf16 activations, rather than on int8 tiles with activations
+ * quantised per group: 0 never, 1 prefill-shaped calls (below), 2 every call. The bf16 tiles take
+ * twice the tile products but no group fold (each group's integer sums stored, converted and
+ * scaled: 1.0-1.9 ms of a 6-7 ms Qwen3 T=512 call) and no activation quantisation. */
+#ifndef AMX_U4_BF16
+#define AMX_U4_BF16 0
+#endif
+static int u4_on_bf16(const AmxCall *cl, int prefill) {
+    return cl->kind == TILES_U8 && (AMX_U4_BF16 == 2 || (AMX_U4_BF16 == 1 && prefill)) &&
+           q_tiled(2, 2L * cl->i, cl->g13) && q_tiled(2, cl->h, cl->g2);
+}
+
 /* Both entry points. x [T, H] fp32, out [T, H] fp32; act [T*K, I] fp32 scratch (int8 tiles). */
 __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const float *x, const int64_t *slot_ids,
                                                        const float *weights, int t_, int k_, int s_, float *act,
@@ -392,6 +416,11 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     TilePlan pl;
     if (plan_tiles(slot_ids, weights, t_, k_, s_, &pl)) return -1;
     const Sorted *so = &pl.so;
+    AmxCall u4bf;
+    if (u4_on_bf16(cl, pl.ntiles >= 2 * so->na)) {
+        u4bf = *cl, u4bf.kind = TILES_BF16;
+        cl = &u4bf;
+    }
     const int h_ = cl->h, i_ = cl->i, kind = cl->kind, qk = kind != TILES_BF16;
     /* int4 on TDPBUSD: the nibbles' + 8 comes off as 8 * sum(x); as 16 q (AMX_U4_S16) the 16 goes into
      * the token scales */
