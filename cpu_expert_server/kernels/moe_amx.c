@@ -402,11 +402,12 @@ static inline __attribute__((always_inline)) void silu_mul_tile(float *g, const 
 #define AMX_VT 1
 #endif
 
-/* dst[j][r] = src[r][j], 16 x 16 fp32 (dst 64-byte aligned) */
-static inline __attribute__((always_inline, target(AMX_TARGET))) void transpose16(const float *src, float *dst) {
+/* dst[j][r] = rows[r][j], 16 x 16 32-bit values (dst 64-byte aligned) */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void transpose16_rows(const float *const *rows,
+                                                                                       float *dst) {
 #if AMX_VT && !defined(EXPERTMESH_AMX_EMULATE)
     __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + 16 * i);
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows[i]);
     for (int i = 0; i < 16; i += 2) { /* lane-wise pairs of rows: a0 b0 a1 b1 / a2 b2 a3 b3 */
         t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
         t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -432,8 +433,15 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void transpose1
     }
 #else
     for (int r = 0; r < 16; r++)
-        for (int j = 0; j < 16; j++) dst[j * 16 + r] = src[r * 16 + j];
+        for (int j = 0; j < 16; j++) memcpy(dst + j * 16 + r, rows[r] + j, 4); /* bit patterns, not floats */
 #endif
+}
+
+/* dst[j][r] = src[r][j], 16 x 16 fp32 */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void transpose16(const float *src, float *dst) {
+    const float *rows[16];
+    for (int i = 0; i < 16; i++) rows[i] = src + 16 * i;
+    transpose16_rows(rows, dst);
 }
 
 /* fp32 [16 rows][16 tokens] -> bf16 rows (f0, f0 + 1), (f0 + 2, f0 + 3), ... of one token tile of a

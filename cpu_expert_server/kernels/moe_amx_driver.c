@@ -63,11 +63,35 @@ static void btiles_alloc(QTiles *q, int kind, int use, int ntiles, int c, int g)
  * words each; padding slots point at a zero row), k step by k step: each 1 KiB step is written
  * whole while it sits in L1 (token by token, a 64 KiB tile's lines were written 16 times over
  * from L2: the gather was ~1.2 ms of a 21 ms Qwen3 T=512 call) */
+__attribute__((target(AMX_TARGET))) static void btiles_fill_steps(const QTiles *q, int tl, const uint32_t *const *src,
+                                                                  int ks0, int ks1) {
+    uint32_t *dst = q->b + ((size_t)tl * q->ksteps + ks0) * 256;
+    for (int ks = ks0; ks < ks1; ks++, dst += 256) {
+        /* a k step is the 16 rows' words (ks - ks0) * 16 .. + 15, transposed (in registers: one
+         * word at a time it was 512 scalar loads and stores a step) */
+        const float *rows[16];
+        for (int j = 0; j < 16; j++) rows[j] = (const float *)(src[j] + (ks - ks0) * 16);
+        transpose16_rows(rows, (float *)dst);
+    }
+}
+
 __attribute__((target(AMX_TARGET))) static void btiles_fill(const QTiles *q, int tl, const uint32_t *const *src) {
-    uint32_t *dst = q->b + (size_t)tl * q->ksteps * 256;
-    for (int ks = 0; ks < q->ksteps; ks++, dst += 256)
-        for (int p = 0; p < 16; p++)
-            for (int j = 0; j < 16; j++) dst[p * 16 + j] = src[j][ks * 16 + p];
+    btiles_fill_steps(q, tl, src, 0, q->ksteps);
+}
+
+/* quant_act in AVX-512 (quant_act_n_512 rounds as quant_group: the same bytes). quant_act itself
+ * is built for the baseline x86-64: with it, the pass that quantised the intermediates took
+ * 0.5-0.6 ms of a 7 ms T=512 call (Qwen3 int4, profile build). The emulated build keeps it (AVX2
+ * machines). */
+__attribute__((target(AMX_TARGET))) static void quant_act_amx(const float *x, int c, int g, int8_t *q, float *sc,
+                                                              float *cs) {
+#ifdef EXPERTMESH_AMX_EMULATE
+    quant_act(x, c, g, q, sc, cs);
+#else
+    int32_t n[c / g];
+    quant_act_n_512(x, 0, c, g, q, sc, n);
+    for (int gi = 0; gi < c / g; gi++) cs[gi] = sc[gi] * (float)n[gi];
+#endif
 }
 
 /* What a call runs on: kind of tiles, the packed weights, per-thread scratch. */
@@ -474,7 +498,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         for (int t = 0; t < t_; t++) {
             if (!pb) memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
             if (qk)
-                quant_act(x + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
+                quant_act_amx(x + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
                           xcs + (size_t)t * ng13);
             else
                 row_to_bf16_amx(x + (size_t)t * h_, h_, xh + (size_t)t * h_);
@@ -528,7 +552,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
                         qtiles_pad_scales(&ba, tl, j);
                         continue;
                     }
-                    quant_act(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8 + (size_t)j * i_, qs, qc);
+                    quant_act_amx(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8 + (size_t)j * i_, qs, qc);
                     qtiles_scales(&ba, tl, j, i_, cl->g2, bias, smul, qs, qc);
                 }
                 btiles_fill(&ba, tl, src);
