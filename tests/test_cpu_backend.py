@@ -759,9 +759,13 @@ def test_amx_signed_int4_and_lagged_fold_change_nothing_emulated(emulated_amx, w
     token scales), and each group's sums folded after the next group's products are issued, give
     bit for bit the builds with nibbles 0..15 on the unsigned instruction (AMX_U4_S16=0), the
     whole block unpacked first (AMX_U4_FUSED=0), each group folded at once (AMX_FOLD_LAG=0), two
-    groups folded a pass (AMX_FOLD_NG=2) and the results transposed by scalar copies (AMX_VT=0);
-    experts get 2-4 token tiles (blocks of two tiles and of one)."""
-    defines = (("AMX_U4_S16=0",), ("AMX_U4_FUSED=0",), ("AMX_FOLD_LAG=0",), ("AMX_FOLD_NG=2",), ("AMX_VT=0",))
+    groups folded a pass (AMX_FOLD_NG=2), the results transposed by scalar copies (AMX_VT=0), and
+    the intermediates quantised in a pass of their own (AMX_Q2_FUSED=0) rather than by each
+    phase-1 item; experts get 2-4 token tiles (blocks of two tiles and of one)."""
+    defines = (
+        *(("AMX_U4_S16=0",), ("AMX_U4_FUSED=0",), ("AMX_FOLD_LAG=0",), ("AMX_FOLD_NG=2",), ("AMX_VT=0",)),
+        ("AMX_Q2_FUSED=0",),
+    )
     builds = [kernels.load(("EXPERTMESH_AMX_EMULATE", *d)) for d in defines]
     assert None not in builds
     x, w13, w2, slot_ids, weights = inputs(120, torch.bfloat16, seed=404, h=384, i=128)

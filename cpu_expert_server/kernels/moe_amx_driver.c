@@ -248,7 +248,23 @@ typedef struct {
     float *act, *out;
     int qk, pf;
     float *pb; /* [n pairs, H] phase 2's results (AMX_STEAL), or NULL: summed into out directly */
+    /* phase 1's items: bpi blocks of 16 features each, ipe a expert; bpi > 1 (int8 tiles, see
+     * AMX_Q2_FUSED): an item is one group of phase 2's activations, quantised into phase 2's B
+     * tiles by the item itself */
+    int bpi, ipe;
+    int bias;
+    float smul;
+    const uint32_t *zrow;
 } Ctx;
+
+/* AMX_Q2_FUSED 1: with int8 tiles and phase 2's groups of at most 128 features, a phase-1 item is
+ * the blocks of one such group, and it quantises its results per pair straight into phase 2's B
+ * tiles; 0: one block an item, the results written as fp32 rows that a pass between the phases
+ * quantises (a 12.6 MB round trip and a barrier at Qwen3 widths, T=512). Bit-equal: quant_act
+ * scales each group on its own. */
+#ifndef AMX_Q2_FUSED
+#define AMX_Q2_FUSED 1
+#endif
 
 /* the first item before which the items' cost sums to >= target (see AMX_BAL) */
 static long cost_item(const TilePlan *pl, int per_expert, int c0, long target) {
@@ -300,8 +316,11 @@ static long take(Cursor *cur, int n, int id, int *v) {
 /* fp32 [n pairs, H] pair buffer, kept per calling thread (kept_buffer) */
 static float *pair_buffer(size_t floats, int *owned) { return kept_buffer(KEEP_PB, sizeof(float) * floats, owned); }
 
-/* phase 1, block it = (active expert a, features b*16 .. b*16 + 15) */
-__attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long it, Scratch *sc) {
+/* phase 1, block it = (active expert a, features b*16 .. b*16 + 15); gq (a fused item's): the
+ * silu results [token tile of a][16 features][16 tokens] at gq + tile * stride, for the item to
+ * quantise */
+__attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long it, Scratch *sc, float *gq,
+                                                             size_t stride) {
     const AmxCall *cl = cx->cl;
     const TilePlan *pl = cx->pl;
     const Sorted *so = &pl->so;
@@ -320,6 +339,10 @@ __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long
         for (int u = 0; u < 1 + two; u++) {
             float *g = sc->c + u * 512; /* [16 gate rows][16 tokens], then the up rows */
             silu_mul_tile(g, g + 256);
+            if (gq) {
+                memcpy(gq + (size_t)(tl + u - pl->tile0[a]) * stride, g, 1024);
+                continue;
+            }
             if (!cx->qk) {
                 /* padding tokens have zero B columns: silu(0) * 0 = 0 stays a valid pad */
                 tile_to_bf16_pairs(g, b * 16, cx->ba->b + (size_t)(tl + u) * cx->ba->ksteps * 256);
@@ -331,6 +354,45 @@ __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long
             transpose16(g, gt);
             for (int j = 0; j < n; j++) memcpy(cx->act + (size_t)(q0 + j) * i_ + b * 16, gt + j * 16, 64);
         }
+    }
+}
+
+/* phase-1 item it (cx->bpi blocks of expert it / ipe), quantising its group of phase 2's
+ * activations per pair when fused (bpi > 1); gq: this thread's [tiles][bpi][256] scratch */
+__attribute__((target(AMX_TARGET))) static void phase1_item(const Ctx *cx, long it, Scratch *sc, float *gq) {
+    const int bpi = cx->bpi, nblk1 = cx->cl->i / 16;
+    const int a = (int)(it / cx->ipe), gi = (int)(it % cx->ipe);
+    if (bpi == 1) {
+        phase1_block(cx, it, sc, NULL, 0);
+        return;
+    }
+    for (int bb = 0; bb < bpi; bb++)
+        phase1_block(cx, (long)a * nblk1 + (long)gi * bpi + bb, sc, gq + (size_t)bb * 256, (size_t)bpi * 256);
+    const TilePlan *pl = cx->pl;
+    const QTiles *ba = cx->ba;
+    const int g = bpi * 16, spg = g / 64; /* features and k steps of the group */
+    int8_t q8[16][128] __attribute__((aligned(64)));
+    for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl++) {
+        int n;
+        tile_first(pl, tl, &n);
+        const float *gt = gq + (size_t)(tl - pl->tile0[a]) * bpi * 256;
+        float rows[8][256] __attribute__((aligned(64))); /* block bb's [16 tokens][16 features] */
+        for (int bb = 0; bb < bpi; bb++) transpose16(gt + bb * 256, rows[bb]);
+        const uint32_t *src[16];
+        for (int j = 0; j < 16; j++) {
+            if (j >= n) { /* padding: a zero row with zero scales, as the unfused path's */
+                src[j] = cx->zrow;
+                qtiles_scale1(ba, tl, j, gi, 0, 0.0f, 0.0f, 0.0f);
+                continue;
+            }
+            float f[128] __attribute__((aligned(64)));
+            for (int bb = 0; bb < bpi; bb++) memcpy(f + bb * 16, rows[bb] + j * 16, 64);
+            float s, cs;
+            quant_act_amx(f, g, g, q8[j], &s, &cs);
+            qtiles_scale1(ba, tl, j, gi, cx->bias, cx->smul, s, cs);
+            src[j] = (const uint32_t *)q8[j];
+        }
+        btiles_fill_steps(ba, tl, src, gi * spg, (gi + 1) * spg);
     }
 }
 
@@ -460,6 +522,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     float *xcs = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
     const uint32_t *zrow = calloc((size_t)(h_ > i_ ? h_ : i_) / 2 + 16, 4); /* padding slots' row */
     const int nblk1 = i_ / 16, nblk2 = h_ / 32;
+    const int bpi = qk && AMX_Q2_FUSED && cl->g2 <= 128 ? cl->g2 / 16 : 1, ipe1 = nblk1 / bpi;
     const int prefill = pl.ntiles >= 2 * so->na, lean = AMX_LEAN && !prefill;
     const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill || lean;
     const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? AMX_PF_PREFILL_Q : AMX_PF_PREFILL_BF16;
@@ -474,7 +537,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     const int nch2 = (nblk2 + chunk2 - 1) / chunk2;
     int pb_owned = 0;
     float *pb = steal ? pair_buffer((size_t)npairs * h_, &pb_owned) : NULL;
-    Cursor *cur1 = pb ? cursors(&pl, nblk1, nthreads) : NULL, *cur2 = pb ? cursors(&pl, nch2, nthreads) : NULL;
+    Cursor *cur1 = pb ? cursors(&pl, ipe1, nthreads) : NULL, *cur2 = pb ? cursors(&pl, nch2, nthreads) : NULL;
     int *tq0 = NULL, *tq = NULL; /* pb: each token's pairs, experts ascending */
     if (pb) {
         tq0 = calloc((size_t)t_ + 1, sizeof(int)), tq = malloc(sizeof(int) * (size_t)npairs);
@@ -485,7 +548,9 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         for (int q = 0; q < npairs; q++) tq[fill[so->tok[q]]++] = q; /* q ascending = experts ascending */
         free(fill);
     }
-    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf, pb};
+    int tmax = 0; /* the most token tiles of one expert (a fused item's scratch) */
+    for (int a = 0; a < so->na; a++) tmax = pl.tile0[a + 1] - pl.tile0[a] > tmax ? pl.tile0[a + 1] - pl.tile0[a] : tmax;
+    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf, pb, bpi, ipe1, bias, smul, zrow};
 #pragma omp parallel num_threads(nthreads)
     {
         amx_config();
@@ -520,25 +585,27 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         PROF(0, t0);
         /* phase 1: blocks (expert, 16 features), expert-major */
         double tb = omp_get_wtime();
+        float *gq = bpi > 1 ? aligned_alloc(64, sizeof(float) * 256 * (size_t)bpi * (tmax ? tmax : 1)) : NULL;
         if (pb) {
             int v = id;
-            for (long it; (it = take(cur1, nthreads, id, &v)) >= 0;) phase1_block(&cx, it, &sc);
+            for (long it; (it = take(cur1, nthreads, id, &v)) >= 0;) phase1_item(&cx, it, &sc, gq);
         } else if (split_static) {
             long lo, hi;
-            expert_range(&pl, nblk1, AMX_BAL, id, nth, &lo, &hi);
-            for (long it = lo; it < hi; it++) phase1_block(&cx, it, &sc);
+            expert_range(&pl, ipe1, AMX_BAL, id, nth, &lo, &hi);
+            for (long it = lo; it < hi; it++) phase1_item(&cx, it, &sc, gq);
         } else {
 #pragma omp for schedule(dynamic, 4) nowait
-            for (long it = 0; it < (long)so->na * nblk1; it++) phase1_block(&cx, it, &sc);
+            for (long it = 0; it < (long)so->na * ipe1; it++) phase1_item(&cx, it, &sc, gq);
         }
+        free(gq);
 #ifdef AMX_PROFILE
         amx_busy[0][id & 511] = omp_get_wtime() - tb;
 #endif
         COMPILER_FENCE();
 #pragma omp barrier
         PROF(1, t0);
-        if (qk) {
-            /* the pairs' intermediate rows quantised into phase 2's B tiles */
+        if (qk && bpi == 1) {
+            /* the pairs' intermediate rows quantised into phase 2's B tiles (fused: done) */
             int8_t *q8 = malloc((size_t)16 * i_);
             float *qs = malloc(sizeof(float) * (size_t)i_), *qc = malloc(sizeof(float) * (size_t)i_);
 #pragma omp for schedule(static)

@@ -64,14 +64,16 @@ static void qtiles_free(QTiles *q) {
 
 /* token slot j of tile tl: the group scales (times mul) and integer corrections of one quantised
  * activation row (sc / cs [c/g] from quant_act; its int8 values go in with btiles_fill) */
+static void qtiles_scale1(const QTiles *q, int tl, int j, int gi, int bias, float mul, float sc, float cs) {
+    const size_t o = ((size_t)tl * q->groups + gi) * 16 + j;
+    q->ts[o] = sc * mul;
+    /* sum(q) = cs / sc: an integer of at most 127 * G, recovered exactly by rounding */
+    q->tc[o] = sc > 0.0f ? bias * (int32_t)lrintf(cs / sc) : 0;
+}
+
 static void qtiles_scales(const QTiles *q, int tl, int j, int c, int g, int bias, float mul, const float *sc,
                           const float *cs) {
-    for (int gi = 0; gi < c / g; gi++) {
-        const size_t o = ((size_t)tl * q->groups + gi) * 16 + j;
-        q->ts[o] = sc[gi] * mul;
-        /* sum(q) = cs / sc: an integer of at most 127 * G, recovered exactly by rounding */
-        q->tc[o] = sc[gi] > 0.0f ? bias * (int32_t)lrintf(cs[gi] / sc[gi]) : 0;
-    }
+    for (int gi = 0; gi < c / g; gi++) qtiles_scale1(q, tl, j, gi, bias, mul, sc[gi], cs[gi]);
 }
 
 /* token slot j of tile tl: a padding slot's scales (its values: a zero row in btiles_fill) */
