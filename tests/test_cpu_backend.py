@@ -373,13 +373,18 @@ def test_amx_int4_on_bf16_tiles_emulated(emulated_amx, group):
 
 
 @pytest.mark.parametrize("wdtype", ["bfloat16", "int8", "int4"])
-def test_amx_forward_into_keeps_buffers_and_equals_forward(emulated_amx, wdtype):
-    """The server's AMX call (bf16 in and out, int32 ids; conversions on the call's threads, its
-    scratch kept per thread across calls) writes forward()'s result bit for bit, call after call,
-    as the kept buffers grow (40 then 120 tokens) and are reused (40 again)."""
+@pytest.mark.parametrize("steal", [True, False])
+def test_amx_forward_into_keeps_buffers_and_equals_forward(emulated_amx, wdtype, steal):
+    """The server's AMX call (bf16 in and out, int32 ids; bf16 read and written by the call's own
+    passes, its scratch kept per thread across calls) writes forward()'s result bit for bit, call
+    after call, as the kept buffers grow (40 then 120 tokens) and are reused (40 again); with the
+    pair buffer (its per-token sums write bf16) and without (AMX_STEAL=0 AMX_LEAN=0: phase 2 sums
+    into fp32 rows, converted after)."""
+    lib = emulated_amx if steal else kernels.load(("EXPERTMESH_AMX_EMULATE", "AMX_STEAL=0", "AMX_LEAN=0"))
+    assert lib is not None
     x, w13, w2, slot_ids, weights = inputs(120, torch.bfloat16, seed=91, h=128, i=64)
     b = CpuExpertBackend(threads=3, weight_dtype=wdtype, group=64, caps=caps_of("avx2"))
-    b.lib, b.caps, b.amx, b.gemv_max_tokens = emulated_amx, b.caps | kernels.CAPS["amx"][0], True, 0
+    b.lib, b.caps, b.amx, b.gemv_max_tokens = lib, b.caps | kernels.CAPS["amx"][0], True, 0
     p13, p2 = b.pack_weights(w13, w2)
     for t in (40, 120, 40):
         want = b.forward(x[:t], p13, p2, slot_ids[:t], weights[:t])

@@ -255,6 +255,7 @@ typedef struct {
     int bias;
     float smul;
     const uint32_t *zrow;
+    uint16_t *out16; /* the answer in bf16 [T, H] (out then only phase 2's fp32 scratch), or NULL */
 } Ctx;
 
 /* AMX_Q2_FUSED 1: with int8 tiles and phase 2's groups of at most 128 features, a phase-1 item is
@@ -445,14 +446,16 @@ static const uint8_t *rows2(const Ctx *cx, int a, long hb0) {
 
 /* out[t] = sum over t's pairs (experts ascending) of weight * pair result; tq0 [T + 1], tq: the
  * pairs of each token */
-__attribute__((target(AMX_TARGET))) static void sum_pairs(const Ctx *cx, const int *tq0, const int *tq, int t) {
+__attribute__((target(AMX_TARGET))) static void sum_pairs(const Ctx *cx, const int *tq0, const int *tq, int t,
+                                                          float *row) {
     const int h_ = cx->cl->h;
-    float *o = cx->out + (size_t)t * h_;
+    float *o = cx->out16 ? row : cx->out + (size_t)t * h_;
     memset(o, 0, sizeof(float) * (size_t)h_);
     for (int e = tq0[t]; e < tq0[t + 1]; e++) {
         const float w = cx->pl->so.wt[tq[e]], *p = cx->pb + (size_t)tq[e] * h_;
         for (int c = 0; c < h_; c++) o[c] += w * p[c];
     }
+    if (cx->out16) row_to_bf16_amx(o, h_, cx->out16 + (size_t)t * h_);
 }
 
 #ifdef AMX_PROFILE
@@ -494,10 +497,30 @@ static int u4_on_bf16(const AmxCall *cl, int prefill) {
            q_tiled(2, 2L * cl->i, cl->g13) && q_tiled(2, cl->h, cl->g2);
 }
 
-/* Both entry points. x [T, H] fp32, out [T, H] fp32; act [T*K, I] fp32 scratch (int8 tiles). */
-__attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const float *x, const int64_t *slot_ids,
-                                                       const float *weights, int t_, int k_, int s_, float *act,
-                                                       float *out, int nthreads) {
+/* the int8 tiles' quantisation of a bf16 row (quant_act_amx's, from bf16: the same bytes as from
+ * the row widened to fp32, which is exact) */
+__attribute__((target(AMX_TARGET))) static void quant_act_amx16(const uint16_t *x, int c, int g, int8_t *q, float *sc,
+                                                                float *cs) {
+#ifdef EXPERTMESH_AMX_EMULATE
+    float *f = malloc(sizeof(float) * (size_t)c);
+    row_to_f32((const uint8_t *)x, 0, c, 1, f);
+    quant_act(f, c, g, q, sc, cs);
+    free(f);
+#else
+    int32_t n[c / g];
+    quant_act_n_512(x, 1, c, g, q, sc, n);
+    for (int gi = 0; gi < c / g; gi++) cs[gi] = sc[gi] * (float)n[gi];
+#endif
+}
+
+/* Both entry points. x [T, H] fp32 (x16: bf16, x then unused), out [T, H] fp32; out16: the answer
+ * rounded to bf16 [T, H] (out then scratch); act [T*K, I] fp32 scratch (int8 tiles). The bf16
+ * forms are read and written by the call's own threads in its own passes: converted around the
+ * call instead, on the server's bf16 calls, they took two more parallel regions and 12 MB of
+ * traffic at T=512. */
+__attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const float *x, const uint16_t *x16,
+                                                       const int64_t *slot_ids, const float *weights, int t_, int k_,
+                                                       int s_, float *act, float *out, uint16_t *out16, int nthreads) {
     const double t_call = omp_get_wtime();
     TilePlan pl;
     if (plan_tiles(slot_ids, weights, t_, k_, s_, &pl)) return -1;
@@ -516,7 +539,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     btiles_alloc(&bx, kind, KEEP_BX, pl.ntiles, h_, cl->g13);
     btiles_alloc(&ba, kind, KEEP_BA, pl.ntiles, i_, cl->g2);
     /* each token converted once (bf16, or int8 with group scales), then copied to its tiles */
-    uint16_t *xh = qk ? NULL : malloc(sizeof(uint16_t) * ((size_t)t_ * h_ + 1));
+    uint16_t *xh = qk || x16 ? NULL : malloc(sizeof(uint16_t) * ((size_t)t_ * h_ + 1));
     int8_t *xq = qk ? malloc((size_t)t_ * h_ + 1) : NULL;
     float *xsc = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
     float *xcs = qk ? malloc(sizeof(float) * ((size_t)t_ * ng13 + 1)) : NULL;
@@ -550,7 +573,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     }
     int tmax = 0; /* the most token tiles of one expert (a fused item's scratch) */
     for (int a = 0; a < so->na; a++) tmax = pl.tile0[a + 1] - pl.tile0[a] > tmax ? pl.tile0[a + 1] - pl.tile0[a] : tmax;
-    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf, pb, bpi, ipe1, bias, smul, zrow};
+    const Ctx cx = {cl, &pl, &bx, &ba, act, out, qk, pf, pb, bpi, ipe1, bias, smul, zrow, out16};
 #pragma omp parallel num_threads(nthreads)
     {
         amx_config();
@@ -562,10 +585,13 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
 #pragma omp for schedule(static)
         for (int t = 0; t < t_; t++) {
             if (!pb) memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
-            if (qk)
+            if (qk && x16)
+                quant_act_amx16(x16 + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
+                                xcs + (size_t)t * ng13);
+            else if (qk)
                 quant_act_amx(x + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
-                          xcs + (size_t)t * ng13);
-            else
+                              xcs + (size_t)t * ng13);
+            else if (!x16)
                 row_to_bf16_amx(x + (size_t)t * h_, h_, xh + (size_t)t * h_);
         }
 #pragma omp for schedule(static)
@@ -575,7 +601,9 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
             const uint32_t *src[16];
             for (int j = 0; j < 16; j++) {
                 const size_t t = j < n ? (size_t)so->tok[q0 + j] : 0;
-                src[j] = j >= n ? zrow : qk ? (const uint32_t *)(xq + t * h_) : (const uint32_t *)(xh + t * h_);
+                src[j] = j >= n ? zrow
+                         : qk   ? (const uint32_t *)(xq + t * h_)
+                                : (const uint32_t *)((x16 ? x16 : xh) + t * h_);
                 if (qk && j < n) qtiles_scales(&bx, tl, j, h_, cl->g13, bias, smul, xsc + t * ng13, xcs + t * ng13);
                 if (qk && j >= n) qtiles_pad_scales(&bx, tl, j);
             }
@@ -656,8 +684,13 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         COMPILER_FENCE();
 #pragma omp barrier
         if (pb) {
+            float *row = out16 ? malloc(sizeof(float) * (size_t)h_) : NULL;
 #pragma omp for schedule(static)
-            for (int t = 0; t < t_; t++) sum_pairs(&cx, tq0, tq, t);
+            for (int t = 0; t < t_; t++) sum_pairs(&cx, tq0, tq, t, row);
+            free(row);
+        } else if (out16) {
+#pragma omp for schedule(static)
+            for (int t = 0; t < t_; t++) row_to_bf16_amx(out + (size_t)t * h_, h_, out16 + (size_t)t * h_);
         }
         PROF(3, t0);
 #ifdef AMX_PROFILE
@@ -683,14 +716,26 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     return 0;
 }
 
+/* the shapes each kind of tiles covers (else -2), then amx_moe: q = 0 bf16 tiles, 1 int8 tiles */
+__attribute__((target(AMX_TARGET))) static int amx_entry(int q, const float *x, const uint16_t *x16,
+                                                         const int64_t *slot_ids, const float *weights, int t_, int k_,
+                                                         int s_, const uint8_t *w13, long row13, const uint8_t *w2,
+                                                         long row2, int h_, int i_, int rb, int wdtype, int g13, int g2,
+                                                         float *act, float *out, uint16_t *out16, int nthreads) {
+    if (!q && (rb != 16 || h_ % 32 || i_ % 32)) return -2;
+    if (q && (rb != 16 || g13 % 64 || g2 % 64 || h_ % g13 || i_ % g2 || (wdtype != 1 && wdtype != 2))) return -2;
+    const int kind = !q ? TILES_BF16 : wdtype == 1 ? TILES_S8 : TILES_U8;
+    const AmxCall cl = {kind, wdtype, h_, i_, g13, g2, w13, w2, row13, row2};
+    return amx_moe(&cl, x, x16, slot_ids, weights, t_, k_, s_, q ? act : NULL, out, out16, nthreads);
+}
+
 /* bf16 tiles (weights bf16, or int8/int4 dequantised per block). Same arguments as moe_decode
  * without act/caps/qact. Returns 0, -1 for a bad slot id, -2 for a shape the tiles do not cover. */
 int moe_amx(const float *x, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
             const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int rb, int wdtype, int g13,
             int g2, float *out, int nthreads) {
-    if (rb != 16 || h_ % 32 || i_ % 32) return -2;
-    const AmxCall cl = {TILES_BF16, wdtype, h_, i_, g13, g2, w13, w2, row13, row2};
-    return amx_moe(&cl, x, slot_ids, weights, t_, k_, s_, NULL, out, nthreads);
+    return amx_entry(0, x, NULL, slot_ids, weights, t_, k_, s_, w13, row13, w2, row2, h_, i_, rb, wdtype, g13, g2,
+                     NULL, out, NULL, nthreads);
 }
 
 /* int8 tiles: wdtype 1 (int8) or 2 (int4) with G % 64 == 0, activations quantised per token and
@@ -698,14 +743,13 @@ int moe_amx(const float *x, const int64_t *slot_ids, const float *weights, int t
 int moe_amx_q(const float *x, const int64_t *slot_ids, const float *weights, int t_, int k_, int s_,
               const uint8_t *w13, long row13, const uint8_t *w2, long row2, int h_, int i_, int rb, int wdtype,
               int g13, int g2, float *act, float *out, int nthreads) {
-    if (rb != 16 || g13 % 64 || g2 % 64 || h_ % g13 || i_ % g2 || (wdtype != 1 && wdtype != 2)) return -2;
-    const AmxCall cl = {wdtype == 1 ? TILES_S8 : TILES_U8, wdtype, h_, i_, g13, g2, w13, w2, row13, row2};
-    return amx_moe(&cl, x, slot_ids, weights, t_, k_, s_, act, out, nthreads);
+    return amx_entry(1, x, NULL, slot_ids, weights, t_, k_, s_, w13, row13, w2, row2, h_, i_, rb, wdtype, g13, g2,
+                     act, out, NULL, nthreads);
 }
 
-/* moe_amx (a[21] == 0) or moe_amx_q (a[21] == 1) with the conversions around them done here and
- * every argument in one int64 block (the fast paths' call, backend.forward_into; after
- * the benchmark's cache flush each torch conversion and ctypes argument costs microseconds):
+/* moe_amx (a[21] == 0) or moe_amx_q (a[21] == 1) with every argument in one int64 block (the
+ * fast paths' call, backend.forward_into; after the benchmark's cache flush each torch conversion
+ * and ctypes argument costs microseconds), bf16 read and written by the call itself:
  * a[0] x [T, H], a[1] x is bf16 (else fp32), a[2] slot ids [T, K], a[3] they are int32 (else
  * int64), a[4] weights [T, K] fp32, a[5] T, a[6] K, a[7] S, a[8] w13, a[9] row13, a[10] w2,
  * a[11] row2, a[12] H, a[13] I, a[14] RB, a[15] wdtype, a[16] g13, a[17] g2, a[18] out [T, H],
@@ -713,38 +757,19 @@ int moe_amx_q(const float *x, const int64_t *slot_ids, const float *weights, int
 int moe_amx_a(const int64_t *a) {
     const int t_ = (int)a[5], k_ = (int)a[6], h_ = (int)a[12], i_ = (int)a[13], n = t_ * k_;
     const size_t th = (size_t)(t_ > 0 ? t_ : 1) * (size_t)h_;
-    /* the conversions in and out run on the call's threads once there are enough rows: on one
-     * thread they were milliseconds of a prefill call (4M elements each way at T = 512) */
-    const int nt = (int)a[20], par = t_ >= 16 && nt > 1;
-    float *x32 = NULL, *o32 = NULL, *act = NULL;
-    int own_x = 0, own_o = 0, own_a = 0;
-    const float *x = (const float *)a[0];
-    if (a[1]) {
-        x32 = kept_buffer(KEEP_X32, sizeof(float) * th, &own_x);
-#pragma omp parallel for num_threads(nt) schedule(static) if (par)
-        for (int t = 0; t < t_; t++) /* bf16 -> fp32, exact */
-            row_to_f32((const uint8_t *)a[0] + (size_t)t * h_ * 2, 0, h_, 1, x32 + (size_t)t * h_);
-        x = x32;
-    }
+    float *o32 = NULL, *act = NULL;
+    int own_o = 0, own_a = 0;
+    const float *x = a[1] ? NULL : (const float *)a[0];
+    const uint16_t *x16 = a[1] ? (const uint16_t *)a[0] : NULL;
     int64_t *wide = a[3] ? widen_ids((const int32_t *)a[2], n) : NULL;
     const int64_t *ids = wide ? wide : (const int64_t *)a[2];
+    /* a bf16 answer: fp32 scratch for phase 2 (the pair buffer's path writes bf16 directly) */
     float *out = a[19] ? (o32 = kept_buffer(KEEP_O32, sizeof(float) * th, &own_o)) : (float *)a[18];
-    const uint8_t *w13 = (const uint8_t *)a[8], *w2 = (const uint8_t *)a[10];
-    int rc;
-    if (a[21]) {
-        act = kept_buffer(KEEP_ACT, sizeof(float) * (size_t)(n > 0 ? n : 1) * (size_t)i_, &own_a);
-        rc = moe_amx_q(x, ids, (const float *)a[4], t_, k_, (int)a[7], w13, (long)a[9], w2, (long)a[11], h_, i_,
-                       (int)a[14], (int)a[15], (int)a[16], (int)a[17], act, out, nt);
-    } else {
-        rc = moe_amx(x, ids, (const float *)a[4], t_, k_, (int)a[7], w13, (long)a[9], w2, (long)a[11], h_, i_,
-                     (int)a[14], (int)a[15], (int)a[16], (int)a[17], out, nt);
-    }
-    if (rc == 0 && a[19]) {
-#pragma omp parallel for num_threads(nt) schedule(static) if (par)
-        for (int t = 0; t < t_; t++)
-            for (size_t j = (size_t)t * h_; j < (size_t)(t + 1) * h_; j++) ((uint16_t *)a[18])[j] = to_bf16(o32[j]);
-    }
-    if (own_x) free(x32);
+    uint16_t *out16 = a[19] ? (uint16_t *)a[18] : NULL;
+    if (a[21]) act = kept_buffer(KEEP_ACT, sizeof(float) * (size_t)(n > 0 ? n : 1) * (size_t)i_, &own_a);
+    const int rc = amx_entry((int)a[21], x, x16, ids, (const float *)a[4], t_, k_, (int)a[7], (const uint8_t *)a[8],
+                             (long)a[9], (const uint8_t *)a[10], (long)a[11], h_, i_, (int)a[14], (int)a[15],
+                             (int)a[16], (int)a[17], act, out, out16, (int)a[20]);
     if (own_o) free(o32);
     if (own_a) free(act);
     free(wide);

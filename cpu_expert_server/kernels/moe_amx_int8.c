@@ -33,7 +33,7 @@ typedef struct {
 #ifndef AMX_KEEP_MAX
 #define AMX_KEEP_MAX (64L << 20)
 #endif
-enum { KEEP_PB, KEEP_ACT, KEEP_BX, KEEP_BA, KEEP_X32, KEEP_O32, KEEP_N };
+enum { KEEP_PB, KEEP_ACT, KEEP_BX, KEEP_BA, KEEP_O32, KEEP_N };
 static void *kept_buffer(int use, size_t bytes, int *owned) {
     static __thread void *buf[KEEP_N];
     static __thread size_t cap[KEEP_N];
