@@ -514,10 +514,10 @@ __attribute__((target(AMX_TARGET))) static void quant_act_amx16(const uint16_t *
 }
 
 /* Both entry points. x [T, H] fp32 (x16: bf16, x then unused), out [T, H] fp32; out16: the answer
- * rounded to bf16 [T, H] (out then scratch); act [T*K, I] fp32 scratch (int8 tiles). The bf16
- * forms are read and written by the call's own threads in its own passes: converted around the
- * call instead, on the server's bf16 calls, they took two more parallel regions and 12 MB of
- * traffic at T=512. */
+ * rounded to bf16 [T, H] (out then scratch); act [T*K, I] fp32 scratch of the int8 tiles' unfused
+ * path (NULL: kept per thread, allocated when that path runs). The bf16 forms are read and
+ * written by the call's own threads in its own passes: converted around the call instead, on
+ * the server's bf16 calls, they took two more parallel regions and 12 MB of traffic at T=512. */
 __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const float *x, const uint16_t *x16,
                                                        const int64_t *slot_ids, const float *weights, int t_, int k_,
                                                        int s_, float *act, float *out, uint16_t *out16, int nthreads) {
@@ -546,6 +546,11 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     const uint32_t *zrow = calloc((size_t)(h_ > i_ ? h_ : i_) / 2 + 16, 4); /* padding slots' row */
     const int nblk1 = i_ / 16, nblk2 = h_ / 32;
     const int bpi = qk && AMX_Q2_FUSED && cl->g2 <= 128 ? cl->g2 / 16 : 1, ipe1 = nblk1 / bpi;
+    int own_act = 0; /* the unfused path's fp32 intermediates: the caller's, else kept here */
+    if (qk && bpi == 1 && !act) {
+        const int np = pl.ntiles ? t_ * k_ : 1;
+        act = kept_buffer(KEEP_ACT, sizeof(float) * (size_t)np * (size_t)i_, &own_act);
+    }
     const int prefill = pl.ntiles >= 2 * so->na, lean = AMX_LEAN && !prefill;
     const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill || lean;
     const int pf = AMX_PF >= 0 ? AMX_PF : !prefill ? PF_ROWS : qk ? AMX_PF_PREFILL_Q : AMX_PF_PREFILL_BF16;
@@ -711,6 +716,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     qtiles_free(&bx), qtiles_free(&ba);
     free(xh), free(xq), free(xsc), free(xcs), free((void *)zrow), free(cur1), free(cur2), free(tq0), free(tq);
     if (pb_owned) free(pb);
+    if (own_act) free(act);
     plan_free(&pl);
     PROF_AT(5, t_call);
     return 0;
@@ -757,8 +763,8 @@ int moe_amx_q(const float *x, const int64_t *slot_ids, const float *weights, int
 int moe_amx_a(const int64_t *a) {
     const int t_ = (int)a[5], k_ = (int)a[6], h_ = (int)a[12], i_ = (int)a[13], n = t_ * k_;
     const size_t th = (size_t)(t_ > 0 ? t_ : 1) * (size_t)h_;
-    float *o32 = NULL, *act = NULL;
-    int own_o = 0, own_a = 0;
+    float *o32 = NULL;
+    int own_o = 0;
     const float *x = a[1] ? NULL : (const float *)a[0];
     const uint16_t *x16 = a[1] ? (const uint16_t *)a[0] : NULL;
     int64_t *wide = a[3] ? widen_ids((const int32_t *)a[2], n) : NULL;
@@ -766,12 +772,10 @@ int moe_amx_a(const int64_t *a) {
     /* a bf16 answer: fp32 scratch for phase 2 (the pair buffer's path writes bf16 directly) */
     float *out = a[19] ? (o32 = kept_buffer(KEEP_O32, sizeof(float) * th, &own_o)) : (float *)a[18];
     uint16_t *out16 = a[19] ? (uint16_t *)a[18] : NULL;
-    if (a[21]) act = kept_buffer(KEEP_ACT, sizeof(float) * (size_t)(n > 0 ? n : 1) * (size_t)i_, &own_a);
     const int rc = amx_entry((int)a[21], x, x16, ids, (const float *)a[4], t_, k_, (int)a[7], (const uint8_t *)a[8],
                              (long)a[9], (const uint8_t *)a[10], (long)a[11], h_, i_, (int)a[14], (int)a[15],
-                             (int)a[16], (int)a[17], act, out, out16, (int)a[20]);
+                             (int)a[16], (int)a[17], NULL, out, out16, (int)a[20]);
     if (own_o) free(o32);
-    if (own_a) free(act);
     free(wide);
     return rc;
 }

@@ -24,7 +24,8 @@ typedef struct {
 
 /* Buffers kept per calling thread across calls, one per use (KEEP_*), each up to AMX_KEEP_MAX
  * bytes: a prefill call's scratch is tens of MB (Qwen3 widths at T = 512: 33 MB of pair results,
- * 13 MB of intermediates, 13 MB of token tiles), which glibc maps fresh on many calls, so its
+ * 13 MB of token tiles, and 13 MB of intermediates where they are not quantised inside phase 1),
+ * which glibc maps fresh on many calls, so its
  * pages fault in again, one thread at a time, every call. A larger one is the call's own (*owned:
  * the caller frees it). AMX_KEEP 0 allocates every call (benchmark builds). */
 #ifndef AMX_KEEP
