@@ -365,7 +365,9 @@ def test_amx_int4_on_bf16_tiles_emulated(emulated_amx, group):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     d13, d2 = unpack_reference(b.fmt, p13, p2)
     exact = torch_moe(x.double(), d13.double(), d2.double(), slot_ids, weights.double())
-    rounded = torch_moe(x.double(), d13.bfloat16().double(), d2.bfloat16().double(), slot_ids, weights.double())
+    rounded = torch_moe(
+        x.double(), d13.bfloat16().double(), d2.bfloat16().double(), slot_ids, weights.double()
+    )
     # measured 2.4e-3 / 3.7e-3 (the bf16 output and intermediate); the quantised activations'
     # path is at 1.4e-2 from exact here, a wrong scale or group at > 1e-1
     assert rel(outs[0], rounded) < 5e-3, rel(outs[0], rounded)
