@@ -79,17 +79,21 @@ __attribute__((target(AMX_TARGET))) static void btiles_fill(const QTiles *q, int
     btiles_fill_steps(q, tl, src, 0, q->ksteps);
 }
 
-/* quant_act in AVX-512 (quant_act_n_512 rounds as quant_group: the same bytes). quant_act itself
+/* quant_act in AVX-512 (quant_act_n_512 rounds as quant_group: the same bytes), from fp32 x or
+ * bf16 (xbf16: the same bytes as from the row widened to fp32, which is exact). quant_act itself
  * is built for the baseline x86-64: with it, the pass that quantised the intermediates took
  * 0.5-0.6 ms of a 7 ms T=512 call (Qwen3 int4, profile build). The emulated build keeps it (AVX2
  * machines). */
-__attribute__((target(AMX_TARGET))) static void quant_act_amx(const float *x, int c, int g, int8_t *q, float *sc,
-                                                              float *cs) {
+__attribute__((target(AMX_TARGET))) static void quant_act_amx(const void *x, int xbf16, int c, int g, int8_t *q,
+                                                              float *sc, float *cs) {
 #ifdef EXPERTMESH_AMX_EMULATE
-    quant_act(x, c, g, q, sc, cs);
+    float *f = xbf16 ? malloc(sizeof(float) * (size_t)c) : NULL;
+    if (f) row_to_f32(x, 0, c, 1, f);
+    quant_act(f ? f : x, c, g, q, sc, cs);
+    free(f);
 #else
     int32_t n[c / g];
-    quant_act_n_512(x, 0, c, g, q, sc, n);
+    quant_act_n_512(x, xbf16, c, g, q, sc, n);
     for (int gi = 0; gi < c / g; gi++) cs[gi] = sc[gi] * (float)n[gi];
 #endif
 }
@@ -389,7 +393,7 @@ __attribute__((target(AMX_TARGET))) static void phase1_item(const Ctx *cx, long 
             float f[128] __attribute__((aligned(64)));
             for (int bb = 0; bb < bpi; bb++) memcpy(f + bb * 16, rows[bb] + j * 16, 64);
             float s, cs;
-            quant_act_amx(f, g, g, q8[j], &s, &cs);
+            quant_act_amx(f, 0, g, g, q8[j], &s, &cs);
             qtiles_scale1(ba, tl, j, gi, cx->bias, cx->smul, s, cs);
             src[j] = (const uint32_t *)q8[j];
         }
@@ -497,22 +501,6 @@ static int u4_on_bf16(const AmxCall *cl, int prefill) {
            q_tiled(2, 2L * cl->i, cl->g13) && q_tiled(2, cl->h, cl->g2);
 }
 
-/* the int8 tiles' quantisation of a bf16 row (quant_act_amx's, from bf16: the same bytes as from
- * the row widened to fp32, which is exact) */
-__attribute__((target(AMX_TARGET))) static void quant_act_amx16(const uint16_t *x, int c, int g, int8_t *q, float *sc,
-                                                                float *cs) {
-#ifdef EXPERTMESH_AMX_EMULATE
-    float *f = malloc(sizeof(float) * (size_t)c);
-    row_to_f32((const uint8_t *)x, 0, c, 1, f);
-    quant_act(f, c, g, q, sc, cs);
-    free(f);
-#else
-    int32_t n[c / g];
-    quant_act_n_512(x, 1, c, g, q, sc, n);
-    for (int gi = 0; gi < c / g; gi++) cs[gi] = sc[gi] * (float)n[gi];
-#endif
-}
-
 /* Both entry points. x [T, H] fp32 (x16: bf16, x then unused), out [T, H] fp32; out16: the answer
  * rounded to bf16 [T, H] (out then scratch); act [T*K, I] fp32 scratch of the int8 tiles' unfused
  * path (NULL: kept per thread, allocated when that path runs). The bf16 forms are read and
@@ -548,8 +536,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
     const int bpi = qk && AMX_Q2_FUSED && cl->g2 <= 128 ? cl->g2 / 16 : 1, ipe1 = nblk1 / bpi;
     int own_act = 0; /* the unfused path's fp32 intermediates: the caller's, else kept here */
     if (qk && bpi == 1 && !act) {
-        const int np = pl.ntiles ? t_ * k_ : 1;
-        act = kept_buffer(KEEP_ACT, sizeof(float) * (size_t)np * (size_t)i_, &own_act);
+        act = kept_buffer(KEEP_ACT, sizeof(float) * (size_t)(t_ * k_ > 0 ? t_ * k_ : 1) * (size_t)i_, &own_act);
     }
     const int prefill = pl.ntiles >= 2 * so->na, lean = AMX_LEAN && !prefill;
     const int split_static = AMX_SPLIT >= 0 ? AMX_SPLIT : prefill || lean;
@@ -590,12 +577,9 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
 #pragma omp for schedule(static)
         for (int t = 0; t < t_; t++) {
             if (!pb) memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
-            if (qk && x16)
-                quant_act_amx16(x16 + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
-                                xcs + (size_t)t * ng13);
-            else if (qk)
-                quant_act_amx(x + (size_t)t * h_, h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13,
-                              xcs + (size_t)t * ng13);
+            if (qk)
+                quant_act_amx(x16 ? (const void *)(x16 + (size_t)t * h_) : (const void *)(x + (size_t)t * h_), !!x16,
+                              h_, cl->g13, xq + (size_t)t * h_, xsc + (size_t)t * ng13, xcs + (size_t)t * ng13);
             else if (!x16)
                 row_to_bf16_amx(x + (size_t)t * h_, h_, xh + (size_t)t * h_);
         }
@@ -652,7 +636,7 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
                         qtiles_pad_scales(&ba, tl, j);
                         continue;
                     }
-                    quant_act_amx(act + (size_t)(q0 + j) * i_, i_, cl->g2, q8 + (size_t)j * i_, qs, qc);
+                    quant_act_amx(act + (size_t)(q0 + j) * i_, 0, i_, cl->g2, q8 + (size_t)j * i_, qs, qc);
                     qtiles_scales(&ba, tl, j, i_, cl->g2, bias, smul, qs, qc);
                 }
                 btiles_fill(&ba, tl, src);
