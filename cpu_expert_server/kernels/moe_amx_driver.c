@@ -119,7 +119,9 @@ static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
     sc->c = aligned_alloc(64, sizeof(float) * 1024);
     sc->cb = aligned_alloc(64, sizeof(int32_t) * 4096);
     sc->tmp = malloc(sizeof(float) * cmax);
-    sc->wq = cl->kind == TILES_BF16 && quant ? malloc(sizeof(uint16_t) * 32 * cmax) : NULL;
+    /* whole blocks dequantised to bf16: int8, and int4 unless it goes step by step (a_rows) */
+    const int u4_steps = cl->wdtype == 2 && AMX_U4_FUSED && q_tiled(2, 2L * cl->i, cl->g13) && q_tiled(2, cl->h, cl->g2);
+    sc->wq = cl->kind == TILES_BF16 && quant && !u4_steps ? malloc(sizeof(uint16_t) * 32 * cmax) : NULL;
     /* 32 rows of nibbles, and at least the 4 KiB a fused unpack uses; bf16 tiles: the 8 KiB of a
      * tiled int4 block's dequantised steps */
     sc->nib = cl->kind == TILES_U8                      ? aligned_alloc(64, 32 * cmax > 4096 ? 32 * cmax : 4096)
