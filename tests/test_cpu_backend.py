@@ -768,10 +768,14 @@ def test_amx_signed_int4_and_lagged_fold_change_nothing_emulated(emulated_amx, w
     whole block unpacked first (AMX_U4_FUSED=0), each group folded at once (AMX_FOLD_LAG=0), two
     groups folded a pass (AMX_FOLD_NG=2), the results transposed by scalar copies (AMX_VT=0), and
     the intermediates quantised in a pass of their own (AMX_Q2_FUSED=0) rather than by each
-    phase-1 item; experts get 2-4 token tiles (blocks of two tiles and of one)."""
+    phase-1 item, and every pair of token tiles run as a pass of its own (AMX_MT=2) or passes of
+    at most three tiles (AMX_MT=3: a 4-tile expert as 2 + 2) rather than an expert's tiles group by
+    group; experts get 2-4 token tiles (blocks of two tiles and of one)."""
     defines = (
         *(("AMX_U4_S16=0",), ("AMX_U4_FUSED=0",), ("AMX_FOLD_LAG=0",), ("AMX_FOLD_NG=2",), ("AMX_VT=0",)),
         ("AMX_Q2_FUSED=0",),
+        ("AMX_MT=2",),
+        ("AMX_MT=3",),
     )
     builds = [kernels.load(("EXPERTMESH_AMX_EMULATE", *d)) for d in defines]
     assert None not in builds

@@ -106,7 +106,7 @@ typedef struct {
 } AmxCall;
 
 typedef struct {
-    float *c;          /* [1024] block result */
+    float *c;          /* [(AMX_MT + 1) / 2][1024] block result (a pair of token tiles: 1024) */
     int32_t *cb;       /* [4][1024] int tiles of four groups (q_block) */
     float *tmp;        /* [max(H, I)] */
     uint16_t *wq;      /* [32, max(H, I)] quantised rows as bf16 (bf16 tiles only) */
@@ -116,15 +116,15 @@ typedef struct {
 static void scratch_alloc(Scratch *sc, const AmxCall *cl) {
     const size_t cmax = (size_t)(cl->h > cl->i ? cl->h : cl->i);
     const int quant = cl->wdtype == 1 || cl->wdtype == 2;
-    sc->c = aligned_alloc(64, sizeof(float) * 1024);
+    sc->c = aligned_alloc(64, sizeof(float) * 1024 * (AMX_MT > 2 ? (AMX_MT + 1) / 2 : 1));
     sc->cb = aligned_alloc(64, sizeof(int32_t) * 4096);
     sc->tmp = malloc(sizeof(float) * cmax);
     /* whole blocks dequantised to bf16: int8, and int4 unless it goes step by step (a_rows) */
     const int u4_steps = cl->wdtype == 2 && AMX_U4_FUSED && q_tiled(2, 2L * cl->i, cl->g13) && q_tiled(2, cl->h, cl->g2);
     sc->wq = cl->kind == TILES_BF16 && quant && !u4_steps ? malloc(sizeof(uint16_t) * 32 * cmax) : NULL;
-    /* 32 rows of nibbles, and at least the 4 KiB a fused unpack uses; bf16 tiles: the 8 KiB of a
-     * tiled int4 block's dequantised steps */
-    sc->nib = cl->kind == TILES_U8                      ? aligned_alloc(64, 32 * cmax > 4096 ? 32 * cmax : 4096)
+    /* 32 rows of nibbles, and at least the ring a fused unpack uses (q_block_multi's: 16 KiB);
+     * bf16 tiles: the 8 KiB of a tiled int4 block's dequantised steps */
+    sc->nib = cl->kind == TILES_U8 ? aligned_alloc(64, 32 * cmax > 4096L * AMX_MT_PER ? 32 * cmax : 4096L * AMX_MT_PER)
               : cl->kind == TILES_BF16 && cl->wdtype == 2 ? aligned_alloc(64, 8192)
                                                           : NULL;
 }
@@ -183,18 +183,31 @@ __attribute__((target(AMX_TARGET))) static ARows a_rows(const AmxCall *cl, const
     return ar;
 }
 
-/* the 4 x 16 x 16 fp32 result of the 32 rows of ar x token tiles (tl, tl + 1 if two) */
-__attribute__((target(AMX_TARGET))) static void run_block(int kind, const ARows *ar, const QTiles *q, int tl, int two,
-                                                          const Prefetch *pf, Scratch *sc) {
+/* the fp32 result of the 32 rows of ar x token tiles tl .. tl + n - 1 into sc->c (token tile tl + u's
+ * [32 rows][16 tokens] at sc->c + u * 512), for the first n of the left tiles that one pass takes
+ * (1, 2, or up to AMX_MT: q_block_multi); returns n */
+__attribute__((target(AMX_TARGET))) static int run_block(int kind, const ARows *ar, const QTiles *q, int tl, int left,
+                                                         const Prefetch *pf, Scratch *sc) {
+    /* int4: signed bytes (AMX_U4_S16) take the int8 tiles' instruction */
+    const int qkind = kind == TILES_U8 && AMX_U4_S16 ? TILES_S8 : kind, two = left > 1;
+    if (kind != TILES_BF16 && q_multi_ok(q, left)) {
+        /* one tile more than a pass takes: two passes (n - 1, 2), not a one-tile pass after */
+        const int n = left <= AMX_MT ? left : left == AMX_MT + 1 ? AMX_MT - 1 : AMX_MT;
+        if (qkind == TILES_S8)
+            q_block_multi(TILES_S8, ar, q, tl, n, pf, sc->cb, sc->nib, sc->c);
+        else
+            q_block_multi(TILES_U8, ar, q, tl, n, pf, sc->cb, sc->nib, sc->c);
+        return n;
+    }
     if (kind == TILES_BF16) {
         const uint32_t *b0 = q->b + (size_t)tl * q->ksteps * 256;
         tile_steps(TILES_BF16, ar, b0, b0 + (size_t)q->ksteps * 256, two, 0, q->ksteps, pf, q->ksteps, sc->c);
-    } else if (kind == TILES_S8) {
+    } else if (qkind == TILES_S8) {
         q_block(TILES_S8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
     } else {
-        /* int4: signed bytes (AMX_U4_S16) take the int8 tiles' instruction */
-        q_block(AMX_U4_S16 ? TILES_S8 : TILES_U8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
+        q_block(TILES_U8, ar, q, tl, two ? tl + 1 : tl, two, pf, sc->cb, sc->c);
     }
+    return 1 + two;
 }
 
 /* Work split and prefetch, per call. Prefill-shaped calls (>= 2 token tiles per active expert on
@@ -340,10 +353,10 @@ __attribute__((target(AMX_TARGET))) static void phase1_block(const Ctx *cx, long
         pf.p = cl->w13 + ((size_t)so->active[a2] * 2 * i_ + (size_t)b2 * 32) * cl->row13;
     }
     const ARows ar = a_rows(cl, base, cl->row13, cl->h, cl->g13, sc);
-    for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
-        const int two = tl + 1 < pl->tile0[a + 1];
-        run_block(cl->kind, &ar, cx->bx, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
-        for (int u = 0; u < 1 + two; u++) {
+    for (int tl = pl->tile0[a], nt; tl < pl->tile0[a + 1]; tl += nt) {
+        nt = run_block(cl->kind, &ar, cx->bx, tl, pl->tile0[a + 1] - tl,
+                       tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
+        for (int u = 0; u < nt; u++) {
             float *g = sc->c + u * 512; /* [16 gate rows][16 tokens], then the up rows */
             silu_mul_tile(g, g + 256);
             if (gq) {
@@ -416,10 +429,10 @@ __attribute__((target(AMX_TARGET))) static void phase2_rows(const Ctx *cx, int a
         const uint8_t *base = cl->w2 + ((size_t)s * h_ + (size_t)hb * 32) * cl->row2;
         Prefetch pf = {cx->pf, hb + 1 < hb1 ? base + 32 * cl->row2 : next, 32 * cl->row2 / 64};
         const ARows ar = a_rows(cl, base, cl->row2, cl->i, cl->g2, sc);
-        for (int tl = pl->tile0[a]; tl < pl->tile0[a + 1]; tl += 2) {
-            const int two = tl + 1 < pl->tile0[a + 1];
-            run_block(cl->kind, &ar, cx->ba, tl, two, tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
-            for (int u = 0; u < 1 + two; u++) {
+        for (int tl = pl->tile0[a], nt; tl < pl->tile0[a + 1]; tl += nt) {
+            nt = run_block(cl->kind, &ar, cx->ba, tl, pl->tile0[a + 1] - tl,
+                           tl == pl->tile0[a] ? &pf : &(Prefetch){PF_NONE, NULL, 0}, sc);
+            for (int u = 0; u < nt; u++) {
                 int n;
                 const int q0 = tile_first(pl, tl + u, &n);
                 float ct[2][256] __attribute__((aligned(64))); /* token-major: output rows 0-15, 16-31 */

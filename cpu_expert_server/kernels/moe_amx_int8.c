@@ -256,3 +256,80 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void q_block(in
         folded += n;
     }
 }
+
+/* AMX_MT: the most token tiles of one expert that a grouped int8-tile block (groups of at most
+ * AMX_MT_PER k steps) runs in one pass, group-outer: each group's A rows are unpacked (int4) into
+ * a two-group ring once and read by every pair of token tiles, the pairs' sums folded with the
+ * same one-unit lag. Pair by pair (q_block; AMX_MT 2), every pair unpacked the rows again, and an
+ * expert of 3 tiles ran its third as a one-tile pass at the full unpack cost: the vector units
+ * (unpack and fold) bound a grouped block, not the tiles. 4 and 8 measured alike at T = 512 and
+ * 2048 (benchmarks/RESULTS.md); 4 keeps the pass's results in 8 KiB. */
+#ifndef AMX_MT
+#define AMX_MT 4
+#endif
+#define AMX_MT_PER 4
+
+static inline int q_multi_ok(const QTiles *q, int left) {
+    return AMX_MT > 2 && !AMX_QDIAG && AMX_FOLD_LAG && left > 2 && q->groups > 1 &&
+           q->ksteps / q->groups <= AMX_MT_PER;
+}
+
+/* group gi's k steps of both A tiles unpacked into ring (step s of A tile h at s * 2048 + h * 1024),
+ * the packed rows prefetched as tile_steps does */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void q_unpack_group(const ARows *ar, int gi,
+                                                                                    int per, int ksteps,
+                                                                                    const Prefetch *pf,
+                                                                                    uint8_t *ring) {
+    for (int s = 0; s < per; s++) {
+        const int ks = gi * per + s;
+        prefetch_part(pf, ar->u4[0], ar->u4[1], 32, 512, ks, ksteps);
+        unpack_u4_step(ar->u4[0] + (size_t)ks * 512, ring + (size_t)s * 2048);
+        unpack_u4_step(ar->u4[1] + (size_t)ks * 512, ring + (size_t)s * 2048 + 1024);
+    }
+    COMPILER_FENCE();
+}
+
+/* q_block_multi's unit u = (group u / pairs, pair u % pairs) of token tiles tl0 .. tl0 + nt - 1: its
+ * sums (in cb's slot u & 3) folded into its pair's acc */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void q_fold_unit(int kind, const ARows *ar,
+                                                                                 const QTiles *q, int tl0, int nt,
+                                                                                 long u, const int32_t *cb,
+                                                                                 float *acc) {
+    const int np = (nt + 1) / 2, gi = (int)(u / np), p = (int)(u % np), tl = tl0 + 2 * p, two = 2 * p + 1 < nt;
+    const int32_t *cf[2] = {cb + (u & 3) * 1024, cb + (u & 3) * 1024};
+    q_fold(kind, ar, q, tl, two ? tl + 1 : tl, two, gi, 1, cf, acc + (size_t)p * 1024);
+}
+
+/* q_block over nt (> 2) token tiles tl0 .. tl0 + nt - 1, group-outer (see AMX_MT): acc
+ * [pairs][4][256], pair p's as q_block's acc at acc + p * 1024 (token tile u's rows at acc + u *
+ * 512); ring: 2 * AMX_MT_PER * 2 KiB. The same sums folded in the same order per pair as q_block's:
+ * bit-equal. */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void q_block_multi(
+    int kind, const ARows *ar, const QTiles *q, int tl0, int nt, const Prefetch *pf, int32_t *cb, uint8_t *ring,
+    float *acc) {
+    const int groups = q->groups, per = q->ksteps / groups, np = (nt + 1) / 2, u4 = ar->u4[0] != NULL;
+    const Prefetch none = {PF_NONE, NULL, 0};
+    ARows v = *ar; /* u4: the ring's steps, read from step 0 */
+    v.u4[0] = v.u4[1] = NULL, v.sa = 64, v.kstep = 2048;
+    if (u4) q_unpack_group(ar, 0, per, q->ksteps, pf, ring);
+    long last = -1; /* the stored unit not yet folded: gi * np + p */
+    for (int gi = 0; gi < groups; gi++) {
+        uint8_t *rg = ring + (size_t)(gi & 1) * per * 2048;
+        v.a[0] = rg, v.a[1] = rg + 1024;
+        for (int p = 0; p < np; p++) {
+            const int tl = tl0 + 2 * p, two = 2 * p + 1 < nt;
+            const uint32_t *b0 = q->b + (size_t)tl * q->ksteps * 256, *b1 = two ? b0 + (size_t)q->ksteps * 256 : b0;
+            if (u4)
+                tile_steps(kind, &v, b0 + (size_t)gi * per * 256, b1 + (size_t)gi * per * 256, two, 0, per, &none,
+                           per, NULL);
+            else
+                tile_steps(kind, ar, b0, b1, two, gi * per, (gi + 1) * per, p ? &none : pf, q->ksteps, NULL);
+            if (u4 && p == np - 1 && gi + 1 < groups) /* the next group's rows, while the tiles run */
+                q_unpack_group(ar, gi + 1, per, q->ksteps, pf, ring + (size_t)((gi + 1) & 1) * per * 2048);
+            if (last >= 0) q_fold_unit(kind, ar, q, tl0, nt, last, cb, acc);
+            last = (long)gi * np + p;
+            tile_store(two, cb + (last & 3) * 1024);
+        }
+    }
+    q_fold_unit(kind, ar, q, tl0, nt, last, cb, acc);
+}
