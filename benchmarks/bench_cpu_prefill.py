@@ -40,6 +40,7 @@ from expertmesh.experts import TorchExpertBackend
 STAGES = (
     *("gather", "phase1", "quant2", "phase2", "setup", "call"),
     *("p1_busy_mean", "p1_busy_max", "p2_busy_mean", "p2_busy_max"),
+    *("gather_quant", "thread_start_spread"),
 )
 
 

@@ -481,9 +481,10 @@ __attribute__((target(AMX_TARGET))) static void sum_pairs(const Ctx *cx, const i
 /* seconds per stage, summed over calls (thread 0 after each barrier): gather, phase 1, phase-2
  * B tiles, phase 2 (with the pair sums); before the threads start (sort, allocations); the whole
  * call; then the threads' work in phase 1 and in phase 2, mean and slowest (the imbalance the
- * barriers wait out) */
-static double amx_prof[10];
-static double amx_busy[2][512];
+ * barriers wait out); the gather's first part (the tokens' quantisation, from thread 0's start);
+ * how far apart the threads entered the parallel region (latest - earliest) */
+static double amx_prof[12];
+static double amx_busy[3][512];
 void moe_amx_profile(double *out) {
     memcpy(out, amx_prof, sizeof amx_prof);
     memset(amx_prof, 0, sizeof amx_prof);
@@ -589,6 +590,10 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
         const int id = omp_get_thread_num(), nth = omp_get_num_threads();
         double t0 = omp_get_wtime();
         if (id == 0) PROF_AT(4, t_call);
+#ifdef AMX_PROFILE
+        amx_busy[2][id & 511] = t0;
+        const double tg = t0;
+#endif
 #pragma omp for schedule(static)
         for (int t = 0; t < t_; t++) {
             if (!pb) memset(out + (size_t)t * h_, 0, sizeof(float) * (size_t)h_);
@@ -598,6 +603,17 @@ __attribute__((target(AMX_TARGET))) static int amx_moe(const AmxCall *cl, const 
             else if (!x16)
                 row_to_bf16_amx(x + (size_t)t * h_, h_, xh + (size_t)t * h_);
         }
+#ifdef AMX_PROFILE
+        if (id == 0) {
+            amx_prof[10] += omp_get_wtime() - tg;
+            double lo = amx_busy[2][0], hi = lo;
+            for (int r = 1; r < nth && r < 512; r++) {
+                lo = amx_busy[2][r] < lo ? amx_busy[2][r] : lo;
+                hi = amx_busy[2][r] > hi ? amx_busy[2][r] : hi;
+            }
+            amx_prof[11] += hi - lo;
+        }
+#endif
 #pragma omp for schedule(static)
         for (int tl = 0; tl < pl.ntiles; tl++) {
             int n;
