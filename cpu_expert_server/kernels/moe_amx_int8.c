@@ -68,8 +68,10 @@ static void qtiles_free(QTiles *q) {
 static void qtiles_scale1(const QTiles *q, int tl, int j, int gi, int bias, float mul, float sc, float cs) {
     const size_t o = ((size_t)tl * q->groups + gi) * 16 + j;
     q->ts[o] = sc * mul;
-    /* sum(q) = cs / sc: an integer of at most 127 * G, recovered exactly by rounding */
-    q->tc[o] = sc > 0.0f ? bias * (int32_t)lrintf(cs / sc) : 0;
+    /* sum(q) = cs / sc: an integer of at most 127 * G, recovered exactly by rounding; only the
+     * unsigned tiles' fold reads it (bias 8): the others skip a division and a rounding per
+     * token slot and group */
+    q->tc[o] = bias && sc > 0.0f ? bias * (int32_t)lrintf(cs / sc) : 0;
 }
 
 static void qtiles_scales(const QTiles *q, int tl, int j, int c, int g, int bias, float mul, const float *sc,
