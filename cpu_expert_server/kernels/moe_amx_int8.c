@@ -302,7 +302,8 @@ static inline __attribute__((always_inline, target(AMX_TARGET))) void q_fold_uni
     q_fold(kind, ar, q, tl, two ? tl + 1 : tl, two, gi, 1, cf, acc + (size_t)p * 1024);
 }
 
-/* q_block over nt (> 2) token tiles tl0 .. tl0 + nt - 1, group-outer (see AMX_MT): acc
+/* q_block over nt token tiles tl0 .. tl0 + nt - 1 (3 or more but for small AMX_MT builds),
+ * group-outer (see AMX_MT): acc
  * [pairs][4][256], pair p's as q_block's acc at acc + p * 1024 (token tile u's rows at acc + u *
  * 512); ring: 2 * AMX_MT_PER * 2 KiB. The same sums folded in the same order per pair as q_block's:
  * bit-equal. */
